@@ -1,0 +1,24 @@
+// Entry point of zerofn._C: each source file registers its functions here.
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "zerofn native kernels (CPU Adam, fused gradient passes)";
+  m.def("build_info", []() {
+    py::dict info;
+#if defined(_OPENMP)
+    info["openmp"] = true;
+#else
+    info["openmp"] = false;
+#endif
+#if defined(__x86_64__)
+    info["arch"] = "x86_64";
+#elif defined(__aarch64__)
+    info["arch"] = "aarch64";
+#else
+    info["arch"] = "other";
+#endif
+    return info;
+  }, "How this build of zerofn._C was compiled.");
+}
