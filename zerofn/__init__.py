@@ -1,1 +1,15 @@
-"""zerofn: ZeRO as stateless, composable transforms over a plain nn.Module and optimizer."""
+"""zerofn: ZeRO as stateless, composable transforms over a plain nn.Module and optimizer.
+
+    >>> zero3 = zerofn.compose(zerofn.shard_optimizer(), zerofn.shard_grads(),
+    ...                        zerofn.shard_params())
+    >>> model, opt = zero3(model, opt)
+"""
+from .accounting import comm_stats, model_state_bytes
+from .clip import clip_grad_norm_
+from .state_dict import get_state_dict, set_state_dict
+from .transforms import Transform, compose, shard_grads, shard_optimizer, shard_params
+
+__all__ = [
+    "Transform", "compose", "shard_optimizer", "shard_grads", "shard_params",
+    "get_state_dict", "set_state_dict", "clip_grad_norm_", "model_state_bytes", "comm_stats",
+]

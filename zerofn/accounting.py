@@ -1,0 +1,60 @@
+"""What zerofn holds and moves, per rank: model-state bytes by role and device, and the
+elements each kind of collective carried in the last optimizer step.
+
+Bytes are measured from the tensors that exist (unique storages), not computed from a
+formula, so they are a fair check of the formulas in DESIGN.md §4.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .runtime.runtime import runtime_of
+
+
+def _storages(tensors) -> dict[tuple, int]:
+    out = {}
+    for t in tensors:
+        if t is None or not torch.is_tensor(t):
+            continue
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        st = t.untyped_storage()
+        out[(t.device.type, st.data_ptr())] = st.nbytes()
+    return out
+
+
+def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
+    """``{device_type: {"params", "grads", "optimizer", "buffers"}}`` bytes held on this rank.
+
+    ``params`` are the compute parameters (full for ZeRO-1/2, shards for ZeRO-3),
+    ``grads`` the gradients held (full for ZeRO-1, reduced shards for ZeRO-2/3),
+    ``optimizer`` the optimizer state, ``buffers`` zerofn's reusable communication and
+    gather buffers (not model state; bounded by configuration).
+    """
+    rt = runtime_of(model)
+    params = _storages(s.opt_param if rt.stage == 3 else s.param for s in rt.slot_of.values())
+    grads = _storages([s.param.grad for s in rt.slot_of.values()]
+                      + [s.opt_param.grad for s in rt.slot_of.values()]
+                      + list(rt.reducer.grad_shard.values()))
+    opt = {}
+    for state in rt.optimizer.state.values():
+        opt.update(_storages(state.values()))
+    opt = {k: v for k, v in opt.items() if k not in params}
+    grads = {k: v for k, v in grads.items() if k not in params}
+    out: dict[str, dict[str, int]] = defaultdict(lambda: dict(params=0, grads=0, optimizer=0,
+                                                              buffers=0))
+    for role, storages in (("params", params), ("grads", grads), ("optimizer", opt)):
+        for (device, _), nbytes in storages.items():
+            out[device][role] += nbytes
+    device = rt.units[-1].device.type if rt.units[-1].device else "cpu"
+    out[device]["buffers"] += rt.pool.nbytes()
+    return dict(out)
+
+
+def comm_stats(model: nn.Module) -> dict[str, int]:
+    """Elements (and ``*_bytes``) per collective kind in the last finished optimizer step."""
+    return dict(runtime_of(model).comm.last_step)

@@ -1,0 +1,100 @@
+"""A small GPT used by the main training job, the benchmarks, the tutorials and the tests.
+
+Plain PyTorch, nothing zerofn-specific: blocks sit in an ``nn.ModuleList`` (zerofn's
+default unit policy makes each block a unit), the output head is tied to the token
+embedding, and the causal mask is a buffer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    vocab: int = 256
+    width: int = 256
+    heads: int = 4
+    ffn: int = 1024
+    layers: int = 4
+    context: int = 128
+    checkpoint: bool = False   # non-reentrant activation checkpointing per block
+
+    def params(self) -> int:
+        block = 4 * self.width * self.width + 2 * self.width * self.ffn + self.ffn \
+            + 5 * self.width
+        return self.vocab * self.width + self.context * self.width + self.layers * block \
+            + 2 * self.width
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        # No bias on the qkv projection: a key bias has zero true gradient (softmax is
+        # shift-invariant), which turns exact parity comparisons into noise.
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=False)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.register_buffer("mask", torch.tril(torch.ones(cfg.context, cfg.context, dtype=torch.bool)),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.width)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.width)
+        self.fc = nn.Linear(cfg.width, cfg.ffn)
+        self.out = nn.Linear(cfg.ffn, cfg.width)
+        self.checkpoint = cfg.checkpoint
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.width)
+        self.pos = nn.Embedding(cfg.context, cfg.width)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln = nn.LayerNorm(cfg.width)
+        self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)
+        self.head.weight = self.tok.weight
+        self.apply(_init)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def _init(m: nn.Module) -> None:
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, std=0.02)
+    if isinstance(m, nn.Linear) and m.bias is not None:
+        nn.init.normal_(m.bias, std=0.02)

@@ -1,0 +1,67 @@
+"""The plan: a frozen description of what the composed transforms ask for.
+
+Transforms never touch a model themselves; each one edits a Plan, and the runtime is
+built from the finished plan. This is what makes applying transforms one at a time and
+through ``compose`` give the same result.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Options shared by every stage: a transform that names one sets it for the whole plan.
+SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states")
+PARAM_OPTIONS = ("prefetch", "reshard_after_forward")
+DEFAULTS = {
+    "group": None,
+    "units": None,
+    "bucket_size": 25_000_000,
+    "sync_module_states": True,
+    "prefetch": 1,
+    "reshard_after_forward": True,
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to shard, and how.
+
+    ``stage`` is 0 (nothing), 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).
+    ``applied`` names the transforms applied so far, so a second application is caught.
+    ``options`` holds the explicitly given options; ``option(name)`` falls back to defaults.
+    """
+
+    stage: int = 0
+    applied: tuple[str, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def option(self, name: str) -> Any:
+        return self.options.get(name, DEFAULTS[name])
+
+    def with_transform(self, name: str, stage: int, options: dict[str, Any]) -> "Plan":
+        if name in self.applied:
+            raise ValueError(
+                f"zerofn.{name}() was applied twice to the same model. Apply each transform "
+                "once; to change its options, build the model and optimizer afresh.")
+        merged = dict(self.options)
+        for key, value in options.items():
+            if key in merged and merged[key] is not value and merged[key] != value:
+                raise ValueError(
+                    f"zerofn.{name}(): option {key}={value!r} conflicts with {key}="
+                    f"{merged[key]!r} given to an earlier transform. Give it once.")
+            merged[key] = value
+        return dataclasses.replace(
+            self, stage=max(self.stage, stage), applied=self.applied + (name,), options=merged)
+
+    def describe(self) -> str:
+        """A rank-independent text of the plan, compared across ranks at set-up."""
+        opts = {k: self.option(k) for k in DEFAULTS if k != "group"}
+        opts["units"] = _describe_units(opts["units"])
+        return f"stage={self.stage} " + " ".join(f"{k}={opts[k]!r}" for k in sorted(opts))
+
+
+def _describe_units(units: Any) -> Any:
+    if units is None or isinstance(units, int):
+        return units
+    return tuple(u if isinstance(u, str) else type(u).__name__ for u in units)

@@ -1,0 +1,1 @@
+"""What a plan becomes: unit layout, collectives, hooks and the sharded optimizer."""

@@ -1,0 +1,77 @@
+"""Collectives over one process group, counted by kind, with a bounded in-flight queue.
+
+Every collective carries a ``record_function`` label so profiles read well. Counts are in
+elements of the full (gathered / pre-scatter) buffer: one all-gather or reduce-scatter of
+a unit counts that unit's padded parameter count.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+
+class Comm:
+    def __init__(self, group, max_inflight_numel: int):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.step_counts: Counter = Counter()     # elements in the step under way
+        self.last_step: Counter = Counter()       # elements of the last finished step
+        self._queue: deque = deque()              # (work, numel, on_done)
+        self._inflight_numel = 0
+        self._max_inflight = max_inflight_numel
+
+    def _count(self, kind: str, numel: int, dtype: torch.dtype) -> None:
+        self.step_counts[kind] += numel
+        self.step_counts[kind + "_bytes"] += numel * dtype.itemsize
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        self._count("all_gather", out.numel(), out.dtype)
+        with record_function("zerofn::all_gather"):
+            return dist.all_gather_into_tensor(out, shard, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+        """Sum-reduce-scatter. Averaging is the caller's division: gloo's AVG is unreliable."""
+        self._count("reduce_scatter", full.numel(), full.dtype)
+        with record_function("zerofn::reduce_scatter"):
+            return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM,
+                                              group=self.group, async_op=async_op)
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        self._count("all_reduce", t.numel(), t.dtype)
+        with record_function("zerofn::all_reduce"):
+            dist.all_reduce(t, op=op, group=self.group)
+
+    def broadcast(self, t: torch.Tensor, src_rank: int = 0) -> None:
+        with record_function("zerofn::broadcast"):
+            dist.broadcast(t, src=dist.get_global_rank(self.group, src_rank), group=self.group)
+
+    def enqueue(self, work, numel: int, on_done: Callable[[], None]) -> None:
+        """Track an async collective; wait the oldest ones once too much is in flight."""
+        self._queue.append((work, numel, on_done))
+        self._inflight_numel += numel
+        while self._inflight_numel > self._max_inflight and len(self._queue) > 1:
+            self._finish_oldest()
+
+    def finish_through(self, work) -> None:
+        """Finish queued collectives, oldest first, up to and including ``work``."""
+        while any(w is work for w, _, _ in self._queue):
+            self._finish_oldest()
+
+    def drain(self) -> None:
+        while self._queue:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, numel, on_done = self._queue.popleft()
+        work.wait()
+        self._inflight_numel -= numel
+        on_done()
+
+    def end_step(self) -> None:
+        self.last_step = self.step_counts
+        self.step_counts = Counter()

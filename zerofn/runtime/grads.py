@@ -1,0 +1,137 @@
+"""Gradient reduction: reduce-scatter each unit's gradients into this rank's shard.
+
+ZeRO-2/3 reduce a unit as soon as all its gradients have been accumulated during
+backward (counted by post-accumulate-grad hooks), overlapping the rest of backward; an
+end-of-backward callback reduces units some of whose parameters got no gradient. ZeRO-1
+keeps full gradients on the parameters and reduces once, when the optimizer steps.
+Reduction is SUM then a division by the world size.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .units import ParamSlot, Unit, scatter_to_ranks
+
+
+class GradReducer:
+    def __init__(self, comm, pool, units: list[Unit], stage: int, on_reduced=None):
+        self.comm, self.pool, self.units, self.stage = comm, pool, units, stage
+        self.on_reduced = on_reduced           # ZeRO-3 frees a unit's params once reduced
+        self.no_sync = False
+        self.grad_shard: dict[Unit, torch.Tensor | None] = {}
+        self._fresh = {u: True for u in units}  # next reduction overwrites instead of adds
+        self._send: dict[Unit, torch.Tensor] = {}
+        self._remaining: dict[Unit, int] = {}
+        self._in_backward = False
+        self._dirty = False                     # ZeRO-1: a backward ran since the last reduce
+        self._hooks = []
+        for u in units:
+            if stage >= 2:
+                self.grad_shard[u] = torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device)
+            for s in u.trainable:
+                self._hooks.append(s.param.register_post_accumulate_grad_hook(
+                    functools.partial(self._on_grad, u, s)))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    # -- during backward (ZeRO-2/3) ----------------------------------------------------
+    def _on_grad(self, unit: Unit, slot: ParamSlot, param) -> None:
+        self._dirty = True
+        if self.stage == 1:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            self._remaining = {u: len(u.trainable) for u in self.units}
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self.no_sync:
+            return
+        self._pack(unit, slot)
+        self._remaining[unit] -= 1
+        if self._remaining[unit] == 0:
+            self._reduce(unit)
+
+    def _end_backward(self) -> None:
+        for unit in self.units if not self.no_sync else ():
+            if self._remaining.get(unit, 0) > 0:
+                for s in unit.trainable:
+                    if s.param.grad is not None:
+                        self._pack(unit, s)
+                self._reduce(unit)
+        self.comm.drain()
+        self._in_backward = False
+        if self.on_reduced is not None:
+            self.on_reduced(None)
+
+    # -- packing and reducing ------------------------------------------------------------
+    def _send_buffer(self, unit: Unit) -> torch.Tensor:
+        send = self._send.get(unit)
+        if send is None:
+            send = self.pool.take(self.comm.world * unit.shard_numel, unit.dtype, unit.device)
+            send.zero_()
+            self._send[unit] = send
+        return send
+
+    def _pack(self, unit: Unit, slot: ParamSlot) -> None:
+        grad = slot.param.grad
+        send = self._send_buffer(unit).view(self.comm.world, unit.shard_numel)
+        scatter_to_ranks(grad, send[:, slot.cols])
+        slot.param.grad = None
+
+    def _reduce(self, unit: Unit) -> None:
+        self._remaining[unit] = 0
+        send = self._send_buffer(unit)
+        del self._send[unit]
+        fresh = self._fresh[unit] or self.grad_shard.get(unit) is None
+        if fresh and self.grad_shard.get(unit) is None:
+            self.grad_shard[unit] = self.pool.take(unit.shard_numel, unit.dtype, unit.device)
+        out = self.grad_shard[unit] if fresh else self.pool.take(
+            unit.shard_numel, unit.dtype, unit.device)
+        self._fresh[unit] = False
+        work = self.comm.reduce_scatter(out, send, async_op=True)
+        self.comm.enqueue(work, send.numel(), functools.partial(self._reduced, unit, send, out))
+        if self.on_reduced is not None:
+            self.on_reduced(unit)
+
+    def _reduced(self, unit: Unit, send: torch.Tensor, out: torch.Tensor) -> None:
+        self.pool.give(send)
+        out.div_(self.comm.world)
+        target = self.grad_shard[unit]
+        if out is not target:
+            target.add_(out)
+            self.pool.give(out)
+
+    # -- at the optimizer step -----------------------------------------------------------
+    def sync(self) -> None:
+        """Make every unit's reduced gradient shard ready. ZeRO-1 reduces here.
+
+        ZeRO-1's full gradients stay on the parameters (they accumulate there, as in plain
+        PyTorch), so each reduction overwrites the shard with the reduced total.
+        """
+        if self.stage == 1 and self._dirty:
+            for unit in self.units:
+                if not unit.trainable:
+                    continue
+                send = self._send_buffer(unit).view(self.comm.world, unit.shard_numel)
+                for s in unit.trainable:
+                    if s.param.grad is not None:
+                        scatter_to_ranks(s.param.grad, send[:, s.cols])
+                self._fresh[unit] = True
+                self._reduce(unit)
+        self._dirty = False
+        self.comm.drain()
+
+    def has_grads(self, unit: Unit) -> bool:
+        return not self._fresh[unit]
+
+    def zero_grad(self) -> None:
+        """What ``optimizer.zero_grad()`` means for the shards: the next reduction starts over."""
+        for unit in self.units:
+            self._fresh[unit] = True
+            if self.stage == 1 and self.grad_shard.get(unit) is not None:
+                self.pool.give(self.grad_shard.pop(unit))
+            for s in unit.slots:
+                s.param.grad = None

@@ -1,0 +1,109 @@
+"""The user's optimizer, rewired to step this rank's shards.
+
+The optimizer keeps its class, hyperparameters and param groups; each parameter in its
+groups is replaced, in place and in order, by the tensor holding this rank's rows of it.
+Every optimizer torch.optim ships that updates each element from that element alone
+(Adam, AdamW, SGD, RMSprop, Adagrad, ...) then computes exactly what it computes on the
+full tensors. Step hooks attach the reduced gradient shards before the step and share
+the updated rows after it.
+"""
+from __future__ import annotations
+
+import torch
+
+# These mix elements across a tensor (factored moments, line searches, sparse rows), so
+# stepping a shard is not stepping the whole: refuse them.
+NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+
+
+def check_optimizer(optimizer, slot_of: dict) -> list[str]:
+    """Problems with the optimizer, as messages (raised by the caller on every rank)."""
+    problems = []
+    if type(optimizer).__name__ in NOT_ELEMENTWISE:
+        problems.append(
+            f"{type(optimizer).__name__} does not update each element independently, so a "
+            "sharded step would differ from the unsharded one; use an elementwise optimizer "
+            "such as AdamW or SGD.")
+    for i, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if p not in slot_of:
+                problems.append(f"param group {i} holds a tensor of shape {tuple(p.shape)} that "
+                                "is not a parameter of the model; build the optimizer over "
+                                "model.parameters().")
+    return problems
+
+
+class OptimizerWiring:
+    """Installs shard params, step hooks and a zero_grad that knows about shards."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, slot_of: dict, before_step, after_step,
+                 zero_grad):
+        self.optimizer = optimizer
+        self.originals = [list(g["params"]) for g in optimizer.param_groups]
+        self._swap_params({p: slot_of[p].opt_param for g in self.originals for p in g},
+                          lambda p, v: _shard_state(slot_of[p], v))
+        self.bypass = False
+        self._handles = [
+            optimizer.register_step_pre_hook(lambda *_: None if self.bypass else before_step()),
+            optimizer.register_step_post_hook(lambda *_: None if self.bypass else after_step()),
+        ]
+        self._trainable = {slot_of[p].opt_param for g in self.originals for p in g if p.requires_grad}
+        plain_zero_grad = optimizer.zero_grad
+
+        def sharded_zero_grad(set_to_none: bool = True) -> None:
+            plain_zero_grad(set_to_none)
+            zero_grad()
+
+        optimizer.zero_grad = sharded_zero_grad
+
+    def _swap_params(self, new_of: dict, convert) -> None:
+        old_state = self.optimizer.state
+        state = type(old_state)(old_state.default_factory) if hasattr(old_state, "default_factory") \
+            else {}
+        for group in self.optimizer.param_groups:
+            for i, p in enumerate(group["params"]):
+                group["params"][i] = new_of[p]
+                if p in old_state:
+                    state[new_of[p]] = {k: convert(p, v) for k, v in old_state[p].items()}
+        self.optimizer.state = state
+
+    def restore(self, full_state_of) -> None:
+        """Put the original parameters back, with full optimizer state from ``full_state_of``."""
+        for h in self._handles:
+            h.remove()
+        del self.optimizer.zero_grad
+        new_of = {}
+        for group, originals in zip(self.optimizer.param_groups, self.originals):
+            new_of.update(zip(group["params"], originals))
+        self._swap_params(new_of, full_state_of)
+
+    def init_state(self) -> None:
+        """Create optimizer state with a zero-gradient, zero-lr step, as torch's DCP helpers do,
+        so a checkpoint load has tensors to load into."""
+        if self.optimizer.state:
+            return
+        lrs = []
+        for group in self.optimizer.param_groups:
+            lrs.append(group.get("lr"))
+            if "lr" in group:
+                group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+            for p in group["params"]:
+                if p in self._trainable:
+                    p.grad = torch.zeros_like(p)
+        self.bypass = True
+        try:
+            self.optimizer.step()
+        finally:
+            self.bypass = False
+            for group, lr in zip(self.optimizer.param_groups, lrs):
+                if lr is not None:
+                    group["lr"] = lr
+                for p in group["params"]:
+                    p.grad = None
+
+
+def _shard_state(slot, value):
+    """Existing state of a full parameter, cut to this rank's rows."""
+    if torch.is_tensor(value) and value.dim() > 0 and value.shape == slot.shape:
+        return slot.rows_of(value).clone()
+    return value

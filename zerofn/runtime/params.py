@@ -1,0 +1,150 @@
+"""ZeRO-3: gather a unit's full parameters just before it runs, free them after.
+
+[Note: saved tensors] Autograd keeps the full weights a unit's forward used (a Linear
+saves its weight, or a transposed view of it) until backward. Keeping them would keep
+every unit gathered. Instead, while the model runs forward, a saved-tensor hook swaps any
+tensor living in a gathered buffer for a small marker, and the unpack hook gathers the
+unit again when backward needs it. Gathered buffers come from the pool, so a freed unit's
+memory serves the next unit. With activation checkpointing the recomputed forward runs
+inside backward; there the full parameters are kept until the unit's gradients are
+reduced.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .units import Unit
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _SavedView:
+    """Where a saved tensor lay in its unit's gathered buffer."""
+
+    __slots__ = ("unit", "offset", "size", "stride")
+
+    def __init__(self, unit: Unit, t: torch.Tensor):
+        self.unit, self.offset, self.size, self.stride = unit, t.storage_offset(), t.size(), t.stride()
+
+
+class ParamGatherer:
+    def __init__(self, comm, pool, units: list[Unit], prefetch: int, reshard_after_forward: bool):
+        self.comm, self.pool, self.units = comm, pool, units
+        self.prefetch = prefetch
+        self.reshard_after_forward = reshard_after_forward
+        self.full: dict[Unit, torch.Tensor] = {}
+        self._pending: dict[Unit, tuple] = {}
+        self._by_storage: dict[int, Unit] = {}
+        self.order: list[Unit] = []            # forward order of the last complete forward
+        self._recording: list[Unit] = []
+        self._placeholders: dict[tuple, torch.Tensor] = {}
+        self._hooks_ctx = None
+
+    # -- gathering -------------------------------------------------------------------
+    def start_gather(self, unit: Unit) -> None:
+        if unit in self.full or unit in self._pending or not unit.slots:
+            return
+        recv = self.pool.take(self.comm.world * unit.shard_numel, unit.dtype, unit.device)
+        work = self.comm.all_gather(recv, unit.shard, async_op=True)
+        self._pending[unit] = (work, recv)
+
+    def ensure(self, unit: Unit) -> torch.Tensor:
+        """The unit's gathered buffer (param-major, each param padded to world*chunk rows)."""
+        full = self.full.get(unit)
+        if full is not None or not unit.slots:
+            return full
+        self.start_gather(unit)
+        work, recv = self._pending.pop(unit)
+        work.wait()
+        full = self.pool.take(recv.numel(), unit.dtype, unit.device)
+        world = self.comm.world
+        ranks = recv.view(world, unit.shard_numel)
+        for s in unit.slots:
+            n = s.chunk * s.inner
+            full[world * s.offset:world * s.offset + world * n].view(world, n).copy_(ranks[:, s.cols])
+            s.param.data = full[world * s.offset:world * s.offset + s.numel].view(s.shape)
+        self.pool.give(recv)
+        self.full[unit] = full
+        self._by_storage[full.untyped_storage().data_ptr()] = unit
+        return full
+
+    def free(self, unit: Unit) -> None:
+        full = self.full.pop(unit, None)
+        if full is None:
+            return
+        del self._by_storage[full.untyped_storage().data_ptr()]
+        for s in unit.slots:
+            s.param.data = self._placeholder(s)
+            _register(s, s.sharded)
+        self.pool.give(full)
+
+    def _placeholder(self, s) -> torch.Tensor:
+        """A zero-byte stand-in with the parameter's shape, so autograd metadata holds."""
+        key = (s.param.dtype, s.param.device)
+        if key not in self._placeholders:
+            self._placeholders[key] = torch.zeros(1, dtype=key[0], device=key[1])
+        return self._placeholders[key].expand(s.shape)
+
+    def prefetch_after(self, unit: Unit, step: int) -> None:
+        """Start gathering the units that ran after (step=1) or before (step=-1) this one."""
+        if unit not in self.order:
+            return
+        i = self.order.index(unit)
+        for k in range(1, self.prefetch + 1):
+            j = i + k * step
+            if 0 <= j < len(self.order):
+                self.start_gather(self.order[j])
+
+    # -- forward hooks ---------------------------------------------------------------
+    def pre_forward(self, unit: Unit, is_root: bool) -> None:
+        if is_root and not in_backward():
+            self._recording = []
+            if torch.is_grad_enabled():
+                self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                self._hooks_ctx.__enter__()
+        if not in_backward() and unit not in self._recording:
+            self._recording.append(unit)
+        self.ensure(unit)
+        for s in unit.slots:
+            _register(s, s.param)
+        if not in_backward():
+            self.prefetch_after(unit, 1)
+
+    def post_forward(self, unit: Unit, is_root: bool) -> None:
+        if in_backward():
+            return   # a checkpointed recompute: backward is about to use these params
+        if self.reshard_after_forward:
+            self.free(unit)
+        if is_root:
+            if self._hooks_ctx is not None:
+                self._hooks_ctx.__exit__(None, None, None)
+                self._hooks_ctx = None
+            self.order = self._recording
+
+    def end_backward(self) -> None:
+        for unit in list(self.full):
+            self.free(unit)
+
+    # -- saved tensors ---------------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        if t.__class__ not in (torch.Tensor, nn.Parameter) or t.is_sparse:
+            return t
+        unit = self._by_storage.get(t.untyped_storage().data_ptr())
+        return t if unit is None else _SavedView(unit, t)
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedView):
+            return saved
+        gathered = saved.unit in self.full
+        full = self.ensure(saved.unit)
+        if not gathered:
+            self.prefetch_after(saved.unit, -1)
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+
+def _register(slot, param: nn.Parameter) -> None:
+    for module, name in slot.owners:
+        module._parameters[name] = param

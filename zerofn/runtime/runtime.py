@@ -1,0 +1,277 @@
+"""The runtime a plan becomes: units, buffers, hooks and the rewired optimizer, in one place.
+
+It lives on the model (``model._zerofn``); the transforms themselves stay stateless.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import types
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ..plan import Plan
+from .comm import Comm
+from .grads import GradReducer
+from .optimizer import OptimizerWiring, check_optimizer
+from .params import ParamGatherer, in_backward
+from .pool import BufferPool
+from .units import build_units, gather_from_ranks
+
+ATTR = "_zerofn"
+
+
+def runtime_of(model: nn.Module) -> "Runtime":
+    rt = model.__dict__.get(ATTR)
+    if rt is None:
+        raise ValueError("This model has not been transformed by zerofn; apply e.g. "
+                         "zerofn.shard_optimizer() to (model, optimizer) first.")
+    return rt
+
+
+def apply_plan(model: nn.Module, optimizer, edits):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"zerofn transforms take (model, optimizer); got {type(model).__name__} "
+                        "as the model.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"zerofn transforms take (model, optimizer); got "
+                        f"{type(optimizer).__name__} as the optimizer.")
+    old = model.__dict__.get(ATTR)
+    plan = old.plan if old is not None else Plan()
+    for edit in edits:
+        plan = edit(plan)
+    if old is not None:
+        if old.optimizer is not optimizer:
+            raise ValueError("This model was transformed with another optimizer; pass the "
+                             "optimizer the earlier transform returned.")
+        old.restore()
+    Runtime(model, optimizer, plan)
+    return model, optimizer
+
+
+class Runtime:
+    def __init__(self, model: nn.Module, optimizer, plan: Plan):
+        self.model, self.optimizer, self.plan = model, optimizer, plan
+        group, self.mesh = _resolve_group(plan.option("group"), model)
+        self.comm = Comm(group, plan.option("bucket_size"))
+        self.rank, self.world = self.comm.rank, self.comm.world
+        units, problems = self._build_units()
+        self._agree_across_ranks(problems)
+        if plan.option("sync_module_states"):
+            self._broadcast_module_states()
+        self.units = units
+        self.root = units[-1]
+        self.slot_of = {s.param: s for u in units for s in u.slots}
+        self.pool = BufferPool()
+        self.stage = plan.stage
+        self.gatherer = None
+        self._param_work: dict = {}         # ZeRO-1/2: unit -> pending all-gather
+        self._order = [u for u in units if u is self.root] + [u for u in units if u is not self.root]
+        self._lay_out_shards()
+        self.reducer = GradReducer(self.comm, self.pool, units, self.stage,
+                                   self._on_reduced if self.stage == 3 else None)
+        self.opt = OptimizerWiring(optimizer, self.slot_of, self.before_step, self.after_step,
+                                   self.reducer.zero_grad)
+        self._hooks = self._register_forward_hooks()
+        model.__dict__[ATTR] = self
+        model.__dict__["no_sync"] = types.MethodType(_no_sync, model)
+
+    # -- set-up ----------------------------------------------------------------------
+    def _build_units(self):
+        problems = []
+        try:
+            units = build_units(self.model, self.plan.option("units"), self.world, self.rank)
+        except ValueError as e:
+            return [], [str(e)]
+        slot_of = {s.param: s for u in units for s in u.slots}
+        problems += check_optimizer(self.optimizer, slot_of)
+        return units, problems
+
+    def _signature(self) -> list[str]:
+        lines = [self.plan.describe(), type(self.optimizer).__name__]
+        lines += [f"{n} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}"
+                  for n, p in self.model.named_parameters()]
+        lines += [f"group {i}: {len(g['params'])} params"
+                  for i, g in enumerate(self.optimizer.param_groups)]
+        return lines
+
+    def _agree_across_ranks(self, problems: list[str]) -> None:
+        """One small collective: every rank raises the same error, or none does."""
+        sig = self._signature()
+        digest = hashlib.sha256("\n".join(sig).encode()).hexdigest()
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, (digest, problems, sig), group=self.comm.group)
+        for rank, (_, probs, _) in enumerate(gathered):
+            if probs:
+                raise ValueError(f"zerofn set-up failed on rank {rank}: " + " ".join(probs))
+        for rank, (other, _, other_sig) in enumerate(gathered):
+            if other != gathered[0][0]:
+                diff = next((f"rank 0 has {a!r}, rank {rank} has {b!r}"
+                             for a, b in zip(gathered[0][2], other_sig) if a != b),
+                            f"rank 0 has {len(gathered[0][2])} entries, rank {rank} {len(other_sig)}")
+                raise ValueError("Ranks disagree on the model, optimizer or plan: " + diff +
+                                 ". Build the same model and transforms on every rank.")
+
+    def _broadcast_module_states(self) -> None:
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                self.comm.broadcast(t.data if not isinstance(t, DTensor) else t.to_local())
+
+    def _lay_out_shards(self) -> None:
+        for unit in self.units:
+            if self.stage == 3:
+                unit.shard = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+            for s in unit.slots:
+                if self.stage == 3:
+                    s.opt_param = s.shard_of(unit.shard)
+                    s.opt_param.copy_(s.rows_of(s.param.detach()))
+                    dt = DTensor.from_local(s.shard_of(unit.shard), self.mesh, [Shard(0)],
+                                            run_check=False, shape=s.shape,
+                                            stride=torch.empty(s.shape, device="meta").stride())
+                    s.sharded = nn.Parameter(dt, requires_grad=s.requires_grad)
+                else:
+                    s.opt_param = s.rows_of(s.param.detach())
+        if self.stage == 3:
+            self.gatherer = ParamGatherer(self.comm, self.pool, self.units,
+                                          self.plan.option("prefetch"),
+                                          self.plan.option("reshard_after_forward"))
+            for unit in self.units:
+                for s in unit.slots:
+                    s.param.data = self.gatherer._placeholder(s)
+                    for module, name in s.owners:
+                        module._parameters[name] = s.sharded
+
+    def _register_forward_hooks(self):
+        handles = []
+        for unit in self.units:
+            is_root = unit is self.root
+            handles.append(unit.module.register_forward_pre_hook(
+                lambda m, a, u=unit, r=is_root: self._pre_forward(u, r), prepend=True))
+            handles.append(unit.module.register_forward_hook(
+                lambda m, a, o, u=unit, r=is_root: self._post_forward(u, r), always_call=True))
+        return handles
+
+    # -- forward ---------------------------------------------------------------------
+    def _pre_forward(self, unit, is_root: bool) -> None:
+        if self.gatherer is not None:
+            self.gatherer.pre_forward(unit, is_root)
+        elif unit in self._param_work:
+            self.comm.finish_through(self._param_work[unit])
+
+    def _post_forward(self, unit, is_root: bool) -> None:
+        if self.gatherer is not None:
+            self.gatherer.post_forward(unit, is_root)
+            if is_root:
+                self._order = self.gatherer.order or self._order
+
+    def _on_reduced(self, unit) -> None:
+        if unit is None:
+            self.gatherer.end_backward()
+        else:
+            self.gatherer.free(unit)
+
+    # -- optimizer step ----------------------------------------------------------------
+    def before_step(self) -> None:
+        self.wait_params()
+        self.reducer.sync()
+        for unit in self.units:
+            shard = self.reducer.grad_shard.get(unit) if self.reducer.has_grads(unit) else None
+            for s in unit.slots:
+                if s.requires_grad:
+                    s.opt_param.grad = None if shard is None else s.shard_of(shard)
+
+    def after_step(self) -> None:
+        if self.stage < 3:
+            self._launch_param_gathers()
+        self.comm.end_step()
+
+    @torch.no_grad()
+    def _launch_param_gathers(self) -> None:
+        """Share each rank's updated rows; each unit waits for its own in its next forward."""
+        for unit in self._order:
+            if not unit.slots:
+                continue
+            send = self.pool.take(unit.shard_numel, unit.dtype, unit.device)
+            for s in unit.slots:
+                send[s.offset:s.offset + s.local_numel].copy_(s.opt_param.reshape(-1))
+            recv = self.pool.take(self.world * unit.shard_numel, unit.dtype, unit.device)
+            work = self.comm.all_gather(recv, send, async_op=True)
+            self._param_work[unit] = work
+            self.comm.enqueue(work, recv.numel(), lambda u=unit, sd=send, rv=recv:
+                              self._params_arrived(u, sd, rv))
+
+    def _params_arrived(self, unit, send, recv) -> None:
+        ranks = recv.view(self.world, unit.shard_numel)
+        with torch.no_grad():
+            for s in unit.slots:
+                gather_from_ranks(ranks[:, s.cols], s.param.detach())
+        self.pool.give(send)
+        self.pool.give(recv)
+        self._param_work.pop(unit, None)
+
+    def wait_params(self) -> None:
+        """Finish pending parameter all-gathers (ZeRO-1/2 defer them to the next forward)."""
+        if self._param_work:
+            self.comm.drain()
+
+    # -- teardown ----------------------------------------------------------------------
+    def restore(self) -> None:
+        """Undo this runtime: full parameters and full optimizer state, no hooks.
+
+        Used when another transform is applied on top, so the combined plan is built afresh.
+        """
+        from ..state_dict import full_tensor_of
+        self.wait_params()
+        self.reducer.sync()
+        for h in self._hooks:
+            h.remove()
+        self.reducer.remove_hooks()
+        for unit in self.units:
+            for s in unit.slots:
+                full = full_tensor_of(self, s, s.opt_param.detach())
+                s.param.data = full
+                for module, name in s.owners:
+                    module._parameters[name] = s.param
+        self.opt.restore(lambda shard, v: full_tensor_of(self, self._slot_by_opt(shard), v)
+                         if torch.is_tensor(v) and v.shape == shard.shape and v.dim() > 0 else v)
+        del self.model.__dict__[ATTR]
+        del self.model.__dict__["no_sync"]
+        self.pool.clear()
+
+    def _slot_by_opt(self, opt_param):
+        for s in self.slot_of.values():
+            if s.opt_param is opt_param:
+                return s
+        raise KeyError("optimizer tensor not managed by zerofn")
+
+
+@contextlib.contextmanager
+def _no_sync(model: nn.Module):
+    """Skip gradient reduction in backward, like DDP's ``no_sync``: gradients accumulate
+    locally and are reduced by the first backward outside the context."""
+    reducer = runtime_of(model).reducer
+    before, reducer.no_sync = reducer.no_sync, True
+    try:
+        yield
+    finally:
+        reducer.no_sync = before
+
+
+def _resolve_group(group, model: nn.Module):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "zerofn needs torch.distributed: call torch.distributed.init_process_group() "
+            "first (torchrun sets up the environment it reads; use backend 'gloo' on CPU, "
+            "'nccl' on GPUs). A single process works too, with world_size=1.")
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"zerofn shards over a 1-D DeviceMesh; got a {group.ndim}-D mesh. "
+                             "Pass the data-parallel sub-mesh, e.g. mesh['dp'].")
+        return group.get_group(), group
+    group = group or dist.group.WORLD
+    return group, DeviceMesh.from_group(group, device_type)

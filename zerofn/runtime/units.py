@@ -1,0 +1,209 @@
+"""Units: groups of parameters gathered and reduced together, and their shard layout.
+
+[Note: layout] Every parameter is split along dim 0 the way ``torch.chunk(world)`` splits
+it: ``chunk = ceil(rows / world)`` rows per rank, trailing ranks shorter or empty. The
+local pieces of one unit lie back to back in one flat buffer of ``shard_numel`` elements
+(each piece padded to ``chunk`` rows), so one all-gather or reduce-scatter moves a whole
+unit. Gathered (rank-major) buffers are viewed as ``(world, shard_numel)``; a parameter's
+columns in that view are ``[offset, offset + chunk * inner)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+def chunk_rows(rows: int, world: int) -> int:
+    return -(-rows // world)
+
+
+def local_rows(rows: int, world: int, rank: int) -> int:
+    c = chunk_rows(rows, world)
+    return max(0, min(c, rows - rank * c))
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """One parameter's place in its unit."""
+
+    fqn: str
+    param: nn.Parameter                      # the user's parameter: the unsharded one
+    owners: list[tuple[nn.Module, str]]      # every (module, attr) registering it
+    shape: torch.Size
+    offset: int                              # in the unit's shard buffer
+    chunk: int                               # padded rows per rank
+    local: int                               # rows this rank holds
+    rank: int
+    # Filled by the runtime:
+    opt_param: torch.Tensor | None = None    # what the optimizer steps: this rank's rows
+    sharded: nn.Parameter | None = None      # ZeRO-3: the registered DTensor parameter
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def inner(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.inner
+
+    @property
+    def cols(self) -> slice:
+        return slice(self.offset, self.offset + self.chunk * self.inner)
+
+    @property
+    def local_numel(self) -> int:
+        return self.local * self.inner
+
+    @property
+    def local_shape(self) -> torch.Size:
+        return torch.Size((self.local,) + tuple(self.shape[1:]))
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.param.requires_grad
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's rows as a view of a unit's flat shard buffer."""
+        return flat[self.offset:self.offset + self.local_numel].view(self.local_shape)
+
+    def rows_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full tensor, as a view."""
+        start = self.rank * self.chunk
+        return full.narrow(0, min(start, self.rows), self.local)
+
+
+@dataclass(eq=False)
+class Unit:
+    """Parameters gathered together; ``module`` is where its hooks go."""
+
+    name: str
+    module: nn.Module
+    slots: list[ParamSlot] = field(default_factory=list)
+    shard_numel: int = 0
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
+
+    @property
+    def trainable(self) -> list[ParamSlot]:
+        return [s for s in self.slots if s.requires_grad]
+
+
+def scatter_to_ranks(full: torch.Tensor, cols: torch.Tensor) -> None:
+    """Copy a full tensor into its columns of a rank-major ``(world, shard)`` view."""
+    flat = full.reshape(-1)
+    width = cols.shape[1]
+    whole, rem = divmod(flat.numel(), width)
+    if whole:
+        cols[:whole].copy_(flat[:whole * width].view(whole, width))
+    if rem:
+        cols[whole, :rem].copy_(flat[whole * width:])
+
+
+def gather_from_ranks(cols: torch.Tensor, full: torch.Tensor) -> None:
+    """The inverse of ``scatter_to_ranks``: fill a full tensor from its columns."""
+    flat = full.view(-1)
+    width = cols.shape[1]
+    whole, rem = divmod(flat.numel(), width)
+    if whole:
+        flat[:whole * width].view(whole, width).copy_(cols[:whole])
+    if rem:
+        flat[whole * width:].copy_(cols[whole, :rem])
+
+
+def build_units(model: nn.Module, policy, world: int, rank: int) -> list[Unit]:
+    """Group the model's parameters into units; the root unit comes last.
+
+    A parameter belongs to the innermost unit whose module holds it; one held by two
+    units (tied across them) belongs to the root.
+    """
+    unit_modules = _unit_modules(model, policy)
+    names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+    units = {m: Unit(names[m] or "<root>", m) for m in unit_modules}
+    units[model] = Unit("<root>", model)
+    owner_unit: dict[nn.Parameter, Unit] = {}
+    owners: dict[nn.Parameter, list] = {}
+    fqns: dict[nn.Parameter, str] = {}
+    module_at = dict(model.named_modules(remove_duplicate=False))
+    for mod_name, module in module_at.items():
+        unit = _innermost(model, module_at, mod_name, units)
+        for pname, p in module.named_parameters(recurse=False):
+            owners.setdefault(p, []).append((module, pname))
+            fqns.setdefault(p, f"{mod_name}.{pname}" if mod_name else pname)
+            if owner_unit.setdefault(p, unit) is not unit:
+                owner_unit[p] = units[model]
+    for p, unit in owner_unit.items():
+        _add_slot(unit, p, fqns[p], owners[p], world, rank)
+    # The root stays even when empty: its hooks bracket the whole forward.
+    return [units[m] for m in unit_modules if units[m].slots] + [units[model]]
+
+
+def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: int) -> None:
+    if p.dim() == 0:
+        raise ValueError(f"zerofn cannot shard the 0-dim parameter {fqn!r} along dim 0; "
+                         "give it shape (1,) instead.")
+    if unit.dtype is None:
+        unit.dtype, unit.device = p.dtype, p.device
+    elif (p.dtype, p.device) != (unit.dtype, unit.device):
+        raise ValueError(
+            f"Parameter {fqn!r} is {p.dtype} on {p.device} but unit {unit.name!r} holds "
+            f"{unit.dtype} on {unit.device}: cast the model to one dtype and device first.")
+    chunk = chunk_rows(p.shape[0], world)
+    slot = ParamSlot(fqn, p, owners, p.shape, unit.shard_numel, chunk,
+                     local_rows(p.shape[0], world, rank), rank)
+    unit.slots.append(slot)
+    unit.shard_numel += chunk * slot.inner
+
+
+def _innermost(model: nn.Module, module_at: dict, mod_name: str, units: dict) -> Unit:
+    parts = mod_name.split(".") if mod_name else []
+    for i in range(len(parts), 0, -1):
+        m = module_at.get(".".join(parts[:i]))
+        if m in units:
+            return units[m]
+    return units[model]
+
+
+def _unit_modules(model: nn.Module, policy) -> list[nn.Module]:
+    if policy is None:
+        return [child for m in model.modules() if isinstance(m, nn.ModuleList)
+                for child in m.children()]
+    if isinstance(policy, int):
+        return _size_based(model, policy)
+    modules = dict(model.named_modules())
+    chosen = []
+    for item in policy:
+        if isinstance(item, str):
+            if item not in modules:
+                raise ValueError(f"units: the model has no submodule named {item!r}.")
+            item = modules[item]
+        if not any(item is m for m in modules.values()):
+            raise ValueError(f"units: {type(item).__name__} is not a submodule of the model.")
+        if item is not model:
+            chosen.append(item)
+    return chosen
+
+
+def _size_based(model: nn.Module, min_numel: int) -> list[nn.Module]:
+    """Post-order: a module becomes a unit once it holds min_numel not-yet-claimed elements."""
+    claimed: set[nn.Parameter] = set()
+    chosen = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if module is model:
+            return
+        fresh = {p for p in module.parameters() if p not in claimed}
+        if sum(p.numel() for p in fresh) >= min_numel:
+            chosen.append(module)
+            claimed.update(fresh)
+
+    visit(model)
+    return chosen

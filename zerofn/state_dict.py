@@ -1,0 +1,166 @@
+"""State dicts in the format of torch.distributed.checkpoint.state_dict for FSDP2 models.
+
+Model state: FQN -> DTensor with ``Shard(0)`` (the torch.chunk row split) on the
+data-parallel mesh for parameters, plain tensors for buffers. Optimizer state: FQN ->
+{torch.optim's state names -> DTensor shards or plain scalars} plus ``param_groups`` whose
+``params`` are FQNs. The sharded tensors are views of zerofn's own buffers, so
+``dcp.load`` writes straight into the model and optimizer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from .runtime.runtime import runtime_of
+from .runtime.units import ParamSlot
+
+
+def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False):
+    """``(model_state_dict, optim_state_dict)``, sharded (default) or as full tensors.
+
+    Call on every rank. ``full=True`` gathers plain full tensors on every rank.
+    """
+    rt = runtime_of(model)
+    _check_optimizer(rt, optimizer)
+    rt.wait_params()
+    rt.opt.init_state()
+    slot_by_name = _slots_by_name(rt)
+    msd = {}
+    for name, value in model.state_dict().items():
+        slot = slot_by_name.get(name)
+        msd[name] = value if slot is None else _export(rt, slot, slot.opt_param.detach(), full)
+    return msd, _optim_state(rt, optimizer, full)
+
+
+def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_state_dict: dict,
+                   optim_state_dict: dict) -> None:
+    """Load state in ``get_state_dict``'s format (sharded DTensors of any world size, or
+    full tensors) into a zerofn model and optimizer. Call on every rank."""
+    rt = runtime_of(model)
+    _check_optimizer(rt, optimizer)
+    rt.wait_params()
+    slot_by_name = _slots_by_name(rt)
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(model_state_dict), set(model_state_dict) - expected
+    if missing or unexpected:
+        raise KeyError(f"model state dict does not fit this model: missing {sorted(missing)}, "
+                       f"unexpected {sorted(unexpected)}.")
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in model_state_dict.items():
+            slot = slot_by_name.get(name)
+            if slot is None:
+                buffers[name].copy_(_full_value(value))
+            elif rt.stage == 3:
+                slot.opt_param.copy_(_local_value(rt, slot, value))
+            else:
+                slot.param.data.copy_(_full_value(value, slot.shape, name))
+    _load_optim_state(rt, optimizer, optim_state_dict)
+
+
+# -- conversions -------------------------------------------------------------------------
+def full_tensor_of(rt, slot: ParamSlot, local: torch.Tensor) -> torch.Tensor:
+    """Gather a tensor sharded like ``slot`` (this rank's rows) into the full tensor."""
+    padded = F.pad(local.reshape(local.shape[0], -1), (0, 0, 0, slot.chunk - local.shape[0]))
+    out = torch.empty(rt.world * padded.numel(), dtype=local.dtype, device=local.device)
+    rt.comm.all_gather(out, padded.contiguous().view(-1))
+    return out[:slot.numel].view(slot.shape).clone()
+
+
+def _export(rt, slot: ParamSlot, local: torch.Tensor, full: bool):
+    if full:
+        return full_tensor_of(rt, slot, local)
+    return DTensor.from_local(local, rt.mesh, [Shard(0)], run_check=False, shape=slot.shape,
+                              stride=torch.empty(slot.shape, device="meta").stride())
+
+
+def _full_value(value, shape=None, name=""):
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if shape is not None and value.shape != shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} differs from the "
+                         f"model's {tuple(shape)}.")
+    return value
+
+
+def _local_value(rt, slot: ParamSlot, value) -> torch.Tensor:
+    """This rank's rows of ``value``, without a gather when it is already sharded our way."""
+    if isinstance(value, DTensor) and value.shape == slot.shape \
+            and tuple(value.placements) == (Shard(0),) and value.device_mesh.size() == rt.world:
+        return value.to_local()
+    return slot.rows_of(_full_value(value, slot.shape, slot.fqn))
+
+
+def _slots_by_name(rt) -> dict[str, ParamSlot]:
+    names = {m: n for n, m in rt.model.named_modules(remove_duplicate=False)}
+    out = {}
+    for slot in rt.slot_of.values():
+        for module, pname in slot.owners:
+            prefix = names[module]
+            out[f"{prefix}.{pname}" if prefix else pname] = slot
+    return out
+
+
+def _check_optimizer(rt, optimizer) -> None:
+    if optimizer is not rt.optimizer:
+        raise ValueError("This optimizer is not the one zerofn transformed with this model; "
+                         "pass the optimizer the transform returned.")
+
+
+def _is_sharded_state(slot: ParamSlot, value) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == slot.opt_param.shape \
+        and not isinstance(value, DTensor)
+
+
+def _optim_state(rt, optimizer, full: bool) -> dict:
+    slot_of_opt = {s.opt_param: s for s in rt.slot_of.values()}
+    state, groups = {}, []
+    for group in optimizer.param_groups:
+        fqns = []
+        for p in group["params"]:
+            slot = slot_of_opt[p]
+            fqns.append(slot.fqn)
+            if p in optimizer.state:
+                state[slot.fqn] = {k: _export(rt, slot, v, full) if _is_sharded_state(slot, v) else v
+                                   for k, v in optimizer.state[p].items()}
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
+    return {"state": state, "param_groups": groups}
+
+
+def _load_optim_state(rt, optimizer, osd: dict) -> None:
+    groups = osd.get("param_groups")
+    if groups is None or len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"optimizer state dict has {len(groups or [])} param groups, the "
+                         f"optimizer {len(optimizer.param_groups)}.")
+    slot_of_opt = {s.opt_param: s for s in rt.slot_of.values()}
+    with torch.no_grad():
+        for group, saved in zip(optimizer.param_groups, groups):
+            fqns = [slot_of_opt[p].fqn for p in group["params"]]
+            if list(saved["params"]) != fqns:
+                raise ValueError(f"optimizer param group holds {fqns}, the checkpoint's "
+                                 f"{list(saved['params'])}.")
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            for p in group["params"]:
+                slot = slot_of_opt[p]
+                if slot.fqn in osd["state"]:
+                    optimizer.state[p] = _load_param_state(rt, slot, optimizer.state.get(p, {}),
+                                                           osd["state"][slot.fqn])
+
+
+def _load_param_state(rt, slot: ParamSlot, current: dict, saved: dict) -> dict:
+    out = {}
+    for k, v in saved.items():
+        if torch.is_tensor(v) and v.dim() > 0 and v.shape == slot.shape:
+            local = _local_value(rt, slot, v)
+            if k in current and current[k].shape == local.shape:
+                out[k] = current[k].copy_(local)
+            else:
+                out[k] = local.clone()
+        elif torch.is_tensor(v):
+            out[k] = current[k].copy_(v) if k in current and torch.is_tensor(current[k]) \
+                and current[k].shape == v.shape else v.clone()
+        else:
+            out[k] = v
+    return out
