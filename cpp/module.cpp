@@ -3,6 +3,10 @@
 
 namespace py = pybind11;
 
+namespace zerofn {
+void register_adam(py::module_& m);  // adam_bindings.cpp
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "zerofn native kernels (CPU Adam, fused gradient passes)";
   m.def("build_info", []() {
@@ -21,4 +25,5 @@ PYBIND11_MODULE(_C, m) {
 #endif
     return info;
   }, "How this build of zerofn._C was compiled.");
+  zerofn::register_adam(m);
 }

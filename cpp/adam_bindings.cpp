@@ -1,0 +1,186 @@
+// Python bindings of the CPU Adam kernels. Buffers arrive as (address, numel, dtype)
+// from zerofn/optim/kernels.py, which has already checked device, dtype, contiguity
+// and sizes on the torch tensors; this file re-checks what could crash (null or
+// misaligned addresses, unknown dtypes, nonsense hyperparameters) and releases the
+// GIL while the kernels run.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dispatch.h"
+#include "kernels.h"
+
+namespace py = pybind11;
+
+namespace zerofn {
+namespace {
+
+int elem_bytes(int dtype) { return dtype == kF32 ? 4 : 2; }
+
+void check_dtype(int dtype, bool allow_none, const char* what) {
+  if (dtype == kF32 || dtype == kBF16 || dtype == kF16 || (allow_none && dtype == kNone))
+    return;
+  throw std::invalid_argument(std::string(what) + ": unknown dtype code " +
+                              std::to_string(dtype));
+}
+
+void check_ptr(uintptr_t addr, int64_t n, int bytes, const char* what) {
+  if (n > 0 && addr == 0) throw std::invalid_argument(std::string(what) + " is null");
+  if (addr % bytes != 0)
+    throw std::invalid_argument(std::string(what) + " is not aligned to its element size");
+}
+
+// Exactly torch's single-tensor Adam scalars: Python computes them in double and the
+// tensor ops round each one to float.
+AdamCoeffs derive_coeffs(int64_t step, double lr, double beta1, double beta2, double eps,
+                         double wd, bool adamw, double grad_scale) {
+  if (step < 1) throw std::invalid_argument("step must be >= 1 (it counts this update)");
+  if (!(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1))
+    throw std::invalid_argument("betas must lie in [0, 1)");
+  if (!(eps >= 0 && std::isfinite(lr) && std::isfinite(wd) && std::isfinite(grad_scale)))
+    throw std::invalid_argument("lr, eps, weight_decay and grad_scale must be finite (eps >= 0)");
+  AdamCoeffs c{};
+  const double bc1 = 1.0 - std::pow(beta1, double(step));
+  const double bc2 = 1.0 - std::pow(beta2, double(step));
+  c.grad_scale = float(grad_scale);
+  c.decay = adamw ? float(1.0 - lr * wd) : 1.0f;
+  c.use_l2 = !adamw && wd != 0.0;
+  c.l2 = float(wd);
+  const float w = float(1.0 - beta1);
+  c.lerp_small = std::fabs(w) < 0.5f;
+  c.lerp_w = c.lerp_small ? w : w - 1.0f;
+  c.beta2 = float(beta2);
+  c.one_minus_beta2 = float(1.0 - beta2);
+  c.bc2_sqrt = float(std::pow(bc2, 0.5));
+  c.eps = float(eps);
+  c.neg_step_size = float(-(lr / bc1));
+  return c;
+}
+
+struct AdamJob {
+  const KernelTable* k;
+  float *p, *m, *v;
+  const char* g;
+  char* out;
+  int g_dtype, out_dtype;
+  AdamCoeffs c;
+};
+
+void adam_piece(void* ctx, int, int64_t b, int64_t e) {
+  auto* j = static_cast<AdamJob*>(ctx);
+  char* out = j->out ? j->out + b * 2 : nullptr;
+  j->k->adam(j->p + b, j->g + b * elem_bytes(j->g_dtype), j->g_dtype, j->m + b, j->v + b,
+             out, j->out_dtype, e - b, j->c);
+}
+
+void adam_step(uintptr_t p, uintptr_t g, int g_dtype, uintptr_t m, uintptr_t v,
+               uintptr_t out, int out_dtype, int64_t n, int64_t step, double lr,
+               double beta1, double beta2, double eps, double wd, bool adamw,
+               double grad_scale) {
+  if (n < 0) throw std::invalid_argument("numel must be >= 0");
+  check_dtype(g_dtype, false, "grads");
+  check_dtype(out_dtype, true, "out");
+  if (out_dtype == kF32) throw std::invalid_argument("out must be bf16 or fp16");
+  if ((out_dtype == kNone) != (out == 0))
+    throw std::invalid_argument("out address and out dtype must be given together");
+  check_ptr(p, n, 4, "params");
+  check_ptr(g, n, elem_bytes(g_dtype), "grads");
+  check_ptr(m, n, 4, "exp_avg");
+  check_ptr(v, n, 4, "exp_avg_sq");
+  if (out) check_ptr(out, n, 2, "out");
+  AdamJob job{&active_kernels(), reinterpret_cast<float*>(p), reinterpret_cast<float*>(m),
+              reinterpret_cast<float*>(v), reinterpret_cast<const char*>(g),
+              reinterpret_cast<char*>(out), g_dtype, out_dtype,
+              derive_coeffs(step, lr, beta1, beta2, eps, wd, adamw, grad_scale)};
+  py::gil_scoped_release nogil;
+  parallel_ranges(n, adam_piece, &job);
+}
+
+struct SumsqJob {
+  const KernelTable* k;
+  const char* g;
+  int g_dtype;
+  std::vector<double> sums;
+  std::vector<char> finite;
+};
+
+void sumsq_piece(void* ctx, int piece, int64_t b, int64_t e) {
+  auto* j = static_cast<SumsqJob*>(ctx);
+  bool ok = true;
+  j->k->sumsq(j->g + b * elem_bytes(j->g_dtype), j->g_dtype, e - b, &j->sums[piece], &ok);
+  j->finite[piece] = ok;
+}
+
+py::tuple grad_sumsq_and_finite(uintptr_t g, int g_dtype, int64_t n) {
+  if (n < 0) throw std::invalid_argument("numel must be >= 0");
+  check_dtype(g_dtype, false, "grads");
+  check_ptr(g, n, elem_bytes(g_dtype), "grads");
+  SumsqJob job{&active_kernels(), reinterpret_cast<const char*>(g), g_dtype,
+               std::vector<double>(max_threads() + 1, 0.0),
+               std::vector<char>(max_threads() + 1, 1)};
+  int pieces;
+  {
+    py::gil_scoped_release nogil;
+    pieces = parallel_ranges(n, sumsq_piece, &job);
+  }
+  double total = 0.0;  // fixed order: the result does not depend on thread timing
+  bool finite = true;
+  for (int i = 0; i < pieces; ++i) {
+    total += job.sums[i];
+    finite = finite && job.finite[i];
+  }
+  return py::make_tuple(total, finite);
+}
+
+struct RoofJob {
+  const KernelTable* k;
+  float *p, *g, *m, *v;
+};
+
+void roof_piece(void* ctx, int, int64_t b, int64_t e) {
+  auto* j = static_cast<RoofJob*>(ctx);
+  j->k->roofline(j->p + b, j->g + b, j->m + b, j->v + b, e - b);
+}
+
+void adam_roofline(uintptr_t p, uintptr_t g, uintptr_t m, uintptr_t v, int64_t n) {
+  if (n < 0) throw std::invalid_argument("numel must be >= 0");
+  for (uintptr_t a : {p, g, m, v}) check_ptr(a, n, 4, "buffer");
+  RoofJob job{&active_kernels(), reinterpret_cast<float*>(p), reinterpret_cast<float*>(g),
+              reinterpret_cast<float*>(m), reinterpret_cast<float*>(v)};
+  py::gil_scoped_release nogil;
+  parallel_ranges(n, roof_piece, &job);
+}
+
+}  // namespace
+
+void register_adam(py::module_& m) {
+  m.attr("DTYPE_F32") = int(kF32);
+  m.attr("DTYPE_BF16") = int(kBF16);
+  m.attr("DTYPE_F16") = int(kF16);
+  m.attr("DTYPE_NONE") = int(kNone);
+  m.def("adam_step", &adam_step, "Fused unscale + Adam/AdamW + optional low-precision copy.",
+        py::arg("params"), py::arg("grads"), py::arg("grad_dtype"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("out"), py::arg("out_dtype"), py::arg("numel"),
+        py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("grad_scale"));
+  m.def("grad_sumsq_and_finite", &grad_sumsq_and_finite,
+        "(sum of squares in double, all finite) of a gradient buffer, in one pass.",
+        py::arg("grads"), py::arg("grad_dtype"), py::arg("numel"));
+  m.def("adam_roofline", &adam_roofline,
+        "Adam's memory traffic (read p, g, m, v; write p, m, v) with trivial arithmetic.",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("numel"));
+  m.def("isa", []() { return std::string(active_kernels().name); },
+        "The instruction set the kernels run with.");
+  m.def("set_isa", &set_isa, "Force 'avx512', 'avx2' or 'generic' (tests, benchmarks).",
+        py::arg("name"));
+  m.def("available_isas", &available_isas, "ISAs this CPU and build can run, best first.");
+  m.def("max_threads", &max_threads, "OpenMP threads a kernel call may use.");
+}
+
+}  // namespace zerofn

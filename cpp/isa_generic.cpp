@@ -1,0 +1,90 @@
+// The portable build of the kernels: one float per "register", plain C++ that the
+// compiler may auto-vectorise (NEON on aarch64). On x86-64 it is the slow path for
+// CPUs without AVX2, and the Python side warns when it is chosen there.
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace {
+
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  return u;
+}
+inline float float_of(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t load_u16(const uint16_t* x) {
+  uint16_t h;  // byte copy: the tail scratch buffers are float arrays
+  __builtin_memcpy(&h, x, 2);
+  return h;
+}
+
+// IEEE half -> float, exact for every input (subnormals scaled by 2^-24).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+  if (exp == 0) return float_of(sign | bits_of(float(mant) * 5.9604644775390625e-8f));
+  if (exp == 31) return float_of(sign | 0x7F800000u | (mant << 13));
+  return float_of(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+// float -> IEEE half, round to nearest even like F16C's vcvtps2ph. Subnormal results
+// come from a float addition whose rounding does the work; NaN becomes quiet 0x7E00.
+inline uint16_t float_to_half(float f) {
+  uint32_t u = bits_of(f);
+  const uint32_t sign = (u >> 16) & 0x8000;
+  u &= 0x7FFFFFFFu;
+  if (u >= (143u << 23)) return sign | (u > 0x7F800000u ? 0x7E00 : 0x7C00);
+  if (u < (113u << 23)) {
+    const uint32_t magic = 126u << 23;  // 0.5: aligns the half subnormal ulp to bit 0
+    return sign | uint16_t(bits_of(float_of(u) + float_of(magic)) - magic);
+  }
+  const uint32_t odd = (u >> 13) & 1;
+  return sign | uint16_t((u + ((15u - 127u) << 23) + 0xFFF + odd) >> 13);
+}
+
+inline uint16_t float_to_bf16(float f) {
+  const uint32_t u = bits_of(f);
+  if (f != f) return uint16_t((u >> 16) | 0x40);
+  return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+struct V {
+  static constexpr int W = 1;
+  using reg = float;
+  static reg load(const float* x) { return *x; }
+  static void store(float* x, reg a) { *x = a; }
+  static reg set1(float a) { return a; }
+  static reg add(reg a, reg b) { return a + b; }
+  static reg sub(reg a, reg b) { return a - b; }
+  static reg mul(reg a, reg b) { return a * b; }
+  static reg div(reg a, reg b) { return a / b; }
+  static reg sqrt(reg a) { return __builtin_sqrtf(a); }
+  // Correctly rounded everywhere (libm's fmaf is exact without FMA hardware too), so
+  // this path gives the same bits as the vector ones.
+  static reg fma(reg a, reg b, reg c) { return __builtin_fmaf(a, b, c); }
+  static reg load_bf16(const uint16_t* x) { return float_of(uint32_t(load_u16(x)) << 16); }
+  static reg load_f16(const uint16_t* x) { return half_to_float(load_u16(x)); }
+  static void store_bf16(uint16_t* x, reg a) { *x = float_to_bf16(a); }
+  static void store_f16(uint16_t* x, reg a) { *x = float_to_half(a); }
+
+  struct Dacc { double s; };
+  static Dacc dacc_zero() { return {0.0}; }
+  static Dacc dacc_add_sq(Dacc d, reg a) { return {d.s + double(a) * double(a)}; }
+  static double dacc_sum(Dacc d) { return d.s; }
+};
+
+}  // namespace
+
+#include "kernel_body.h"
+
+namespace zerofn {
+const KernelTable* generic_table() {
+  static const KernelTable table{"generic", V::W, adam_kernel, sumsq_kernel, roofline_kernel};
+  return &table;
+}
+}  // namespace zerofn

@@ -1,0 +1,50 @@
+"""zerofn.optim: the host-side optimizer step, in C++ (``zerofn._C``).
+
+``CPUAdam`` is a drop-in ``torch.optim.AdamW`` / ``Adam`` for fp32 CPU parameters. The
+kernels under it are public for the offload runtime, which steps whole flat per-unit
+buffers at once:
+
+``adam_step(params, grads, exp_avg, exp_avg_sq, *, step, lr, beta1=0.9, beta2=0.999,
+eps=1e-8, weight_decay=0.0, adamw_mode=True, grad_scale=1.0, out=None) -> None``
+    One fused pass: ``grads * grad_scale``, AdamW (decoupled) or Adam (L2) weight decay,
+    moments, bias-corrected update of fp32 ``params`` in place, and when ``out`` (bf16
+    or fp16) is given, the updated params rounded to nearest even into it. Grads may be
+    fp32, bf16 or fp16. Same arithmetic as torch's single-tensor AdamW in fp32.
+
+``grad_sumsq_and_finite(grads) -> (float sumsq, bool finite)``
+    Sum of squares (accumulated in double) and an inf/NaN check in one read; add the
+    sums of all buffers and ranks, then ``clip_coefficient(sqrt(total), max_norm)``.
+
+``clip_coefficient(total_norm, max_norm) -> float``
+    ``min(1, max_norm / (total_norm + 1e-6))``, the factor ``clip_grad_norm_`` applies.
+
+``adam_roofline(params, grads, exp_avg, exp_avg_sq) -> None``
+    Adam's memory traffic with trivial arithmetic: the benchmarks' yardstick.
+
+``kernel_info() -> dict``, ``set_isa(name)``
+    Which ISA (``avx512``, ``avx2``, ``generic``) and how many OpenMP threads the kernels
+    use; forcing a lower ISA is for tests. ``ZEROFN_CPU_ISA`` does the same at start.
+
+All buffers must be contiguous CPU tensors of equal numel; violations raise
+``TypeError`` / ``ValueError``, and a missing build raises ``RuntimeError`` on first use.
+Kernels release the GIL and use as many threads as ``torch.get_num_threads()``.
+"""
+from zerofn.optim.cpu_adam import CPUAdam
+from zerofn.optim.kernels import (
+    adam_roofline,
+    adam_step,
+    clip_coefficient,
+    grad_sumsq_and_finite,
+    kernel_info,
+    set_isa,
+)
+
+__all__ = [
+    "CPUAdam",
+    "adam_roofline",
+    "adam_step",
+    "clip_coefficient",
+    "grad_sumsq_and_finite",
+    "kernel_info",
+    "set_isa",
+]
