@@ -63,7 +63,7 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sta
 # -- conversions -------------------------------------------------------------------------
 def full_tensor_of(rt, slot: ParamSlot, local: torch.Tensor) -> torch.Tensor:
     """Gather a tensor sharded like ``slot`` (this rank's rows) into the full tensor."""
-    padded = F.pad(local.reshape(local.shape[0], -1), (0, 0, 0, slot.chunk - local.shape[0]))
+    padded = F.pad(local.reshape(local.shape[0], slot.inner), (0, 0, 0, slot.chunk - local.shape[0]))
     out = torch.empty(rt.world * padded.numel(), dtype=local.dtype, device=local.device)
     rt.comm.all_gather(out, padded.contiguous().view(-1))
     return out[:slot.numel].view(slot.shape).clone()

@@ -13,6 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+# torch 2.13 renamed the flat collectives; 2.11 has only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class Comm:
     def __init__(self, group, max_inflight_numel: int):
@@ -32,14 +36,14 @@ class Comm:
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         self._count("all_gather", out.numel(), out.dtype)
         with record_function("zerofn::all_gather"):
-            return dist.all_gather_into_tensor(out, shard, group=self.group, async_op=async_op)
+            return _all_gather(out, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
         """Sum-reduce-scatter. Averaging is the caller's division: gloo's AVG is unreliable."""
         self._count("reduce_scatter", full.numel(), full.dtype)
         with record_function("zerofn::reduce_scatter"):
-            return dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM,
-                                              group=self.group, async_op=async_op)
+            return _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=self.group,
+                                   async_op=async_op)
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         self._count("all_reduce", t.numel(), t.dtype)

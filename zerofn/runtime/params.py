@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .units import Unit
 
@@ -113,9 +114,13 @@ class ParamGatherer:
         if not in_backward():
             self.prefetch_after(unit, 1)
 
-    def post_forward(self, unit: Unit, is_root: bool) -> None:
+    def post_forward(self, unit: Unit, is_root: bool, output) -> None:
         if in_backward():
             return   # a checkpointed recompute: backward is about to use these params
+        if torch.is_grad_enabled():
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, u=unit: self.pre_backward(u))
         if self.reshard_after_forward:
             self.free(unit)
         if is_root:
@@ -123,6 +128,17 @@ class ParamGatherer:
                 self._hooks_ctx.__exit__(None, None, None)
                 self._hooks_ctx = None
             self.order = self._recording
+
+    def pre_backward(self, unit: Unit) -> None:
+        """Gradients reached the unit's outputs: gather and register its parameters, so a
+        checkpointed recompute of its forward (which bypasses the unit's own hooks) sees
+        them, and start gathering the unit that ran before it."""
+        gathered = unit in self.full
+        self.ensure(unit)
+        for s in unit.slots:
+            _register(s, s.param)
+        if not gathered:
+            self.prefetch_after(unit, -1)
 
     def end_backward(self) -> None:
         for unit in list(self.full):

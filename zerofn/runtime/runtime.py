@@ -152,7 +152,7 @@ class Runtime:
             handles.append(unit.module.register_forward_pre_hook(
                 lambda m, a, u=unit, r=is_root: self._pre_forward(u, r), prepend=True))
             handles.append(unit.module.register_forward_hook(
-                lambda m, a, o, u=unit, r=is_root: self._post_forward(u, r), always_call=True))
+                lambda m, a, o, u=unit, r=is_root: self._post_forward(u, r, o), always_call=True))
         return handles
 
     # -- forward ---------------------------------------------------------------------
@@ -162,9 +162,9 @@ class Runtime:
         elif unit in self._param_work:
             self.comm.finish_through(self._param_work[unit])
 
-    def _post_forward(self, unit, is_root: bool) -> None:
+    def _post_forward(self, unit, is_root: bool, output) -> None:
         if self.gatherer is not None:
-            self.gatherer.post_forward(unit, is_root)
+            self.gatherer.post_forward(unit, is_root, output)
             if is_root:
                 self._order = self.gatherer.order or self._order
 
