@@ -71,7 +71,7 @@ struct AdamJob {
   AdamCoeffs c;
 };
 
-void adam_piece(void* ctx, int, int64_t b, int64_t e) {
+void adam_piece(void* ctx, int64_t, int64_t b, int64_t e) {
   auto* j = static_cast<AdamJob*>(ctx);
   char* out = j->out ? j->out + b * 2 : nullptr;
   j->k->adam(j->p + b, j->g + b * elem_bytes(j->g_dtype), j->g_dtype, j->m + b, j->v + b,
@@ -109,7 +109,7 @@ struct SumsqJob {
   std::vector<char> finite;
 };
 
-void sumsq_piece(void* ctx, int piece, int64_t b, int64_t e) {
+void sumsq_piece(void* ctx, int64_t piece, int64_t b, int64_t e) {
   auto* j = static_cast<SumsqJob*>(ctx);
   bool ok = true;
   j->k->sumsq(j->g + b * elem_bytes(j->g_dtype), j->g_dtype, e - b, &j->sums[piece], &ok);
@@ -120,17 +120,16 @@ py::tuple grad_sumsq_and_finite(uintptr_t g, int g_dtype, int64_t n) {
   if (n < 0) throw std::invalid_argument("numel must be >= 0");
   check_dtype(g_dtype, false, "grads");
   check_ptr(g, n, elem_bytes(g_dtype), "grads");
+  const int64_t pieces = split_for(n).pieces;
   SumsqJob job{&active_kernels(), reinterpret_cast<const char*>(g), g_dtype,
-               std::vector<double>(max_threads() + 1, 0.0),
-               std::vector<char>(max_threads() + 1, 1)};
-  int pieces;
+               std::vector<double>(pieces, 0.0), std::vector<char>(pieces, 1)};
   {
     py::gil_scoped_release nogil;
-    pieces = parallel_ranges(n, sumsq_piece, &job);
+    parallel_ranges(n, sumsq_piece, &job);
   }
   double total = 0.0;  // fixed order: the result does not depend on thread timing
   bool finite = true;
-  for (int i = 0; i < pieces; ++i) {
+  for (int64_t i = 0; i < pieces; ++i) {
     total += job.sums[i];
     finite = finite && job.finite[i];
   }
@@ -142,7 +141,7 @@ struct RoofJob {
   float *p, *g, *m, *v;
 };
 
-void roof_piece(void* ctx, int, int64_t b, int64_t e) {
+void roof_piece(void* ctx, int64_t, int64_t b, int64_t e) {
   auto* j = static_cast<RoofJob*>(ctx);
   j->k->roofline(j->p + b, j->g + b, j->m + b, j->v + b, e - b);
 }

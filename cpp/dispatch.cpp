@@ -44,6 +44,9 @@ const KernelTable* g_active = nullptr;
 
 // Below this many elements per thread, waking a thread costs more than it saves.
 constexpr int64_t kMinPerThread = 1 << 15;
+// Enough pieces per thread to rebalance when a core is busy elsewhere, few enough
+// that each stays megabytes long.
+constexpr int64_t kPiecesPerThread = 8;
 // Pieces start on multiples of 64 elements: whole cache lines for fp32 and 16-bit data.
 constexpr int64_t kAlign = 64;
 
@@ -76,23 +79,26 @@ int max_threads() {
 #endif
 }
 
-int parallel_ranges(int64_t n, void (*body)(void*, int, int64_t, int64_t), void* ctx) {
-  int64_t want = n / kMinPerThread;
-  int threads = want < max_threads() ? int(want) : max_threads();
-  if (threads <= 1) {
-    body(ctx, 0, 0, n);
-    return 1;
-  }
-  int64_t per = (n + threads - 1) / threads;
+Split split_for(int64_t n) {
+  const int64_t want = n / kMinPerThread;
+  const int threads = want < max_threads() ? int(want) : max_threads();
+  if (threads <= 1) return {1, 1, n};
+  int64_t per = (n + threads * kPiecesPerThread - 1) / (threads * kPiecesPerThread);
+  per = per < kMinPerThread ? kMinPerThread : per;
   per = (per + kAlign - 1) / kAlign * kAlign;
+  return {threads, (n + per - 1) / per, per};
+}
+
+void parallel_ranges(int64_t n, void (*body)(void*, int64_t, int64_t, int64_t), void* ctx) {
+  const Split s = split_for(n);
+  if (s.threads == 1) return body(ctx, 0, 0, n);
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(static, 1) num_threads(threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(s.threads)
 #endif
-  for (int t = 0; t < threads; ++t) {
-    int64_t b = t * per, e = b + per < n ? b + per : n;
-    if (b < e) body(ctx, t, b, e);
+  for (int64_t i = 0; i < s.pieces; ++i) {
+    const int64_t b = i * s.per, e = b + s.per < n ? b + s.per : n;
+    body(ctx, i, b, e);
   }
-  return threads;
 }
 
 }  // namespace zerofn

@@ -17,10 +17,18 @@ void set_isa(const std::string& name);
 std::vector<std::string> available_isas();
 int max_threads();
 
-// Runs body(thread_index, begin, end) on contiguous, cache-line-aligned pieces of
-// [0, n): one piece per thread, static, so each core streams one long range.
-// Returns how many pieces ran (their indices are 0..pieces-1).
-int parallel_ranges(int64_t n, void (*body)(void* ctx, int piece, int64_t b, int64_t e),
-                    void* ctx);
+// How [0, n) is cut: `pieces` contiguous ranges of `per` elements (the last shorter),
+// each a multiple of 64 elements so every piece starts on a cache line.
+struct Split {
+  int threads;
+  int64_t pieces, per;
+};
+Split split_for(int64_t n);
+
+// Runs body(ctx, piece, begin, end) over split_for(n) on up to `threads` OpenMP threads.
+// A few large pieces per thread, handed out dynamically: each core still streams long
+// contiguous ranges, and a core slowed by another process takes fewer of them.
+void parallel_ranges(int64_t n, void (*body)(void* ctx, int64_t piece, int64_t b, int64_t e),
+                     void* ctx);
 
 }  // namespace zerofn

@@ -37,8 +37,9 @@ struct V {
   static reg load_f16(const uint16_t* x) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
   }
+  using half = __m128i;  // W 16-bit values
   // Same rounding and NaN rule as the AVX-512 and generic versions.
-  static void store_bf16(uint16_t* x, reg a) {
+  static half bf16_bits(reg a) {
     __m256i u = _mm256_castps_si256(a);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(
@@ -47,13 +48,17 @@ struct V {
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, q, nan);
     // packus works per 128-bit lane; the permute brings both halves into the low lane.
-    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(x), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
   }
-  static void store_f16(uint16_t* x, reg a) {
-    __m128i h = _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(x), h);
+  static half f16_bits(reg a) {
+    return _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
+  template <bool STREAM>
+  static void store_half(uint16_t* x, half h) {
+    if constexpr (STREAM) _mm_stream_si128(reinterpret_cast<__m128i*>(x), h);
+    else _mm_storeu_si128(reinterpret_cast<__m128i*>(x), h);
+  }
+  static void store_fence() { _mm_sfence(); }
 
   struct Dacc { __m256d lo, hi; };
   static Dacc dacc_zero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }

@@ -37,21 +37,27 @@ struct V {
   static reg load_f16(const uint16_t* x) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   }
+  using half = __m256i;  // W 16-bit values
   // Round to nearest even on the bit pattern, like c10::BFloat16; a NaN keeps its sign
   // and top payload bits with the quiet bit set (rounding could turn it into an inf).
-  static void store_bf16(uint16_t* x, reg a) {
+  static half bf16_bits(reg a) {
     __m512i u = _mm512_castps_si512(a);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(
         _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), q);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
   }
-  static void store_f16(uint16_t* x, reg a) {
-    __m256i h = _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), h);
+  static half f16_bits(reg a) {
+    return _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
+  template <bool STREAM>
+  static void store_half(uint16_t* x, half h) {
+    if constexpr (STREAM) _mm256_stream_si256(reinterpret_cast<__m256i*>(x), h);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), h);
+  }
+  static void store_fence() { _mm_sfence(); }
 
   struct Dacc { __m512d lo, hi; };
   static Dacc dacc_zero() { return {_mm512_setzero_pd(), _mm512_setzero_pd()}; }

@@ -69,8 +69,12 @@ struct V {
   static reg fma(reg a, reg b, reg c) { return __builtin_fmaf(a, b, c); }
   static reg load_bf16(const uint16_t* x) { return float_of(uint32_t(load_u16(x)) << 16); }
   static reg load_f16(const uint16_t* x) { return half_to_float(load_u16(x)); }
-  static void store_bf16(uint16_t* x, reg a) { *x = float_to_bf16(a); }
-  static void store_f16(uint16_t* x, reg a) { *x = float_to_half(a); }
+  using half = uint16_t;
+  static half bf16_bits(reg a) { return float_to_bf16(a); }
+  static half f16_bits(reg a) { return float_to_half(a); }
+  template <bool STREAM>
+  static void store_half(uint16_t* x, half h) { *x = h; }
+  static void store_fence() {}
 
   struct Dacc { double s; };
   static Dacc dacc_zero() { return {0.0}; }

@@ -6,7 +6,8 @@
 // be compiled for the including file's ISA, and the linker could hand that AVX-512 copy
 // to generic callers on a CPU without AVX-512.
 //
-// V provides: W (lanes), reg, load/store (f32), load_bf16/load_f16, store_bf16/store_f16,
+// V provides: W (lanes), reg, load/store (f32), load_bf16/load_f16, half (W 16-bit
+// values), bf16_bits/f16_bits (round to nearest even), store_half<STREAM>, store_fence,
 // set1, add, sub, mul, div, sqrt, fma(a, b, c) = a*b + c rounded once, and the
 // double-precision sum-of-squares accumulator (Dacc, dacc_zero, dacc_add_sq, dacc_sum).
 
@@ -26,10 +27,14 @@ inline reg load_grad(const void* g, int64_t i) {
   if constexpr (G == kF16) return V::load_f16(static_cast<const uint16_t*>(g) + i);
 }
 
-template <int O>
+// The low-precision copy is written, never read: a streaming (non-temporal) store
+// skips the read-for-ownership of its cache line, 2 of the pipeline's 32 bytes/param.
+// Needs W*2-byte alignment, which the caller checks (STREAM=false otherwise).
+template <int O, bool STREAM>
 inline void store_out(void* out, int64_t i, reg x) {
-  if constexpr (O == kBF16) V::store_bf16(static_cast<uint16_t*>(out) + i, x);
-  if constexpr (O == kF16) V::store_f16(static_cast<uint16_t*>(out) + i, x);
+  auto* o = static_cast<uint16_t*>(out) + i;
+  if constexpr (O == kBF16) V::template store_half<STREAM>(o, V::bf16_bits(x));
+  if constexpr (O == kF16) V::template store_half<STREAM>(o, V::f16_bits(x));
 }
 
 constexpr int elem_size(int dtype) { return dtype == kF32 ? 4 : 2; }
@@ -48,7 +53,7 @@ struct Regs {
 // (vectorised ATen kernels): mul_(decay); add(p, alpha=wd) = fma; lerp_ = fma of the
 // difference; mul_(beta2).addcmul_ = fma((1-b2)*g, g, v*b2); sqrt / bc2_sqrt + eps;
 // addcdiv_ = p + (-step_size*m) / denom. Matching it keeps parity near one ulp.
-template <int G, int O, bool L2, bool SMALL>
+template <int G, int O, bool L2, bool SMALL, bool STREAM = false>
 inline void adam_vec(float* p, const void* g, float* m, float* v, void* out, int64_t i,
                      const Regs& k) {
   reg gr = V::mul(load_grad<G>(g, i), k.grad_scale);
@@ -63,7 +68,7 @@ inline void adam_vec(float* p, const void* g, float* m, float* v, void* out, int
   V::store(p + i, pr);
   V::store(m + i, mr);
   V::store(v + i, vr);
-  if constexpr (O != kNone) store_out<O>(out, i, pr);
+  if constexpr (O != kNone) store_out<O, STREAM>(out, i, pr);
 }
 
 inline void copy_bytes(void* dst, const void* src, int64_t bytes) {
@@ -90,41 +95,47 @@ void adam_tail(float* p, const void* g, float* m, float* v, void* out, int64_t r
   if constexpr (O != kNone) copy_bytes(out, os, r * 2);
 }
 
-template <int G, int O, bool L2, bool SMALL>
+template <int G, int O, bool L2, bool SMALL, bool STREAM>
 void adam_range(float* p, const void* g, float* m, float* v, void* out, int64_t n,
                 const AdamCoeffs& c) {
   const Regs k(c);
   const int64_t body = n - n % V::W;
-  for (int64_t i = 0; i < body; i += V::W) adam_vec<G, O, L2, SMALL>(p, g, m, v, out, i, k);
+  for (int64_t i = 0; i < body; i += V::W)
+    adam_vec<G, O, L2, SMALL, STREAM>(p, g, m, v, out, i, k);
+  if constexpr (STREAM) V::store_fence();
   if (body == n) return;
   const void* gt = static_cast<const char*>(g) + body * elem_size(G);
   void* ot = O == kNone ? out : static_cast<char*>(out) + body * 2;
   adam_tail<G, O, L2, SMALL>(p + body, gt, m + body, v + body, ot, n - body, k);
 }
 
-// Runtime flags -> one of the 36 instantiations, so the inner loop has no branches.
-template <int G, int O>
+// Runtime flags -> one template instantiation, so the inner loop has no branches.
+template <int G, int O, bool STREAM>
 void adam_go(float* p, const void* g, float* m, float* v, void* out, int64_t n,
              const AdamCoeffs& c) {
-  if (c.use_l2 && c.lerp_small) return adam_range<G, O, true, true>(p, g, m, v, out, n, c);
-  if (c.use_l2) return adam_range<G, O, true, false>(p, g, m, v, out, n, c);
-  if (c.lerp_small) return adam_range<G, O, false, true>(p, g, m, v, out, n, c);
-  adam_range<G, O, false, false>(p, g, m, v, out, n, c);
+  if (c.use_l2 && c.lerp_small) return adam_range<G, O, true, true, STREAM>(p, g, m, v, out, n, c);
+  if (c.use_l2) return adam_range<G, O, true, false, STREAM>(p, g, m, v, out, n, c);
+  if (c.lerp_small) return adam_range<G, O, false, true, STREAM>(p, g, m, v, out, n, c);
+  adam_range<G, O, false, false, STREAM>(p, g, m, v, out, n, c);
 }
 
 template <int G>
 void adam_go_out(float* p, const void* g, float* m, float* v, void* out, int out_dtype,
-                 int64_t n, const AdamCoeffs& c) {
-  if (out_dtype == kBF16) return adam_go<G, kBF16>(p, g, m, v, out, n, c);
-  if (out_dtype == kF16) return adam_go<G, kF16>(p, g, m, v, out, n, c);
-  adam_go<G, kNone>(p, g, m, v, out, n, c);
+                 bool stream, int64_t n, const AdamCoeffs& c) {
+  if (out_dtype == kBF16 && stream) return adam_go<G, kBF16, true>(p, g, m, v, out, n, c);
+  if (out_dtype == kBF16) return adam_go<G, kBF16, false>(p, g, m, v, out, n, c);
+  if (out_dtype == kF16 && stream) return adam_go<G, kF16, true>(p, g, m, v, out, n, c);
+  if (out_dtype == kF16) return adam_go<G, kF16, false>(p, g, m, v, out, n, c);
+  adam_go<G, kNone, false>(p, g, m, v, out, n, c);
 }
 
+// Streams the low-precision copy when every vector store of it will be aligned.
 void adam_kernel(float* p, const void* g, int g_dtype, float* m, float* v, void* out,
                  int out_dtype, int64_t n, const AdamCoeffs& c) {
-  if (g_dtype == kBF16) return adam_go_out<kBF16>(p, g, m, v, out, out_dtype, n, c);
-  if (g_dtype == kF16) return adam_go_out<kF16>(p, g, m, v, out, out_dtype, n, c);
-  adam_go_out<kF32>(p, g, m, v, out, out_dtype, n, c);
+  const bool stream = reinterpret_cast<uintptr_t>(out) % (V::W * 2) == 0;
+  if (g_dtype == kBF16) return adam_go_out<kBF16>(p, g, m, v, out, out_dtype, stream, n, c);
+  if (g_dtype == kF16) return adam_go_out<kF16>(p, g, m, v, out, out_dtype, stream, n, c);
+  adam_go_out<kF32>(p, g, m, v, out, out_dtype, stream, n, c);
 }
 
 // x - x is 0 for every finite x and NaN for inf or NaN, so a running sum of it stays
