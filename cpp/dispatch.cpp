@@ -11,7 +11,7 @@ namespace zerofn {
 namespace {
 
 bool cpu_has(const std::string& name) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(ZEROFN_X86_KERNELS)
   __builtin_cpu_init();  // libgcc also checks that the OS saves the wider registers
   if (name == "avx512") return __builtin_cpu_supports("avx512f");
   if (name == "avx2")

@@ -2,7 +2,7 @@
 // CPU since about 2013 that lacks AVX-512.
 #include "kernels.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(ZEROFN_X86_KERNELS)
 #include <immintrin.h>
 
 #include <cstdint>

@@ -2,7 +2,7 @@
 // OS support it. Only AVX512F instructions are used, so every AVX-512 CPU qualifies.
 #include "kernels.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(ZEROFN_X86_KERNELS)
 #include <immintrin.h>
 
 #include <cstdint>

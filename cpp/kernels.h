@@ -8,6 +8,14 @@
 
 #include <cstdint>
 
+// The AVX2 and AVX-512 kernels are compiled on x86-64 with GCC or clang. Defining
+// ZEROFN_PORTABLE_ONLY builds only the generic ones, as on aarch64 (and lets an x86 host
+// check that configuration).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(ZEROFN_PORTABLE_ONLY)
+#define ZEROFN_X86_KERNELS 1
+#endif
+
 namespace zerofn {
 
 // Element types a buffer may hold. Values are part of the Python ABI (_C.DTYPE_*).
