@@ -5,7 +5,10 @@ import platform
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
-compile_args = ["-O3", "-fopenmp", "-ffp-contract=off"]
+# -ffp-contract=off: the kernels place every fma themselves, to round like torch.
+# -fno-math-errno: sqrt stays one instruction (and vectorises in the generic kernels);
+# no -ffast-math, which would fold away the x - x non-finite test.
+compile_args = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 link_args = ["-fopenmp"]
 
 ext = Pybind11Extension(
