@@ -18,12 +18,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     rt = runtime_of(model)
     norm_type = float(norm_type)
     rt.reducer.sync()
-    shards = [rt.reducer.grad_shard[u] for u in rt.units
-              if rt.reducer.has_grads(u) and rt.reducer.grad_shard.get(u) is not None]
+    shards = [g for u in rt.units for s in u.slots
+              if (g := rt.reducer.grad_of(u, s)) is not None and g.numel()]
     device = rt.units[-1].device or torch.device("cpu")
     if norm_type == float("inf"):
-        local = torch.stack([g.abs().max() for g in shards if g.numel()]).max() \
-            if any(g.numel() for g in shards) else torch.zeros((), device=device)
+        local = torch.stack([g.abs().max() for g in shards]).max() if shards \
+            else torch.zeros((), device=device)
         total = local.float().clone()
         rt.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
     else:

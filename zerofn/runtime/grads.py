@@ -99,17 +99,30 @@ class GradReducer:
     def _reduced(self, unit: Unit, send: torch.Tensor, out: torch.Tensor) -> None:
         self.pool.give(send)
         out.div_(self.comm.world)
+        if self.stage == 1:
+            self._write_back(unit, out)
+            return
         target = self.grad_shard[unit]
         if out is not target:
             target.add_(out)
             self.pool.give(out)
+
+    def _write_back(self, unit: Unit, out: torch.Tensor) -> None:
+        """ZeRO-1: the reduced shard goes into this rank's rows of the full gradients, so no
+        gradient memory beyond the full gradients (DESIGN.md §4) outlives the reduction."""
+        for s in unit.trainable:
+            if s.param.grad is None:
+                s.param.grad = torch.zeros_like(s.param)
+            s.rows_of(s.param.grad).copy_(s.shard_of(out))
+        del self.grad_shard[unit]
+        self.pool.give(out)
 
     # -- at the optimizer step -----------------------------------------------------------
     def sync(self) -> None:
         """Make every unit's reduced gradient shard ready. ZeRO-1 reduces here.
 
         ZeRO-1's full gradients stay on the parameters (they accumulate there, as in plain
-        PyTorch), so each reduction overwrites the shard with the reduced total.
+        PyTorch) and the reduced rows are written back into them.
         """
         if self.stage == 1 and self._dirty:
             for unit in self.units:
@@ -127,11 +140,17 @@ class GradReducer:
     def has_grads(self, unit: Unit) -> bool:
         return not self._fresh[unit]
 
+    def grad_of(self, unit: Unit, slot: ParamSlot) -> torch.Tensor | None:
+        """The reduced gradient of this rank's rows of ``slot``, once ``sync`` has run."""
+        if not self.has_grads(unit) or not slot.requires_grad:
+            return None
+        if self.stage == 1:
+            return slot.rows_of(slot.param.grad)
+        return slot.shard_of(self.grad_shard[unit])
+
     def zero_grad(self) -> None:
         """What ``optimizer.zero_grad()`` means for the shards: the next reduction starts over."""
         for unit in self.units:
             self._fresh[unit] = True
-            if self.stage == 1 and self.grad_shard.get(unit) is not None:
-                self.pool.give(self.grad_shard.pop(unit))
             for s in unit.slots:
                 s.param.grad = None

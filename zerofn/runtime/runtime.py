@@ -179,10 +179,8 @@ class Runtime:
         self.wait_params()
         self.reducer.sync()
         for unit in self.units:
-            shard = self.reducer.grad_shard.get(unit) if self.reducer.has_grads(unit) else None
             for s in unit.slots:
-                if s.requires_grad:
-                    s.opt_param.grad = None if shard is None else s.shard_of(shard)
+                s.opt_param.grad = self.reducer.grad_of(unit, s)
 
     def after_step(self) -> None:
         if self.stage < 3:

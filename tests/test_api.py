@@ -1,0 +1,120 @@
+"""The transforms' contract: composition, what the returned objects keep, and clear errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zerofn as zf
+from models import batches, make_models, make_optimizer
+from multiproc import run_ranks
+from test_parity import max_errors, train_reference, train_sharded, transform
+
+
+def one_at_a_time(rank, world):
+    """Applying transforms one by one (in any order) equals compose, and keeps the objects."""
+    results = []
+    for order in (("shard_optimizer", "shard_grads", "shard_params"),
+                  ("shard_params", "shard_optimizer", "shard_grads")):
+        ref, model = make_models()
+        ref_opt, opt = make_optimizer("adamw", ref.parameters()), make_optimizer("adamw", model.parameters())
+        original_model, original_opt = model, opt
+        for name in order:
+            model, opt = getattr(zf, name)()(model, opt)
+        assert model is original_model and opt is original_opt
+        assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == 0.1
+        data = batches(3, 1, world)
+        train_reference(ref, ref_opt, data)
+        train_sharded(model, opt, data, rank, world)
+        results.append(max_errors(ref, ref_opt, model, opt))
+    return results
+
+
+def test_transforms_compose_one_at_a_time():
+    for errs in run_ranks(2, one_at_a_time):
+        for p_err, s_err in errs:
+            assert p_err < 1e-5 and s_err < 1e-5
+
+
+def shard_grads_alone(rank, world):
+    _, model = make_models()
+    opt = make_optimizer("sgd", model.parameters())
+    model, opt = zf.shard_grads()(model, opt)
+    return model._zerofn.stage
+
+
+def test_shard_grads_implies_shard_optimizer():
+    assert run_ranks(1, shard_grads_alone) == [2]
+
+
+def applied_twice(rank, world):
+    _, model = make_models()
+    opt = make_optimizer("sgd", model.parameters())
+    model, opt = zf.shard_params()(model, opt)
+    with pytest.raises(ValueError, match="applied twice"):
+        zf.shard_params()(model, opt)
+    return True
+
+
+def test_transform_applied_twice_is_an_error():
+    run_ranks(1, applied_twice)
+
+
+def test_no_process_group_is_a_clear_error():
+    _, model = make_models()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        zf.shard_optimizer()(model, make_optimizer("sgd", model.parameters()))
+
+
+def test_bad_options_fail_at_once():
+    with pytest.raises(TypeError, match="prefetch"):
+        zf.shard_optimizer(prefetch=2)
+    with pytest.raises(TypeError, match="compose"):
+        zf.compose(zf.shard_params(), "shard_grads")
+
+
+def disagreeing(rank, world, what):
+    """Each rank gets a different model or plan; every rank must raise, none may hang."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8 + (rank if what == "model" else 0)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t = zf.shard_params(prefetch=1 + rank) if what == "plan" else zf.shard_params()
+    if what == "optimizer" and rank == 1:
+        opt = torch.optim.SGD(list(model.parameters()) + [nn.Parameter(torch.ones(2))], lr=0.1)
+    try:
+        t(model, opt)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("what,message", [("model", "disagree"), ("plan", "prefetch"),
+                                          ("optimizer", "not a parameter of the model")])
+def test_ranks_that_disagree_all_raise(what, message):
+    for msg in run_ranks(2, disagreeing, what, timeout=60):
+        assert msg is not None and message in msg
+
+
+def full_params_only_while_running(rank, world):
+    """ZeRO-3: inside a unit's forward its params are full tensors; outside, Shard(0) DTensors."""
+    from torch.distributed.tensor import DTensor
+    _, model = make_models()
+    opt = make_optimizer("adamw", model.parameters())
+    model, opt = transform(3)(model, opt)
+    seen = []
+    block = model.blocks[0]
+    block.fc.register_forward_hook(
+        lambda m, a, o: seen.append((type(m.weight) is nn.Parameter, tuple(m.weight.shape),
+                                     isinstance(model.blocks[1].fc.weight, DTensor))))
+    x, y = batches(1, 1, world)[0][0]
+    model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    opt.step()
+    assert seen == [(True, (130, 48), True)]
+    assert isinstance(block.fc.weight, DTensor)
+    assert zf.model_state_bytes(model)["cpu"]["params"] < 4 * sum(
+        p.numel() for p in model.parameters()) / world + 4096
+    return True
+
+
+def test_zero3_full_params_exist_only_while_unit_runs():
+    run_ranks(2, full_params_only_while_running)

@@ -1,0 +1,97 @@
+"""State dicts move between stages (and through torch.distributed.checkpoint) exactly."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Shard
+
+import zerofn as zf
+from models import batches, make_models, make_optimizer
+from multiproc import run_ranks
+from test_parity import train_sharded, transform
+
+
+def trained(rank, world, stage, kind="adamw", steps=3, seed=0):
+    _, model = make_models(seed=seed)
+    opt = make_optimizer(kind, model.parameters())
+    model, opt = transform(stage)(model, opt)
+    train_sharded(model, opt, batches(steps, 1, world), rank, world)
+    return model, opt
+
+
+def assert_same_state(a, b):
+    (ma, oa), (mb, ob) = a, b
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), k
+    assert oa["state"].keys() == ob["state"].keys()
+    for fqn, st in oa["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(ob["state"][fqn][k])), (fqn, k)
+    assert oa["param_groups"] == ob["param_groups"]
+
+
+def cross_stage(rank, world):
+    for src, dst in itertools.product((1, 2, 3), repeat=2):
+        model, opt = trained(rank, world, src)
+        msd, osd = zf.get_state_dict(model, opt)
+        fresh, fresh_opt = trained(rank, world, dst, steps=0, seed=7)
+        zf.set_state_dict(fresh, fresh_opt, msd, osd)
+        assert_same_state(zf.get_state_dict(model, opt, full=True),
+                          zf.get_state_dict(fresh, fresh_opt, full=True))
+        # and both continue identically
+        data = batches(2, 1, world, seed=5)
+        train_sharded(model, opt, data, rank, world)
+        train_sharded(fresh, fresh_opt, data, rank, world)
+        assert_same_state(zf.get_state_dict(model, opt, full=True),
+                          zf.get_state_dict(fresh, fresh_opt, full=True))
+    return True
+
+
+def test_set_state_dict_across_stages():
+    run_ranks(2, cross_stage)
+
+
+def layout(rank, world):
+    model, opt = trained(rank, world, 3)
+    msd, osd = zf.get_state_dict(model, opt)
+    w = msd["blocks.0.fc.weight"]
+    assert isinstance(w, DTensor) and tuple(w.placements) == (Shard(0),)
+    assert w.shape == (130, 48)
+    assert w.to_local().shape[0] == [33, 33, 33, 31][rank]     # torch.chunk's split of 130 rows
+    assert msd["gain"].to_local().numel() == [1, 1, 1, 0][rank]  # fewer rows than ranks
+    assert msd["tok.weight"] is not None and "head.weight" in msd  # tied: both names, like FSDP2
+    st = osd["state"]["blocks.0.fc.weight"]
+    assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and isinstance(st["exp_avg"], DTensor)
+    # Between steps, ZeRO-3 parameters are DTensors, as FSDP2's are, under unchanged FQNs.
+    names = [n for n, _ in make_models()[1].named_parameters()]
+    trainable = [n for n, p in make_models()[1].named_parameters() if p.requires_grad]
+    assert osd["param_groups"][0]["params"] == trainable
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    return True
+
+
+def test_zero3_layout_matches_fsdp2():
+    run_ranks(4, layout)
+
+
+def through_dcp(rank, world, path):
+    model, opt = trained(rank, world, 3)
+    dcp.save({"model": zf.get_state_dict(model, opt)[0], "optim": zf.get_state_dict(model, opt)[1]},
+             checkpoint_id=path)
+    fresh, fresh_opt = trained(rank, world, 2, steps=0, seed=7)
+    msd, osd = zf.get_state_dict(fresh, fresh_opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    zf.set_state_dict(fresh, fresh_opt, state["model"], state["optim"])
+    assert_same_state(zf.get_state_dict(model, opt, full=True),
+                      zf.get_state_dict(fresh, fresh_opt, full=True))
+    return True
+
+
+def test_dcp_round_trip_between_stages(tmp_path):
+    run_ranks(2, through_dcp, str(tmp_path / "ckpt"))
