@@ -91,6 +91,7 @@ EXTRA = [
     (1, "adamw", 1, {"groups": True}),
     (3, "adamw", 1, {"opts": {"prefetch": 2}}),
     (3, "adamw", 1, {"opts": {"reshard_after_forward": False}}),
+    (3, "adamw", 3, {"opts": {"persist_below": 200}, "clip": 0.05}),
     (3, "sgd", 3, {"checkpoint": True, "clip": 0.05}),
 ]
 

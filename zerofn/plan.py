@@ -12,7 +12,7 @@ from typing import Any
 
 # Options shared by every stage: a transform that names one sets it for the whole plan.
 SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states")
-PARAM_OPTIONS = ("prefetch", "reshard_after_forward")
+PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
 DEFAULTS = {
     "group": None,
     "units": None,
@@ -20,6 +20,7 @@ DEFAULTS = {
     "sync_module_states": True,
     "prefetch": 1,
     "reshard_after_forward": True,
+    "persist_below": 0,
 }
 
 

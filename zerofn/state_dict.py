@@ -53,7 +53,7 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sta
             slot = slot_by_name.get(name)
             if slot is None:
                 buffers[name].copy_(_full_value(value))
-            elif rt.stage == 3:
+            elif slot.sharded is not None:
                 slot.opt_param.copy_(_local_value(rt, slot, value))
             else:
                 slot.param.data.copy_(_full_value(value, slot.shape, name))

@@ -75,6 +75,9 @@ def shard_params(**options) -> Transform:
         prefetch: how many units ahead to gather while one computes (default 1).
         reshard_after_forward: free a unit's full parameters after its forward and gather
             them again in backward (default True; False trades memory for one all-gather).
+        persist_below: parameters with fewer elements stay whole on every rank (like
+            DeepSpeed's ``stage3_param_persistence_threshold``): no gather in forward or
+            backward, their optimizer state still sharded (default 0: none).
     """
     return _stage_transform("shard_params", 3, SHARED_OPTIONS + PARAM_OPTIONS, options)
 

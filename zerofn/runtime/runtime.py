@@ -71,6 +71,7 @@ class Runtime:
         self.gatherer = None
         self._param_work: dict = {}         # ZeRO-1/2: unit -> pending all-gather
         self._order = [u for u in units if u is self.root] + [u for u in units if u is not self.root]
+        self._sharded_params = [u for u in units if self.stage == 3 and not u.replicated]
         self._lay_out_shards()
         self.reducer = GradReducer(self.comm, self.pool, units, self.stage,
                                    self._on_reduced if self.stage == 3 else None)
@@ -84,7 +85,9 @@ class Runtime:
     def _build_units(self):
         problems = []
         try:
-            units = build_units(self.model, self.plan.option("units"), self.world, self.rank)
+            persist = self.plan.option("persist_below") if self.plan.stage == 3 else 0
+            units = build_units(self.model, self.plan.option("units"), self.world, self.rank,
+                                persist)
         except ValueError as e:
             return [], [str(e)]
         slot_of = {s.param: s for u in units for s in u.slots}
@@ -123,10 +126,11 @@ class Runtime:
 
     def _lay_out_shards(self) -> None:
         for unit in self.units:
-            if self.stage == 3:
+            sharded = unit in self._sharded_params
+            if sharded:
                 unit.shard = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
             for s in unit.slots:
-                if self.stage == 3:
+                if sharded:
                     s.opt_param = s.shard_of(unit.shard)
                     s.opt_param.copy_(s.rows_of(s.param.detach()))
                     dt = DTensor.from_local(s.shard_of(unit.shard), self.mesh, [Shard(0)],
@@ -139,7 +143,7 @@ class Runtime:
             self.gatherer = ParamGatherer(self.comm, self.pool, self.units,
                                           self.plan.option("prefetch"),
                                           self.plan.option("reshard_after_forward"))
-            for unit in self.units:
+            for unit in self._sharded_params:
                 for s in unit.slots:
                     s.param.data = self.gatherer._placeholder(s)
                     for module, name in s.owners:
@@ -148,6 +152,8 @@ class Runtime:
     def _register_forward_hooks(self):
         handles = []
         for unit in self.units:
+            if unit.replicated:
+                continue   # nothing to gather; the root's forward waits for its update
             is_root = unit is self.root
             handles.append(unit.module.register_forward_pre_hook(
                 lambda m, a, u=unit, r=is_root: self._pre_forward(u, r), prepend=True))
@@ -159,14 +165,15 @@ class Runtime:
     def _pre_forward(self, unit, is_root: bool) -> None:
         if self.gatherer is not None:
             self.gatherer.pre_forward(unit, is_root)
-        elif unit in self._param_work:
-            self.comm.finish_through(self._param_work[unit])
+        for u in self.units if is_root else (unit,):
+            if u in self._param_work and (u is unit or u.replicated):
+                self.comm.finish_through(self._param_work[u])
 
     def _post_forward(self, unit, is_root: bool, output) -> None:
         if self.gatherer is not None:
             self.gatherer.post_forward(unit, is_root, output)
-            if is_root:
-                self._order = self.gatherer.order or self._order
+            if is_root and self.gatherer.order:
+                self._order = self.gatherer.order + [u for u in self.units if u.replicated]
 
     def _on_reduced(self, unit) -> None:
         if unit is None:
@@ -183,15 +190,15 @@ class Runtime:
                 s.opt_param.grad = self.reducer.grad_of(unit, s)
 
     def after_step(self) -> None:
-        if self.stage < 3:
-            self._launch_param_gathers()
+        self._launch_param_gathers()
         self.comm.end_step()
 
     @torch.no_grad()
     def _launch_param_gathers(self) -> None:
         """Share each rank's updated rows; each unit waits for its own in its next forward."""
-        for unit in self._order:
-            if not unit.slots:
+        # Replicated units first: the root's forward waits for them before anything runs.
+        for unit in sorted(self._order, key=lambda u: not u.replicated):
+            if not unit.slots or unit in self._sharded_params:
                 continue
             send = self.pool.take(unit.shard_numel, unit.dtype, unit.device)
             for s in unit.slots:

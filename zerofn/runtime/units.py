@@ -89,6 +89,7 @@ class Unit:
     shard_numel: int = 0
     dtype: torch.dtype | None = None
     device: torch.device | None = None
+    replicated: bool = False     # ZeRO-3's small persistent params: whole on every rank
 
     @property
     def trainable(self) -> list[ParamSlot]:
@@ -117,11 +118,13 @@ def gather_from_ranks(cols: torch.Tensor, full: torch.Tensor) -> None:
         flat[whole * width:].copy_(cols[whole, :rem])
 
 
-def build_units(model: nn.Module, policy, world: int, rank: int) -> list[Unit]:
+def build_units(model: nn.Module, policy, world: int, rank: int,
+                persist_below: int = 0) -> list[Unit]:
     """Group the model's parameters into units; the root unit comes last.
 
     A parameter belongs to the innermost unit whose module holds it; one held by two
-    units (tied across them) belongs to the root.
+    units (tied across them) belongs to the root. Parameters under ``persist_below``
+    elements go to one replicated unit instead, placed before the root.
     """
     unit_modules = _unit_modules(model, policy)
     names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
@@ -138,10 +141,13 @@ def build_units(model: nn.Module, policy, world: int, rank: int) -> list[Unit]:
             fqns.setdefault(p, f"{mod_name}.{pname}" if mod_name else pname)
             if owner_unit.setdefault(p, unit) is not unit:
                 owner_unit[p] = units[model]
+    persistent = Unit("<persistent>", model, replicated=True)
     for p, unit in owner_unit.items():
-        _add_slot(unit, p, fqns[p], owners[p], world, rank)
+        _add_slot(persistent if p.numel() < persist_below else unit, p, fqns[p], owners[p],
+                  world, rank)
     # The root stays even when empty: its hooks bracket the whole forward.
-    return [units[m] for m in unit_modules if units[m].slots] + [units[model]]
+    return [units[m] for m in unit_modules if units[m].slots] \
+        + [persistent] * bool(persistent.slots) + [units[model]]
 
 
 def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: int) -> None:
