@@ -50,8 +50,7 @@ def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
     for role, storages in (("params", params), ("grads", grads), ("optimizer", opt)):
         for (device, _), nbytes in storages.items():
             out[device][role] += nbytes
-    device = rt.units[-1].device.type if rt.units[-1].device else "cpu"
-    out[device]["buffers"] += rt.pool.nbytes()
+    out[rt.device.type]["buffers"] += rt.pool.nbytes()
     return dict(out)
 
 

@@ -20,7 +20,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     rt.reducer.sync()
     shards = [g for u in rt.units for s in u.slots
               if (g := rt.reducer.grad_of(u, s)) is not None and g.numel()]
-    device = rt.units[-1].device or torch.device("cpu")
+    device = rt.device
     if norm_type == float("inf"):
         local = torch.stack([g.abs().max() for g in shards]).max() if shards \
             else torch.zeros((), device=device)

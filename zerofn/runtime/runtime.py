@@ -65,6 +65,7 @@ class Runtime:
             self._broadcast_module_states()
         self.units = units
         self.root = units[-1]
+        self.device = next((u.device for u in units if u.device), torch.device("cpu"))
         self.slot_of = {s.param: s for u in units for s in u.slots}
         self.pool = BufferPool()
         self.stage = plan.stage
@@ -241,17 +242,12 @@ class Runtime:
                 s.param.data = full
                 for module, name in s.owners:
                     module._parameters[name] = s.param
-        self.opt.restore(lambda shard, v: full_tensor_of(self, self._slot_by_opt(shard), v)
+        slot_of_opt = {s.opt_param: s for s in self.slot_of.values()}
+        self.opt.restore(lambda shard, v: full_tensor_of(self, slot_of_opt[shard], v)
                          if torch.is_tensor(v) and v.shape == shard.shape and v.dim() > 0 else v)
         del self.model.__dict__[ATTR]
         del self.model.__dict__["no_sync"]
         self.pool.clear()
-
-    def _slot_by_opt(self, opt_param):
-        for s in self.slot_of.values():
-            if s.opt_param is opt_param:
-                return s
-        raise KeyError("optimizer tensor not managed by zerofn")
 
 
 @contextlib.contextmanager
