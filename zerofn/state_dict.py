@@ -53,10 +53,9 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sta
             slot = slot_by_name.get(name)
             if slot is None:
                 buffers[name].copy_(_full_value(value))
-            elif slot.sharded is not None:
+            else:   # this rank's rows of the master; the runtime refreshes compute params
                 slot.opt_param.copy_(_local_value(rt, slot, value))
-            else:
-                slot.param.data.copy_(_full_value(value, slot.shape, name))
+    rt.refresh_params()
     _load_optim_state(rt, optimizer, optim_state_dict)
 
 

@@ -219,6 +219,11 @@ class Runtime:
         self.pool.give(recv)
         self._param_work.pop(unit, None)
 
+    def refresh_params(self) -> None:
+        """Make the compute parameters equal the masters again (after a load). Collective."""
+        self._launch_param_gathers()
+        self.wait_params()
+
     def wait_params(self) -> None:
         """Finish pending parameter all-gathers (ZeRO-1/2 defer them to the next forward)."""
         if self._param_work:
