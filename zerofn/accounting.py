@@ -32,15 +32,16 @@ def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
 
     ``params`` are the compute parameters (full for ZeRO-1/2, shards for ZeRO-3),
     ``grads`` the gradients held (full for ZeRO-1, reduced shards for ZeRO-2/3),
-    ``optimizer`` the optimizer state, ``buffers`` zerofn's reusable communication and
-    gather buffers (not model state; bounded by configuration).
+    ``optimizer`` the optimizer state plus master parameters where they are not the compute
+    parameters (mixed precision), ``buffers`` zerofn's reusable communication and gather
+    buffers (not model state; bounded by configuration).
     """
     rt = runtime_of(model)
-    params = _storages(s.opt_param if rt.stage == 3 else s.param for s in rt.slot_of.values())
-    grads = _storages([s.param.grad for s in rt.slot_of.values()]
-                      + [s.opt_param.grad for s in rt.slot_of.values()]
+    slots = rt.slot_of.values()
+    params = _storages(s.sharded if s.sharded is not None else s.param for s in slots)
+    grads = _storages([s.param.grad for s in slots] + [s.opt_param.grad for s in slots]
                       + list(rt.reducer.grad_shard.values()))
-    opt = {}
+    opt = _storages(s.opt_param for s in slots)
     for state in rt.optimizer.state.values():
         opt.update(_storages(state.values()))
     opt = {k: v for k, v in opt.items() if k not in params}

@@ -17,9 +17,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     """
     rt = runtime_of(model)
     norm_type = float(norm_type)
-    rt.reducer.sync()
-    shards = [g for u in rt.units for s in u.slots
-              if (g := rt.reducer.grad_of(u, s)) is not None and g.numel()]
+    rt.step_grads.prepare()   # reduced, in the master dtype, unscaled
+    shards = rt.step_grads.present()
     device = rt.device
     if norm_type == float("inf"):
         local = torch.stack([g.abs().max() for g in shards]).max() if shards \
@@ -35,6 +34,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, "
                            "so it cannot be clipped. Pass error_if_nonfinite=False to clip anyway.")
+    if rt.step_grads.overflow:
+        return total      # the step will be skipped: nothing to clip
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in shards:
         g.mul_(coef.to(g.dtype))

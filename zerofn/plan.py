@@ -13,6 +13,9 @@ from typing import Any
 # Options shared by every stage: a transform that names one sets it for the whole plan.
 SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states")
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
+PRECISION_OPTIONS = ("param_dtype", "reduce_dtype", "loss_scale", "initial_scale_power",
+                     "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                     "min_loss_scale")
 DEFAULTS = {
     "group": None,
     "units": None,
@@ -21,6 +24,14 @@ DEFAULTS = {
     "prefetch": 1,
     "reshard_after_forward": True,
     "persist_below": 0,
+    "param_dtype": None,
+    "reduce_dtype": None,
+    "loss_scale": None,
+    "initial_scale_power": 16,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "consecutive_hysteresis": False,
+    "min_loss_scale": 1.0,
 }
 
 

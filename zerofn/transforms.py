@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .plan import PARAM_OPTIONS, SHARED_OPTIONS, Plan
+from .plan import PARAM_OPTIONS, PRECISION_OPTIONS, SHARED_OPTIONS, Plan
 
 Edit = Callable[[Plan], Plan]
 
@@ -80,6 +80,33 @@ def shard_params(**options) -> Transform:
             backward, their optimizer state still sharded (default 0: none).
     """
     return _stage_transform("shard_params", 3, SHARED_OPTIONS + PARAM_OPTIONS, options)
+
+
+def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype=None,
+                    **options) -> Transform:
+    """Compute in ``param_dtype`` with fp32 master parameters and optimizer state.
+
+    Composes with every stage (it shards nothing itself). Compute parameters and their
+    all-gather are in ``param_dtype``; gradients are reduced (and, for ZeRO-2/3, held) in
+    ``reduce_dtype`` (default ``param_dtype``); the optimizer steps fp32 masters, and the
+    updated parameters are cast back once per step.
+
+    fp16 needs loss scaling: ``opt.scale(loss).backward()`` (the same call is a no-op for
+    bf16 and fp32, so one loop serves all). Options, with DeepSpeed's names and defaults:
+        loss_scale: None for dynamic scaling under fp16 (none under bf16), or a static scale.
+        initial_scale_power (16), loss_scale_window (1000), hysteresis (2),
+        consecutive_hysteresis (False), min_loss_scale (1.0).
+    An overflow (inf/nan in any rank's gradients) skips the step on every rank. The scaler's
+    state rides in ``optimizer.state_dict()``.
+    """
+    if param_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"mixed_precision(): param_dtype must be torch.bfloat16, torch.float16 "
+                        f"or torch.float32, got {param_dtype!r}.")
+    if reduce_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"mixed_precision(): reduce_dtype must be a floating dtype or None, "
+                        f"got {reduce_dtype!r}.")
+    return _stage_transform("mixed_precision", 0, PRECISION_OPTIONS,
+                            dict(options, param_dtype=param_dtype, reduce_dtype=reduce_dtype))
 
 
 def compose(*transforms: Transform) -> Transform:

@@ -16,8 +16,10 @@ from .units import ParamSlot, Unit, scatter_to_ranks
 
 
 class GradReducer:
-    def __init__(self, comm, pool, units: list[Unit], stage: int, on_reduced=None):
+    def __init__(self, comm, pool, units: list[Unit], stage: int, on_reduced=None,
+                 reduce_dtype: torch.dtype | None = None):
         self.comm, self.pool, self.units, self.stage = comm, pool, units, stage
+        self.reduce_dtype = reduce_dtype       # None: the compute dtype
         self.on_reduced = on_reduced           # ZeRO-3 frees a unit's params once reduced
         self.no_sync = False
         self.grad_shard: dict[Unit, torch.Tensor | None] = {}
@@ -29,10 +31,14 @@ class GradReducer:
         self._hooks = []
         for u in units:
             if stage >= 2:
-                self.grad_shard[u] = torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device)
+                self.grad_shard[u] = torch.zeros(u.shard_numel, dtype=self._dtype(u),
+                                                 device=u.device)
             for s in u.trainable:
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(
                     functools.partial(self._on_grad, u, s)))
+
+    def _dtype(self, unit: Unit) -> torch.dtype:
+        return self.reduce_dtype or unit.dtype
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -70,7 +76,8 @@ class GradReducer:
     def _send_buffer(self, unit: Unit) -> torch.Tensor:
         send = self._send.get(unit)
         if send is None:
-            send = self.pool.take(self.comm.world * unit.shard_numel, unit.dtype, unit.device)
+            send = self.pool.take(self.comm.world * unit.shard_numel, self._dtype(unit),
+                                  unit.device)
             send.zero_()
             self._send[unit] = send
         return send
@@ -87,9 +94,9 @@ class GradReducer:
         del self._send[unit]
         fresh = self._fresh[unit] or self.grad_shard.get(unit) is None
         if fresh and self.grad_shard.get(unit) is None:
-            self.grad_shard[unit] = self.pool.take(unit.shard_numel, unit.dtype, unit.device)
+            self.grad_shard[unit] = self.pool.take(unit.shard_numel, self._dtype(unit), unit.device)
         out = self.grad_shard[unit] if fresh else self.pool.take(
-            unit.shard_numel, unit.dtype, unit.device)
+            unit.shard_numel, self._dtype(unit), unit.device)
         self._fresh[unit] = False
         work = self.comm.reduce_scatter(out, send, async_op=True)
         self.comm.enqueue(work, send.numel(), functools.partial(self._reduced, unit, send, out))
@@ -99,9 +106,11 @@ class GradReducer:
     def _reduced(self, unit: Unit, send: torch.Tensor, out: torch.Tensor) -> None:
         self.pool.give(send)
         out.div_(self.comm.world)
-        if self.stage == 1:
+        if self.stage == 1 and out.dtype == unit.dtype:
             self._write_back(unit, out)
             return
+        if self.stage == 1:
+            return     # a wider reduce dtype: keep the reduced shard for the step
         target = self.grad_shard[unit]
         if out is not target:
             target.add_(out)
@@ -144,7 +153,7 @@ class GradReducer:
         """The reduced gradient of this rank's rows of ``slot``, once ``sync`` has run."""
         if not self.has_grads(unit) or not slot.requires_grad:
             return None
-        if self.stage == 1:
+        if self.stage == 1 and unit not in self.grad_shard:
             return slot.rows_of(slot.param.grad)
         return slot.shard_of(self.grad_shard[unit])
 
@@ -152,5 +161,7 @@ class GradReducer:
         """What ``optimizer.zero_grad()`` means for the shards: the next reduction starts over."""
         for unit in self.units:
             self._fresh[unit] = True
+            if self.stage == 1 and unit in self.grad_shard:
+                self.pool.give(self.grad_shard.pop(unit))
             for s in unit.slots:
                 s.param.grad = None

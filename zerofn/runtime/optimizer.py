@@ -37,7 +37,7 @@ class OptimizerWiring:
     """Installs shard params, step hooks and a zero_grad that knows about shards."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, slot_of: dict, before_step, after_step,
-                 zero_grad):
+                 zero_grad, scaler=None):
         self.optimizer = optimizer
         self.originals = [list(g["params"]) for g in optimizer.param_groups]
         self._swap_params({p: slot_of[p].opt_param for g in self.originals for p in g},
@@ -55,6 +55,15 @@ class OptimizerWiring:
             zero_grad()
 
         optimizer.zero_grad = sharded_zero_grad
+        optimizer.scale = (lambda loss: loss) if scaler is None else \
+            (lambda loss: loss * scaler.scale)
+        if scaler is not None:
+            self._handles += [
+                optimizer.register_state_dict_post_hook(
+                    lambda opt, sd: {**sd, SCALER_KEY: scaler.state_dict()}),
+                optimizer.register_load_state_dict_pre_hook(
+                    lambda opt, sd: _load_scaler(scaler, sd)),
+            ]
 
     def _swap_params(self, new_of: dict, convert) -> None:
         old_state = self.optimizer.state
@@ -72,6 +81,7 @@ class OptimizerWiring:
         for h in self._handles:
             h.remove()
         del self.optimizer.zero_grad
+        del self.optimizer.scale
         new_of = {}
         for group, originals in zip(self.optimizer.param_groups, self.originals):
             new_of.update(zip(group["params"], originals))
@@ -100,6 +110,18 @@ class OptimizerWiring:
                     group["lr"] = lr
                 for p in group["params"]:
                     p.grad = None
+
+
+SCALER_KEY = "zerofn_loss_scaler"
+
+
+def _load_scaler(scaler, state_dict: dict) -> dict:
+    if SCALER_KEY not in state_dict:
+        raise KeyError(f"This optimizer scales fp16 losses, but the state dict has no "
+                       f"{SCALER_KEY!r}; it was saved without mixed_precision(torch.float16).")
+    state_dict = dict(state_dict)
+    scaler.load_state_dict(state_dict.pop(SCALER_KEY))
+    return state_dict
 
 
 def _shard_state(slot, value):

@@ -78,13 +78,13 @@ class ParamGatherer:
             return
         del self._by_storage[full.untyped_storage().data_ptr()]
         for s in unit.slots:
-            s.param.data = self._placeholder(s)
+            s.param.data = self.placeholder(s, unit)
             _register(s, s.sharded)
         self.pool.give(full)
 
-    def _placeholder(self, s) -> torch.Tensor:
-        """A zero-byte stand-in with the parameter's shape, so autograd metadata holds."""
-        key = (s.param.dtype, s.param.device)
+    def placeholder(self, s, unit: Unit) -> torch.Tensor:
+        """A one-element stand-in with the parameter's shape, so autograd metadata holds."""
+        key = (unit.dtype, unit.device)
         if key not in self._placeholders:
             self._placeholders[key] = torch.zeros(1, dtype=key[0], device=key[1])
         return self._placeholders[key].expand(s.shape)

@@ -20,6 +20,8 @@ from .grads import GradReducer
 from .optimizer import OptimizerWiring, check_optimizer
 from .params import ParamGatherer, in_backward
 from .pool import BufferPool
+from .precision import LossScaler
+from .step import StepGrads
 from .units import build_units, gather_from_ranks
 
 ATTR = "_zerofn"
@@ -44,6 +46,10 @@ def apply_plan(model: nn.Module, optimizer, edits):
     plan = old.plan if old is not None else Plan()
     for edit in edits:
         plan = edit(plan)
+    if plan.stage == 0:
+        raise ValueError("mixed_precision() shards nothing by itself: compose it with a "
+                         "sharding transform, e.g. zerofn.compose(zerofn.shard_optimizer(), "
+                         "zerofn.mixed_precision(torch.bfloat16)).")
     if old is not None:
         if old.optimizer is not optimizer:
             raise ValueError("This model was transformed with another optimizer; pass the "
@@ -73,11 +79,15 @@ class Runtime:
         self._param_work: dict = {}         # ZeRO-1/2: unit -> pending all-gather
         self._order = [u for u in units if u is self.root] + [u for u in units if u is not self.root]
         self._sharded_params = [u for u in units if self.stage == 3 and not u.replicated]
-        self._lay_out_shards()
+        self._lay_out_shards(plan.option("param_dtype"))
         self.reducer = GradReducer(self.comm, self.pool, units, self.stage,
-                                   self._on_reduced if self.stage == 3 else None)
+                                   self._on_reduced if self.stage == 3 else None,
+                                   plan.option("reduce_dtype"))
+        self.scaler = _loss_scaler(plan)
+        self.step_grads = StepGrads(self.comm, self.pool, units, self.reducer, self.scaler,
+                                    self.device)
         self.opt = OptimizerWiring(optimizer, self.slot_of, self.before_step, self.after_step,
-                                   self.reducer.zero_grad)
+                                   self.zero_grad, self.scaler)
         self._hooks = self._register_forward_hooks()
         model.__dict__[ATTR] = self
         model.__dict__["no_sync"] = types.MethodType(_no_sync, model)
@@ -125,28 +135,42 @@ class Runtime:
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 self.comm.broadcast(t.data if not isinstance(t, DTensor) else t.to_local())
 
-    def _lay_out_shards(self) -> None:
+    @torch.no_grad()
+    def _lay_out_shards(self, param_dtype) -> None:
+        """Masters (what the optimizer steps) and compute params for every unit.
+
+        The master is a flat buffer of this rank's rows, except in plain ZeRO-1/2 where this
+        rank's rows of the full parameters serve (DESIGN.md §4: fp32 params are their own
+        master). ZeRO-3 computes on a flat shard: the master itself, or its cast copy.
+        """
         for unit in self.units:
             sharded = unit in self._sharded_params
-            if sharded:
-                unit.shard = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
+            compute = param_dtype or unit.dtype
+            if sharded or compute != unit.dtype:
+                unit.master = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
             for s in unit.slots:
-                if sharded:
-                    s.opt_param = s.shard_of(unit.shard)
-                    s.opt_param.copy_(s.rows_of(s.param.detach()))
+                if unit.master is None:
+                    s.opt_param = s.rows_of(s.param.detach())
+                else:
+                    s.opt_param = s.shard_of(unit.master).copy_(s.rows_of(s.param.detach()))
+            if sharded:
+                unit.shard = unit.master if compute == unit.dtype else unit.master.to(compute)
+                for s in unit.slots:
                     dt = DTensor.from_local(s.shard_of(unit.shard), self.mesh, [Shard(0)],
                                             run_check=False, shape=s.shape,
                                             stride=torch.empty(s.shape, device="meta").stride())
                     s.sharded = nn.Parameter(dt, requires_grad=s.requires_grad)
-                else:
-                    s.opt_param = s.rows_of(s.param.detach())
+            elif compute != unit.dtype:
+                for s in unit.slots:
+                    s.param.data = s.param.data.to(compute)
+            unit.dtype = compute
         if self.stage == 3:
             self.gatherer = ParamGatherer(self.comm, self.pool, self.units,
                                           self.plan.option("prefetch"),
                                           self.plan.option("reshard_after_forward"))
             for unit in self._sharded_params:
                 for s in unit.slots:
-                    s.param.data = self.gatherer._placeholder(s)
+                    s.param.data = self.gatherer.placeholder(s, unit)
                     for module, name in s.owners:
                         module._parameters[name] = s.sharded
 
@@ -185,14 +209,33 @@ class Runtime:
     # -- optimizer step ----------------------------------------------------------------
     def before_step(self) -> None:
         self.wait_params()
-        self.reducer.sync()
-        for unit in self.units:
-            for s in unit.slots:
-                s.opt_param.grad = self.reducer.grad_of(unit, s)
+        self.step_grads.prepare()
+        skip = self.step_grads.overflow   # no gradients: torch.optim leaves everything as is
+        for s in self.slot_of.values():
+            s.opt_param.grad = None if skip else self.step_grads.grads.get(s)
 
     def after_step(self) -> None:
-        self._launch_param_gathers()
+        skipped = self.step_grads.overflow
+        if self.scaler is not None:
+            self.scaler.update(skipped)
+        for s in self.slot_of.values():
+            s.opt_param.grad = None
+        self.step_grads.release()
+        if not skipped:
+            self._refresh_compute()
         self.comm.end_step()
+
+    def zero_grad(self) -> None:
+        self.step_grads.release()
+        self.reducer.zero_grad()
+
+    @torch.no_grad()
+    def _refresh_compute(self) -> None:
+        """Updated masters to compute params: a cast for ZeRO-3 shards, gathers for the rest."""
+        for unit in self._sharded_params:
+            if unit.shard is not unit.master:
+                unit.shard.copy_(unit.master)
+        self._launch_param_gathers()
 
     @torch.no_grad()
     def _launch_param_gathers(self) -> None:
@@ -202,7 +245,9 @@ class Runtime:
             if not unit.slots or unit in self._sharded_params:
                 continue
             send = self.pool.take(unit.shard_numel, unit.dtype, unit.device)
-            for s in unit.slots:
+            if unit.master is not None:
+                send.copy_(unit.master)
+            for s in unit.slots if unit.master is None else ():
                 send[s.offset:s.offset + s.local_numel].copy_(s.opt_param.reshape(-1))
             recv = self.pool.take(self.world * unit.shard_numel, unit.dtype, unit.device)
             work = self.comm.all_gather(recv, send, async_op=True)
@@ -221,7 +266,7 @@ class Runtime:
 
     def refresh_params(self) -> None:
         """Make the compute parameters equal the masters again (after a load). Collective."""
-        self._launch_param_gathers()
+        self._refresh_compute()
         self.wait_params()
 
     def wait_params(self) -> None:
@@ -237,7 +282,8 @@ class Runtime:
         """
         from ..state_dict import full_tensor_of
         self.wait_params()
-        self.reducer.sync()
+        self.step_grads.prepare()
+        self.step_grads.release()
         for h in self._hooks:
             h.remove()
         self.reducer.remove_hooks()
@@ -265,6 +311,20 @@ def _no_sync(model: nn.Module):
         yield
     finally:
         reducer.no_sync = before
+
+
+def _loss_scaler(plan: Plan) -> LossScaler | None:
+    """DeepSpeed's rule: dynamic scaling for fp16 unless a static scale is given."""
+    static = plan.option("loss_scale")
+    if static is not None:
+        return LossScaler(dynamic=False, scale=static)
+    if plan.option("param_dtype") != torch.float16:
+        return None
+    return LossScaler(dynamic=True, scale=2.0 ** plan.option("initial_scale_power"),
+                      window=plan.option("loss_scale_window"),
+                      min_scale=plan.option("min_loss_scale"),
+                      hysteresis=plan.option("hysteresis"),
+                      consecutive_hysteresis=plan.option("consecutive_hysteresis"))
 
 
 def _resolve_group(group, model: nn.Module):

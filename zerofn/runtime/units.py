@@ -81,7 +81,10 @@ class ParamSlot:
 
 @dataclass(eq=False)
 class Unit:
-    """Parameters gathered together; ``module`` is where its hooks go."""
+    """Parameters gathered together; ``module`` is where its hooks go.
+
+    ``dtype`` is the compute dtype; masters keep the parameters' original dtype.
+    """
 
     name: str
     module: nn.Module
@@ -90,6 +93,8 @@ class Unit:
     dtype: torch.dtype | None = None
     device: torch.device | None = None
     replicated: bool = False     # ZeRO-3's small persistent params: whole on every rank
+    shard: torch.Tensor | None = None    # ZeRO-3: this rank's compute rows, flat
+    master: torch.Tensor | None = None   # this rank's master rows, flat, where not the params
 
     @property
     def trainable(self) -> list[ParamSlot]:
