@@ -264,7 +264,7 @@ def test_flat_buffer_step_matches_reference_formula():
     p0, g = torch.randn(n), torch.randn(n)
     ref = torch.nn.Parameter(p0.clone())
     opt = torch.optim.Adam([ref], lr=1e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.2)
-    results = []
+    results, threads_before = [], torch.get_num_threads()
     for threads in (1, 2):
         torch.set_num_threads(threads)
         p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
@@ -272,6 +272,7 @@ def test_flat_buffer_step_matches_reference_formula():
             zo.adam_step(p, g, m, v, step=step, lr=1e-3, beta1=0.8, beta2=0.95, eps=1e-6,
                          weight_decay=0.2, adamw_mode=False, grad_scale=0.25)  # fmt: skip
         results.append((p, m, v))
+    torch.set_num_threads(threads_before)
     for step in (1, 2, 3):
         ref.grad = g * 0.25
         opt.step()
