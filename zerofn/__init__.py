@@ -8,11 +8,12 @@ from .accounting import comm_stats, model_state_bytes
 from .clip import clip_grad_norm_
 from .estimate import estimate_model_state_bytes
 from .state_dict import get_state_dict, set_state_dict
-from .transforms import (Transform, compose, mixed_precision, shard_grads, shard_optimizer,
-                         shard_params)
+from .transforms import (Transform, compose, mixed_precision, offload, shard_grads,
+                         shard_optimizer, shard_params)
 
 __all__ = [
     "Transform", "compose", "shard_optimizer", "shard_grads", "shard_params", "mixed_precision",
+    "offload",
     "get_state_dict", "set_state_dict", "clip_grad_norm_", "model_state_bytes", "comm_stats",
     "estimate_model_state_bytes",
 ]

@@ -15,20 +15,29 @@ from torch.distributed.tensor import DTensor
 from .runtime.runtime import runtime_of
 
 
-def _storages(tensors) -> dict[tuple, int]:
+def _storages(tensors, arenas=()) -> dict[tuple, int]:
+    """Unique storages as ``(where, pointer) -> bytes``; ``where`` is the device type, or
+    "host" for zerofn's offload arenas (host memory even where the device is the CPU)."""
     out = {}
     for t in tensors:
         if t is None or not torch.is_tensor(t):
             continue
         if isinstance(t, DTensor):
             t = t.to_local()
-        st = t.untyped_storage()
-        out[(t.device.type, st.data_ptr())] = st.nbytes()
+        arena = next((a for a in arenas if a.holds(t)), None)
+        if arena is not None:   # an arena is one storage: count the view, not the whole
+            out[("host", t.data_ptr())] = t.numel() * t.element_size()
+        else:
+            st = t.untyped_storage()
+            out[(t.device.type, st.data_ptr())] = st.nbytes()
     return out
 
 
 def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
-    """``{device_type: {"params", "grads", "optimizer", "buffers"}}`` bytes held on this rank.
+    """``{where: {"params", "grads", "optimizer", "buffers"}}`` bytes held on this rank.
+
+    ``where`` is the compute device's type ("cuda", "cpu"), or "host" for what
+    ``offload("cpu")`` keeps in host memory.
 
     ``params`` are the compute parameters (full for ZeRO-1/2, shards for ZeRO-3),
     ``grads`` the gradients held (full for ZeRO-1, reduced shards for ZeRO-2/3),
@@ -38,12 +47,15 @@ def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
     """
     rt = runtime_of(model)
     slots = rt.slot_of.values()
-    params = _storages(s.sharded if s.sharded is not None else s.param for s in slots)
+    arenas = rt.offload.arenas() if rt.offload is not None else ()
+    params = _storages((s.sharded if s.sharded is not None else s.param for s in slots), arenas)
     grads = _storages([s.param.grad for s in slots] + [s.opt_param.grad for s in slots]
-                      + list(rt.reducer.grad_shard.values()))
-    opt = _storages(s.opt_param for s in slots)
+                      + list(rt.reducer.grad_shard.values())
+                      + (list(rt.offload.grads.values()) if rt.offload is not None else []),
+                      arenas)
+    opt = _storages((s.opt_param for s in slots), arenas)
     for state in rt.optimizer.state.values():
-        opt.update(_storages(state.values()))
+        opt.update(_storages(state.values(), arenas))
     opt = {k: v for k, v in opt.items() if k not in params}
     grads = {k: v for k, v in grads.items() if k not in params}
     out: dict[str, dict[str, int]] = defaultdict(lambda: dict(params=0, grads=0, optimizer=0,

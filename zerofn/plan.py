@@ -13,6 +13,7 @@ from typing import Any
 # Options shared by every stage: a transform that names one sets it for the whole plan.
 SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states")
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
+OFFLOAD_OPTIONS = ("offload", "offload_path", "offload_params", "units_in_flight")
 PRECISION_OPTIONS = ("param_dtype", "reduce_dtype", "loss_scale", "initial_scale_power",
                      "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                      "min_loss_scale")
@@ -32,6 +33,10 @@ DEFAULTS = {
     "hysteresis": 2,
     "consecutive_hysteresis": False,
     "min_loss_scale": 1.0,
+    "offload": None,
+    "offload_path": None,
+    "offload_params": False,
+    "units_in_flight": 2,
 }
 
 

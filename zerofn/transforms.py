@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .plan import PARAM_OPTIONS, PRECISION_OPTIONS, SHARED_OPTIONS, Plan
+from .plan import OFFLOAD_OPTIONS, PARAM_OPTIONS, PRECISION_OPTIONS, SHARED_OPTIONS, Plan
 
 Edit = Callable[[Plan], Plan]
 
@@ -107,6 +107,28 @@ def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype=None
                         f"got {reduce_dtype!r}.")
     return _stage_transform("mixed_precision", 0, PRECISION_OPTIONS,
                             dict(options, param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+
+
+def offload(device: str = "cpu", *, params: bool = False, path: str | None = None,
+            units_in_flight: int = 2) -> Transform:
+    """Keep master parameters and optimizer state off the accelerator, and step there.
+
+    ``offload("cpu")`` (ZeRO-Offload) holds them in host memory, pinned when an accelerator
+    exists; Adam and AdamW step in zerofn's C++ CPU Adam, other optimizers in torch on
+    the host. Composes with every stage.
+
+    Args:
+        device: "cpu".
+        params: ZeRO-3 only: keep the parameter shards on the host too, copied to the
+            device just before each unit's all-gather.
+    """
+    if device != "cpu":
+        raise ValueError(f"offload({device!r}): only 'cpu' is available in this version.")
+    if units_in_flight < 1:
+        raise ValueError("offload(): units_in_flight must be at least 1.")
+    return _stage_transform("offload", 0, OFFLOAD_OPTIONS,
+                            dict(offload=device, offload_params=params, offload_path=path,
+                                 units_in_flight=units_in_flight))
 
 
 def compose(*transforms: Transform) -> Transform:

@@ -32,8 +32,10 @@ class _SavedView:
 
 
 class ParamGatherer:
-    def __init__(self, comm, pool, units: list[Unit], prefetch: int, reshard_after_forward: bool):
+    def __init__(self, comm, pool, units: list[Unit], prefetch: int, reshard_after_forward: bool,
+                 staged: bool = False):
         self.comm, self.pool, self.units = comm, pool, units
+        self.staged = staged
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self.full: dict[Unit, torch.Tensor] = {}
@@ -49,8 +51,11 @@ class ParamGatherer:
         if unit in self.full or unit in self._pending or not unit.slots:
             return
         recv = self.pool.take(self.comm.world * unit.shard_numel, unit.dtype, unit.device)
-        work = self.comm.all_gather(recv, unit.shard, async_op=True)
-        self._pending[unit] = (work, recv)
+        shard = unit.shard
+        if self.staged:   # offloaded shard: one copy to the device, then the gather
+            shard = self.pool.take(unit.shard_numel, unit.dtype, unit.device).copy_(unit.shard)
+        work = self.comm.all_gather(recv, shard, async_op=True)
+        self._pending[unit] = (work, recv, shard if self.staged else None)
 
     def ensure(self, unit: Unit) -> torch.Tensor:
         """The unit's gathered buffer (param-major, each param padded to world*chunk rows)."""
@@ -58,8 +63,10 @@ class ParamGatherer:
         if full is not None or not unit.slots:
             return full
         self.start_gather(unit)
-        work, recv = self._pending.pop(unit)
+        work, recv, staged = self._pending.pop(unit)
         work.wait()
+        if staged is not None:
+            self.pool.give(staged)
         full = self.pool.take(recv.numel(), unit.dtype, unit.device)
         world = self.comm.world
         ranks = recv.view(world, unit.shard_numel)

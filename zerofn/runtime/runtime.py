@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..plan import Plan
 from .comm import Comm
 from .grads import GradReducer
+from .offload import HostOffload, fused_adam_mode
 from .optimizer import OptimizerWiring, check_optimizer
 from .params import ParamGatherer, in_backward
 from .pool import BufferPool
@@ -47,9 +48,12 @@ def apply_plan(model: nn.Module, optimizer, edits):
     for edit in edits:
         plan = edit(plan)
     if plan.stage == 0:
-        raise ValueError("mixed_precision() shards nothing by itself: compose it with a "
+        raise ValueError(f"{plan.applied[-1]}() shards nothing by itself: compose it with a "
                          "sharding transform, e.g. zerofn.compose(zerofn.shard_optimizer(), "
-                         "zerofn.mixed_precision(torch.bfloat16)).")
+                         f"zerofn.{plan.applied[-1]}(...)).")
+    if plan.option("offload_params") and plan.stage < 3:
+        raise ValueError("offload(params=True) offloads parameter shards, which only ZeRO-3 "
+                         "has: add zerofn.shard_params(), or drop params=True.")
     if old is not None:
         if old.optimizer is not optimizer:
             raise ValueError("This model was transformed with another optimizer; pass the "
@@ -79,15 +83,19 @@ class Runtime:
         self._param_work: dict = {}         # ZeRO-1/2: unit -> pending all-gather
         self._order = [u for u in units if u is self.root] + [u for u in units if u is not self.root]
         self._sharded_params = [u for u in units if self.stage == 3 and not u.replicated]
+        self.offload = HostOffload(units, self._host_grad_dtype, optimizer) \
+            if plan.option("offload") else None
         self._lay_out_shards(plan.option("param_dtype"))
         self.reducer = GradReducer(self.comm, self.pool, units, self.stage,
                                    self._on_reduced if self.stage == 3 else None,
                                    plan.option("reduce_dtype"))
         self.scaler = _loss_scaler(plan)
         self.step_grads = StepGrads(self.comm, self.pool, units, self.reducer, self.scaler,
-                                    self.device)
+                                    self.device, self.offload)
         self.opt = OptimizerWiring(optimizer, self.slot_of, self.before_step, self.after_step,
                                    self.zero_grad, self.scaler)
+        if self.offload is not None:
+            self.offload.register_state(optimizer, units)
         self._hooks = self._register_forward_hooks()
         model.__dict__[ATTR] = self
         model.__dict__["no_sync"] = types.MethodType(_no_sync, model)
@@ -146,7 +154,9 @@ class Runtime:
         for unit in self.units:
             sharded = unit in self._sharded_params
             compute = param_dtype or unit.dtype
-            if sharded or compute != unit.dtype:
+            if self.offload is not None:
+                unit.master = self.offload.master[unit]
+            elif sharded or compute != unit.dtype:
                 unit.master = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
             for s in unit.slots:
                 if unit.master is None:
@@ -154,7 +164,7 @@ class Runtime:
                 else:
                     s.opt_param = s.shard_of(unit.master).copy_(s.rows_of(s.param.detach()))
             if sharded:
-                unit.shard = unit.master if compute == unit.dtype else unit.master.to(compute)
+                unit.shard = self._compute_shard(unit, compute)
                 for s in unit.slots:
                     dt = DTensor.from_local(s.shard_of(unit.shard), self.mesh, [Shard(0)],
                                             run_check=False, shape=s.shape,
@@ -167,12 +177,22 @@ class Runtime:
         if self.stage == 3:
             self.gatherer = ParamGatherer(self.comm, self.pool, self.units,
                                           self.plan.option("prefetch"),
-                                          self.plan.option("reshard_after_forward"))
+                                          self.plan.option("reshard_after_forward"),
+                                          staged=self.plan.option("offload_params"))
             for unit in self._sharded_params:
                 for s in unit.slots:
                     s.param.data = self.gatherer.placeholder(s, unit)
                     for module, name in s.owners:
                         module._parameters[name] = s.sharded
+
+    def _compute_shard(self, unit, compute: torch.dtype) -> torch.Tensor:
+        """ZeRO-3's flat compute shard: on the host under parameter offload; else the master
+        itself where it is on the device in the compute dtype, or a cast copy of it."""
+        if self.plan.option("offload_params"):
+            return self.offload.param_shard(unit, compute)
+        if compute == unit.dtype and self.offload is None:
+            return unit.master
+        return unit.master.to(unit.device, compute, copy=True)
 
     def _register_forward_hooks(self):
         handles = []
@@ -210,7 +230,12 @@ class Runtime:
     def before_step(self) -> None:
         self.wait_params()
         self.step_grads.prepare()
-        skip = self.step_grads.overflow   # no gradients: torch.optim leaves everything as is
+        # Parameters without a gradient are left alone by torch.optim: that is how a
+        # skipped step, and a step zerofn's CPU Adam already took, leave it nothing to do.
+        skip = self.step_grads.overflow
+        if not skip and self.offload is not None and self.offload.adamw_mode is not None:
+            self.offload.step(self.optimizer, self.units, self.step_grads.grads, 1.0)
+            skip = True
         for s in self.slot_of.values():
             s.opt_param.grad = None if skip else self.step_grads.grads.get(s)
 
@@ -224,6 +249,15 @@ class Runtime:
         if not skipped:
             self._refresh_compute()
         self.comm.end_step()
+
+    def _host_grad_dtype(self, unit) -> torch.dtype:
+        """Gradients land on the host in the reduce dtype when CPU Adam reads them directly;
+        in the master dtype when they must be unscaled first or torch.optim steps them."""
+        plan = self.plan
+        if fused_adam_mode(self.optimizer) is not None \
+                and plan.option("loss_scale") is None and plan.option("param_dtype") != torch.float16:
+            return plan.option("reduce_dtype") or plan.option("param_dtype") or unit.dtype
+        return unit.dtype
 
     def zero_grad(self) -> None:
         self.step_grads.release()

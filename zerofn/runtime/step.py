@@ -14,9 +14,9 @@ from .units import ParamSlot
 
 
 class StepGrads:
-    def __init__(self, comm, pool, units, reducer, scaler, device):
+    def __init__(self, comm, pool, units, reducer, scaler, device, offload=None):
         self.comm, self.pool, self.units, self.reducer = comm, pool, units, reducer
-        self.scaler, self.device = scaler, device
+        self.scaler, self.device, self.offload = scaler, device, offload
         self.grads: dict[ParamSlot, torch.Tensor | None] = {}
         self.overflow = False
         self.ready = False
@@ -35,17 +35,26 @@ class StepGrads:
         self.ready = True
 
     def _prepare_unit(self, unit, inv_scale) -> None:
-        upcast = None
+        dest = None
         for s in unit.slots:
             g = self.reducer.grad_of(unit, s)
-            if g is not None and (g.dtype != s.opt_param.dtype or inv_scale is not None):
-                if upcast is None:
-                    upcast = self.pool.take(unit.shard_numel, s.opt_param.dtype, unit.device)
-                    self._buffers.append(upcast)
-                g = s.shard_of(upcast).copy_(g)
+            if g is not None and (self.offload is not None or g.dtype != s.opt_param.dtype
+                                  or inv_scale is not None):
+                if dest is None:
+                    dest = self._landing(unit, s.opt_param.dtype)
+                g = s.shard_of(dest).copy_(g)
             self.grads[s] = g
-        if upcast is not None and inv_scale is not None:
-            upcast.mul_(inv_scale)
+        if dest is not None and inv_scale is not None:
+            dest.mul_(inv_scale)
+
+    def _landing(self, unit, dtype) -> torch.Tensor:
+        """Where a unit's step gradients go: its host buffer under offload, else a pooled
+        buffer in the master dtype."""
+        if self.offload is not None:
+            return self.offload.grads[unit]
+        buf = self.pool.take(unit.shard_numel, dtype, unit.device)
+        self._buffers.append(buf)
+        return buf
 
     def _any_overflow(self) -> bool:
         """One small all-reduce: if any rank saw inf or nan, every rank skips the step."""

@@ -1,0 +1,129 @@
+"""Optimizer offload: master params and optimizer state on the host, the step in C++.
+
+[Note: one arena] Every unit's host buffers are views of one allocation made at set-up,
+pinned when an accelerator is present (page-locked memory is what lets copies overlap,
+and PyTorch's pinned allocator rounds every ``pin_memory()`` block up to a power of two,
+so pinning per tensor wastes up to half). Without an accelerator the same code runs on
+plain host memory with synchronous copies.
+
+For Adam and AdamW the step runs in ``zerofn.optim.adam_step`` over each parameter's rows
+of the unit's flat buffers; their views are registered as the optimizer's own state
+(``step``, ``exp_avg``, ``exp_avg_sq``), so state dicts see nothing different. Any other
+torch.optim optimizer steps the host masters itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..optim import adam_step
+from ..optim.cpu_adam import CPUAdam
+from .units import Unit
+
+ALIGN = 64   # elements: keeps every view 256-byte aligned for the vector kernels
+
+
+def pinning() -> bool:
+    return torch.cuda.is_available()
+
+
+class HostArena:
+    """One host allocation handed out as aligned views; never freed while training."""
+
+    def __init__(self, sizes: list[int], dtype: torch.dtype):
+        total = sum(_aligned(n) for n in sizes)
+        self.buffer = torch.zeros(total, dtype=dtype, pin_memory=pinning())
+        self._used = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        view = self.buffer[self._used:self._used + numel]
+        self._used += _aligned(numel)
+        return view
+
+    def holds(self, t: torch.Tensor) -> bool:
+        start = self.buffer.untyped_storage().data_ptr()
+        return start <= t.untyped_storage().data_ptr() < start + self.buffer.nbytes
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def fused_adam_mode(optimizer) -> bool | None:
+    """``adamw_mode`` for optimizers zerofn's CPU Adam can step for them, else None."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, CPUAdam):
+        return None
+    for g in optimizer.param_groups:
+        if g.get("amsgrad") or g.get("maximize") or g.get("capturable") or g.get("differentiable"):
+            return None
+    return isinstance(optimizer, torch.optim.AdamW) or bool(
+        optimizer.param_groups[0].get("decoupled_weight_decay", False))
+
+
+class HostOffload:
+    """Per unit on the host: master rows, a gradient landing buffer and, for Adam, its state."""
+
+    def __init__(self, units: list[Unit], grad_dtype_of, optimizer):
+        self.adamw_mode = fused_adam_mode(optimizer)
+        states = 3 if self.adamw_mode is not None else 1
+        sizes = [u.shard_numel for u in units]
+        self.arena = HostArena(sizes * states, units[0].dtype if units else torch.float32)
+        self.master = {u: self.arena.take(u.shard_numel) for u in units}
+        self.exp_avg, self.exp_avg_sq = {}, {}
+        if self.adamw_mode is not None:
+            self.exp_avg = {u: self.arena.take(u.shard_numel) for u in units}
+            self.exp_avg_sq = {u: self.arena.take(u.shard_numel) for u in units}
+        self._units = units
+        self._param_arena = self._steps = None
+        self.grad_arenas = {}
+        self.grads = {}
+        for u in units:
+            dtype = grad_dtype_of(u)
+            self.grad_arenas.setdefault(dtype, []).append(u)
+        for dtype, us in list(self.grad_arenas.items()):
+            arena = HostArena([u.shard_numel for u in us], dtype)
+            self.grad_arenas[dtype] = arena
+            self.grads.update({u: arena.take(u.shard_numel) for u in us})
+
+    def param_shard(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
+        """ZeRO-3 parameter offload: the unit's compute shard, on the host."""
+        if self._param_arena is None:
+            self._param_arena = HostArena([u.shard_numel for u in self._units], dtype)
+        return self._param_arena.take(unit.shard_numel).copy_(self.master[unit])
+
+    def arenas(self) -> list[HostArena]:
+        return [a for a in (self.arena, self._param_arena, self._steps, *self.grad_arenas.values())
+                if a]
+
+    def register_state(self, optimizer, units: list[Unit]) -> None:
+        """Hand the optimizer views of the flat Adam state, so its state dict is the usual."""
+        if self.adamw_mode is None:
+            return
+        trainable = [s for u in units for s in u.trainable]
+        self._steps = HostArena([1] * len(trainable), torch.float32)
+        for u in units:
+            for s in u.trainable:
+                before = optimizer.state.get(s.opt_param, {})
+                state = {"step": self._steps.take(1).view(()),
+                         "exp_avg": s.shard_of(self.exp_avg[u]),
+                         "exp_avg_sq": s.shard_of(self.exp_avg_sq[u])}
+                for k, v in before.items():   # state the optimizer had (e.g. loaded) moves in
+                    state[k].copy_(v)
+                optimizer.state[s.opt_param] = state
+
+    def step(self, optimizer, units: list[Unit], grads: dict, grad_scale: float) -> None:
+        """Adam over every parameter that has a gradient, from the host gradient rows."""
+        group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
+        for u in units:
+            for s in u.trainable:
+                g = grads.get(s)
+                group = group_of.get(s.opt_param)
+                if g is None or group is None or not s.local_numel:
+                    continue
+                state = optimizer.state[s.opt_param]
+                state["step"] += 1
+                beta1, beta2 = group["betas"]
+                adam_step(s.opt_param.view(-1), g.reshape(-1), state["exp_avg"].view(-1),
+                          state["exp_avg_sq"].view(-1), step=int(state["step"]),
+                          lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                          weight_decay=group["weight_decay"], adamw_mode=self.adamw_mode,
+                          grad_scale=grad_scale)
