@@ -2,6 +2,11 @@
 no optimizer state (and, with params=True, no parameter shards)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -11,21 +16,32 @@ from multiproc import run_ranks
 from test_parity import STAGES, max_errors, train_reference, train_sharded
 
 CONFIGS = [(1, "adamw", {}), (2, "adamw", {}), (3, "adamw", {}), (3, "adamw", {"params": True}),
-           (2, "sgd", {}), (3, "adam", {"params": True})]
+           (2, "sgd", {}), (3, "adam", {"params": True}),
+           (1, "adamw", {"nvme": True}), (2, "adamw", {"nvme": True}), (3, "adam", {"nvme": True}),
+           (3, "adamw", {"nvme": True, "units_in_flight": 1})]
+
+
+def offload_transform(opts):
+    opts = dict(opts)
+    if opts.pop("nvme", False):
+        return zf.offload("nvme", path=opts.pop("path"), **opts)
+    opts.pop("path", None)
+    return zf.offload("cpu", **opts)
 
 
 def build(stage, kind, offload=None, precision=None):
     _, model = make_models()
     opt = make_optimizer(kind, model.parameters())
-    extra = ([zf.offload("cpu", **offload)] if offload is not None else []) + \
+    extra = ([offload_transform(offload)] if offload is not None else []) + \
         ([zf.mixed_precision(precision)] if precision else [])
     return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), *extra)(model, opt)
 
 
-def offload_runs(rank, world):
+def offload_runs(rank, world, path):
     out = []
     data = batches(5, 1, world)
     for stage, kind, opts in CONFIGS:
+        opts = dict(opts, path=path)
         ref, _ = make_models()
         ref_opt = make_optimizer(kind, ref.parameters())
         train_reference(ref, ref_opt, data)
@@ -44,11 +60,13 @@ def offload_runs(rank, world):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_offload_matches_the_run_without_it(world):
-    for rank_out in run_ranks(world, offload_runs, timeout=400):
+def test_offload_matches_the_run_without_it(world, tmp_path):
+    """cpu and nvme, every stage: equal to the run without offload (CPU Adam vs torch)."""
+    for rank_out in run_ranks(world, offload_runs, str(tmp_path), timeout=400):
         for config, (err, same_groups) in zip(CONFIGS, rank_out):
             assert err < 1e-6, (config, err)
             assert same_groups, config
+    assert os.listdir(tmp_path) == [], "swap files outlived their processes"
 
 
 def offload_vs_pytorch(rank, world):
@@ -66,23 +84,25 @@ def test_offload_matches_plain_pytorch():
         assert p_err < 1e-5 and s_err < 1e-5
 
 
-def where_state_lives(rank, world):
+def where_state_lives(rank, world, path):
     out = {}
-    for stage, opts in ((1, {}), (2, {}), (3, {}), (3, {"params": True})):
+    for stage, opts in ((1, {}), (2, {}), (3, {}), (3, {"params": True}),
+                        (2, {"nvme": True, "path": path}), (3, {"nvme": True, "path": path})):
         model, opt = build(stage, "adamw", opts, precision=torch.bfloat16)
         x, y = batches(1, 1, world)[0][0]
         model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
         opt.step()
-        out[(stage, bool(opts))] = zf.model_state_bytes(model)
+        out[(stage, tuple(sorted(opts)))] = zf.model_state_bytes(model)
     return out
 
 
-def test_device_holds_no_optimizer_state_under_offload():
-    for by_config in run_ranks(2, where_state_lives):
-        for (stage, params_too), mem in by_config.items():
+def test_device_holds_no_optimizer_state_under_offload(tmp_path):
+    for by_config in run_ranks(2, where_state_lives, str(tmp_path)):
+        for (stage, opts), mem in by_config.items():
             assert mem["cpu"]["optimizer"] == 0, (stage, mem)
             assert mem["host"]["optimizer"] > 0, (stage, mem)
-            assert (mem["cpu"]["params"] == 0) == params_too, (stage, mem)
+            assert (mem["cpu"]["params"] == 0) == ("params" in opts), (stage, mem)
+            assert (mem.get("nvme", {}).get("optimizer", 0) > 0) == ("nvme" in opts), (stage, mem)
 
 
 def test_parameter_offload_needs_zero3():
@@ -90,3 +110,50 @@ def test_parameter_offload_needs_zero3():
     with pytest.raises(ValueError, match="only ZeRO-3"):
         zf.compose(zf.shard_grads(), zf.offload("cpu", params=True))(
             model, make_optimizer("sgd", model.parameters()))
+
+
+def nvme_fault(rank, world, path):
+    _, model = make_models()
+    try:
+        zf.compose(zf.shard_optimizer(), zf.offload("nvme", path=path))(
+            model, make_optimizer("adamw", model.parameters()))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_nvme_path_faults_fail_at_set_up_on_every_rank(tmp_path):
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("")
+    for path, message in ((str(tmp_path / "missing"), "not an existing directory"),
+                          (str(a_file), "not an existing directory")):
+        for msg in run_ranks(2, nvme_fault, path, timeout=60):
+            assert msg is not None and message in msg
+
+
+def test_nvme_too_small_drive_is_named():
+    from zerofn.runtime.nvme import nvme_problems
+    _, model = make_models()
+    problems = nvme_problems("/tmp", 2**60, make_optimizer("adamw", model.parameters()))
+    assert problems and "GiB free" in problems[0]
+    assert "Adam and AdamW only" in nvme_problems(
+        "/tmp", 1, make_optimizer("sgd", model.parameters()))[0]
+
+
+def test_swap_files_of_a_killed_run_do_not_break_the_next(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f"zerofn-rank0-{dead}.swap"
+    stale.write_bytes(b"left by a killed run")
+    errs = run_ranks(1, offload_vs_pytorch_nvme, str(tmp_path))
+    assert errs[0][0] < 1e-5 and not stale.exists()
+
+
+def offload_vs_pytorch_nvme(rank, world, path):
+    ref, _ = make_models()
+    ref_opt = make_optimizer("adamw", ref.parameters())
+    model, opt = build(2, "adamw", {"nvme": True, "path": path})
+    data = batches(3, 1, world)
+    train_reference(ref, ref_opt, data)
+    train_sharded(model, opt, data, rank, world)
+    return max_errors(ref, ref_opt, model, opt)

@@ -36,8 +36,8 @@ def _storages(tensors, arenas=()) -> dict[tuple, int]:
 def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
     """``{where: {"params", "grads", "optimizer", "buffers"}}`` bytes held on this rank.
 
-    ``where`` is the compute device's type ("cuda", "cpu"), or "host" for what
-    ``offload("cpu")`` keeps in host memory.
+    ``where`` is the compute device's type ("cuda", "cpu"), "host" for what ``offload``
+    keeps in host memory (for NVMe: its staging buffers), "nvme" for its swap file.
 
     ``params`` are the compute parameters (full for ZeRO-1/2, shards for ZeRO-3),
     ``grads`` the gradients held (full for ZeRO-1, reduced shards for ZeRO-2/3),
@@ -64,6 +64,9 @@ def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
         for (device, _), nbytes in storages.items():
             out[device][role] += nbytes
     out[rt.device.type]["buffers"] += rt.pool.nbytes()
+    if hasattr(rt.offload, "file_bytes"):     # offload("nvme")
+        out["nvme"]["optimizer"] += rt.offload.file_bytes
+        out["host"]["optimizer"] += rt.offload.host_state_bytes()
     return dict(out)
 
 

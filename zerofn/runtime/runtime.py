@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..plan import Plan
 from .comm import Comm
 from .grads import GradReducer
+from .nvme import BLOCK, NvmeOffload, nvme_problems
 from .offload import HostOffload, fused_adam_mode
 from .optimizer import OptimizerWiring, check_optimizer
 from .params import ParamGatherer, in_backward
@@ -83,8 +84,7 @@ class Runtime:
         self._param_work: dict = {}         # ZeRO-1/2: unit -> pending all-gather
         self._order = [u for u in units if u is self.root] + [u for u in units if u is not self.root]
         self._sharded_params = [u for u in units if self.stage == 3 and not u.replicated]
-        self.offload = HostOffload(units, self._host_grad_dtype, optimizer) \
-            if plan.option("offload") else None
+        self.offload = self._make_offload(units)
         self._lay_out_shards(plan.option("param_dtype"))
         self.reducer = GradReducer(self.comm, self.pool, units, self.stage,
                                    self._on_reduced if self.stage == 3 else None,
@@ -94,7 +94,9 @@ class Runtime:
                                     self.device, self.offload)
         self.opt = OptimizerWiring(optimizer, self.slot_of, self.before_step, self.after_step,
                                    self.zero_grad, self.scaler)
-        if self.offload is not None:
+        if isinstance(self.offload, NvmeOffload):
+            self.offload.register_state(optimizer)
+        elif self.offload is not None:
             self.offload.register_state(optimizer, units)
         self._hooks = self._register_forward_hooks()
         model.__dict__[ATTR] = self
@@ -111,6 +113,9 @@ class Runtime:
             return [], [str(e)]
         slot_of = {s.param: s for u in units for s in u.slots}
         problems += check_optimizer(self.optimizer, slot_of)
+        if self.plan.option("offload") == "nvme":
+            need = sum(-(-3 * u.shard_numel * 4 // BLOCK) * BLOCK for u in units)
+            problems += nvme_problems(self.plan.option("offload_path"), need, self.optimizer)
         return units, problems
 
     def _signature(self) -> list[str]:
@@ -154,17 +159,21 @@ class Runtime:
         for unit in self.units:
             sharded = unit in self._sharded_params
             compute = param_dtype or unit.dtype
-            if self.offload is not None:
+            if isinstance(self.offload, NvmeOffload):
+                unit.master = self._master_to_file(unit)
+            elif self.offload is not None:
                 unit.master = self.offload.master[unit]
             elif sharded or compute != unit.dtype:
                 unit.master = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-            for s in unit.slots:
+            for s in unit.slots if not isinstance(self.offload, NvmeOffload) else ():
                 if unit.master is None:
                     s.opt_param = s.rows_of(s.param.detach())
                 else:
                     s.opt_param = s.shard_of(unit.master).copy_(s.rows_of(s.param.detach()))
             if sharded:
                 unit.shard = self._compute_shard(unit, compute)
+                if isinstance(self.offload, NvmeOffload):
+                    unit.master = None    # it lives in the file from here on
                 for s in unit.slots:
                     dt = DTensor.from_local(s.shard_of(unit.shard), self.mesh, [Shard(0)],
                                             run_check=False, shape=s.shape,
@@ -184,6 +193,23 @@ class Runtime:
                     s.param.data = self.gatherer.placeholder(s, unit)
                     for module, name in s.owners:
                         module._parameters[name] = s.sharded
+
+    def _make_offload(self, units):
+        where = self.plan.option("offload")
+        if where == "nvme":
+            return NvmeOffload(units, self.optimizer, self.plan.option("offload_path"), self.rank,
+                               self.plan.option("units_in_flight"), self._host_grad_dtype)
+        return HostOffload(units, self._host_grad_dtype, self.optimizer) if where else None
+
+    def _master_to_file(self, unit) -> torch.Tensor | None:
+        """NVMe: write the unit's initial master rows to the swap file. ZeRO-3 keeps them
+        for one more moment, to build its compute shard from."""
+        master = torch.zeros(unit.shard_numel, dtype=unit.dtype)
+        for s in unit.slots:
+            s.shard_of(master).copy_(s.rows_of(s.param.detach()))
+            s.opt_param = torch.zeros(s.local_shape, dtype=unit.dtype)  # re-pointed by the store
+        self.offload.write_initial(unit, master)
+        return master if unit in self._sharded_params else None
 
     def _compute_shard(self, unit, compute: torch.dtype) -> torch.Tensor:
         """ZeRO-3's flat compute shard: on the host under parameter offload; else the master
@@ -233,7 +259,10 @@ class Runtime:
         # Parameters without a gradient are left alone by torch.optim: that is how a
         # skipped step, and a step zerofn's CPU Adam already took, leave it nothing to do.
         skip = self.step_grads.overflow
-        if not skip and self.offload is not None and self.offload.adamw_mode is not None:
+        if not skip and isinstance(self.offload, NvmeOffload):
+            self.offload.step(self.optimizer, self.step_grads.grads, self._refresh_unit)
+            skip = True
+        elif not skip and self.offload is not None and self.offload.adamw_mode is not None:
             self.offload.step(self.optimizer, self.units, self.step_grads.grads, 1.0)
             skip = True
         for s in self.slot_of.values():
@@ -265,11 +294,22 @@ class Runtime:
 
     @torch.no_grad()
     def _refresh_compute(self) -> None:
-        """Updated masters to compute params: a cast for ZeRO-3 shards, gathers for the rest."""
-        for unit in self._sharded_params:
-            if unit.shard is not unit.master:
-                unit.shard.copy_(unit.master)
+        """Updated masters to compute params: a cast for ZeRO-3 shards, gathers for the rest.
+        (NVMe refreshes each unit during its streamed step, or here from materialized state.)"""
+        nvme = self.offload if isinstance(self.offload, NvmeOffload) else None
+        for unit in self.units:
+            master = nvme.resident[unit][0] if nvme and unit in nvme.resident else unit.master
+            if master is not None and master is not unit.shard:
+                self._refresh_unit(unit, master)
         self._launch_param_gathers()
+
+    def _refresh_unit(self, unit, master: torch.Tensor) -> None:
+        """This rank's compute rows of ``unit`` from its master rows."""
+        if unit in self._sharded_params:
+            unit.shard.copy_(master)
+        elif unit.master is None:    # NVMe ZeRO-1/2: the full params' own rows are the source
+            for s in unit.slots:
+                s.rows_of(s.param.detach()).copy_(s.shard_of(master))
 
     @torch.no_grad()
     def _launch_param_gathers(self) -> None:
@@ -282,7 +322,7 @@ class Runtime:
             if unit.master is not None:
                 send.copy_(unit.master)
             for s in unit.slots if unit.master is None else ():
-                send[s.offset:s.offset + s.local_numel].copy_(s.opt_param.reshape(-1))
+                send[s.offset:s.offset + s.local_numel].copy_(s.rows_of(s.param.detach()).reshape(-1))
             recv = self.pool.take(self.world * unit.shard_numel, unit.dtype, unit.device)
             work = self.comm.all_gather(recv, send, async_op=True)
             self._param_work[unit] = work
@@ -303,6 +343,13 @@ class Runtime:
         self._refresh_compute()
         self.wait_params()
 
+    def prepare_state_dict(self) -> None:
+        """Finish pending gathers and bring NVMe-resident state into memory (until the next
+        step), so the optimizer's tensors hold values. Every state dict access starts here."""
+        self.wait_params()
+        if isinstance(self.offload, NvmeOffload):
+            self.offload.materialize(self.optimizer)
+
     def wait_params(self) -> None:
         """Finish pending parameter all-gathers (ZeRO-1/2 defer them to the next forward)."""
         if self._param_work:
@@ -315,7 +362,7 @@ class Runtime:
         Used when another transform is applied on top, so the combined plan is built afresh.
         """
         from ..state_dict import full_tensor_of
-        self.wait_params()
+        self.prepare_state_dict()
         self.step_grads.prepare()
         self.step_grads.release()
         for h in self._hooks:
