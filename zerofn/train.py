@@ -8,6 +8,7 @@ slice of it, exactly as under DDP. gloo on CPU, NCCL on GPUs (one per ``LOCAL_RA
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -165,6 +166,10 @@ def main(argv=None) -> None:
     try:
         train(args, device)
     finally:
+        # zerofn's runtime and the model refer to each other; left to interpreter
+        # shutdown, that cycle's collectives state is torn down after torch's and the
+        # process sometimes aborts ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -1,0 +1,257 @@
+"""Step time, peak memory and traffic per rank: DDP, FSDP2 and zerofn ZeRO-1/2/3.
+
+    python3 tools/bench_zero.py                 # all configs, prints a markdown table
+
+One GPT-style model (~23M params), fp32 AdamW, 2 gloo ranks, 1 thread per rank. Every
+config runs in a fresh pair of processes (``torchrun`` per config, repeated in rotating
+order): glibc keeps freed heap, so a second config in the same process would start from
+a high-water mark it did not cause. Each worker takes its memory baseline after imports
+and process-group set-up, resets the kernel's high-water mark, builds the model, then
+runs warm-up and timed steps; the peak is the rise of VmHWM over that baseline.
+
+Traffic is the payload of every collective per rank per step (the full buffer of an
+all-gather or reduce-scatter, the tensor of an all-reduce), counted by wrapping the
+``torch.distributed`` functions FSDP2 and zerofn call, and for DDP (whose reducer calls
+the process group from C++) by a comm hook doing exactly DDP's default all-reduce.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+
+CONFIGS = ("ddp", "zero1", "zero2", "fsdp2", "zero3")
+PEER = {"zero1": "ddp", "zero2": "ddp", "zero3": "fsdp2"}
+# Model-state bytes per rank for fp32 AdamW, as multiples of the parameter count (N ranks).
+FORMULA = {"ddp": lambda n: 16, "zero1": lambda n: 8 + 8 / n, "zero2": lambda n: 4 + 12 / n,
+           "zero3": lambda n: 16 / n, "fsdp2": lambda n: 16 / n}
+LABEL = {"ddp": "DDP", "fsdp2": "FSDP2", "zero1": "zerofn ZeRO-1", "zero2": "zerofn ZeRO-2",
+         "zero3": "zerofn ZeRO-3"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configs to run")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs of every config, in rotating order, to average out noise")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    p.add_argument("--vocab", type=int, default=8192, help="model vocabulary")
+    p.add_argument("--width", type=int, default=512, help="model width")
+    p.add_argument("--layers", type=int, default=6, help="transformer blocks")
+    p.add_argument("--context", type=int, default=64, help="sequence length")
+    p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# -- worker: one config, under torchrun --------------------------------------------------
+def proc_status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def count_collectives(counts: Counter) -> None:
+    """Wrap the torch.distributed collectives so each call adds its payload bytes."""
+    import inspect
+
+    import torch.distributed as dist
+
+    def wrap(name: str, payload_index: int):
+        plain = getattr(dist, name)
+        signature = inspect.signature(plain)
+
+        def counted(*args, **kwargs):
+            # FSDP2 passes tensors by keyword, zerofn by position: bind to read either.
+            t = list(signature.bind(*args, **kwargs).arguments.values())[payload_index]
+            counts[name] += t.numel() * t.element_size()
+            return plain(*args, **kwargs)
+        setattr(dist, name, counted)
+
+    for name in ("all_gather_into_tensor", "all_gather_single", "all_reduce"):
+        wrap(name, 0)      # the gathered output; the reduced tensor
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        wrap(name, 1)      # the full input
+
+
+def build(config: str, args):
+    """A fresh model and AdamW wrapped as ``config``, same seed for every config."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    import zerofn as zf
+    from zerofn.nanogpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=args.vocab, width=args.width, heads=args.width // 64,
+                          ffn=4 * args.width, layers=args.layers, context=args.context))
+    if config == "ddp":
+        # The causal masks are constant, so re-broadcasting them every forward is waste.
+        model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        # DDP's own all-reduce, but issued from Python, where count_collectives sees it.
+        model.register_comm_hook(None, allreduce_hook)
+    elif config == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if config.startswith("zero"):
+        stage = int(config[-1])
+        t = [zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()][:stage]
+        model, opt = zf.compose(*t)(model, opt)
+    return model, opt
+
+
+def timed_steps(model, opt, args, counts: Counter) -> tuple[list[float], int]:
+    """Per-step seconds of the timed steps, and the payload bytes of the last one."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(args.vocab, (args.batch * world, args.context + 1), generator=g)
+    x, y = x[:, :-1].chunk(world)[rank].contiguous(), x[:, 1:].chunk(world)[rank].contiguous()
+    times = []
+    for i in range(args.warmup + args.steps):
+        counts.clear()
+        dist.barrier()
+        start = time.perf_counter()
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    # ZeRO-1/2 leave their parameter all-gathers for the next forward: count them in.
+    return times, sum(counts.values())
+
+
+def prime(args) -> None:
+    """Run the config once on a tiny model, so the baseline already holds the code pages,
+    thread stacks and library state that any first step faults in, and only model-sized
+    memory counts as the rise."""
+    tiny = argparse.Namespace(**{**vars(args), "vocab": 256, "width": 64, "layers": 1,
+                                 "warmup": 2, "steps": 0})
+    model, opt = build(args.worker, tiny)
+    timed_steps(model, opt, tiny, Counter())
+    del model, opt
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    counts: Counter = Counter()
+    count_collectives(counts)
+    prime(args)
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")       # reset VmHWM to the current RSS
+    base_kb = proc_status_kb("VmRSS")
+    model, opt = build(args.worker, args)
+    params = sum(p.numel() for p in {id(p): p for p in _full_params(model)}.values())
+    times, comm = timed_steps(model, opt, args, counts)
+    mine = dict(step_s=statistics.median(times), peak_rise=(proc_status_kb("VmHWM") - base_kb) * 1024,
+                comm=comm, params=params)
+    if args.worker.startswith("zero"):
+        import zerofn as zf
+        mine["zerofn_comm"] = sum(v for k, v in zf.comm_stats(model).items() if k.endswith("_bytes"))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(everyone), flush=True)
+    # Free zerofn's model/runtime cycle now, not at interpreter shutdown (see zerofn.train).
+    del model, opt
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _full_params(model):
+    from torch.distributed.tensor import DTensor
+    for p in model.parameters():
+        yield p if not isinstance(p, DTensor) else p.to_local().new_empty(p.shape, device="meta")
+
+
+# -- launcher ----------------------------------------------------------------------------
+def launch(config: str, args) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           __file__, "--worker", config] + _forwarded(args)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if done.returncode != 0 or line is None:
+        raise RuntimeError(f"{config} failed:\n{done.stdout}\n{done.stderr[-4000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def _forwarded(args) -> list[str]:
+    keys = ("warmup", "steps", "batch", "vocab", "width", "layers", "context")
+    return [a for k in keys for a in (f"--{k}", str(getattr(args, k)))]
+
+
+def summarize(runs: dict[str, list[list[dict]]]) -> dict[str, dict]:
+    """Per config: the slowest rank's median step, taking the least disturbed run (other
+    jobs share the cores, and noise only ever adds time); the worst rank's peak, median
+    over runs."""
+    out = {}
+    for config, results in runs.items():
+        params, world = results[0][0]["params"], len(results[0])
+        peak = statistics.median(max(r["peak_rise"] for r in ranks) for ranks in results)
+        out[config] = dict(
+            step_ms=1e3 * min(max(r["step_s"] for r in ranks) for ranks in results),
+            peak_mb=peak / 2**20, formula_mb=FORMULA[config](world) * params / 2**20,
+            comm_mb=results[-1][0]["comm"] / 2**20, params=params, world=world,
+            zerofn_comm_mb=results[-1][0].get("zerofn_comm", 0) / 2**20)
+    return out
+
+
+def table(s: dict[str, dict]) -> str:
+    rows = ["| config | step ms | vs peer | peak RSS MB | formula MB | RSS / formula | MB comm / step |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for config in CONFIGS:
+        if config not in s:
+            continue
+        r = s[config]
+        peer = PEER.get(config)
+        ratio = f"{r['step_ms'] / s[peer]['step_ms']:.2f}× {LABEL[peer]}" if peer in s else "—"
+        rows.append(f"| {LABEL[config]} | {r['step_ms']:.0f} | {ratio} | {r['peak_mb']:.0f} | "
+                    f"{r['formula_mb']:.0f} | {r['peak_mb'] / r['formula_mb']:.2f} | "
+                    f"{r['comm_mb']:.1f} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    configs = args.configs.split(",")
+    runs: dict[str, list] = {c: [] for c in configs}
+    for rep in range(args.repeats):
+        order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+        for config in order:
+            runs[config].append(launch(config, args))
+            print(f"# repeat {rep + 1}: {config} done", file=sys.stderr, flush=True)
+    s = summarize(runs)
+    first = next(iter(s.values()))
+    print(f"GPT {first['params'] / 1e6:.1f}M params, fp32 AdamW, {first['world']} gloo ranks, "
+          f"1 thread each, {args.batch}x{args.context} tokens per rank; step time: median of "
+          f"{args.steps} steps, best of {args.repeats} runs\n")
+    print(table(s))
+    for config, r in s.items():
+        if r["zerofn_comm_mb"]:
+            print(f"\n{LABEL[config]}: zf.comm_stats says {r['zerofn_comm_mb']:.1f} MB", end="")
+    print()
+
+
+if __name__ == "__main__":
+    main()
