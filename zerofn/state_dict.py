@@ -20,18 +20,27 @@ from .runtime.units import ParamSlot
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False):
     """``(model_state_dict, optim_state_dict)``, sharded (default) or as full tensors.
 
-    Call on every rank. ``full=True`` gathers plain full tensors on every rank.
+    Call on every rank. ``full=True`` gathers plain full tensors on every rank: a
+    snapshot, sharing no memory with the model or optimizer.
     """
     rt = runtime_of(model)
     _check_optimizer(rt, optimizer)
-    rt.wait_params()
+    rt.prepare_state_dict()
     rt.opt.init_state()
+    return get_model_state_dict(model, full=full), _optim_state(rt, optimizer, full)
+
+
+def get_model_state_dict(model: nn.Module, *, full: bool = False) -> dict:
+    """The model half of ``get_state_dict``; leaves the optimizer untouched."""
+    rt = runtime_of(model)
+    rt.prepare_state_dict()
     slot_by_name = _slots_by_name(rt)
     msd = {}
     for name, value in model.state_dict().items():
         slot = slot_by_name.get(name)
-        msd[name] = value if slot is None else _export(rt, slot, slot.opt_param.detach(), full)
-    return msd, _optim_state(rt, optimizer, full)
+        msd[name] = _snapshot(value, full) if slot is None \
+            else _export(rt, slot, slot.opt_param.detach(), full)
+    return msd
 
 
 def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_state_dict: dict,
@@ -40,7 +49,14 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sta
     full tensors) into a zerofn model and optimizer. Call on every rank."""
     rt = runtime_of(model)
     _check_optimizer(rt, optimizer)
-    rt.wait_params()
+    set_model_state_dict(model, model_state_dict)
+    _load_optim_state(rt, optimizer, optim_state_dict)
+
+
+def set_model_state_dict(model: nn.Module, model_state_dict: dict) -> None:
+    """The model half of ``set_state_dict``; leaves the optimizer untouched."""
+    rt = runtime_of(model)
+    rt.prepare_state_dict()
     slot_by_name = _slots_by_name(rt)
     expected = set(model.state_dict())
     missing, unexpected = expected - set(model_state_dict), set(model_state_dict) - expected
@@ -56,7 +72,6 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sta
             else:   # this rank's rows of the master; the runtime refreshes compute params
                 slot.opt_param.copy_(_local_value(rt, slot, value))
     rt.refresh_params()
-    _load_optim_state(rt, optimizer, optim_state_dict)
 
 
 # -- conversions -------------------------------------------------------------------------
@@ -73,6 +88,12 @@ def _export(rt, slot: ParamSlot, local: torch.Tensor, full: bool):
         return full_tensor_of(rt, slot, local)
     return DTensor.from_local(local, rt.mesh, [Shard(0)], run_check=False, shape=slot.shape,
                               stride=torch.empty(slot.shape, device="meta").stride())
+
+
+def _snapshot(value, full: bool):
+    """A full state dict is a snapshot: copy the tensors it would otherwise share with the
+    live model (buffers, Adam's step counters), which training goes on changing in place."""
+    return value.clone() if full and torch.is_tensor(value) else value
 
 
 def _full_value(value, shape=None, name=""):
@@ -122,8 +143,8 @@ def _optim_state(rt, optimizer, full: bool) -> dict:
             slot = slot_of_opt[p]
             fqns.append(slot.fqn)
             if p in optimizer.state:
-                state[slot.fqn] = {k: _export(rt, slot, v, full) if _is_sharded_state(slot, v) else v
-                                   for k, v in optimizer.state[p].items()}
+                state[slot.fqn] = {k: _export(rt, slot, v, full) if _is_sharded_state(slot, v)
+                                   else _snapshot(v, full) for k, v in optimizer.state[p].items()}
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
     return {"state": state, "param_groups": groups}
 
@@ -136,10 +157,13 @@ def _load_optim_state(rt, optimizer, osd: dict) -> None:
     slot_of_opt = {s.opt_param: s for s in rt.slot_of.values()}
     with torch.no_grad():
         for group, saved in zip(optimizer.param_groups, groups):
-            fqns = [slot_of_opt[p].fqn for p in group["params"]]
-            if list(saved["params"]) != fqns:
-                raise ValueError(f"optimizer param group holds {fqns}, the checkpoint's "
-                                 f"{list(saved['params'])}.")
+            # Compared as sets: FSDP2 lists a group's params in its own registration order.
+            fqns = {slot_of_opt[p].fqn for p in group["params"]}
+            if set(saved["params"]) != fqns:
+                raise ValueError(
+                    f"optimizer param group differs from the checkpoint's: only here "
+                    f"{sorted(fqns - set(saved['params']))}, only in the checkpoint "
+                    f"{sorted(set(saved['params']) - fqns)}.")
             group.update({k: v for k, v in saved.items() if k != "params"})
             for p in group["params"]:
                 slot = slot_of_opt[p]
