@@ -1,0 +1,91 @@
+"""tools/bench_offload.py runs for real on CPU: the comparison prints a table with a zerofn
+row that trained (positive tokens/s, finite losses), and --find-largest stops where it
+should, both at its own host-RAM check and at a real allocation failure. Behaviour only:
+no timing is asserted."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "bench_offload.py"
+
+
+def run(*flags: str, timeout: float = 120, preexec_fn=None) -> str:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", *flags],
+                          capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=preexec_fn)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    return done.stdout
+
+
+def rows(out: str) -> dict[tuple[str, str], list[str]]:
+    """Table rows by (size, contender), as lists of cell texts."""
+    found = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        m = re.match(r"(\d+x\d+) \(", cells[0]) if line.startswith("| ") else None
+        if m:
+            found[(m.group(1), cells[1])] = cells
+    return found
+
+
+def assert_trained(cells: list[str]) -> None:
+    tokens = float(cells[2].replace(",", ""))
+    assert tokens > 0, cells
+    first, last = (float(v) for v in cells[6].split("→"))
+    assert math.isfinite(first) and math.isfinite(last), cells
+    # Random tokens over a 256-word vocabulary: the loss starts near ln(256).
+    assert abs(first - math.log(256)) < 0.5, cells
+
+
+def test_compare_prints_a_zerofn_row():
+    out = run("--sizes", "64x2", "--steps", "2", "--warmup", "1")
+    table = rows(out)
+    assert_trained(table[("64x2", "zerofn offload")])
+    fsdp2 = table[("64x2", "FSDP2 CPUOffload")]
+    if fsdp2[2][0].isdigit():   # the peer ran: same seed and data, so the same first loss
+        assert_trained(fsdp2)
+        assert fsdp2[6].split("→")[0] == table[("64x2", "zerofn offload")][6].split("→")[0]
+        assert "zerofn/FSDP2 =" in out
+    else:                       # the peer may be unsupported here, but then it says why
+        assert ":" in fsdp2[2], fsdp2
+    assert "6*N*tokens/s" in out
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_offload", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_find_largest_stops_at_the_host_limit():
+    bench = load_script()
+    args = bench.parse_args(["--device", "cpu", "--find-largest"])
+    small, large = (bench.host_need(bench.model_config(s, args).params(), args)
+                    for s in ("64x2", "128x2"))
+    limit_gb = (small + large) / 2 / 2**30   # room for the first size only
+    out = run("--find-largest", "--sizes", "64x2,128x2,128x4", "--steps", "1",
+              "--host-limit-gb", f"{limit_gb:.6f}")
+    table = rows(out)
+    assert_trained(table[("64x2", "zerofn offload")])
+    assert table[("128x2", "zerofn offload")][2].startswith("skipped"), table
+    assert ("128x4", "zerofn offload") not in table   # nothing after the first failure
+    assert "largest that trained: 64x2" in out
+
+
+def test_find_largest_reports_a_real_allocation_failure():
+    # A 4 GB address-space cap makes the 2048x8 model's host arena (~4.8 GB) fail to
+    # allocate; the run must report it as a host OOM instead of crashing.
+    cap = lambda: resource.setrlimit(resource.RLIMIT_AS, (4 * 10**9, 4 * 10**9))  # noqa: E731
+    out = run("--find-largest", "--sizes", "64x2,2048x8", "--steps", "1",
+              "--host-limit-gb", "1000", preexec_fn=cap, timeout=180)
+    table = rows(out)
+    assert_trained(table[("64x2", "zerofn offload")])
+    assert table[("2048x8", "zerofn offload")][2].startswith("oom-host"), table
+    assert "stopped at 2048x8: oom-host" in out

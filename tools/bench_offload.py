@@ -1,0 +1,382 @@
+"""Single-GPU offload: zerofn ``offload("cpu")`` against FSDP2 ``CPUOffloadPolicy``.
+
+    python tools/bench_offload.py                          # compare on the default sizes
+    python tools/bench_offload.py --sizes 2048x24 --steps 5
+    python tools/bench_offload.py --find-largest           # grow the model until it fails
+    python tools/bench_offload.py --device cpu             # the CPU smoke run (< 1 minute)
+
+The model is zerofn.nanogpt.GPT (width W, L blocks, W/64 heads, FFN 4W; a size is written
+``WxL``), bf16 compute, AdamW, on one device with a world-1 process group (nccl on cuda,
+gloo on cpu). Contenders, each built fresh in its own process on the same seed and data:
+
+  zerofn   ZeRO-3 + mixed_precision(bf16) + offload("cpu"): fp32 masters and Adam state in
+           one host arena, the step in zerofn's C++ CPU Adam.
+  FSDP2    fully_shard per block and at the root, MixedPrecisionPolicy(param_dtype=bf16,
+           reduce_dtype=fp32), CPUOffloadPolicy(), torch AdamW(fused=True) on the host
+           (torch's fastest CPU AdamW, so the peer is not handicapped).
+
+Each run takes ``--warmup`` untimed steps, then ``--steps`` timed ones, each fenced by
+``torch.cuda.synchronize``; the step time is their median. tokens/s = batch*context / step
+time. TFLOP/s is the model-FLOPs convention for training, 6*N*tokens/s with N every
+parameter (the tied embedding once): attention scores and checkpoint recompute are not
+counted, so it is comparable across contenders but below the hardware's real rate.
+
+Each run is a separate process: a CUDA OOM leaves the allocator fragmented and glibc keeps
+freed heap, so nothing leaks from one contender into the next, and a run the kernel kills
+for host memory is reported as such instead of ending the benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+CONTENDERS = ("zerofn", "fsdp2")
+LABEL = {"zerofn": "zerofn offload", "fsdp2": "FSDP2 CPUOffload"}
+TARGET = 1.5        # issue 4: zerofn at least 1.5x FSDP2's tokens/s
+# Per device: sizes compared, the find-largest ladder, and the batch shape. The cuda ladder
+# climbs toward the host-RAM limit of a 128 GB machine (~14 host bytes per param).
+DEFAULTS = {
+    "cuda": dict(sizes="1024x24,2048x24", ladder="2048x24,3072x32,4096x32,4096x36,4096x40,5120x40",
+                 vocab=50304, context=1024, batch=4, warmup=2, steps=5, timeout=600),
+    "cpu": dict(sizes="64x2", ladder="64x2,128x2,128x4",
+                vocab=256, context=32, batch=2, warmup=1, steps=3, timeout=120),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if available")
+    p.add_argument("--sizes", help="comma-separated WIDTHxLAYERS (with --find-largest: the ladder)")
+    p.add_argument("--steps", type=int, help="timed steps per run")
+    p.add_argument("--warmup", type=int, help="untimed steps per run")
+    p.add_argument("--batch", type=int, help="sequences per step")
+    p.add_argument("--context", type=int, help="tokens per sequence")
+    p.add_argument("--vocab", type=int, help="vocabulary size")
+    p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset")
+    p.add_argument("--checkpoint", choices=("auto", "on", "off"), default="auto",
+                   help="activation checkpointing per block; auto: on for --find-largest only")
+    p.add_argument("--offload-params", action="store_true",
+                   help="zerofn: offload('cpu', params=True), ZeRO-3 param shards on the host too")
+    p.add_argument("--find-largest", action="store_true",
+                   help="climb the ladder of sizes with zerofn until one fails")
+    p.add_argument("--host-limit-gb", type=float,
+                   help="host RAM a run may use (default: MemAvailable at launch)")
+    p.add_argument("--timeout", type=int, help="seconds per run before it counts as failed")
+    p.add_argument("--worker", help=argparse.SUPPRESS)    # "contender:size", internal
+    args = p.parse_args(argv)
+    return _fill_defaults(args)
+
+
+def _fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    if args.device is None:   # torch imports slowly: only the parent that must guess pays
+        import torch
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    d = DEFAULTS[args.device]
+    for key in ("vocab", "context", "batch", "warmup", "steps", "timeout"):
+        if getattr(args, key) is None:
+            setattr(args, key, d[key])
+    if args.sizes is None:
+        args.sizes = d["ladder"] if args.find_largest else d["sizes"]
+    if args.checkpoint == "auto":
+        args.checkpoint = "on" if args.find_largest else "off"
+    return args
+
+
+def model_config(size: str, args):
+    """``WxL`` as a GPTConfig: heads of 64 channels, FFN four times the width."""
+    from zerofn.nanogpt import GPTConfig
+    width, layers = (int(v) for v in size.lower().split("x"))
+    return GPTConfig(vocab=args.vocab, width=width, heads=max(1, width // 64), ffn=4 * width,
+                     layers=layers, context=args.context, checkpoint=args.checkpoint == "on")
+
+
+# -- worker: one contender at one size, in its own process -------------------------------
+def init_world_1(device: str) -> None:
+    """A world-1 process group on a free local port: no launcher or environment needed."""
+    import torch
+    import torch.distributed as dist
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def build(contender: str, cfg, args):
+    """The model built directly on the device (no host fp32 copy), wrapped as ``contender``."""
+    import torch
+
+    from zerofn.nanogpt import GPT
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = GPT(cfg)
+    if contender == "zerofn":
+        import zerofn as zf
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(),
+                          zf.mixed_precision(torch.bfloat16),
+                          zf.offload("cpu", params=args.offload_params))(model, opt)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(args.device, (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # Pinning needs an accelerator; on a CPU-only machine FSDP2 refuses pin_memory=True.
+    policy = CPUOffloadPolicy(pin_memory=args.device == "cuda")
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+
+def sync(device: str) -> None:
+    import torch
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_steps(model, opt, cfg, args) -> tuple[list[float], list[float]]:
+    """Seconds of each timed step, and the loss of every step (warm-up included)."""
+    import torch
+    g = torch.Generator().manual_seed(1)
+    n = args.warmup + args.steps
+    tokens = torch.randint(cfg.vocab, (n, args.batch, cfg.context + 1), generator=g)
+    tokens = tokens.to(args.device)
+    times, losses = [], []
+    for i in range(n):
+        x, y = tokens[i, :, :-1].contiguous(), tokens[i, :, 1:].contiguous()
+        sync(args.device)
+        start = time.perf_counter()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync(args.device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.detach())
+    return times, [float(v) for v in losses]
+
+
+def peak_host_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
+
+
+def run_one(contender: str, size: str, args) -> dict:
+    import torch
+    cfg = model_config(size, args)
+    model, opt = build(contender, cfg, args)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()   # the training peak, not the fp32 build
+    times, losses = timed_steps(model, opt, cfg, args)
+    step = statistics.median(times)
+    tok = args.batch * cfg.context / step
+    out = dict(status="ok", params=cfg.params(), step_s=step, tokens_per_s=tok,
+               tflops=6 * cfg.params() * tok / 1e12, loss_first=losses[0], loss_last=losses[-1],
+               peak_host=peak_host_bytes(),
+               peak_device=torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
+               env=f"{where(args.device)}, torch {torch.__version__}")
+    if contender == "zerofn":
+        import zerofn as zf
+        out["host_state"] = sum(zf.model_state_bytes(model).get("host", {}).values())
+    return out
+
+
+def where(device: str) -> str:
+    import torch
+    return torch.cuda.get_device_name(0) if device == "cuda" else "CPU only"
+
+
+def failure(e: BaseException) -> dict | None:
+    """A run that failed for memory, as a result; None for anything else (a real error)."""
+    import torch
+    text = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return dict(status="oom-device", reason=text)
+    if isinstance(e, MemoryError) or "can't allocate memory" in str(e):
+        return dict(status="oom-host", reason=text)
+    return None
+
+
+def worker(args) -> None:
+    contender, size = args.worker.split(":")
+    import torch.distributed as dist
+    init_world_1(args.device)
+    try:
+        result = run_one(contender, size, args)
+    except (RuntimeError, MemoryError) as e:   # torch.cuda.OutOfMemoryError is a RuntimeError
+        result = failure(e)
+        if result is None:
+            raise
+        result["params"] = model_config(size, args).params()
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+# -- launcher ----------------------------------------------------------------------------
+def forwarded(args) -> list[str]:
+    keys = ("device", "vocab", "context", "batch", "warmup", "steps", "checkpoint")
+    flags = [a for k in keys for a in (f"--{k}", str(getattr(args, k)))]
+    return flags + (["--offload-params"] if args.offload_params else [])
+
+
+def launch(contender: str, size: str, args) -> dict:
+    """One run in a fresh process; a crash or kill becomes a failed result with a reason."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{contender}:{size}",
+           "--sizes", size] + forwarded(args)
+    env = dict(os.environ)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")   # less fragmentation
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return dict(status="timeout", reason=f"no result within {args.timeout} s")
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is not None:
+        return json.loads(line[len("RESULT "):])
+    if done.returncode in (-9, 137):
+        return dict(status="killed", reason="SIGKILL (the kernel's OOM killer: host RAM)")
+    tail = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
+    return dict(status="error", reason=(tail[-1] if tail else f"exit {done.returncode}")[:300])
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+
+
+def host_need(params: int, args) -> int:
+    """Host bytes zerofn offload needs, with a margin: fp32 master + Adam m, v (12 B/param),
+    the bf16 gradient landing buffer (2), bf16 param shards with --offload-params (2); on a
+    CPU device the "device" bf16 shard and gradient shard (4) are host memory too."""
+    per = 14 + 2 * args.offload_params + 4 * (args.device == "cpu")
+    process = 3 * 2**30 if args.device == "cuda" else 2**29   # libraries, CUDA context
+    return int(1.15 * per * params) + process
+
+
+def compare(args) -> list[dict]:
+    rows = []
+    for size in args.sizes.split(","):
+        for contender in args.contenders.split(","):
+            r = launch(contender, size, args)
+            r.update(contender=contender, size=size, params=model_config(size, args).params())
+            rows.append(r)
+            print(f"# {size} {contender}: {r['status']}", file=sys.stderr, flush=True)
+    return rows
+
+
+def find_largest(args) -> list[dict]:
+    """zerofn up the ladder; stop at the first size that fails or would not fit the host."""
+    limit = args.host_limit_gb * 2**30 if args.host_limit_gb else mem_available()
+    rows = []
+    for size in args.sizes.split(","):
+        params = model_config(size, args).params()
+        need = host_need(params, args)
+        if need > limit:
+            r = dict(status="skipped", reason=f"needs ~{need / 2**30:.3g} GB host, "
+                     f"{limit / 2**30:.3g} GB available")
+        else:
+            r = launch("zerofn", size, args)
+        r.update(contender="zerofn", size=size, params=params)
+        rows.append(r)
+        print(f"# {size}: {r['status']}", file=sys.stderr, flush=True)
+        if r["status"] != "ok":
+            break
+    return rows
+
+
+# -- report ------------------------------------------------------------------------------
+def count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def gb(v) -> str:
+    return "—" if v is None else f"{v / 2**30:.2f}"
+
+
+def row_text(r: dict, peer: dict | None) -> str:
+    name = f"{r['size']} ({count(r['params'])})"
+    if r["status"] != "ok":
+        return f"| {name} | {LABEL[r['contender']]} | {r['status']}: {r['reason']} |||||||"
+    ratio = "—"
+    if peer is not None and peer.get("status") == "ok":
+        ratio = f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}×"
+    return (f"| {name} | {LABEL[r['contender']]} | {r['tokens_per_s']:,.0f} | {r['tflops']:.3g} | "
+            f"{1e3 * r['step_s']:.1f} | {ratio} | {r['loss_first']:.3f} → {r['loss_last']:.3f} | "
+            f"{gb(r['peak_device'])} | {gb(r['peak_host'])} |")
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| model (params) | contender | tokens/s | TFLOP/s (6N) | step ms | zerofn / FSDP2 "
+           "| loss first → last | peak GPU GB | peak host RSS GB |",
+           "|---|---|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        peer = next((p for p in rows if p["size"] == r["size"] and p["contender"] == "fsdp2"),
+                    None) if r["contender"] == "zerofn" else None
+        out.append(row_text(r, peer))
+    return "\n".join(out)
+
+
+def header(rows: list[dict], args) -> str:
+    env = next((r["env"] for r in rows if "env" in r), f"{args.device} (no run finished)")
+    return (f"{env}, world 1; bf16 compute, AdamW; "
+            f"{args.batch}x{args.context} tokens/step, vocab {args.vocab}, activation "
+            f"checkpointing {args.checkpoint}; zerofn offload('cpu'"
+            f"{', params=True' if args.offload_params else ''}); median of {args.steps} timed "
+            f"steps after {args.warmup} warm-up; TFLOP/s = 6*N*tokens/s (model FLOPs)")
+
+
+def summary(rows: list[dict], args) -> list[str]:
+    lines = []
+    for r in rows:
+        peer = next((p for p in rows if p["size"] == r["size"] and p["contender"] == "fsdp2"), None)
+        if r["contender"] != "zerofn" or r["status"] != "ok" or not peer:
+            continue
+        if peer["status"] != "ok":
+            lines.append(f"{r['size']}: no ratio, FSDP2 did not run ({peer['status']}).")
+            continue
+        ratio = r["tokens_per_s"] / peer["tokens_per_s"]
+        if args.device == "cpu":   # no PCIe, tiny model: this is per-step framework overhead
+            lines.append(f"{r['size']}: zerofn/FSDP2 = {ratio:.2f}× on CPU only; not evidence "
+                         f"either way for the {TARGET}× GPU target")
+            continue
+        verdict = "meets" if ratio >= TARGET else "misses"
+        lines.append(f"{r['size']}: zerofn/FSDP2 = {ratio:.2f}×, {verdict} the {TARGET}× target")
+    return lines
+
+
+def largest_summary(rows: list[dict]) -> str:
+    ok = [r for r in rows if r["status"] == "ok"]
+    best = (f"largest that trained: {ok[-1]['size']} = {count(ok[-1]['params'])} params, "
+            f"{ok[-1]['tokens_per_s']:,.0f} tokens/s, {ok[-1]['tflops']:.3g} TFLOP/s"
+            if ok else "no size trained")
+    stop = rows[-1]
+    if stop["status"] == "ok":
+        return best + "; the ladder ended without a failure (add larger --sizes to go on)"
+    return best + f"; stopped at {stop['size']}: {stop['status']} ({stop['reason']})"
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    rows = find_largest(args) if args.find_largest else compare(args)
+    print(header(rows, args) + "\n")
+    print(table(rows))
+    print()
+    for line in ([largest_summary(rows)] if args.find_largest else summary(rows, args)):
+        print(line)
+    sys.stdout.flush()
+    if not any(r["status"] == "ok" for r in rows):
+        sys.exit(1)    # nothing measured: make the failure visible to scripts
+
+
+if __name__ == "__main__":
+    main()
