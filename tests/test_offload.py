@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -157,3 +156,32 @@ def offload_vs_pytorch_nvme(rank, world, path):
     train_reference(ref, ref_opt, data)
     train_sharded(model, opt, data, rank, world)
     return max_errors(ref, ref_opt, model, opt)
+
+
+def offload_state_dicts(rank, world, path):
+    """State moves cpu-offload -> nvme-offload -> plain, and training continues identically."""
+    src, src_opt = build(3, "adamw", {"params": True})
+    train_sharded(src, src_opt, batches(3, 1, world), rank, world)
+    msd, osd = zf.get_state_dict(src, src_opt)
+    results = []
+    for opts in ({"nvme": True, "path": path}, None):
+        dst, dst_opt = build(2, "adamw", opts)
+        zf.set_state_dict(dst, dst_opt, msd, osd)
+        data = batches(2, 1, world, seed=9)
+        results.append((dst, dst_opt, data))
+    train_sharded(src, src_opt, batches(2, 1, world, seed=9), rank, world)
+    want = zf.get_state_dict(src, src_opt, full=True)
+    errs = []
+    for dst, dst_opt, data in results:
+        train_sharded(dst, dst_opt, data, rank, world)
+        got = zf.get_state_dict(dst, dst_opt, full=True)
+        errs.append(max(max((want[0][k] - got[0][k]).abs().max().item() for k in want[0]),
+                        max((v - got[1]["state"][f][k]).abs().max().item()
+                            for f, st in want[1]["state"].items() for k, v in st.items()
+                            if torch.is_tensor(v) and v.dim())))
+    return errs
+
+
+def test_state_dicts_move_between_offload_modes(tmp_path):
+    for errs in run_ranks(2, offload_state_dicts, str(tmp_path)):
+        assert errs[0] < 1e-6 and errs[1] < 1e-6, errs

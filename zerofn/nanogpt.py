@@ -90,7 +90,7 @@ class GPT(nn.Module):
         logits = self.head(self.ln(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def _init(m: nn.Module) -> None:

@@ -20,7 +20,7 @@ PRECISION_OPTIONS = ("param_dtype", "reduce_dtype", "loss_scale", "initial_scale
 DEFAULTS = {
     "group": None,
     "units": None,
-    "bucket_size": 25_000_000,
+    "bucket_size": 4_000_000,
     "sync_module_states": True,
     "prefetch": 1,
     "reshard_after_forward": True,

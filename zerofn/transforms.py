@@ -47,7 +47,8 @@ def shard_optimizer(**options) -> Transform:
         units: how parameters are grouped for collectives: None (one unit per child of
             every ModuleList plus one for the rest), a list of submodules or their names,
             or an int (a module becomes a unit once it holds that many parameters).
-        bucket_size: elements of collective buffers allowed in flight at once.
+        bucket_size: elements of collective buffers allowed in flight at once (default
+            4M; at least one unit's collective is always allowed).
         sync_module_states: broadcast rank 0's parameters and buffers at set-up (like DDP).
 
     Example:

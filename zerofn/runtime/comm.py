@@ -61,11 +61,6 @@ class Comm:
         while self._inflight_numel > self._max_inflight and len(self._queue) > 1:
             self._finish_oldest()
 
-    def finish_through(self, work) -> None:
-        """Finish queued collectives, oldest first, up to and including ``work``."""
-        while any(w is work for w, _, _ in self._queue):
-            self._finish_oldest()
-
     def drain(self) -> None:
         while self._queue:
             self._finish_oldest()

@@ -25,6 +25,7 @@ class GradReducer:
         self.grad_shard: dict[Unit, torch.Tensor | None] = {}
         self._fresh = {u: True for u in units}  # next reduction overwrites instead of adds
         self._send: dict[Unit, torch.Tensor] = {}
+        self._packed: dict[Unit, set] = {}      # slots whose gradient is in the send buffer
         self._remaining: dict[Unit, int] = {}
         self._in_backward = False
         self._dirty = False                     # ZeRO-1: a backward ran since the last reduce
@@ -74,24 +75,33 @@ class GradReducer:
 
     # -- packing and reducing ------------------------------------------------------------
     def _send_buffer(self, unit: Unit) -> torch.Tensor:
+        """A pooled rank-major buffer, not zeroed: padding is never read back, and the
+        columns of parameters without a gradient are zeroed when the unit is reduced."""
         send = self._send.get(unit)
         if send is None:
             send = self.pool.take(self.comm.world * unit.shard_numel, self._dtype(unit),
                                   unit.device)
-            send.zero_()
             self._send[unit] = send
+            self._packed[unit] = set()
         return send
 
-    def _pack(self, unit: Unit, slot: ParamSlot) -> None:
-        grad = slot.param.grad
+    def _pack_grad(self, unit: Unit, slot: ParamSlot, grad: torch.Tensor) -> None:
         send = self._send_buffer(unit).view(self.comm.world, unit.shard_numel)
         scatter_to_ranks(grad, send[:, slot.cols])
+        self._packed[unit].add(slot)
+
+    def _pack(self, unit: Unit, slot: ParamSlot) -> None:
+        self._pack_grad(unit, slot, slot.param.grad)
         slot.param.grad = None
 
     def _reduce(self, unit: Unit) -> None:
         self._remaining[unit] = 0
         send = self._send_buffer(unit)
-        del self._send[unit]
+        ranks = send.view(self.comm.world, unit.shard_numel)
+        for s in unit.trainable:
+            if s not in self._packed[unit]:
+                ranks[:, s.cols].zero_()
+        del self._send[unit], self._packed[unit]
         fresh = self._fresh[unit] or self.grad_shard.get(unit) is None
         if fresh and self.grad_shard.get(unit) is None:
             self.grad_shard[unit] = self.pool.take(unit.shard_numel, self._dtype(unit), unit.device)
@@ -137,10 +147,9 @@ class GradReducer:
             for unit in self.units:
                 if not unit.trainable:
                     continue
-                send = self._send_buffer(unit).view(self.comm.world, unit.shard_numel)
                 for s in unit.trainable:
                     if s.param.grad is not None:
-                        scatter_to_ranks(s.param.grad, send[:, s.cols])
+                        self._pack_grad(unit, s, s.param.grad)
                 self._fresh[unit] = True
                 self._reduce(unit)
         self._dirty = False

@@ -24,8 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..optim import adam_step
-from .offload import HostArena, fused_adam_mode
+from .offload import HostArena, adam_unit, fused_adam_mode
 
 BLOCK = 4096                     # bytes: O_DIRECT alignment of buffers, offsets and sizes
 FLOAT = 4
@@ -140,26 +139,12 @@ class NvmeOffload:
             if ring > 1 and i + 1 < len(units):
                 start_read(i + 1)              # read ahead while this unit steps
             master, m, v = flat.view(3, unit.shard_numel)
-            self._step_unit(optimizer, unit, grads, master, m, v)
+            adam_unit(optimizer, unit, grads, master, m, v, self.adamw_mode)
             after_unit(unit, master)
             writes[i % ring] = self.io.submit(self._write, unit, self.staging[i % ring])
         for w in writes:
             if w is not None:
                 w.result()
-
-    def _step_unit(self, optimizer, unit, grads, master, m, v) -> None:
-        group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
-        for s in unit.trainable:
-            g, group = grads.get(s), group_of.get(s.opt_param)
-            if g is None or group is None or not s.local_numel:
-                continue
-            state = optimizer.state[s.opt_param]
-            state["step"] += 1
-            beta1, beta2 = group["betas"]
-            adam_step(s.shard_of(master).view(-1), g.reshape(-1), s.shard_of(m).view(-1),
-                      s.shard_of(v).view(-1), step=int(state["step"]), lr=float(group["lr"]),
-                      beta1=beta1, beta2=beta2, eps=group["eps"],
-                      weight_decay=group["weight_decay"], adamw_mode=self.adamw_mode)
 
     # -- state dicts -------------------------------------------------------------------
     def register_state(self, optimizer) -> None:

@@ -110,20 +110,27 @@ class HostOffload:
                     state[k].copy_(v)
                 optimizer.state[s.opt_param] = state
 
-    def step(self, optimizer, units: list[Unit], grads: dict, grad_scale: float) -> None:
+    def step(self, optimizer, units: list[Unit], grads: dict) -> None:
         """Adam over every parameter that has a gradient, from the host gradient rows."""
-        group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
         for u in units:
-            for s in u.trainable:
-                g = grads.get(s)
-                group = group_of.get(s.opt_param)
-                if g is None or group is None or not s.local_numel:
-                    continue
-                state = optimizer.state[s.opt_param]
-                state["step"] += 1
-                beta1, beta2 = group["betas"]
-                adam_step(s.opt_param.view(-1), g.reshape(-1), state["exp_avg"].view(-1),
-                          state["exp_avg_sq"].view(-1), step=int(state["step"]),
-                          lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                          weight_decay=group["weight_decay"], adamw_mode=self.adamw_mode,
-                          grad_scale=grad_scale)
+            adam_unit(optimizer, u, grads, self.master[u], self.exp_avg[u], self.exp_avg_sq[u],
+                      self.adamw_mode)
+
+
+def adam_unit(optimizer, unit: Unit, grads: dict, master, exp_avg, exp_avg_sq,
+              adamw_mode: bool) -> None:
+    """zerofn's CPU Adam over each of the unit's parameters that has a gradient, on the
+    rows of flat master and state buffers, with that parameter's group hyperparameters
+    and its own step count (as torch.optim keeps them)."""
+    group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
+    for s in unit.trainable:
+        g, group = grads.get(s), group_of.get(s.opt_param)
+        if g is None or group is None or not s.local_numel:
+            continue
+        state = optimizer.state[s.opt_param]
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        adam_step(s.shard_of(master).view(-1), g.reshape(-1), s.shard_of(exp_avg).view(-1),
+                  s.shard_of(exp_avg_sq).view(-1), step=int(state["step"]), lr=float(group["lr"]),
+                  beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                  adamw_mode=adamw_mode)

@@ -20,7 +20,7 @@ from .grads import GradReducer
 from .nvme import BLOCK, NvmeOffload, nvme_problems
 from .offload import HostOffload, fused_adam_mode
 from .optimizer import OptimizerWiring, check_optimizer
-from .params import ParamGatherer, in_backward
+from .params import ParamGatherer
 from .pool import BufferPool
 from .precision import LossScaler
 from .step import StepGrads
@@ -81,7 +81,6 @@ class Runtime:
         self.pool = BufferPool()
         self.stage = plan.stage
         self.gatherer = None
-        self._param_work: dict = {}         # ZeRO-1/2: unit -> pending all-gather
         self._order = [u for u in units if u is self.root] + [u for u in units if u is not self.root]
         self._sharded_params = [u for u in units if self.stage == 3 and not u.replicated]
         self.offload = self._make_offload(units)
@@ -236,9 +235,6 @@ class Runtime:
     def _pre_forward(self, unit, is_root: bool) -> None:
         if self.gatherer is not None:
             self.gatherer.pre_forward(unit, is_root)
-        for u in self.units if is_root else (unit,):
-            if u in self._param_work and (u is unit or u.replicated):
-                self.comm.finish_through(self._param_work[u])
 
     def _post_forward(self, unit, is_root: bool, output) -> None:
         if self.gatherer is not None:
@@ -254,7 +250,6 @@ class Runtime:
 
     # -- optimizer step ----------------------------------------------------------------
     def before_step(self) -> None:
-        self.wait_params()
         self.step_grads.prepare()
         # Parameters without a gradient are left alone by torch.optim: that is how a
         # skipped step, and a step zerofn's CPU Adam already took, leave it nothing to do.
@@ -263,7 +258,7 @@ class Runtime:
             self.offload.step(self.optimizer, self.step_grads.grads, self._refresh_unit)
             skip = True
         elif not skip and self.offload is not None and self.offload.adamw_mode is not None:
-            self.offload.step(self.optimizer, self.units, self.step_grads.grads, 1.0)
+            self.offload.step(self.optimizer, self.units, self.step_grads.grads)
             skip = True
         for s in self.slot_of.values():
             s.opt_param.grad = None if skip else self.step_grads.grads.get(s)
@@ -277,6 +272,10 @@ class Runtime:
         self.step_grads.release()
         if not skipped:
             self._refresh_compute()
+        # [Note: no deferred gathers] The updated rows are all-gathered (units overlapping
+        # one another) before step() returns: parameters are current whenever the user
+        # looks, and no collective outlives the call, so none can outlive the process group.
+        self.comm.drain()
         self.comm.end_step()
 
     def _host_grad_dtype(self, unit) -> torch.dtype:
@@ -313,9 +312,8 @@ class Runtime:
 
     @torch.no_grad()
     def _launch_param_gathers(self) -> None:
-        """Share each rank's updated rows; each unit waits for its own in its next forward."""
-        # Replicated units first: the root's forward waits for them before anything runs.
-        for unit in sorted(self._order, key=lambda u: not u.replicated):
+        """Share each rank's updated rows of every unit whose params are not sharded."""
+        for unit in self._order:
             if not unit.slots or unit in self._sharded_params:
                 continue
             send = self.pool.take(unit.shard_numel, unit.dtype, unit.device)
@@ -325,7 +323,6 @@ class Runtime:
                 send[s.offset:s.offset + s.local_numel].copy_(s.rows_of(s.param.detach()).reshape(-1))
             recv = self.pool.take(self.world * unit.shard_numel, unit.dtype, unit.device)
             work = self.comm.all_gather(recv, send, async_op=True)
-            self._param_work[unit] = work
             self.comm.enqueue(work, recv.numel(), lambda u=unit, sd=send, rv=recv:
                               self._params_arrived(u, sd, rv))
 
@@ -336,24 +333,17 @@ class Runtime:
                 gather_from_ranks(ranks[:, s.cols], s.param.detach())
         self.pool.give(send)
         self.pool.give(recv)
-        self._param_work.pop(unit, None)
 
     def refresh_params(self) -> None:
         """Make the compute parameters equal the masters again (after a load). Collective."""
         self._refresh_compute()
-        self.wait_params()
+        self.comm.drain()
 
     def prepare_state_dict(self) -> None:
-        """Finish pending gathers and bring NVMe-resident state into memory (until the next
-        step), so the optimizer's tensors hold values. Every state dict access starts here."""
-        self.wait_params()
+        """Bring NVMe-resident state into memory (until the next step), so the optimizer's
+        tensors hold values. Every state dict access starts here."""
         if isinstance(self.offload, NvmeOffload):
             self.offload.materialize(self.optimizer)
-
-    def wait_params(self) -> None:
-        """Finish pending parameter all-gathers (ZeRO-1/2 defer them to the next forward)."""
-        if self._param_work:
-            self.comm.drain()
 
     # -- teardown ----------------------------------------------------------------------
     def restore(self) -> None:
