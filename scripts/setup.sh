@@ -7,5 +7,5 @@ PY=${PYTHON:-python3}
 if ! $PY -c "import torch" 2>/dev/null; then
   $PY -m pip install -q "torch==2.13.0"
 fi
-$PY -m pip install -q torchdata tensorboard pytest pybind11 setuptools wheel
+$PY -m pip install -q torchdata tensorboard safetensors pytest pybind11 setuptools wheel
 $PY -m pip install -q --no-build-isolation --no-deps -e .
