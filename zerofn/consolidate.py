@@ -17,8 +17,10 @@ memory once, as for any full state dict.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -46,7 +48,8 @@ def to_full(checkpoint, out, dtype: torch.dtype = torch.float32) -> dict[str, to
                          "state dict file of tensors cannot hold.")
     model = {k[len(PREFIX):]: torch.empty(saved[k].size, dtype=saved[k].properties.dtype)
              for k in model_keys}
-    dcp.load({"model": model}, checkpoint_id=ckpt, no_dist=True)
+    with _single_process():
+        dcp.load({"model": model}, checkpoint_id=ckpt, no_dist=True)
     full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.items()}
     writer(full, os.fspath(out))
     return full
@@ -59,8 +62,17 @@ def to_dcp(full_file, out_dir) -> None:
         raise FileExistsError(f"{out_dir} exists; pick a new directory for the checkpoint.")
     model = _read_full(full_file)
     tmp = out_dir.rstrip(os.sep) + ".tmp"
-    dcp.save({"model": model}, storage_writer=FileSystemWriter(tmp), no_dist=True)
+    with _single_process():
+        dcp.save({"model": model}, storage_writer=FileSystemWriter(tmp), no_dist=True)
     os.replace(tmp, out_dir)   # complete or absent, never half written
+
+
+@contextlib.contextmanager
+def _single_process():
+    """DCP warns that it assumes one process even when told so with no_dist=True."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _writer_for(path: str):
