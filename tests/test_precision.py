@@ -175,3 +175,33 @@ def test_mixed_precision_alone_says_what_to_do():
     _, model = make_models()
     with pytest.raises(ValueError, match="shards nothing"):
         zf.mixed_precision()(model, make_optimizer("sgd", model.parameters()))
+
+
+def scaler_through_checkpoint(rank, world, path):
+    """fp16 + NVMe offload: the loss scale and its counters, params and Adam state all come
+    back from a checkpoint, into a model with another stage and cpu offload."""
+    from zerofn.checkpoint import load_checkpoint, save_checkpoint
+    _, model = make_models()
+    opt = make_optimizer("adamw", model.parameters())
+    model, opt = zf.compose(zf.shard_params(), zf.mixed_precision(torch.float16),
+                            zf.offload("nvme", path=path))(model, opt)
+    train(model, opt, batches(4, 1, world), rank, world, scale=True)
+    saved = opt.state_dict()["zerofn_loss_scaler"]
+    save_checkpoint(path + "/ckpt", model, opt, step=4)
+    want = zf.get_state_dict(model, opt, full=True)
+    _, fresh = make_models(seed=3)
+    fresh_opt = make_optimizer("adamw", fresh.parameters())
+    fresh, fresh_opt = zf.compose(zf.shard_grads(), zf.mixed_precision(torch.float16),
+                                  zf.offload("cpu"))(fresh, fresh_opt)
+    load_checkpoint(path + "/ckpt", fresh, fresh_opt)
+    got = zf.get_state_dict(fresh, fresh_opt, full=True)
+    same = all(torch.equal(want[0][k], got[0][k]) for k in want[0]) and all(
+        torch.equal(torch.as_tensor(v), torch.as_tensor(got[1]["state"][f][k]))
+        for f, st in want[1]["state"].items() for k, v in st.items())
+    return same, saved, fresh_opt.state_dict()["zerofn_loss_scaler"]
+
+
+def test_loss_scale_and_offloaded_state_survive_a_checkpoint(tmp_path):
+    for same, saved, loaded in run_ranks(2, scaler_through_checkpoint, str(tmp_path)):
+        assert same
+        assert saved == loaded and saved["iteration"] == 4

@@ -5,6 +5,7 @@
     >>> model, opt = zero3(model, opt)
 """
 from .accounting import comm_stats, model_state_bytes
+from .checkpoint import PerRank, RNGState, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from .clip import clip_grad_norm_
 from .estimate import estimate_model_state_bytes
 from .state_dict import get_state_dict, set_state_dict
@@ -15,5 +16,6 @@ __all__ = [
     "Transform", "compose", "shard_optimizer", "shard_grads", "shard_params", "mixed_precision",
     "offload",
     "get_state_dict", "set_state_dict", "clip_grad_norm_", "model_state_bytes", "comm_stats",
-    "estimate_model_state_bytes",
+    "estimate_model_state_bytes", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint",
+    "PerRank", "RNGState",
 ]

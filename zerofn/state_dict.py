@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from .runtime.optimizer import SCALER_KEY
 from .runtime.runtime import runtime_of
 from .runtime.units import ParamSlot
 
@@ -146,7 +147,10 @@ def _optim_state(rt, optimizer, full: bool) -> dict:
                 state[slot.fqn] = {k: _export(rt, slot, v, full) if _is_sharded_state(slot, v)
                                    else _snapshot(v, full) for k, v in optimizer.state[p].items()}
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
-    return {"state": state, "param_groups": groups}
+    out = {"state": state, "param_groups": groups}
+    if rt.scaler is not None:    # fp16 loss scaling: scale and counters ride along
+        out[SCALER_KEY] = rt.scaler.state_dict()
+    return out
 
 
 def _load_optim_state(rt, optimizer, osd: dict) -> None:
@@ -154,6 +158,8 @@ def _load_optim_state(rt, optimizer, osd: dict) -> None:
     if groups is None or len(groups) != len(optimizer.param_groups):
         raise ValueError(f"optimizer state dict has {len(groups or [])} param groups, the "
                          f"optimizer {len(optimizer.param_groups)}.")
+    if rt.scaler is not None and SCALER_KEY in osd:
+        rt.scaler.load_state_dict(osd[SCALER_KEY])
     slot_of_opt = {s.opt_param: s for s in rt.slot_of.values()}
     with torch.no_grad():
         for group, saved in zip(optimizer.param_groups, groups):
