@@ -185,3 +185,24 @@ def offload_state_dicts(rank, world, path):
 def test_state_dicts_move_between_offload_modes(tmp_path):
     for errs in run_ranks(2, offload_state_dicts, str(tmp_path)):
         assert errs[0] < 1e-6 and errs[1] < 1e-6, errs
+
+
+def bf16_offload_runs(rank, world):
+    """bf16 + offload: CPU Adam writes the bf16 compute copy in its pass; the run follows the
+    same bf16 run without offload (CPU Adam and torch's AdamW differ by an ulp at most)."""
+    out = {}
+    data = batches(5, 1, world)
+    for stage in (1, 2, 3):
+        runs = []
+        for opts in (None, {}, {"params": True} if stage == 3 else {}):
+            model, opt = build(stage, "adamw", opts, precision=torch.bfloat16)
+            train_sharded(model, opt, data, rank, world)
+            runs.append(zf.get_state_dict(model, opt, full=True)[0])
+        out[stage] = max(max((runs[0][k] - r[k]).abs().max().item() for k in r) for r in runs[1:])
+    return out
+
+
+def test_bf16_offload_follows_bf16_without_offload():
+    for by_stage in run_ranks(2, bf16_offload_runs):
+        for stage, err in by_stage.items():
+            assert err < 1e-6, (stage, err)

@@ -62,7 +62,7 @@ def fused_adam_mode(optimizer) -> bool | None:
 class HostOffload:
     """Per unit on the host: master rows, a gradient landing buffer and, for Adam, its state."""
 
-    def __init__(self, units: list[Unit], grad_dtype_of, optimizer):
+    def __init__(self, units: list[Unit], grad_dtype_of, optimizer, compute_dtype=None):
         self.adamw_mode = fused_adam_mode(optimizer)
         states = 3 if self.adamw_mode is not None else 1
         sizes = [u.shard_numel for u in units]
@@ -74,6 +74,13 @@ class HostOffload:
             self.exp_avg_sq = {u: self.arena.take(u.shard_numel) for u in units}
         self._units = units
         self._param_arena = self._steps = None
+        # Under mixed precision CPU Adam also writes the compute copy, in the same pass, into
+        # this (pinned) arena: what goes back to the device is already in its dtype.
+        self.lowp = {}
+        master_dtype = units[0].dtype if units else torch.float32
+        if self.adamw_mode is not None and compute_dtype not in (None, master_dtype):
+            self._lowp_arena = HostArena(sizes, compute_dtype)
+            self.lowp = {u: self._lowp_arena.take(u.shard_numel) for u in units}
         self.grad_arenas = {}
         self.grads = {}
         for u in units:
@@ -91,8 +98,17 @@ class HostOffload:
         return self._param_arena.take(unit.shard_numel).copy_(self.master[unit])
 
     def arenas(self) -> list[HostArena]:
-        return [a for a in (self.arena, self._param_arena, self._steps, *self.grad_arenas.values())
-                if a]
+        return [a for a in (self.arena, self._param_arena, self._steps,
+                            getattr(self, "_lowp_arena", None), *self.grad_arenas.values()) if a]
+
+    def compute_rows(self, unit: Unit) -> torch.Tensor:
+        """Where the updated compute rows of a unit are read from after a step."""
+        return self.lowp.get(unit, self.master[unit])
+
+    def recast(self) -> None:
+        """After masters changed outside a step (a load): the compute copies follow."""
+        for u, lowp in self.lowp.items():
+            lowp.copy_(self.master[u])
 
     def register_state(self, optimizer, units: list[Unit]) -> None:
         """Hand the optimizer views of the flat Adam state, so its state dict is the usual."""
@@ -114,11 +130,11 @@ class HostOffload:
         """Adam over every parameter that has a gradient, from the host gradient rows."""
         for u in units:
             adam_unit(optimizer, u, grads, self.master[u], self.exp_avg[u], self.exp_avg_sq[u],
-                      self.adamw_mode)
+                      self.adamw_mode, self.lowp.get(u))
 
 
 def adam_unit(optimizer, unit: Unit, grads: dict, master, exp_avg, exp_avg_sq,
-              adamw_mode: bool) -> None:
+              adamw_mode: bool, lowp=None) -> None:
     """zerofn's CPU Adam over each of the unit's parameters that has a gradient, on the
     rows of flat master and state buffers, with that parameter's group hyperparameters
     and its own step count (as torch.optim keeps them)."""
@@ -133,4 +149,4 @@ def adam_unit(optimizer, unit: Unit, grads: dict, master, exp_avg, exp_avg_sq,
         adam_step(s.shard_of(master).view(-1), g.reshape(-1), s.shard_of(exp_avg).view(-1),
                   s.shard_of(exp_avg_sq).view(-1), step=int(state["step"]), lr=float(group["lr"]),
                   beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                  adamw_mode=adamw_mode)
+                  adamw_mode=adamw_mode, out=None if lowp is None else s.shard_of(lowp).view(-1))

@@ -182,6 +182,8 @@ class Runtime:
                 for s in unit.slots:
                     s.param.data = s.param.data.to(compute)
             unit.dtype = compute
+        if isinstance(self.offload, HostOffload):
+            self.offload.recast()   # rows CPU Adam never steps (frozen) must be right too
         if self.stage == 3:
             self.gatherer = ParamGatherer(self.comm, self.pool, self.units,
                                           self.plan.option("prefetch"),
@@ -198,7 +200,8 @@ class Runtime:
         if where == "nvme":
             return NvmeOffload(units, self.optimizer, self.plan.option("offload_path"), self.rank,
                                self.plan.option("units_in_flight"), self._host_grad_dtype)
-        return HostOffload(units, self._host_grad_dtype, self.optimizer) if where else None
+        return HostOffload(units, self._host_grad_dtype, self.optimizer,
+                           self.plan.option("param_dtype")) if where else None
 
     def _master_to_file(self, unit) -> torch.Tensor | None:
         """NVMe: write the unit's initial master rows to the swap file. ZeRO-3 keeps them
@@ -298,6 +301,8 @@ class Runtime:
         nvme = self.offload if isinstance(self.offload, NvmeOffload) else None
         for unit in self.units:
             master = nvme.resident[unit][0] if nvme and unit in nvme.resident else unit.master
+            if isinstance(self.offload, HostOffload):
+                master = self.offload.compute_rows(unit)
             if master is not None and master is not unit.shard:
                 self._refresh_unit(unit, master)
         self._launch_param_gathers()
@@ -317,7 +322,9 @@ class Runtime:
             if not unit.slots or unit in self._sharded_params:
                 continue
             send = self.pool.take(unit.shard_numel, unit.dtype, unit.device)
-            if unit.master is not None:
+            if isinstance(self.offload, HostOffload):
+                send.copy_(self.offload.compute_rows(unit))
+            elif unit.master is not None:
                 send.copy_(unit.master)
             for s in unit.slots if unit.master is None else ():
                 send[s.offset:s.offset + s.local_numel].copy_(s.rows_of(s.param.detach()).reshape(-1))
@@ -336,6 +343,8 @@ class Runtime:
 
     def refresh_params(self) -> None:
         """Make the compute parameters equal the masters again (after a load). Collective."""
+        if isinstance(self.offload, HostOffload):
+            self.offload.recast()
         self._refresh_compute()
         self.comm.drain()
 
