@@ -55,8 +55,9 @@ class OptimizerWiring:
             zero_grad()
 
         optimizer.zero_grad = sharded_zero_grad
+        # fp32 before scaling, as DeepSpeed does: an fp16 loss times 2**16 would itself be inf.
         optimizer.scale = (lambda loss: loss) if scaler is None else \
-            (lambda loss: loss * scaler.scale)
+            (lambda loss: loss.float() * scaler.scale)
         if scaler is not None:
             self._handles += [
                 optimizer.register_state_dict_post_hook(
