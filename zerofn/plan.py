@@ -71,11 +71,12 @@ class Plan:
         return dataclasses.replace(
             self, stage=max(self.stage, stage), applied=self.applied + (name,), options=merged)
 
-    def describe(self) -> str:
-        """A rank-independent text of the plan, compared across ranks at set-up."""
-        opts = {k: self.option(k) for k in DEFAULTS if k != "group"}
+    def describe(self) -> list[str]:
+        """The plan as lines compared across ranks at set-up, one per option, so a mismatch
+        names the option. The group and the NVMe path may differ by rank (a local drive)."""
+        opts = {k: self.option(k) for k in DEFAULTS if k not in ("group", "offload_path")}
         opts["units"] = _describe_units(opts["units"])
-        return f"stage={self.stage} " + " ".join(f"{k}={opts[k]!r}" for k in sorted(opts))
+        return [f"stage={self.stage}"] + [f"{k}={opts[k]!r}" for k in sorted(opts)]
 
 
 def _describe_units(units: Any) -> Any:

@@ -118,7 +118,7 @@ class Runtime:
         return units, problems
 
     def _signature(self) -> list[str]:
-        lines = [self.plan.describe(), type(self.optimizer).__name__]
+        lines = self.plan.describe() + [type(self.optimizer).__name__]
         lines += [f"{n} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}"
                   for n, p in self.model.named_parameters()]
         lines += [f"group {i}: {len(g['params'])} params"
