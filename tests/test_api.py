@@ -118,3 +118,29 @@ def full_params_only_while_running(rank, world):
 
 def test_zero3_full_params_exist_only_while_unit_runs():
     run_ranks(2, full_params_only_while_running)
+
+
+def sequential_vs_compose(rank, world, root):
+    """Precision and NVMe offload applied one by one (each rank with its own swap directory,
+    as with node-local drives) train exactly like the composed transform."""
+    import os
+    path = os.path.join(root, f"rank{rank}")
+    os.makedirs(path, exist_ok=True)
+    ts = lambda: [zf.shard_params(), zf.offload("nvme", path=path),  # noqa: E731
+                  zf.mixed_precision(torch.bfloat16)]
+    results = []
+    for one_by_one in (False, True):
+        _, model = make_models()
+        opt = make_optimizer("adamw", model.parameters())
+        if one_by_one:
+            for t in ts():
+                model, opt = t(model, opt)
+        else:
+            model, opt = zf.compose(*ts())(model, opt)
+        train_sharded(model, opt, batches(3, 1, world), rank, world)
+        results.append(zf.get_state_dict(model, opt, full=True)[0])
+    return max((results[0][k] - results[1][k]).abs().max().item() for k in results[0])
+
+
+def test_precision_and_offload_compose_one_at_a_time(tmp_path):
+    assert run_ranks(2, sequential_vs_compose, str(tmp_path)) == [0.0, 0.0]
