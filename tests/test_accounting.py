@@ -55,11 +55,15 @@ def traffic_at(rank, world):
     """zerofn's own count, and what actually went through torch.distributed, per step."""
     seen = {"all_gather": 0, "reduce_scatter": 0}
     names = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
-             "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
+             "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor",
+                                "reduce_scatter")}
+
+    def numel(t):
+        return sum(x.numel() for x in t) if isinstance(t, (list, tuple)) else t.numel()
 
     def wrap(kind, fn):
         def counted(out, inp, *a, **k):
-            seen[kind] += max(out.numel(), inp.numel())
+            seen[kind] += max(numel(out), numel(inp))
             return fn(out, inp, *a, **k)
         return counted
 
