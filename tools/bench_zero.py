@@ -70,14 +70,16 @@ def count_collectives(counts: Counter) -> None:
         def counted(*args, **kwargs):
             # FSDP2 passes tensors by keyword, zerofn by position: bind to read either.
             t = list(signature.bind(*args, **kwargs).arguments.values())[payload_index]
-            counts[name] += t.numel() * t.element_size()
+            parts = t if isinstance(t, (list, tuple)) else [t]
+            counts[name] += sum(p.numel() * p.element_size() for p in parts)
             return plain(*args, **kwargs)
         setattr(dist, name, counted)
 
     for name in ("all_gather_into_tensor", "all_gather_single", "all_reduce"):
         wrap(name, 0)      # the gathered output; the reduced tensor
-    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
-        wrap(name, 1)      # the full input
+    # the full input (zerofn uses the list form on gloo: it is faster there)
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter"):
+        wrap(name, 1)
 
 
 def build(config: str, args):
