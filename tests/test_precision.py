@@ -205,3 +205,26 @@ def test_loss_scale_and_offloaded_state_survive_a_checkpoint(tmp_path):
     for same, saved, loaded in run_ranks(2, scaler_through_checkpoint, str(tmp_path)):
         assert same
         assert saved == loaded and saved["iteration"] == 4
+
+
+def fp16_defaults(rank, world):
+    """DeepSpeed's defaults (2**16, hysteresis 2): the first steps overflow, the scale backs
+    off, and training then proceeds, identically on every rank."""
+    _, model = make_models()
+    opt = make_optimizer("adamw", model.parameters())
+    model, opt = mp_transform(3, torch.float16)(model, opt)
+    before = zf.get_state_dict(model, opt, full=True)[0]
+    scales = []
+    for micro in batches(8, 1, world):
+        train(model, opt, [micro], rank, world, scale=True)
+        scales.append(opt.state_dict()["zerofn_loss_scaler"]["scale"])
+    after = zf.get_state_dict(model, opt, full=True)[0]
+    return scales, any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_fp16_default_scale_backs_off_then_trains():
+    results = run_ranks(2, fp16_defaults)
+    assert results[0] == results[1]
+    scales, moved = results[0]
+    assert scales[0] == 2.0 ** 16 and scales[-1] < 2.0 ** 16, scales   # hysteresis, then halving
+    assert moved
