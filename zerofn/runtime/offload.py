@@ -110,10 +110,11 @@ class HostOffload:
         for u, lowp in self.lowp.items():
             lowp.copy_(self.master[u])
 
-    def register_state(self, optimizer, units: list[Unit]) -> None:
+    def register_state(self, optimizer) -> None:
         """Hand the optimizer views of the flat Adam state, so its state dict is the usual."""
         if self.adamw_mode is None:
             return
+        units = self._units
         trainable = [s for u in units for s in u.trainable]
         self._steps = HostArena([1] * len(trainable), torch.float32)
         for u in units:

@@ -81,7 +81,6 @@ class Runtime:
         self.pool = BufferPool()
         self.stage = plan.stage
         self.gatherer = None
-        self._order = [u for u in units if u is self.root] + [u for u in units if u is not self.root]
         self._sharded_params = [u for u in units if self.stage == 3 and not u.replicated]
         self.offload = self._make_offload(units)
         self._lay_out_shards(plan.option("param_dtype"))
@@ -93,10 +92,8 @@ class Runtime:
                                     self.device, self.offload)
         self.opt = OptimizerWiring(optimizer, self.slot_of, self.before_step, self.after_step,
                                    self.zero_grad, self.scaler)
-        if isinstance(self.offload, NvmeOffload):
+        if self.offload is not None:
             self.offload.register_state(optimizer)
-        elif self.offload is not None:
-            self.offload.register_state(optimizer, units)
         self._hooks = self._register_forward_hooks()
         model.__dict__[ATTR] = self
         model.__dict__["no_sync"] = types.MethodType(_no_sync, model)
@@ -242,8 +239,6 @@ class Runtime:
     def _post_forward(self, unit, is_root: bool, output) -> None:
         if self.gatherer is not None:
             self.gatherer.post_forward(unit, is_root, output)
-            if is_root and self.gatherer.order:
-                self._order = self.gatherer.order + [u for u in self.units if u.replicated]
 
     def _on_reduced(self, unit) -> None:
         if unit is None:
@@ -318,7 +313,7 @@ class Runtime:
     @torch.no_grad()
     def _launch_param_gathers(self) -> None:
         """Share each rank's updated rows of every unit whose params are not sharded."""
-        for unit in self._order:
+        for unit in self.units:
             if not unit.slots or unit in self._sharded_params:
                 continue
             send = self.pool.take(unit.shard_numel, unit.dtype, unit.device)
