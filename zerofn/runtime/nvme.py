@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .offload import HostArena, adam_unit, fused_adam_mode
+from .offload import HostArena, adam_unit, fused_adam_mode, groups_by_param
 
 BLOCK = 4096                     # bytes: O_DIRECT alignment of buffers, offsets and sizes
 FLOAT = 4
@@ -123,6 +123,7 @@ class NvmeOffload:
         params from the updated master while it is in memory."""
         self.evict()
         units = [u for u in self.units if u.slots]
+        group_of = groups_by_param(optimizer)
         ring = len(self.staging)
         writes = [None] * ring
         reads = {}
@@ -139,7 +140,7 @@ class NvmeOffload:
             if ring > 1 and i + 1 < len(units):
                 start_read(i + 1)              # read ahead while this unit steps
             master, m, v = flat.view(3, unit.shard_numel)
-            adam_unit(optimizer, unit, grads, master, m, v, self.adamw_mode)
+            adam_unit(optimizer, group_of, unit, grads, master, m, v, self.adamw_mode)
             after_unit(unit, master)
             writes[i % ring] = self.io.submit(self._write, unit, self.staging[i % ring])
         for w in writes:

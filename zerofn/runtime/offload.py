@@ -129,17 +129,21 @@ class HostOffload:
 
     def step(self, optimizer, units: list[Unit], grads: dict) -> None:
         """Adam over every parameter that has a gradient, from the host gradient rows."""
+        group_of = groups_by_param(optimizer)
         for u in units:
-            adam_unit(optimizer, u, grads, self.master[u], self.exp_avg[u], self.exp_avg_sq[u],
-                      self.adamw_mode, self.lowp.get(u))
+            adam_unit(optimizer, group_of, u, grads, self.master[u], self.exp_avg[u],
+                      self.exp_avg_sq[u], self.adamw_mode, self.lowp.get(u))
 
 
-def adam_unit(optimizer, unit: Unit, grads: dict, master, exp_avg, exp_avg_sq,
+def groups_by_param(optimizer) -> dict:
+    return {p: g for g in optimizer.param_groups for p in g["params"]}
+
+
+def adam_unit(optimizer, group_of: dict, unit: Unit, grads: dict, master, exp_avg, exp_avg_sq,
               adamw_mode: bool, lowp=None) -> None:
     """zerofn's CPU Adam over each of the unit's parameters that has a gradient, on the
     rows of flat master and state buffers, with that parameter's group hyperparameters
     and its own step count (as torch.optim keeps them)."""
-    group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
     for s in unit.trainable:
         g, group = grads.get(s), group_of.get(s.opt_param)
         if g is None or group is None or not s.local_numel:
