@@ -88,7 +88,7 @@ def _export(rt, slot: ParamSlot, local: torch.Tensor, full: bool):
     if full:
         return full_tensor_of(rt, slot, local)
     return DTensor.from_local(local, rt.mesh, [Shard(0)], run_check=False, shape=slot.shape,
-                              stride=torch.empty(slot.shape, device="meta").stride())
+                              stride=slot.stride)
 
 
 def _snapshot(value, full: bool):

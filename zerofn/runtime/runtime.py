@@ -172,8 +172,7 @@ class Runtime:
                     unit.master = None    # it lives in the file from here on
                 for s in unit.slots:
                     dt = DTensor.from_local(s.shard_of(unit.shard), self.mesh, [Shard(0)],
-                                            run_check=False, shape=s.shape,
-                                            stride=torch.empty(s.shape, device="meta").stride())
+                                            run_check=False, shape=s.shape, stride=s.stride)
                     s.sharded = nn.Parameter(dt, requires_grad=s.requires_grad)
             elif compute != unit.dtype:
                 for s in unit.slots:
@@ -220,10 +219,11 @@ class Runtime:
         return unit.master.to(unit.device, compute, copy=True)
 
     def _register_forward_hooks(self):
+        """ZeRO-3 only: ZeRO-1/2 keep full parameters and gather them inside step()."""
         handles = []
-        for unit in self.units:
+        for unit in self.units if self.gatherer is not None else ():
             if unit.replicated:
-                continue   # nothing to gather; the root's forward waits for its update
+                continue   # persistent params are whole: nothing to gather
             is_root = unit is self.root
             handles.append(unit.module.register_forward_pre_hook(
                 lambda m, a, u=unit, r=is_root: self._pre_forward(u, r), prepend=True))
@@ -233,12 +233,10 @@ class Runtime:
 
     # -- forward ---------------------------------------------------------------------
     def _pre_forward(self, unit, is_root: bool) -> None:
-        if self.gatherer is not None:
-            self.gatherer.pre_forward(unit, is_root)
+        self.gatherer.pre_forward(unit, is_root)
 
     def _post_forward(self, unit, is_root: bool, output) -> None:
-        if self.gatherer is not None:
-            self.gatherer.post_forward(unit, is_root, output)
+        self.gatherer.post_forward(unit, is_root, output)
 
     def _on_reduced(self, unit) -> None:
         if unit is None:

@@ -58,6 +58,11 @@ class ParamSlot:
         return slice(self.offset, self.offset + self.chunk * self.inner)
 
     @property
+    def stride(self) -> tuple[int, ...]:
+        """The full parameter's contiguous strides (what a Shard(0) DTensor declares)."""
+        return torch.empty(self.shape, device="meta").stride()
+
+    @property
     def local_numel(self) -> int:
         return self.local * self.inner
 
