@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import zerofn as zf
@@ -103,3 +104,44 @@ def test_traffic_per_step(world):
             assert stats["all_gather"] == seen["all_gather"], (stage, stats, seen)
             assert stats["reduce_scatter"] == seen["reduce_scatter"], (stage, stats, seen)
             assert stats["all_gather_bytes"] == 4 * stats["all_gather"]
+
+
+
+def zero3_pool_and_send_order(rank, world):
+    """Pool bytes after each of six ZeRO-3 steps of a GPT whose root unit (with the tied
+    embedding) is the largest, and the order in which backward took send buffers and
+    reduced units."""
+    from zerofn.nanogpt import GPT, GPTConfig
+    from zerofn.runtime.grads import GradReducer
+    from zerofn.runtime.runtime import runtime_of
+
+    events = []
+    take, reduce = GradReducer._send_buffer, GradReducer._reduce
+    GradReducer._send_buffer = lambda self, u: events.append(("send", u.name)) or take(self, u)
+    GradReducer._reduce = lambda self, u: events.append(("reduce", u.name)) or reduce(self, u)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=1024, width=64, heads=2, ffn=256, layers=3, context=16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = transform(3)(model, opt)
+    x = torch.randint(1024, (2, 17), generator=torch.Generator().manual_seed(rank))
+    pool_bytes = []
+    for _ in range(6):
+        events.clear()
+        model(x[:, :-1], x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+        pool_bytes.append(runtime_of(model).pool.nbytes())
+    return pool_bytes, events
+
+
+def test_zero3_pool_stops_growing_and_late_units_take_buffers_late():
+    """After the first steps the pool allocates nothing more. The root unit's first
+    gradients (its final norm) arrive at the start of backward and its last (the tied
+    embedding) at the end: its send buffer is taken only once enough of them are there,
+    after every block was reduced, not held through the whole backward."""
+    for pool_bytes, events in run_ranks(2, zero3_pool_and_send_order):
+        assert pool_bytes[1:] == pool_bytes[2:] + pool_bytes[-1:], pool_bytes
+        first_root_send = events.index(("send", "<root>"))
+        blocks_reduced = [e for e in events if e[0] == "reduce" and e[1] != "<root>"]
+        assert len(blocks_reduced) == 3 and \
+            all(events.index(e) < first_root_send for e in blocks_reduced), events

@@ -47,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=512, help="model width")
     p.add_argument("--layers", type=int, default=6, help="transformer blocks")
     p.add_argument("--context", type=int, default=64, help="sequence length")
+    p.add_argument("--return-freed", action="store_true",
+                   help="run every config with glibc returning freed blocks of 64 KiB and more to "
+                        "the OS at once (MALLOC_MMAP_THRESHOLD_), so peak RSS shows what each "
+                        "framework holds rather than what the allocator kept; slower steps")
     p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -188,8 +192,12 @@ def _full_params(model):
 def launch(config: str, args) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            __file__, "--worker", config] + _forwarded(args)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if args.return_freed:
+        # A fixed threshold also stops glibc raising it (and keeping freed blocks) after
+        # the first large free; see docs/benchmarks.md.
+        env["MALLOC_MMAP_THRESHOLD_"] = str(64 << 10)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if done.returncode != 0 or line is None:
         raise RuntimeError(f"{config} failed:\n{done.stdout}\n{done.stderr[-4000:]}")
@@ -247,7 +255,9 @@ def main() -> None:
     first = next(iter(s.values()))
     print(f"GPT {first['params'] / 1e6:.1f}M params, fp32 AdamW, {first['world']} gloo ranks, "
           f"1 thread each, {args.batch}x{args.context} tokens per rank; step time: median of "
-          f"{args.steps} steps, best of {args.repeats} runs\n")
+          f"{args.steps} steps, best of {args.repeats} runs"
+          + (", freed memory returned to the OS (MALLOC_MMAP_THRESHOLD_=65536)" if args.return_freed
+             else "") + "\n")
     print(table(s))
     for config, r in s.items():
         if r["zerofn_comm_mb"]:

@@ -27,6 +27,7 @@ class GradReducer:
         self._send: dict[Unit, torch.Tensor] = {}
         self._packed: dict[Unit, set] = {}      # slots whose gradient is in the send buffer
         self._remaining: dict[Unit, int] = {}
+        self._held: dict[Unit, list] = {}       # slots whose gradient waits on the parameter
         self._in_backward = False
         self._dirty = False                     # ZeRO-1: a backward ran since the last reduce
         self._hooks = []
@@ -53,17 +54,31 @@ class GradReducer:
         if not self._in_backward:
             self._in_backward = True
             self._remaining = {u: len(u.trainable) for u in self.units}
+            self._held = {}
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self.no_sync:
             return
-        self._pack(unit, slot)
+        self._held.setdefault(unit, []).append(slot)
         self._remaining[unit] -= 1
+        if self._remaining[unit] == 0 or unit in self._send or self._worth_a_buffer(unit):
+            for s in self._held.pop(unit):
+                self._pack(unit, s)
         if self._remaining[unit] == 0:
             self._reduce(unit)
+
+    def _worth_a_buffer(self, unit: Unit) -> bool:
+        """[Note: late send buffers] A unit's first gradients can arrive long before its
+        last: the root's final norm at the start of backward, its tied embedding at the very
+        end. Taking the unit's send buffer then would hold a whole unit's worth of memory
+        through backward for a few small tensors, so gradients wait on their parameters
+        until they make up half the unit."""
+        held = sum(s.numel for s in self._held[unit])
+        return 2 * held >= self.comm.world * unit.shard_numel
 
     def _end_backward(self) -> None:
         for unit in self.units if not self.no_sync else ():
             if self._remaining.get(unit, 0) > 0:
+                self._held.pop(unit, None)
                 for s in unit.trainable:
                     if s.param.grad is not None:
                         self._pack(unit, s)

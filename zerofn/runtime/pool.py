@@ -1,8 +1,15 @@
 """Reusable flat buffers for communication and gathered parameters.
 
-Buffers are taken and given back by exact (numel, dtype, device), so after the first
-step the hot path allocates nothing: every gather, reduce-scatter and copy lands in
-memory the pool already holds.
+After the first step the hot path allocates nothing: every gather, reduce-scatter and
+copy lands in memory the pool already holds.
+
+[Note: best fit] Units differ in size (a transformer's root unit, with the embeddings,
+is larger than its blocks), and a pool keyed by exact size would keep separate buffers
+for each size even when they are never in use at the same time. Instead a request is
+served by the smallest free buffer that is large enough, as a view of its front, so the
+pool holds about as many buffers as are ever in use at once. A request is only served
+from a buffer at most ``MAX_WASTE`` times its size, so a small buffer (a shard, a
+one-parameter unit) never pins a large one.
 """
 from __future__ import annotations
 
@@ -10,22 +17,30 @@ from collections import defaultdict
 
 import torch
 
+MAX_WASTE = 2
+
 
 class BufferPool:
     def __init__(self):
-        self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        self._owned: dict[int, torch.Tensor] = {}
+        self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)   # (dtype, device)
+        self._owned: dict[int, torch.Tensor] = {}                          # data_ptr -> buffer
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        free = self._free[(numel, dtype, device)]
-        if free:
-            return free.pop()
+        if numel == 0:
+            return torch.empty(0, dtype=dtype, device=device)
+        free = self._free[(dtype, torch.device(device))]
+        fits = [i for i, b in enumerate(free) if numel <= b.numel() <= MAX_WASTE * numel]
+        if fits:
+            return free.pop(min(fits, key=lambda i: free[i].numel()))[:numel]
         buf = torch.empty(numel, dtype=dtype, device=device)
-        self._owned[id(buf)] = buf
+        self._owned[buf.data_ptr()] = buf
         return buf
 
-    def give(self, buf: torch.Tensor) -> None:
-        self._free[(buf.numel(), buf.dtype, buf.device)].append(buf)
+    def give(self, view: torch.Tensor) -> None:
+        if view.numel() == 0:
+            return
+        buf = self._owned[view.data_ptr()]
+        self._free[(buf.dtype, buf.device)].append(buf)
 
     def nbytes(self) -> int:
         """Bytes the pool holds, taken or free."""

@@ -1,0 +1,52 @@
+"""The buffer pool serves a request from the smallest free buffer large enough, within a
+waste bound, so buffers of different units are shared instead of kept per size."""
+from __future__ import annotations
+
+import torch
+
+from zerofn.runtime.pool import MAX_WASTE, BufferPool
+
+CPU = torch.device("cpu")
+
+
+def test_a_freed_larger_buffer_serves_a_smaller_request():
+    pool = BufferPool()
+    big = pool.take(1000, torch.float32, CPU)
+    pool.give(big)
+    small = pool.take(800, torch.float32, CPU)
+    assert small.numel() == 800 and small.data_ptr() == big.data_ptr()
+    assert pool.nbytes() == 4000           # nothing new was allocated
+
+
+def test_the_smallest_fitting_buffer_is_chosen():
+    pool = BufferPool()
+    a, b = pool.take(1000, torch.float32, CPU), pool.take(600, torch.float32, CPU)
+    pool.give(a)
+    pool.give(b)
+    assert pool.take(500, torch.float32, CPU).data_ptr() == b.data_ptr()
+    assert pool.take(700, torch.float32, CPU).data_ptr() == a.data_ptr()
+
+
+def test_waste_is_bounded_and_dtypes_do_not_mix():
+    pool = BufferPool()
+    big = pool.take(100 * MAX_WASTE + 1, torch.float32, CPU)
+    pool.give(big)
+    assert pool.take(100, torch.float32, CPU).data_ptr() != big.data_ptr()
+    assert pool.take(100 * MAX_WASTE, torch.bfloat16, CPU).dtype == torch.bfloat16
+    assert pool.take(100 * MAX_WASTE + 1, torch.float32, CPU).data_ptr() == big.data_ptr()
+
+
+def test_a_view_given_back_frees_its_whole_buffer():
+    pool = BufferPool()
+    big = pool.take(1000, torch.float32, CPU)
+    pool.give(big)
+    view = pool.take(900, torch.float32, CPU)
+    pool.give(view)
+    assert pool.take(1000, torch.float32, CPU).data_ptr() == big.data_ptr()
+    assert pool.nbytes() == 4000
+
+
+def test_empty_requests_need_no_buffer():
+    pool = BufferPool()
+    pool.give(pool.take(0, torch.float32, CPU))
+    assert pool.nbytes() == 0
