@@ -8,8 +8,8 @@ is larger than its blocks), and a pool keyed by exact size would keep separate b
 for each size even when they are never in use at the same time. Instead a request is
 served by the smallest free buffer that is large enough, as a view of its front, so the
 pool holds about as many buffers as are ever in use at once. A request is only served
-from a buffer at most ``MAX_WASTE`` times its size, so a small buffer (a shard, a
-one-parameter unit) never pins a large one.
+from a buffer at most ``MAX_WASTE`` times its size, so a small request (a shard is half
+a gathered unit at two ranks) never pins a large buffer.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-MAX_WASTE = 2
+MAX_WASTE = 1.5
 
 
 class BufferPool:
