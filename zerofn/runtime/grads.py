@@ -21,6 +21,9 @@ class GradReducer:
         self.comm, self.pool, self.units, self.stage = comm, pool, units, stage
         self.reduce_dtype = reduce_dtype       # None: the compute dtype
         self.on_reduced = on_reduced           # ZeRO-3 frees a unit's params once reduced
+        # Offload (ZeRO-2/3): on_shard_ready(unit, shard) starts the shard's copy to the
+        # host once a backward's reduction of it is final (runtime/copies.py).
+        self.on_shard_ready = None
         self.no_sync = False
         self.grad_shard: dict[Unit, torch.Tensor | None] = {}
         self._fresh = {u: True for u in units}  # next reduction overwrites instead of adds
@@ -140,6 +143,8 @@ class GradReducer:
         if out is not target:
             target.add_(out)
             self.pool.give(out)
+        if self.on_shard_ready is not None:
+            self.on_shard_ready(unit, target)
 
     def _write_back(self, unit: Unit, out: torch.Tensor) -> None:
         """ZeRO-1: the reduced shard goes into this rank's rows of the full gradients, so no

@@ -127,12 +127,14 @@ class HostOffload:
                     state[k].copy_(v)
                 optimizer.state[s.opt_param] = state
 
-    def step(self, optimizer, units: list[Unit], grads: dict) -> None:
-        """Adam over every parameter that has a gradient, from the host gradient rows."""
+    def step(self, optimizer, grads: dict, after_unit) -> None:
+        """Adam over every parameter that has a gradient, from the host gradient rows, unit
+        by unit; ``after_unit(unit, rows)`` gets each unit's updated compute rows at once."""
         group_of = groups_by_param(optimizer)
-        for u in units:
+        for u in self._units:
             adam_unit(optimizer, group_of, u, grads, self.master[u], self.exp_avg[u],
                       self.exp_avg_sq[u], self.adamw_mode, self.lowp.get(u))
+            after_unit(u, self.compute_rows(u))
 
 
 def groups_by_param(optimizer) -> dict:

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..plan import Plan
 from .comm import Comm
+from .copies import CopyStreams
 from .grads import GradReducer
 from .nvme import BLOCK, NvmeOffload, nvme_problems
 from .offload import HostOffload, fused_adam_mode
@@ -83,13 +84,17 @@ class Runtime:
         self.gatherer = None
         self._sharded_params = [u for u in units if self.stage == 3 and not u.replicated]
         self.offload = self._make_offload(units)
+        self.copies = CopyStreams(self.device, units)
+        self._stepped_on_host = False
         self._lay_out_shards(plan.option("param_dtype"))
         self.reducer = GradReducer(self.comm, self.pool, units, self.stage,
                                    self._on_reduced if self.stage == 3 else None,
                                    plan.option("reduce_dtype"))
         self.scaler = _loss_scaler(plan)
         self.step_grads = StepGrads(self.comm, self.pool, units, self.reducer, self.scaler,
-                                    self.device, self.offload)
+                                    self.device, self.copies, self.offload)
+        if self.offload is not None:
+            self.reducer.on_shard_ready = self.step_grads.shard_ready
         self.opt = OptimizerWiring(optimizer, self.slot_of, self.before_step, self.after_step,
                                    self.zero_grad, self.scaler)
         if self.offload is not None:
@@ -247,14 +252,19 @@ class Runtime:
     # -- optimizer step ----------------------------------------------------------------
     def before_step(self) -> None:
         self.step_grads.prepare()
+        self._settle_copies()   # the step rewrites host rows the last step's copies read
         # Parameters without a gradient are left alone by torch.optim: that is how a
         # skipped step, and a step zerofn's CPU Adam already took, leave it nothing to do.
         skip = self.step_grads.overflow
-        if not skip and isinstance(self.offload, NvmeOffload):
-            self.offload.step(self.optimizer, self.step_grads.grads, self._refresh_unit)
-            skip = True
-        elif not skip and self.offload is not None and self.offload.adamw_mode is not None:
-            self.offload.step(self.optimizer, self.units, self.step_grads.grads)
+        self._stepped_on_host = not skip and self.offload is not None \
+            and self.offload.adamw_mode is not None
+        if self._stepped_on_host:
+            # Each unit's updated rows head back to the device as soon as CPU Adam is done
+            # with the unit, overlapping the step of the next one.
+            after_unit = self._refresh_staged if isinstance(self.offload, NvmeOffload) \
+                else self._refresh_unit
+            self.offload.step(self.optimizer, self.step_grads.grads, after_unit)
+            self._await_shards()
             skip = True
         for s in self.slot_of.values():
             s.opt_param.grad = None if skip else self.step_grads.grads.get(s)
@@ -266,8 +276,8 @@ class Runtime:
         for s in self.slot_of.values():
             s.opt_param.grad = None
         self.step_grads.release()
-        if not skipped:
-            self._refresh_compute()
+        if not skipped and not self._stepped_on_host:
+            self._refresh_compute()   # torch.optim stepped the masters
         # [Note: no deferred gathers] The updated rows are all-gathered (units overlapping
         # one another) before step() returns: parameters are current whenever the user
         # looks, and no collective outlives the call, so none can outlive the process group.
@@ -287,44 +297,61 @@ class Runtime:
         self.step_grads.release()
         self.reducer.zero_grad()
 
-    @torch.no_grad()
     def _refresh_compute(self) -> None:
-        """Updated masters to compute params: a cast for ZeRO-3 shards, gathers for the rest.
-        (NVMe refreshes each unit during its streamed step, or here from materialized state.)"""
-        nvme = self.offload if isinstance(self.offload, NvmeOffload) else None
+        """Compute params from the updated masters of every unit (after a torch.optim step
+        or a load; CPU Adam refreshes each unit as it steps it)."""
         for unit in self.units:
-            master = nvme.resident[unit][0] if nvme and unit in nvme.resident else unit.master
-            if isinstance(self.offload, HostOffload):
-                master = self.offload.compute_rows(unit)
-            if master is not None and master is not unit.shard:
-                self._refresh_unit(unit, master)
-        self._launch_param_gathers()
+            self._refresh_unit(unit, self._updated_rows(unit))
+        self._await_shards()
 
-    def _refresh_unit(self, unit, master: torch.Tensor) -> None:
-        """This rank's compute rows of ``unit`` from its master rows."""
-        if unit in self._sharded_params:
-            unit.shard.copy_(master)
-        elif unit.master is None:    # NVMe ZeRO-1/2: the full params' own rows are the source
-            for s in unit.slots:
-                s.rows_of(s.param.detach()).copy_(s.shard_of(master))
+    def _updated_rows(self, unit) -> torch.Tensor | None:
+        """This rank's updated rows of ``unit`` in the compute dtype where one exists; None
+        where the compute params' own rows are the ones the optimizer updated."""
+        if isinstance(self.offload, HostOffload):
+            return self.offload.compute_rows(unit)
+        if isinstance(self.offload, NvmeOffload):    # materialized for a load, else current
+            return self.offload.resident[unit][0] if unit in self.offload.resident else None
+        return unit.master
 
     @torch.no_grad()
-    def _launch_param_gathers(self) -> None:
-        """Share each rank's updated rows of every unit whose params are not sharded."""
-        for unit in self.units:
-            if not unit.slots or unit in self._sharded_params:
-                continue
-            send = self.pool.take(unit.shard_numel, unit.dtype, unit.device)
-            if isinstance(self.offload, HostOffload):
-                send.copy_(self.offload.compute_rows(unit))
-            elif unit.master is not None:
-                send.copy_(unit.master)
-            for s in unit.slots if unit.master is None else ():
+    def _refresh_unit(self, unit, rows: torch.Tensor | None) -> None:
+        """This rank's compute rows of ``unit`` from its updated ``rows``: copied into the
+        ZeRO-3 shard, or copied into a send buffer and all-gathered into the full params."""
+        if not unit.slots:
+            return
+        if unit in self._sharded_params:
+            if rows is not None and rows is not unit.shard:
+                self.copies.to_device(unit, unit.shard, rows)
+            return
+        send = self.pool.take(unit.shard_numel, unit.dtype, unit.device)
+        if rows is not None:
+            self.copies.to_device(unit, send, rows)
+            self.copies.device_wait(unit)
+        else:
+            for s in unit.slots:
                 send[s.offset:s.offset + s.local_numel].copy_(s.rows_of(s.param.detach()).reshape(-1))
-            recv = self.pool.take(self.world * unit.shard_numel, unit.dtype, unit.device)
-            work = self.comm.all_gather(recv, send, async_op=True)
-            self.comm.enqueue(work, recv.numel(), lambda u=unit, sd=send, rv=recv:
-                              self._params_arrived(u, sd, rv))
+        recv = self.pool.take(self.world * unit.shard_numel, unit.dtype, unit.device)
+        work = self.comm.all_gather(recv, send, async_op=True)
+        self.comm.enqueue(work, recv.numel(), lambda u=unit, sd=send, rv=recv:
+                          self._params_arrived(u, sd, rv))
+
+    def _refresh_staged(self, unit, master: torch.Tensor) -> None:
+        """NVMe: ``master`` is a staging buffer the next read reuses, so its copy must be done
+        before the step goes on (file I/O, not this copy, bounds the NVMe step)."""
+        self._refresh_unit(unit, master)
+        self.copies.before_host_write(unit)
+
+    def _await_shards(self) -> None:
+        """ZeRO-3's next forward gathers from the refreshed shards: device work from here on
+        waits for their copies (the host does not)."""
+        for unit in self._sharded_params:
+            self.copies.device_wait(unit)
+
+    def _settle_copies(self) -> None:
+        """Block until every copy to the device has read its host rows, which the host is
+        about to rewrite. Long done by the next step; a load may come sooner."""
+        for unit in self.units:
+            self.copies.before_host_write(unit)
 
     def _params_arrived(self, unit, send, recv) -> None:
         ranks = recv.view(self.world, unit.shard_numel)
@@ -340,10 +367,12 @@ class Runtime:
             self.offload.recast()
         self._refresh_compute()
         self.comm.drain()
+        self._settle_copies()   # NVMe's materialized rows are let go at the next step
 
     def prepare_state_dict(self) -> None:
         """Bring NVMe-resident state into memory (until the next step), so the optimizer's
         tensors hold values. Every state dict access starts here."""
+        self._settle_copies()   # a load may write host rows a copy to the device still reads
         if isinstance(self.offload, NvmeOffload):
             self.offload.materialize(self.optimizer)
 

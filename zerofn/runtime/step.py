@@ -3,7 +3,10 @@ unscaled, and with an overflow verdict every rank agrees on.
 
 In plain fp32 these are views of the reduced gradients, no copies. Under mixed precision
 each unit's gradients are upcast into one pooled master-dtype buffer for the step and
-given back after it.
+given back after it. Under offload they land in the unit's host buffer: ZeRO-2/3 start
+that copy during backward, as soon as the unit's shard is reduced (``shard_ready``), so
+it overlaps the backward of the units still to come; ZeRO-1, which reduces here, starts
+every unit's copy before waiting for the first.
 """
 from __future__ import annotations
 
@@ -14,13 +17,21 @@ from .units import ParamSlot
 
 
 class StepGrads:
-    def __init__(self, comm, pool, units, reducer, scaler, device, offload=None):
+    def __init__(self, comm, pool, units, reducer, scaler, device, copies, offload=None):
         self.comm, self.pool, self.units, self.reducer = comm, pool, units, reducer
-        self.scaler, self.device, self.offload = scaler, device, offload
+        self.scaler, self.device, self.copies, self.offload = scaler, device, copies, offload
         self.grads: dict[ParamSlot, torch.Tensor | None] = {}
         self.overflow = False
         self.ready = False
         self._buffers: list[torch.Tensor] = []
+        self._streamed: set = set()    # units whose shard is on its way to the host
+
+    def shard_ready(self, unit, shard: torch.Tensor) -> None:
+        """Offload: a backward's reduced shard of ``unit`` is final; copy it to the host now.
+        Under accumulation each backward copies again: the shard sums on the device and
+        the last copy is the one the step reads."""
+        self.copies.to_host(unit, self.offload.grads[unit], shard)
+        self._streamed.add(unit)
 
     @torch.no_grad()
     def prepare(self) -> None:
@@ -29,23 +40,34 @@ class StepGrads:
             return
         self.reducer.sync()
         inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
+        landed = {}
         for unit in self.units:
-            self._prepare_unit(unit, inv_scale)
+            dest = self._prepare_unit(unit, inv_scale is not None)
+            if dest is not None:
+                landed[unit] = dest
+        for unit, dest in landed.items():   # later units' copies run while earlier ones wait
+            self.copies.host_wait(unit)
+            if inv_scale is not None:
+                dest.mul_(inv_scale)
+        self._streamed.clear()
         self.overflow = self._any_overflow() if self.scaler is not None else False
         self.ready = True
 
-    def _prepare_unit(self, unit, inv_scale) -> None:
+    def _prepare_unit(self, unit, scaled: bool) -> torch.Tensor | None:
+        """Point the step at the unit's gradient rows. Returns the buffer they land in, if
+        they are copied; the copies may still be running."""
         dest = None
         for s in unit.slots:
             g = self.reducer.grad_of(unit, s)
             if g is not None and (self.offload is not None or g.dtype != s.opt_param.dtype
-                                  or inv_scale is not None):
+                                  or scaled):
                 if dest is None:
                     dest = self._landing(unit, s.opt_param.dtype)
-                g = s.shard_of(dest).copy_(g)
+                if unit not in self._streamed:   # (without offload: device to device, in order)
+                    self.copies.to_host(unit, s.shard_of(dest), g)
+                g = s.shard_of(dest)
             self.grads[s] = g
-        if dest is not None and inv_scale is not None:
-            dest.mul_(inv_scale)
+        return dest
 
     def _landing(self, unit, dtype) -> torch.Tensor:
         """Where a unit's step gradients go: its host buffer under offload, else a pooled

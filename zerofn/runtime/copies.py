@@ -1,0 +1,74 @@
+"""Copies between the device and host buffers of offload, ordered per unit.
+
+[Note: copy streams] On CUDA, gradient shards go device to host on one side stream and
+updated parameter rows host to device on another, so both overlap compute. Every copy
+belongs to a unit; one event per unit and direction, created once, marks where that
+unit's latest copy ends. Three waits order everything else against those events:
+
+- ``host_wait``: the host is about to read what ``to_host`` wrote (blocks the host).
+- ``device_wait``: device work is about to read what ``to_device`` wrote (the current
+  stream waits; the host goes on).
+- ``before_host_write``: the host is about to rewrite ``to_device``'s source (blocks the
+  host).
+
+A copy itself first waits for the work already queued on the current stream, which
+produced (or still reads) what it touches. Device work may rewrite a ``to_host`` source
+while the copy runs: offload rewrites a gradient shard only in a reduction, which is
+followed by a new copy of the shard on the same stream, and the host waits for that one. Non-blocking copies overlap only from pinned
+host memory: offload's arenas are pinned where CUDA exists (offload.py).
+
+Without CUDA the same calls run: copies are synchronous ``copy_``s and waits do nothing.
+Copies between tensors on the same device are always plain ``copy_``s in stream order.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class CopyStreams:
+    def __init__(self, device: torch.device, units):
+        self.device = device
+        if not self.streaming:
+            return
+        self._streams = {d: torch.cuda.Stream(device) for d in ("d2h", "h2d")}
+        self._done = {d: {u: torch.cuda.Event() for u in units} for d in ("d2h", "h2d")}
+        self._fence = torch.cuda.Event()      # reused: recorded and waited back to back
+
+    @property
+    def streaming(self) -> bool:
+        return self.device.type == "cuda"
+
+    def to_host(self, unit, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Start copying ``src`` (the unit's device shard) into the host buffer ``dst``."""
+        self._copy("d2h", unit, dst, src)
+
+    def to_device(self, unit, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Start copying the host rows ``src`` into ``dst`` (on the device, or on the host
+        under parameter offload, where it is a plain copy)."""
+        self._copy("h2d", unit, dst, src)
+
+    def _copy(self, direction: str, unit, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not self.streaming or dst.device == src.device:
+            dst.copy_(src)
+            return
+        stream = self._streams[direction]
+        self._fence.record(torch.cuda.current_stream(self.device))
+        stream.wait_event(self._fence)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        # The caching allocator must not hand the device block to other work before this
+        # stream is done with it, should its tensor be freed meanwhile.
+        (src if src.is_cuda else dst).record_stream(stream)
+        self._done[direction][unit].record(stream)
+
+    def host_wait(self, unit) -> None:
+        if self.streaming:
+            self._done["d2h"][unit].synchronize()
+
+    def device_wait(self, unit) -> None:
+        if self.streaming:
+            torch.cuda.current_stream(self.device).wait_event(self._done["h2d"][unit])
+
+    def before_host_write(self, unit) -> None:
+        if self.streaming:
+            self._done["h2d"][unit].synchronize()
