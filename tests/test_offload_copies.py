@@ -1,0 +1,244 @@
+"""The offload copy pipeline (runtime/copies.py) is ordered: every read and every rewrite of
+a copied buffer waits for its copy.
+
+On CPU the real copies are synchronous, so ordering mistakes would go unseen. Here a test
+double defers each copy to the last moment the ordering allows, the wait that must come
+before its data is used or its source rewritten. Anything read before its wait is stale,
+and training then differs from the same run with synchronous copies.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import pytest
+import torch
+from models import batches, make_models, make_optimizer
+from multiproc import run_ranks
+from test_offload import offload_transform
+from test_parity import STAGES
+
+import zerofn as zf
+import zerofn.runtime.runtime as runtime_module
+from zerofn.runtime.copies import CopyStreams
+from zerofn.runtime.runtime import runtime_of
+
+ACCUM, STEPS, CLIP = 3, 4, 0.05
+# (stage, optimizer, offload options, compute dtype)
+CONFIGS = [(1, "adamw", {}, None), (2, "adamw", {}, None), (3, "adamw", {}, None),
+           (3, "adamw", {"params": True}, None), (2, "sgd", {}, None),
+           (1, "adamw", {}, torch.bfloat16), (3, "adamw", {"params": True}, torch.bfloat16),
+           (2, "adamw", {}, torch.float16), (2, "adamw", {"nvme": True}, None),
+           (3, "adamw", {"nvme": True}, torch.bfloat16)]
+
+
+class DeferredCopies(CopyStreams):
+    """Copies queued per (direction, unit) and performed only at a wait for that unit: the
+    destination is written, and the source read, as late as the ordering allows."""
+
+    def __init__(self, device, units):
+        super().__init__(device, units)
+        self._pending = defaultdict(list)
+        self.performed = 0
+        self.most_pending = 0       # copies queued at once, across units
+
+    def to_host(self, unit, dst, src):
+        self._defer("d2h", unit, dst, src)
+
+    def to_device(self, unit, dst, src):
+        self._defer("h2d", unit, dst, src)
+
+    def _defer(self, direction, unit, dst, src):
+        self._pending[direction, unit].append((dst, src))
+        self.most_pending = max(self.most_pending, self.pending())
+
+    def _run(self, direction, unit):
+        for dst, src in self._pending.pop((direction, unit), ()):
+            dst.copy_(src)
+            self.performed += 1
+
+    def pending(self) -> int:
+        return sum(map(len, self._pending.values()))
+
+    def host_wait(self, unit):
+        self._run("d2h", unit)
+
+    def device_wait(self, unit):
+        self._run("h2d", unit)
+
+    def before_host_write(self, unit):
+        self._run("h2d", unit)
+
+
+def skipping(wait: str):
+    """A broken pipeline: ``wait`` does nothing."""
+    return type(f"Skips_{wait}", (DeferredCopies,), {wait: lambda self, unit: None})
+
+
+@contextlib.contextmanager
+def copies_class(cls):
+    """Runtimes built inside use ``cls`` for their copies."""
+    before = runtime_module.CopyStreams
+    runtime_module.CopyStreams = cls
+    try:
+        yield
+    finally:
+        runtime_module.CopyStreams = before
+
+
+def train(stage, kind, offload, dtype, data, rank, world, copies=CopyStreams, group=None):
+    """Accumulation over each step's micro-batches and clipping; on the device of ``group``
+    (the world's gloo group by default: the CPU)."""
+    device = "cuda" if group is not None else "cpu"
+    _, model = make_models()
+    model = model.to(device)
+    opt = make_optimizer(kind, model.parameters())
+    extra = ([offload_transform(offload)] if offload is not None else []) + \
+        ([zf.mixed_precision(dtype)] if dtype else [])
+    first, *rest = STAGES[stage]
+    with copies_class(copies):
+        model, opt = zf.compose(getattr(zf, first)(group=group), *(getattr(zf, n)() for n in rest),
+                                *extra)(model, opt)
+    for micro in data:
+        for x, y in micro:
+            x, y = x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
+            loss = model(x, y) / len(micro)
+            opt.scale(loss).backward()
+        zf.clip_grad_norm_(model, CLIP)
+        opt.step()
+        opt.zero_grad()
+    return zf.get_state_dict(model, opt, full=True), runtime_of(model)
+
+
+def state_diff(a, b) -> float:
+    """Largest difference between two full (model, optimizer) state dicts."""
+    diffs = [(a[0][k].float() - b[0][k].float()).abs().max().item() for k in a[0]]
+    diffs += [(v.float() - b[1]["state"][f][k].float()).abs().max().item()
+              for f, st in a[1]["state"].items() for k, v in st.items()
+              if torch.is_tensor(v) and v.dim()]
+    return max(diffs)
+
+
+def deferred_runs(rank, world, path, configs):
+    data = batches(STEPS, ACCUM, world)
+    out = []
+    for stage, kind, opts, dtype in configs:
+        opts = dict(opts, path=path)
+        plain, _ = train(stage, kind, None, dtype, data, rank, world)
+        synced, _ = train(stage, kind, opts, dtype, data, rank, world)
+        deferred, rt = train(stage, kind, opts, dtype, data, rank, world, DeferredCopies)
+        copies = rt.copies
+        out.append({"vs_plain": state_diff(plain, deferred),
+                    "vs_synced": state_diff(synced, deferred), "performed": copies.performed,
+                    "most_pending": copies.most_pending, "left": copies.pending()})
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_deferred_copies_train_like_synchronous_ones(world, tmp_path):
+    """Every stage, cpu offload (params=True too), bf16, fp16 loss scaling, NVMe, a torch
+    optimizer on the host; accumulation over 3 micro-batches and clipping."""
+    for rank_out in run_ranks(world, deferred_runs, str(tmp_path), CONFIGS, timeout=400):
+        for config, r in zip(CONFIGS, rank_out):
+            assert r["vs_synced"] == 0, (config, r)
+            if config[3] is None:   # the fp32 run without offload: torch's Adam vs CPU Adam
+                assert r["vs_plain"] < 1e-6, (config, r)
+            # Copies really waited: many at once (a unit's copy outlived other units' work)
+            # and every one performed by its wait.
+            assert r["most_pending"] > 1 and r["performed"] > 0 and r["left"] == 0, (config, r)
+
+
+# Where leaving out each wait shows on CPU. ``before_host_write`` guards host rows that a
+# copy to the device may still read; here ``device_wait`` performs that copy first, except
+# for NVMe, whose staging buffers are rewritten before the ZeRO-3 shards are waited for.
+MISSING = [("host_wait", (2, "adamw", {}, None)), ("device_wait", (3, "adamw", {}, None)),
+           ("device_wait", (1, "adamw", {}, torch.bfloat16)),
+           ("before_host_write", (3, "adamw", {"nvme": True}, torch.bfloat16))]
+
+
+def missing_wait_runs(rank, world, path):
+    data = batches(STEPS, ACCUM, world)
+    out = []
+    for wait, (stage, kind, opts, dtype) in MISSING:
+        opts = dict(opts, path=path)
+        synced, _ = train(stage, kind, opts, dtype, data, rank, world)
+        broken, _ = train(stage, kind, opts, dtype, data, rank, world, skipping(wait))
+        out.append(state_diff(synced, broken))
+    return out
+
+
+def test_a_missing_wait_shows(tmp_path):
+    """The double has teeth: without any one of the waits, training differs."""
+    for case, err in zip(MISSING, run_ranks(1, missing_wait_runs, str(tmp_path))[0]):
+        assert not err < 1e-4, case   # nan too: a buffer the copy never filled
+
+
+def unpinned_runs(rank, world, path):
+    """Offload with pinning forbidden: every way to ask for pinned memory raises."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("pinned memory requested on a CPU-only build")
+
+    def no_pinning(make):
+        def wrapped(*args, **kwargs):
+            if kwargs.get("pin_memory"):
+                refuse()
+            return make(*args, **kwargs)
+        return wrapped
+
+    assert not torch.cuda.is_available()
+    torch.Tensor.pin_memory = refuse
+    for name in ("zeros", "empty", "ones", "full", "empty_strided", "tensor"):
+        setattr(torch, name, no_pinning(getattr(torch, name)))
+    data = batches(2, 2, world)
+    for stage, opts, dtype in ((1, {}, None), (2, {}, torch.bfloat16),
+                               (3, {"params": True}, torch.bfloat16),
+                               (3, {"nvme": True, "path": path}, None)):
+        _, model = make_models()
+        opt = make_optimizer("adamw", model.parameters())
+        extra = [zf.mixed_precision(dtype)] if dtype else []
+        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]),
+                                offload_transform(opts), *extra)(model, opt)
+        for micro in data:
+            for x, y in micro:
+                model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        assert not any(a.buffer.is_pinned() for a in runtime_of(model).offload.arenas())
+    return True
+
+
+def test_cpu_only_offload_never_pins(tmp_path):
+    assert run_ranks(2, unpinned_runs, str(tmp_path)) == [True, True]
+
+
+class SynchronousCopies(CopyStreams):
+    """What CopyStreams does without CUDA: blocking copies, waits that do nothing."""
+
+    streaming = False
+
+
+def cuda_runs(rank, world):
+    """One rank over NCCL: side streams against blocking copies of the same run."""
+    import torch.distributed as dist
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.cuda.set_device(0)
+    group = dist.new_group(backend="nccl")
+    data = batches(STEPS, ACCUM, world)
+    out = []
+    for stage, opts, dtype, kind in ((1, {}, None, "adamw"), (2, {}, torch.bfloat16, "adamw"),
+                                     (2, {}, None, "sgd"), (3, {}, None, "adamw"),
+                                     (3, {}, torch.bfloat16, "adamw"),
+                                     (3, {"params": True}, torch.bfloat16, "adamw")):
+        synced, _ = train(stage, kind, opts, dtype, data, rank, world, SynchronousCopies, group)
+        streamed, rt = train(stage, kind, opts, dtype, data, rank, world, group=group)
+        pinned = all(a.buffer.is_pinned() for a in rt.offload.arenas())
+        out.append((stage, opts, dtype, kind, state_diff(synced, streamed), rt.copies.streaming,
+                    pinned))
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copy_streams_train_like_blocking_copies(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS
+    for stage, opts, dtype, kind, err, streaming, pinned in run_ranks(1, cuda_runs)[0]:
+        assert streaming and pinned and err < 1e-6, (stage, opts, dtype, kind, err)
