@@ -79,10 +79,22 @@ def test_find_largest_stops_at_the_host_limit():
     assert "largest that trained: 64x2" in out
 
 
+def torch_address_space() -> int:
+    """Bytes of address space a process has once it imported torch: ~0.6 GB with a CPU
+    wheel, ~3.2 GB with a CUDA one (torch 2.11+cu130), whose libraries are mapped whole."""
+    code = ("import torch, torch.distributed; print(next(int(l.split()[1]) for l in "
+            "open('/proc/self/status') if l.startswith('VmSize:')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=120)
+    return int(done.stdout) * 1024
+
+
 def test_find_largest_reports_a_real_allocation_failure():
-    # A 4 GB address-space cap makes the 2048x8 model's host arena (~4.8 GB) fail to
-    # allocate; the run must report it as a host OOM instead of crashing.
-    cap = lambda: resource.setrlimit(resource.RLIMIT_AS, (4 * 10**9, 4 * 10**9))  # noqa: E731
+    # An address-space cap of 3.4 GB beyond what importing torch takes makes the 2048x8
+    # model's host arena (~4.8 GB) fail to allocate; the run must report it as a host OOM
+    # instead of crashing. (A fixed 4 GB cap left a CUDA wheel no room to start at all.)
+    limit = torch_address_space() + int(3.4 * 10**9)
+    cap = lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit))  # noqa: E731
     out = run("--find-largest", "--sizes", "64x2,2048x8", "--steps", "1",
               "--host-limit-gb", "1000", preexec_fn=cap, timeout=180)
     table = rows(out)
