@@ -226,7 +226,8 @@ def cuda_runs(rank, world):
     data = batches(STEPS, ACCUM, world)
     out = []
     for stage, opts, dtype, kind in ((1, {}, None, "adamw"), (2, {}, torch.bfloat16, "adamw"),
-                                     (2, {}, None, "sgd"), (3, {}, None, "adamw"),
+                                     (2, {}, None, "sgd"), (2, {}, torch.float16, "adamw"),
+                                     (3, {}, None, "adamw"),
                                      (3, {}, torch.bfloat16, "adamw"),
                                      (3, {"params": True}, torch.bfloat16, "adamw")):
         synced, _ = train(stage, kind, opts, dtype, data, rank, world, SynchronousCopies, group)

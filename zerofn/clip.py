@@ -23,7 +23,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     if norm_type == float("inf"):
         local = torch.stack([g.abs().max() for g in shards]).max() if shards \
             else torch.zeros((), device=device)
-        total = local.float().clone()
+        total = local.to(device, torch.float32, copy=True)   # offloaded shards: on the host
         rt.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
     else:
         local = sum((torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
@@ -37,6 +37,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     if rt.step_grads.overflow:
         return total      # the step will be skipped: nothing to clip
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = coef.to(shards[0].device) if shards else coef   # once, where the shards are
     for g in shards:
         g.mul_(coef.to(g.dtype))
     return total

@@ -82,7 +82,7 @@ class StepGrads:
         """One small all-reduce: if any rank saw inf or nan, every rank skips the step."""
         sums = [g.sum(dtype=torch.float32) for g in self.grads.values() if g is not None]
         local = torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
-        flag = (~torch.isfinite(local)).float().reshape(1)
+        flag = (~torch.isfinite(local)).float().reshape(1).to(self.device)  # offload: host sums
         self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
