@@ -68,10 +68,18 @@ def traffic_at(rank, world):
             return fn(out, inp, *a, **k)
         return counted
 
+    def wrap_in_place(kind, fn):    # gloo: one broadcast / reduce per rank's chunk
+        def counted(tensor, *a, **k):
+            seen[kind] += tensor.numel()
+            return fn(tensor, *a, **k)
+        return counted
+
     for kind, fns in names.items():
         for name in fns:
             if hasattr(dist, name):
                 setattr(dist, name, wrap(kind, getattr(dist, name)))
+    dist.broadcast = wrap_in_place("all_gather", dist.broadcast)
+    dist.reduce = wrap_in_place("reduce_scatter", dist.reduce)
     import zerofn.runtime.comm as comm  # bind the wrapped functions zerofn calls
     comm._all_gather = dist.all_gather_single if hasattr(dist, "all_gather_single") \
         else dist.all_gather_into_tensor

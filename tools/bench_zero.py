@@ -68,7 +68,9 @@ def count_collectives(counts: Counter) -> None:
     import torch.distributed as dist
 
     def wrap(name: str, payload_index: int):
-        plain = getattr(dist, name)
+        plain = getattr(dist, name, None)
+        if plain is None:   # all_gather_single / reduce_scatter_single: torch 2.13+ only
+            return
         signature = inspect.signature(plain)
 
         def counted(*args, **kwargs):
@@ -79,9 +81,12 @@ def count_collectives(counts: Counter) -> None:
             return plain(*args, **kwargs)
         setattr(dist, name, counted)
 
-    for name in ("all_gather_into_tensor", "all_gather_single", "all_reduce"):
-        wrap(name, 0)      # the gathered output; the reduced tensor
-    # the full input (zerofn uses the list form on gloo: it is faster there)
+    # the gathered output; the reduced tensor; on gloo zerofn gathers and reduce-scatters
+    # with one broadcast / reduce per rank's chunk (zerofn/runtime/comm.py)
+    for name in ("all_gather_into_tensor", "all_gather_single", "all_reduce", "broadcast",
+                 "reduce"):
+        wrap(name, 0)
+    # the full input
     for name in ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter"):
         wrap(name, 1)
 

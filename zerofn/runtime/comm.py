@@ -28,11 +28,16 @@ class Comm:
         self._queue: deque = deque()              # (work, numel, on_done)
         self._inflight_numel = 0
         self._max_inflight = max_inflight_numel
-        # [Note: gloo reduce-scatter] gloo's flat reduce_scatter_single copies and blocks in
-        # the calling thread and runs 2-5x slower than its list form over views of the same
-        # buffer (measured on torch 2.13, 2 ranks: 39 vs 18 ms for 12 MB); NCCL is the
-        # other way round.
-        self._rs_as_list = dist.get_backend(group) == "gloo"
+        # [Note: gloo collectives] gloo's all-gather and reduce-scatter allocate a flat copy
+        # of the whole buffer in its worker thread on every call (measured with torch 2.13:
+        # +23 MB of peak memory for a 23 MB all-gather, and glibc keeps such blocks), and its
+        # all-gather is slow. One in-place broadcast per rank's chunk, and one reduce per
+        # chunk to its owner, move the same bytes with no temporary: at 2 ranks, 23 MB,
+        # all-gather 9.5 vs 13.3 ms, reduce-scatter 22.5 vs 22.0 ms (best of 15); at 4 ranks
+        # 2.6x and 1.8x faster. NCCL's own collectives are in place already.
+        self._in_place = dist.get_backend(group) == "gloo"
+        self._global = [dist.get_global_rank(group, r) for r in range(self.world)] \
+            if group is not None else list(range(self.world))
 
     def _count(self, kind: str, numel: int, dtype: torch.dtype) -> None:
         self.step_counts[kind] += numel
@@ -41,18 +46,35 @@ class Comm:
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         self._count("all_gather", out.numel(), out.dtype)
         with record_function("zerofn::all_gather"):
-            return _all_gather(out, shard, group=self.group, async_op=async_op)
+            if not self._in_place:
+                return _all_gather(out, shard, group=self.group, async_op=async_op)
+            chunks = out.view(self.world, -1)
+            chunks[self.rank].copy_(shard)
+            return self._finish(async_op, [
+                dist.broadcast(chunks[r], src=self._global[r], group=self.group, async_op=True)
+                for r in range(self.world)])
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
-        """Sum-reduce-scatter. Averaging is the caller's division: gloo's AVG is unreliable."""
+        """Sum-reduce-scatter. Averaging is the caller's division: gloo's AVG is unreliable.
+        On gloo ``full`` is scratch afterwards."""
         self._count("reduce_scatter", full.numel(), full.dtype)
         with record_function("zerofn::reduce_scatter"):
-            if self._rs_as_list:
-                return dist.reduce_scatter(out, list(full.chunk(self.world)),
-                                           op=dist.ReduceOp.SUM, group=self.group,
-                                           async_op=async_op)
-            return _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=self.group,
-                                   async_op=async_op)
+            if not self._in_place:
+                return _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=self.group,
+                                       async_op=async_op)
+            chunks = full.view(self.world, -1)
+            return self._finish(async_op, [
+                dist.reduce(chunks[r], dst=self._global[r], op=dist.ReduceOp.SUM,
+                            group=self.group, async_op=True)
+                for r in range(self.world)], then=lambda: out.copy_(chunks[self.rank]))
+
+    @staticmethod
+    def _finish(async_op: bool, works: list, then=None):
+        done = _Works(works, then)
+        if async_op:
+            return done
+        done.wait()
+        return None
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         self._count("all_reduce", t.numel(), t.dtype)
@@ -83,3 +105,23 @@ class Comm:
     def end_step(self) -> None:
         self.last_step = self.step_counts
         self.step_counts = Counter()
+
+
+class _Works:
+    """Several collectives waited as one, then a last local step (see [Note: gloo
+    collectives])."""
+
+    def __init__(self, works: list, then: Callable[[], object] | None):
+        self._works, self._then = works, then
+
+    def wait(self) -> bool:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        if self._then is not None:
+            self._then()
+            self._then = None
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
