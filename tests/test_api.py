@@ -144,3 +144,33 @@ def sequential_vs_compose(rank, world, root):
 
 def test_precision_and_offload_compose_one_at_a_time(tmp_path):
     assert run_ranks(2, sequential_vs_compose, str(tmp_path)) == [0.0, 0.0]
+
+
+def step_and_gather_order(rank, world, stage):
+    """The order of optimizer steps and parameter all-gathers inside one ``opt.step()``."""
+    from zerofn.runtime.comm import Comm
+
+    events = []
+    gather = Comm.all_gather
+    Comm.all_gather = lambda self, *a, **k: events.append("gather") or gather(self, *a, **k)
+    _, model = make_models()
+    opt = make_optimizer("adamw", model.parameters())
+    model, opt = transform(stage)(model, opt)
+    opt.register_step_pre_hook(lambda *_: events.append("step"))
+    (x, y), = batches(1, 1, world)[0]
+    model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    events.clear()
+    opt.step()
+    return events
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_gather_each_unit_while_the_next_steps(stage):
+    """ZeRO-1/2 step the optimizer one unit at a time and launch that unit's all-gather
+    right after, so it overlaps the next unit's step (parity tests show the result is
+    the same step)."""
+    events = run_ranks(2, step_and_gather_order, stage)[0]
+    # one inner step and one gather per unit (several units), then the user's own step
+    # hook, which runs after zerofn's and finds nothing left to do
+    assert len(events) > 5 and events[-1] == "step"
+    assert events[:-1] == ["step", "gather"] * ((len(events) - 1) // 2), events

@@ -85,7 +85,7 @@ class Runtime:
         self._sharded_params = [u for u in units if self.stage == 3 and not u.replicated]
         self.offload = self._make_offload(units)
         self.copies = CopyStreams(self.device, units)
-        self._stepped_on_host = False
+        self._refreshed = False     # the step refreshed each unit's compute params
         self._lay_out_shards(plan.option("param_dtype"))
         self.reducer = GradReducer(self.comm, self.pool, units, self.stage,
                                    self._on_reduced if self.stage == 3 else None,
@@ -256,18 +256,41 @@ class Runtime:
         # Parameters without a gradient are left alone by torch.optim: that is how a
         # skipped step, and a step zerofn's CPU Adam already took, leave it nothing to do.
         skip = self.step_grads.overflow
-        self._stepped_on_host = not skip and self.offload is not None \
-            and self.offload.adamw_mode is not None
-        if self._stepped_on_host:
+        on_host = self.offload is not None and self.offload.adamw_mode is not None
+        self._refreshed = not skip and (on_host or self._steps_per_unit())
+        if self._refreshed and on_host:
             # Each unit's updated rows head back to the device as soon as CPU Adam is done
             # with the unit, overlapping the step of the next one.
             after_unit = self._refresh_staged if isinstance(self.offload, NvmeOffload) \
                 else self._refresh_unit
             self.offload.step(self.optimizer, self.step_grads.grads, after_unit)
             self._await_shards()
-            skip = True
+        elif self._refreshed:
+            self._step_unit_by_unit()
         for s in self.slot_of.values():
-            s.opt_param.grad = None if skip else self.step_grads.grads.get(s)
+            s.opt_param.grad = None if skip or self._refreshed else self.step_grads.grads.get(s)
+
+    def _steps_per_unit(self) -> bool:
+        """ZeRO-1/2 with the optimizer on the device: step one unit at a time, so each
+        unit's all-gather runs while the optimizer steps the next."""
+        return self.offload is None and self.stage < 3 and len(self.units) > 1
+
+    def _step_unit_by_unit(self) -> None:
+        """The user's optimizer over one unit's rows at a time (torch.optim leaves params
+        without a gradient alone, and steps each param from its own state, so this is the
+        same step), each unit's rows shared as soon as they are updated."""
+        grads = self.step_grads.grads
+        self.opt.bypass = True
+        try:
+            for unit in self.units:
+                for s in unit.slots:
+                    s.opt_param.grad = grads.get(s)
+                self.optimizer.step()
+                for s in unit.slots:
+                    s.opt_param.grad = None
+                self._refresh_unit(unit, self._updated_rows(unit))
+        finally:
+            self.opt.bypass = False
 
     def after_step(self) -> None:
         skipped = self.step_grads.overflow
@@ -276,7 +299,7 @@ class Runtime:
         for s in self.slot_of.values():
             s.opt_param.grad = None
         self.step_grads.release()
-        if not skipped and not self._stepped_on_host:
+        if not skipped and not self._refreshed:
             self._refresh_compute()   # torch.optim stepped the masters
         # [Note: no deferred gathers] The updated rows are all-gathered (units overlapping
         # one another) before step() returns: parameters are current whenever the user
