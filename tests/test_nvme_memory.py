@@ -29,12 +29,13 @@ def rss_bytes(field: str) -> int:
     raise KeyError(field)
 
 
-def train_big(rank, world, path):
+def stack_trainer(*transforms):
+    """The Stack under ``transforms``, and a training step, taken once already so every
+    buffer exists and is touched."""
     torch.manual_seed(0)
     model = Stack()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, opt = zf.compose(zf.shard_grads(), zf.offload("nvme", path=path, units_in_flight=2))(
-        model, opt)
+    model, opt = zf.compose(*transforms)(model, opt)
     x = torch.randn(8, WIDTH)
 
     def step():
@@ -42,16 +43,28 @@ def train_big(rank, world, path):
         opt.step()
         opt.zero_grad()
 
-    step()                                          # every buffer exists and is touched
+    step()
+    return model, step
+
+
+def train_big(rank, world, path):
+    model, step = stack_trainer(zf.shard_grads(),
+                                zf.offload("nvme", path=path, units_in_flight=2))
+    weight = model.layers[0].weight.detach().clone()
+    peak_rise = peak_rise_over(step, 2)
+    moved = not torch.equal(weight, model.layers[0].weight)
+    return zf.model_state_bytes(model), peak_rise, moved
+
+
+def peak_rise_over(step, times: int) -> int:
+    """How far the process's peak resident memory rises above its current use while
+    ``step`` runs ``times`` times."""
     with open("/proc/self/clear_refs", "w") as f:   # reset the peak (VmHWM) to now
         f.write("5")
     before = rss_bytes("VmRSS")
-    weight = model.layers[0].weight.detach().clone()
-    step()
-    step()
-    peak_rise = rss_bytes("VmHWM") - before
-    moved = not torch.equal(weight, model.layers[0].weight)
-    return zf.model_state_bytes(model), peak_rise, moved
+    for _ in range(times):
+        step()
+    return rss_bytes("VmHWM") - before
 
 
 def test_nvme_keeps_host_optimizer_memory_within_units_in_flight(tmp_path):

@@ -26,18 +26,26 @@ def _storages(tensors, arenas=()) -> dict[tuple, int]:
             t = t.to_local()
         arena = next((a for a in arenas if a.holds(t)), None)
         if arena is not None:   # an arena is one storage: count the view, not the whole
-            out[("host", t.data_ptr())] = t.numel() * t.element_size()
+            out[("host", t.data_ptr())] = _extent(t)
         else:
             st = t.untyped_storage()
             out[(t.device.type, st.data_ptr())] = st.nbytes()
     return out
 
 
+def _extent(t: torch.Tensor) -> int:
+    """Bytes a view spans: a stand-in expanded to a parameter's shape spans one element."""
+    if not t.numel():
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
 def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
     """``{where: {"params", "grads", "optimizer", "buffers"}}`` bytes held on this rank.
 
     ``where`` is the compute device's type ("cuda", "cpu"), "host" for what ``offload``
-    keeps in host memory (for NVMe: its staging buffers), "nvme" for its swap file.
+    keeps in host memory (for NVMe: its staging buffers), "nvme" for its swap file (its
+    parameter shards under ``params=True`` count as ``params``).
 
     ``params`` are the compute parameters (full for ZeRO-1/2, shards for ZeRO-3),
     ``grads`` the gradients held (full for ZeRO-1, reduced shards for ZeRO-2/3),
@@ -65,8 +73,10 @@ def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
             out[device][role] += nbytes
     out[rt.device.type]["buffers"] += rt.pool.nbytes()
     if hasattr(rt.offload, "file_bytes"):     # offload("nvme")
-        out["nvme"]["optimizer"] += rt.offload.file_bytes
+        out["nvme"]["optimizer"] += rt.offload.file_bytes - rt.offload.param_file_bytes
+        out["nvme"]["params"] += rt.offload.param_file_bytes
         out["host"]["optimizer"] += rt.offload.host_state_bytes()
+        out["host"]["params"] += rt.offload.host_param_bytes()
     return dict(out)
 
 

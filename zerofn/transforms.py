@@ -121,20 +121,20 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
     ``offload("nvme", path=...)`` (ZeRO-Infinity) keeps master parameters and Adam state in
     a swap file per rank under ``path`` and streams them through host memory one unit at
     a time; host memory for them stays within ``units_in_flight`` units. Adam/AdamW only.
+    With ``params=True`` each unit's compute shard lives in the file too and is read into
+    the same staging buffers just before its all-gather, ahead of use.
 
     Args:
         device: "cpu" or "nvme".
-        params: ZeRO-3 only: keep the parameter shards on the host too, copied to the
-            device just before each unit's all-gather.
+        params: ZeRO-3 only: keep the parameter shards on the host (or, for "nvme", in
+            the swap file) too, copied to the device just before each unit's all-gather.
         path: for "nvme", a directory on the drive (checked at set-up: exists, writable,
             room for the swap file). Swap files go when the process exits.
-        units_in_flight: NVMe staging buffers (2: one unit steps while the next is read).
+        units_in_flight: NVMe staging buffers (2: one unit steps while the next is read;
+            with ``params=True`` also how many parameter shards are read ahead).
     """
     if device not in ("cpu", "nvme"):
         raise ValueError(f"offload({device!r}): the device is 'cpu' or 'nvme'.")
-    if device == "nvme" and params:
-        raise ValueError("offload('nvme', params=True) is not supported: parameter shards "
-                         "can be offloaded to host memory with offload('cpu', params=True).")
     if units_in_flight < 1:
         raise ValueError("offload(): units_in_flight must be at least 1.")
     return _stage_transform("offload", 0, OFFLOAD_OPTIONS,

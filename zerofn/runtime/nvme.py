@@ -1,22 +1,30 @@
 """offload("nvme"): master parameters and Adam state in a swap file per rank.
 
-[Note: bounded host memory] The file holds, per unit, master | exp_avg | exp_avg_sq. The
-step streams units through ``units_in_flight`` staging buffers: while one unit steps,
-the next is read ahead and the previous one written back, each by a worker thread (file
-I/O releases the GIL). Host memory for optimizer state is therefore ``units_in_flight``
-times the largest unit, whatever the model's size.
+[Note: bounded host memory] The file holds, per unit, master | exp_avg | exp_avg_sq and,
+under ZeRO-3 parameter offload, the unit's compute shard after them. The step streams
+units through ``units_in_flight`` staging buffers: while one unit steps, the next is read
+ahead and the previous one written back (with its refreshed compute shard), each by a
+worker thread (file I/O releases the GIL). Host memory for optimizer state and parameter
+shards is therefore ``units_in_flight`` times the largest unit, whatever the model's size.
+
+[Note: parameter shards on NVMe] Between steps ZeRO-3's compute shards exist only in the
+file: ``unit.shard`` and the registered DTensors' local tensors point at a one-element
+stand-in. ``ParamReads`` reads each shard into the same staging ring (idle outside the
+step) just before its gather, ahead of use in the gatherer's order.
 
 O_DIRECT is used where the filesystem accepts it (no page-cache copy of what is read
 once per step); buffers and file offsets are aligned for it. Elsewhere I/O is buffered.
 
 Outside the step, the optimizer's tensors for these units (its params and its
 ``exp_avg``/``exp_avg_sq``) point at a one-element stand-in. ``materialize`` reads the
-state into memory and points them there, for state dicts; the next step writes it back.
+state (and parameter shards) into memory and points them there, for state dicts; the next
+step writes it back.
 """
 from __future__ import annotations
 
 import atexit
 import glob
+import itertools
 import os
 import shutil
 import weakref
@@ -38,11 +46,25 @@ def swap_name(path: str, rank: int) -> str:
     return os.path.join(path, f"zerofn-rank{rank}-{os.getpid()}.swap")
 
 
+def block_bytes(unit, param_dtype: torch.dtype | None = None) -> int:
+    """A unit's region of the swap file: master | exp_avg | exp_avg_sq, then its compute
+    shard in ``param_dtype`` under parameter offload; each part aligned for O_DIRECT."""
+    return _state_bytes(unit) + (_round(unit.shard_numel * param_dtype.itemsize) if param_dtype else 0)
+
+
+def _state_bytes(unit) -> int:
+    return _round(3 * unit.shard_numel * FLOAT)
+
+
+def swap_bytes(units, param_dtypes: dict) -> int:
+    return sum(block_bytes(u, param_dtypes.get(u)) for u in units)
+
+
 def nvme_problems(path, need_bytes: int, optimizer) -> list[str]:
     """What stops an NVMe store at ``path``: checked on every rank before any collective."""
     if fused_adam_mode(optimizer) is None:
-        return [f"offload('nvme') steps Adam and AdamW only (got {type(optimizer).__name__}); "
-                "use offload('cpu') for other optimizers."]
+        return [(f"offload('nvme') steps Adam and AdamW only (got {type(optimizer).__name__}); "
+                 "use offload('cpu') for other optimizers.")]
     if not path:
         return ["offload('nvme') needs path=, a directory on the NVMe drive."]
     if not os.path.isdir(path):
@@ -51,8 +73,8 @@ def nvme_problems(path, need_bytes: int, optimizer) -> list[str]:
         return [f"offload('nvme'): cannot write to {path!r}; choose a writable directory."]
     free = shutil.disk_usage(path).free
     if free < need_bytes:
-        return [f"offload('nvme'): {path!r} has {free / 2**30:.2f} GiB free, the swap file needs "
-                f"{need_bytes / 2**30:.2f} GiB; free space or choose another drive."]
+        return [(f"offload('nvme'): {path!r} has {free / 2**30:.2f} GiB free, the swap file "
+                 f"needs {need_bytes / 2**30:.2f} GiB; free space or choose another drive.")]
     return []
 
 
@@ -69,7 +91,8 @@ def remove_stale(path: str, rank: int) -> None:
 
 
 class NvmeOffload:
-    def __init__(self, units, optimizer, path: str, rank: int, in_flight: int, grad_dtype_of):
+    def __init__(self, units, optimizer, path: str, rank: int, in_flight: int, grad_dtype_of,
+                 param_dtypes: dict | None = None):
         self.adamw_mode = fused_adam_mode(optimizer)
         self.grads, self._arenas = {}, []
         for dtype in {grad_dtype_of(u) for u in units}:
@@ -78,49 +101,82 @@ class NvmeOffload:
             self.grads.update({u: arena.take(u.shard_numel) for u in mine})
             self._arenas.append(arena)
         self.units = units
+        self.params = dict(param_dtypes or {})   # unit -> compute dtype of its shard in the file
+        self.block = {u: block_bytes(u, self.params.get(u)) for u in units}
         self.offset, size = {}, 0
         for u in units:
             self.offset[u] = size
-            size += _round(3 * u.shard_numel * FLOAT)
+            size += self.block[u]
         remove_stale(path, rank)
         self.name = swap_name(path, rank)
         self.fd, self.direct = _open(self.name)
         os.posix_fallocate(self.fd, 0, max(size, BLOCK))
         self._cleanup = weakref.finalize(self, _close_and_remove, self.fd, self.name)
         atexit.register(self._cleanup)
-        biggest = max((u.shard_numel for u in units), default=0)
-        self.staging = [_aligned_buffer(3 * biggest) for _ in range(in_flight)]
+        biggest = max(self.block.values(), default=0)
+        self.staging = [_aligned_buffer(biggest // FLOAT) for _ in range(in_flight)]
         self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerofn-nvme")
         self.resident: dict = {}          # unit -> flat master|m|v while materialized
+        self._resident_blocks: dict = {}  # unit -> the aligned block buffer behind it
         self.file_bytes = size
+        self.param_file_bytes = sum(self.block[u] - _state_bytes(u) for u in self.params)
+        stand_ins = {dt: HostArena([1], dt) for dt in set(self.params.values())}
+        self._arenas += stand_ins.values()
+        self._param_stand_in = {dt: a.take(1) for dt, a in stand_ins.items()}
+        self.param_reads = ParamReads(self) if self.params else None
 
     def arenas(self) -> list:
         return self._arenas
 
+    def host_param_bytes(self) -> int:
+        """The part of the staging ring that holds parameter shards."""
+        part = max((self.block[u] - _state_bytes(u) for u in self.params), default=0)
+        return part * len(self.staging)
+
     def host_state_bytes(self) -> int:
-        """Optimizer state in host memory outside state-dict access: the staging ring."""
-        return sum(b.numel() * FLOAT for b in self.staging)
+        """Optimizer state in host memory outside state-dict access: the rest of the ring."""
+        return sum(b.numel() * FLOAT for b in self.staging) - self.host_param_bytes()
 
     # -- raw I/O ---------------------------------------------------------------------
     def _read(self, unit, buf: torch.Tensor) -> torch.Tensor:
-        n = _round(3 * unit.shard_numel * FLOAT)
-        os.preadv(self.fd, [_bytes(buf)[:n]], self.offset[unit])
+        """The unit's master|m|v (the step never needs the old compute shard)."""
+        os.preadv(self.fd, [_bytes(buf)[:_state_bytes(unit)]], self.offset[unit])
         return buf[:3 * unit.shard_numel]
 
     def _write(self, unit, buf: torch.Tensor) -> None:
-        n = _round(3 * unit.shard_numel * FLOAT)
-        os.pwritev(self.fd, [_bytes(buf)[:n]], self.offset[unit])
+        """The whole block: state, and the compute shard where the file holds one."""
+        os.pwritev(self.fd, [_bytes(buf)[:self.block[unit]]], self.offset[unit])
+
+    def read_param(self, unit, buf: torch.Tensor) -> torch.Tensor:
+        start = _state_bytes(unit)
+        os.preadv(self.fd, [_bytes(buf)[:self.block[unit] - start]], self.offset[unit] + start)
+        return buf.view(self.params[unit])[:unit.shard_numel]
+
+    def _param_part(self, unit, buf: torch.Tensor) -> torch.Tensor:
+        """Where the compute shard lies in a buffer laid out like the unit's block."""
+        return buf[_state_bytes(unit) // FLOAT:].view(self.params[unit])[:unit.shard_numel]
 
     def write_initial(self, unit, master: torch.Tensor) -> None:
         buf = self.staging[0]
         buf.zero_()
         buf[:unit.shard_numel].copy_(master)
+        if unit in self.params:
+            self._param_part(unit, buf).copy_(master)
         self._write(unit, buf)
+
+    def param_shard(self, unit, dtype: torch.dtype) -> torch.Tensor:
+        """ZeRO-3 parameter offload: the shard is in the file (``write_initial``); what
+        stands for it in memory is the stand-in, so the DTensors built on it hold no data."""
+        if unit not in self.params:
+            return torch.empty(0, dtype=dtype)   # a unit without parameters
+        return self._param_stand_in[dtype].expand(unit.shard_numel)
 
     # -- the step --------------------------------------------------------------------
     def step(self, optimizer, grads: dict, after_unit) -> None:
         """Adam over every unit, streamed; ``after_unit(unit, master)`` refreshes the compute
         params from the updated master while it is in memory."""
+        if self.param_reads is not None:
+            self.param_reads.forget()          # the ring is ours again; the file changes now
         self.evict()
         units = [u for u in self.units if u.slots]
         group_of = groups_by_param(optimizer)
@@ -141,11 +197,22 @@ class NvmeOffload:
                 start_read(i + 1)              # read ahead while this unit steps
             master, m, v = flat.view(3, unit.shard_numel)
             adam_unit(optimizer, group_of, unit, grads, master, m, v, self.adamw_mode)
-            after_unit(unit, master)
+            self._refresh(unit, self.staging[i % ring], master, after_unit)
             writes[i % ring] = self.io.submit(self._write, unit, self.staging[i % ring])
         for w in writes:
             if w is not None:
                 w.result()
+        if self.param_reads is not None:
+            self.param_reads.resume()
+
+    def _refresh(self, unit, buf: torch.Tensor, master: torch.Tensor, after_unit) -> None:
+        """Under parameter offload the compute shard ``after_unit`` refreshes is the block's
+        own part of the staging buffer, written back to the file with the state."""
+        if unit in self.params:
+            unit.shard = self._param_part(unit, buf)
+        after_unit(unit, master)
+        if unit in self.params:
+            unit.shard = self.param_shard(unit, self.params[unit])
 
     # -- state dicts -------------------------------------------------------------------
     def register_state(self, optimizer) -> None:
@@ -159,12 +226,17 @@ class NvmeOffload:
         self._point(optimizer, None)
 
     def materialize(self, optimizer) -> None:
-        """Read every unit into memory and point the optimizer's tensors at it."""
+        """Read every unit into memory and point the optimizer's tensors (and the parameter
+        shards) at it."""
         if self.resident:
             return
         for u in self.units:
-            buf = _aligned_buffer(3 * u.shard_numel)
-            self.resident[u] = self._read(u, buf).view(3, u.shard_numel)
+            buf = _aligned_buffer(self.block[u] // FLOAT)
+            os.preadv(self.fd, [_bytes(buf)[:self.block[u]]], self.offset[u])
+            self._resident_blocks[u] = buf
+            self.resident[u] = buf[:3 * u.shard_numel].view(3, u.shard_numel)
+            if u in self.params:
+                self._show_params(u, self._param_part(u, buf))
         self._point(optimizer, self.resident)
         self._optimizer = optimizer
 
@@ -172,12 +244,21 @@ class NvmeOffload:
         """Write materialized state back (it may have been loaded into) and let it go."""
         if not self.resident:
             return
-        for u, flat in self.resident.items():
-            buf = self.staging[0]
-            buf[:flat.numel()].copy_(flat.view(-1))
+        for u, buf in self._resident_blocks.items():
             self._write(u, buf)
+            if u in self.params:
+                self._show_params(u, None)
         self._point(self._optimizer, None)
-        self.resident = {}
+        self.resident, self._resident_blocks = {}, {}
+
+    def _show_params(self, unit, flat) -> None:
+        """Point the unit's compute shard and its registered DTensors at ``flat``, or back
+        at the stand-in."""
+        stand_in = self._param_stand_in[self.params[unit]]
+        unit.shard = self.param_shard(unit, self.params[unit]) if flat is None else flat
+        for s in unit.slots:
+            _set(s.sharded._local_tensor, None if flat is None else s.shard_of(flat),
+                 s.local_shape, stand_in)
 
     def _point(self, optimizer, flats) -> None:
         for u in self.units:
@@ -188,6 +269,77 @@ class NvmeOffload:
                 if state:
                     _set(state["exp_avg"], views[1], s.local_shape, self._stand_in)
                     _set(state["exp_avg_sq"], views[2], s.local_shape, self._stand_in)
+
+
+class ParamReads:
+    """ZeRO-3 parameter shards read from the swap file just before their gathers, into the
+    staging ring (idle outside the step), up to ``units_in_flight`` of them ahead of use.
+
+    ``read_ahead`` names the units to come, in order; each buffer that frees up goes to the
+    next of them, so reading runs ahead of the gathers for as long as the guess holds."""
+
+    def __init__(self, store: NvmeOffload):
+        self.store = store
+        self.free = list(store.staging)
+        self.held: dict = {}                  # unit -> (buffer, future), oldest first
+        self._lent = None                     # the buffer ``take`` returned last
+        self._plan = iter(())
+
+    def read_ahead(self, units) -> None:
+        """Read the shards of ``units`` (an iterable, consumed lazily), replacing the plan."""
+        self._settle()
+        self._plan = iter(units)
+        self._fill()
+
+    def take(self, unit) -> torch.Tensor:
+        """The unit's shard on the host, valid until the next call here."""
+        if self.store.resident:
+            return unit.shard                 # may be newer than the file (a load)
+        self._settle()
+        if unit not in self.held:
+            if not self.free:
+                self._drop(next(iter(self.held)))   # a read ahead that guessed wrong
+            self._start(unit)
+        self._lent, read = self.held.pop(unit)
+        shard = read.result()
+        self._fill()
+        return shard
+
+    def forget(self) -> None:
+        """Let every read go: the step is about to use the buffers and rewrite the file.
+        Their units go back to the front of the plan, for ``resume``."""
+        self._settle()
+        dropped = list(self.held)
+        for u in dropped:
+            self._drop(u)
+        self._plan = itertools.chain(dropped, self._plan)
+
+    def resume(self) -> None:
+        """After the step: read the first units of the plan (the next forward's) again."""
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.free and not self.store.resident:   # materialized: read from memory
+            u = next(self._plan, None)
+            if u is None:
+                return
+            if u not in self.held and u in self.store.params:
+                self._start(u)
+
+    def _start(self, unit) -> None:
+        buf = self.free.pop()
+        self.held[unit] = (buf, self.store.io.submit(self.store.read_param, unit, buf))
+
+    def _settle(self) -> None:
+        """The caller is done with the buffer ``take`` lent it."""
+        if self._lent is not None:
+            self.free.append(self._lent)
+            self._lent = None
+
+    def _drop(self, unit) -> None:
+        buf, read = self.held.pop(unit)
+        read.result()
+        self.free.append(buf)
 
 
 def _set(t: torch.Tensor, view, shape, stand_in) -> None:

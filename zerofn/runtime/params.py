@@ -25,7 +25,7 @@ def in_backward() -> bool:
 class _SavedView:
     """Where a saved tensor lay in its unit's gathered buffer."""
 
-    __slots__ = ("unit", "offset", "size", "stride")
+    __slots__ = ("offset", "size", "stride", "unit")
 
     def __init__(self, unit: Unit, t: torch.Tensor):
         self.unit, self.offset, self.size, self.stride = unit, t.storage_offset(), t.size(), t.stride()
@@ -33,9 +33,12 @@ class _SavedView:
 
 class ParamGatherer:
     def __init__(self, comm, pool, units: list[Unit], prefetch: int, reshard_after_forward: bool,
-                 staged: bool = False):
+                 staged: bool = False, reader=None):
         self.comm, self.pool, self.units = comm, pool, units
         self.staged = staged
+        # Parameter offload to NVMe: staged shards come from the swap file through this
+        # (nvme.ParamReads), read ahead in ``order``; else they are ``unit.shard``.
+        self.reader = reader
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self.full: dict[Unit, torch.Tensor] = {}
@@ -53,7 +56,8 @@ class ParamGatherer:
         recv = self.pool.take(self.comm.world * unit.shard_numel, unit.dtype, unit.device)
         shard = unit.shard
         if self.staged:   # offloaded shard: one copy to the device, then the gather
-            shard = self.pool.take(unit.shard_numel, unit.dtype, unit.device).copy_(unit.shard)
+            host = self.reader.take(unit) if self.reader is not None else unit.shard
+            shard = self.pool.take(unit.shard_numel, unit.dtype, unit.device).copy_(host)
         work = self.comm.all_gather(recv, shard, async_op=True)
         self._pending[unit] = (work, recv, shard if self.staged else None)
 
@@ -97,14 +101,17 @@ class ParamGatherer:
         return self._placeholders[key].expand(s.shape)
 
     def prefetch_after(self, unit: Unit, step: int) -> None:
-        """Start gathering the units that ran after (step=1) or before (step=-1) this one."""
+        """Start gathering the units that ran after (step=1) or before (step=-1) this one,
+        and reading from NVMe the shards of the units after those."""
         if unit not in self.order:
             return
         i = self.order.index(unit)
-        for k in range(1, self.prefetch + 1):
-            j = i + k * step
-            if 0 <= j < len(self.order):
-                self.start_gather(self.order[j])
+        ahead = self.order[i + step::step] if 0 <= i + step < len(self.order) else []
+        for u in ahead[:self.prefetch]:
+            self.start_gather(u)
+        if self.reader is not None and len(ahead) > self.prefetch:   # else keep its plan
+            self.reader.read_ahead(u for u in ahead[self.prefetch:]
+                                   if u not in self.full and u not in self._pending)
 
     # -- forward hooks ---------------------------------------------------------------
     def pre_forward(self, unit: Unit, is_root: bool) -> None:
@@ -131,10 +138,15 @@ class ParamGatherer:
         if self.reshard_after_forward:
             self.free(unit)
         if is_root:
-            if self._hooks_ctx is not None:
+            backward_follows = self._hooks_ctx is not None
+            if backward_follows:
                 self._hooks_ctx.__exit__(None, None, None)
                 self._hooks_ctx = None
             self.order = self._recording
+            if backward_follows and self.reader is not None:
+                # Backward starts at the root, then goes through the units in reverse.
+                first = self.order[:1] + self.order[:0:-1]
+                self.reader.read_ahead(u for u in first if u not in self.full)
 
     def pre_backward(self, unit: Unit) -> None:
         """Gradients reached the unit's outputs: gather and register its parameters, so a
@@ -150,6 +162,9 @@ class ParamGatherer:
     def end_backward(self) -> None:
         for unit in list(self.full):
             self.free(unit)
+        if self.reader is not None:
+            # The next forward's first shards: read now, or again after a step rewrites them.
+            self.reader.read_ahead(iter(self.order))
 
     # -- saved tensors ---------------------------------------------------------------
     def _pack(self, t: torch.Tensor):

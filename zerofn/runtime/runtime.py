@@ -18,7 +18,7 @@ from ..plan import Plan
 from .comm import Comm
 from .copies import CopyStreams
 from .grads import GradReducer
-from .nvme import BLOCK, NvmeOffload, nvme_problems
+from .nvme import NvmeOffload, nvme_problems, swap_bytes
 from .offload import HostOffload, fused_adam_mode
 from .optimizer import OptimizerWiring, check_optimizer
 from .params import ParamGatherer
@@ -115,7 +115,7 @@ class Runtime:
         slot_of = {s.param: s for u in units for s in u.slots}
         problems += check_optimizer(self.optimizer, slot_of)
         if self.plan.option("offload") == "nvme":
-            need = sum(-(-3 * u.shard_numel * 4 // BLOCK) * BLOCK for u in units)
+            need = swap_bytes(units, self._offloaded_param_dtypes(units))
             problems += nvme_problems(self.plan.option("offload_path"), need, self.optimizer)
         return units, problems
 
@@ -189,7 +189,8 @@ class Runtime:
             self.gatherer = ParamGatherer(self.comm, self.pool, self.units,
                                           self.plan.option("prefetch"),
                                           self.plan.option("reshard_after_forward"),
-                                          staged=self.plan.option("offload_params"))
+                                          staged=self.plan.option("offload_params"),
+                                          reader=getattr(self.offload, "param_reads", None))
             for unit in self._sharded_params:
                 for s in unit.slots:
                     s.param.data = self.gatherer.placeholder(s, unit)
@@ -200,9 +201,17 @@ class Runtime:
         where = self.plan.option("offload")
         if where == "nvme":
             return NvmeOffload(units, self.optimizer, self.plan.option("offload_path"), self.rank,
-                               self.plan.option("units_in_flight"), self._host_grad_dtype)
+                               self.plan.option("units_in_flight"), self._host_grad_dtype,
+                               self._offloaded_param_dtypes(units))
         return HostOffload(units, self._host_grad_dtype, self.optimizer,
                            self.plan.option("param_dtype")) if where else None
+
+    def _offloaded_param_dtypes(self, units) -> dict:
+        """ZeRO-3 parameter offload: each sharded unit's compute dtype (what NVMe stores)."""
+        if not self.plan.option("offload_params"):
+            return {}
+        dtype = self.plan.option("param_dtype")
+        return {u: dtype or u.dtype for u in units if u.slots and not u.replicated}
 
     def _master_to_file(self, unit) -> torch.Tensor | None:
         """NVMe: write the unit's initial master rows to the swap file. ZeRO-3 keeps them
@@ -215,8 +224,9 @@ class Runtime:
         return master if unit in self._sharded_params else None
 
     def _compute_shard(self, unit, compute: torch.dtype) -> torch.Tensor:
-        """ZeRO-3's flat compute shard: on the host under parameter offload; else the master
-        itself where it is on the device in the compute dtype, or a cast copy of it."""
+        """ZeRO-3's flat compute shard: on the host under parameter offload (for NVMe, in the
+        swap file, with a stand-in here); else the master itself where it is on the device
+        in the compute dtype, or a cast copy of it."""
         if self.plan.option("offload_params"):
             return self.offload.param_shard(unit, compute)
         if compute == unit.dtype and self.offload is None:
