@@ -92,6 +92,12 @@ class Comm:
         while self._inflight_numel > self._max_inflight and len(self._queue) > 1:
             self._finish_oldest()
 
+    def make_room(self, numel: int) -> None:
+        """Wait the oldest collectives until ``numel`` more elements fit the in-flight bound,
+        before a buffer for them is taken."""
+        while self._queue and self._inflight_numel + numel > self._max_inflight:
+            self._finish_oldest()
+
     def drain(self) -> None:
         while self._queue:
             self._finish_oldest()

@@ -97,6 +97,11 @@ class GradReducer:
         columns of parameters without a gradient are zeroed when the unit is reduced."""
         send = self._send.get(unit)
         if send is None:
+            if self._in_backward:
+                # Backward's send buffers count against the in-flight bound while they
+                # fill, not only once their reduction starts. (ZeRO-1 packs at the step,
+                # where packing overlaps the previous unit's reduction instead.)
+                self.comm.make_room(self.comm.world * unit.shard_numel)
             send = self.pool.take(self.comm.world * unit.shard_numel, self._dtype(unit),
                                   unit.device)
             self._send[unit] = send
