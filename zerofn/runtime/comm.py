@@ -49,7 +49,8 @@ class Comm:
             if not self._in_place:
                 return _all_gather(out, shard, group=self.group, async_op=async_op)
             chunks = out.view(self.world, -1)
-            chunks[self.rank].copy_(shard)
+            if shard.data_ptr() != chunks[self.rank].data_ptr():   # else already in place
+                chunks[self.rank].copy_(shard)
             return self._finish(async_op, [
                 dist.broadcast(chunks[r], src=self._global[r], group=self.group, async_op=True)
                 for r in range(self.world)])

@@ -55,11 +55,10 @@ class ParamGatherer:
             return
         recv = self.pool.take(self.comm.world * unit.shard_numel, unit.dtype, unit.device)
         shard = unit.shard
-        if self.staged:   # offloaded shard: one copy to the device, then the gather
+        if self.staged:   # offloaded shard: copied into this rank's slot, gathered in place
             host = self.reader.take(unit) if self.reader is not None else unit.shard
-            shard = self.pool.take(unit.shard_numel, unit.dtype, unit.device).copy_(host)
-        work = self.comm.all_gather(recv, shard, async_op=True)
-        self._pending[unit] = (work, recv, shard if self.staged else None)
+            shard = recv.view(self.comm.world, unit.shard_numel)[self.comm.rank].copy_(host)
+        self._pending[unit] = (self.comm.all_gather(recv, shard, async_op=True), recv)
 
     def ensure(self, unit: Unit) -> torch.Tensor:
         """The unit's gathered buffer (param-major, each param padded to world*chunk rows)."""
@@ -67,10 +66,8 @@ class ParamGatherer:
         if full is not None or not unit.slots:
             return full
         self.start_gather(unit)
-        work, recv, staged = self._pending.pop(unit)
+        work, recv = self._pending.pop(unit)
         work.wait()
-        if staged is not None:
-            self.pool.give(staged)
         full = self.pool.take(recv.numel(), unit.dtype, unit.device)
         world = self.comm.world
         ranks = recv.view(world, unit.shard_numel)

@@ -356,17 +356,18 @@ class Runtime:
             if rows is not None and rows is not unit.shard:
                 self.copies.to_device(unit, unit.shard, rows)
             return
-        send = self.pool.take(unit.shard_numel, unit.dtype, unit.device)
+        # The rows go straight into this rank's slot of the gather buffer: an in-place
+        # all-gather, with no separate send buffer.
+        recv = self.pool.take(self.world * unit.shard_numel, unit.dtype, unit.device)
+        send = recv.view(self.world, unit.shard_numel)[self.rank]
         if rows is not None:
             self.copies.to_device(unit, send, rows)
             self.copies.device_wait(unit)
         else:
             for s in unit.slots:
                 send[s.offset:s.offset + s.local_numel].copy_(s.rows_of(s.param.detach()).reshape(-1))
-        recv = self.pool.take(self.world * unit.shard_numel, unit.dtype, unit.device)
         work = self.comm.all_gather(recv, send, async_op=True)
-        self.comm.enqueue(work, recv.numel(), lambda u=unit, sd=send, rv=recv:
-                          self._params_arrived(u, sd, rv))
+        self.comm.enqueue(work, recv.numel(), lambda u=unit, rv=recv: self._params_arrived(u, rv))
 
     def _refresh_staged(self, unit, master: torch.Tensor) -> None:
         """NVMe: ``master`` is a staging buffer the next read reuses, so its copy must be done
@@ -386,12 +387,11 @@ class Runtime:
         for unit in self.units:
             self.copies.before_host_write(unit)
 
-    def _params_arrived(self, unit, send, recv) -> None:
+    def _params_arrived(self, unit, recv) -> None:
         ranks = recv.view(self.world, unit.shard_numel)
         with torch.no_grad():
             for s in unit.slots:
                 gather_from_ranks(ranks[:, s.cols], s.param.detach())
-        self.pool.give(send)
         self.pool.give(recv)
 
     def refresh_params(self) -> None:
