@@ -1,0 +1,1 @@
+"""DeepSpeed's front door on zerofn: its config files, ``initialize`` and checkpoints."""
