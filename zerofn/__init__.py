@@ -8,6 +8,7 @@ from .accounting import comm_stats, model_state_bytes
 from .checkpoint import PerRank, RNGState, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from .clip import clip_grad_norm_
 from .estimate import estimate_model_state_bytes
+from .pretrained import load_pretrained, save_pretrained
 from .state_dict import get_state_dict, set_state_dict
 from .transforms import (Transform, compose, mixed_precision, offload, shard_grads,
                          shard_optimizer, shard_params)
@@ -17,5 +18,5 @@ __all__ = [
     "offload",
     "get_state_dict", "set_state_dict", "clip_grad_norm_", "model_state_bytes", "comm_stats",
     "estimate_model_state_bytes", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint",
-    "PerRank", "RNGState",
+    "PerRank", "RNGState", "load_pretrained", "save_pretrained",
 ]
