@@ -32,7 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .offload import HostArena, adam_unit, fused_adam_mode, groups_by_param
+from .offload import HostArena, adam_unit, device_of, fused_adam_mode, groups_by_param
+from .pinned import host_buffer, pins
 
 BLOCK = 4096                     # bytes: O_DIRECT alignment of buffers, offsets and sizes
 FLOAT = 4
@@ -94,10 +95,11 @@ class NvmeOffload:
     def __init__(self, units, optimizer, path: str, rank: int, in_flight: int, grad_dtype_of,
                  param_dtypes: dict | None = None):
         self.adamw_mode = fused_adam_mode(optimizer)
+        pin = pins(device_of(units))     # what the device reads and writes is page-locked
         self.grads, self._arenas = {}, []
         for dtype in {grad_dtype_of(u) for u in units}:
             mine = [u for u in units if grad_dtype_of(u) == dtype]
-            arena = HostArena([u.shard_numel for u in mine], dtype)
+            arena = HostArena([u.shard_numel for u in mine], dtype, pin)
             self.grads.update({u: arena.take(u.shard_numel) for u in mine})
             self._arenas.append(arena)
         self.units = units
@@ -114,7 +116,9 @@ class NvmeOffload:
         self._cleanup = weakref.finalize(self, _close_and_remove, self.fd, self.name)
         atexit.register(self._cleanup)
         biggest = max(self.block.values(), default=0)
-        self.staging = [_aligned_buffer(biggest // FLOAT) for _ in range(in_flight)]
+        # Page-aligned and a multiple of BLOCK long, for O_DIRECT; pinned for the device.
+        self.staging = [host_buffer(biggest // FLOAT, torch.float32, pin)
+                        for _ in range(in_flight)]
         self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerofn-nvme")
         self.resident: dict = {}          # unit -> flat master|m|v while materialized
         self._resident_blocks: dict = {}  # unit -> the aligned block buffer behind it
@@ -231,7 +235,7 @@ class NvmeOffload:
         if self.resident:
             return
         for u in self.units:
-            buf = _aligned_buffer(self.block[u] // FLOAT)
+            buf = host_buffer(self.block[u] // FLOAT, torch.float32, pin=False)
             os.preadv(self.fd, [_bytes(buf)[:self.block[u]]], self.offset[u])
             self._resident_blocks[u] = buf
             self.resident[u] = buf[:3 * u.shard_numel].view(3, u.shard_numel)
@@ -356,19 +360,11 @@ def _open(name: str):
     flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
     try:
         fd = os.open(name, flags | getattr(os, "O_DIRECT", 0))
-        probe = _aligned_buffer(BLOCK // FLOAT)
+        probe = host_buffer(BLOCK // FLOAT, torch.float32, pin=False)
         os.pwritev(fd, [_bytes(probe)], 0)      # some filesystems refuse only at I/O time
         return fd, bool(getattr(os, "O_DIRECT", 0))
     except OSError:
         return os.open(name, flags), False
-
-
-def _aligned_buffer(numel: int) -> torch.Tensor:
-    """A zeroed fp32 buffer whose address and byte size are multiples of BLOCK."""
-    n = _round(max(numel, 1) * FLOAT) // FLOAT
-    raw = torch.zeros(n + BLOCK // FLOAT, dtype=torch.float32)
-    skip = (-raw.data_ptr() % BLOCK) // FLOAT
-    return raw[skip:skip + n]
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

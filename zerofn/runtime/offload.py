@@ -1,10 +1,10 @@
 """Optimizer offload: master params and optimizer state on the host, the step in C++.
 
-[Note: one arena] Every unit's host buffers are views of one allocation made at set-up,
-pinned when an accelerator is present (page-locked memory is what lets copies overlap,
-and PyTorch's pinned allocator rounds every ``pin_memory()`` block up to a power of two,
-so pinning per tensor wastes up to half). Without an accelerator the same code runs on
-plain host memory with synchronous copies.
+[Note: one arena] Every unit's host buffers are views of a few allocations made at
+set-up, page-locked at their exact size when the runtime's device is CUDA (page-locked
+memory is what lets copies overlap; see [Note: exact pinning] in pinned.py for why not
+``pin_memory()``). On a CPU device, GPU or not, the same code runs on plain host memory
+with synchronous copies.
 
 For Adam and AdamW the step runs in ``zerofn.optim.adam_step`` over each parameter's rows
 of the unit's flat buffers; their views are registered as the optimizer's own state
@@ -17,21 +17,19 @@ import torch
 
 from ..optim import adam_step
 from ..optim.cpu_adam import CPUAdam
+from .pinned import host_buffer, pins
 from .units import Unit
 
 ALIGN = 64   # elements: keeps every view 256-byte aligned for the vector kernels
 
 
-def pinning() -> bool:
-    return torch.cuda.is_available()
-
-
 class HostArena:
-    """One host allocation handed out as aligned views; never freed while training."""
+    """One host allocation handed out as aligned views; never freed while training.
+    Page-locked (exactly its size) when ``pin``."""
 
-    def __init__(self, sizes: list[int], dtype: torch.dtype):
+    def __init__(self, sizes: list[int], dtype: torch.dtype, pin: bool = False):
         total = sum(_aligned(n) for n in sizes)
-        self.buffer = torch.zeros(total, dtype=dtype, pin_memory=pinning())
+        self.buffer = host_buffer(total, dtype, pin)
         self._used = 0
 
     def take(self, numel: int) -> torch.Tensor:
@@ -46,6 +44,11 @@ class HostArena:
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def device_of(units) -> torch.device:
+    """The device the units compute on (the CPU for a model without parameters)."""
+    return next((u.device for u in units if u.device is not None), torch.device("cpu"))
 
 
 def fused_adam_mode(optimizer) -> bool | None:
@@ -64,9 +67,11 @@ class HostOffload:
 
     def __init__(self, units: list[Unit], grad_dtype_of, optimizer, compute_dtype=None):
         self.adamw_mode = fused_adam_mode(optimizer)
+        self.pin = pins(device_of(units))
         states = 3 if self.adamw_mode is not None else 1
         sizes = [u.shard_numel for u in units]
-        self.arena = HostArena(sizes * states, units[0].dtype if units else torch.float32)
+        self.arena = HostArena(sizes * states, units[0].dtype if units else torch.float32,
+                               self.pin)
         self.master = {u: self.arena.take(u.shard_numel) for u in units}
         self.exp_avg, self.exp_avg_sq = {}, {}
         if self.adamw_mode is not None:
@@ -79,7 +84,7 @@ class HostOffload:
         self.lowp = {}
         master_dtype = units[0].dtype if units else torch.float32
         if self.adamw_mode is not None and compute_dtype not in (None, master_dtype):
-            self._lowp_arena = HostArena(sizes, compute_dtype)
+            self._lowp_arena = HostArena(sizes, compute_dtype, self.pin)
             self.lowp = {u: self._lowp_arena.take(u.shard_numel) for u in units}
         self.grad_arenas = {}
         self.grads = {}
@@ -87,14 +92,14 @@ class HostOffload:
             dtype = grad_dtype_of(u)
             self.grad_arenas.setdefault(dtype, []).append(u)
         for dtype, us in list(self.grad_arenas.items()):
-            arena = HostArena([u.shard_numel for u in us], dtype)
+            arena = HostArena([u.shard_numel for u in us], dtype, self.pin)
             self.grad_arenas[dtype] = arena
             self.grads.update({u: arena.take(u.shard_numel) for u in us})
 
     def param_shard(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
         """ZeRO-3 parameter offload: the unit's compute shard, on the host."""
         if self._param_arena is None:
-            self._param_arena = HostArena([u.shard_numel for u in self._units], dtype)
+            self._param_arena = HostArena([u.shard_numel for u in self._units], dtype, self.pin)
         return self._param_arena.take(unit.shard_numel).copy_(self.master[unit])
 
     def arenas(self) -> list[HostArena]:
