@@ -197,7 +197,7 @@ def _shape_problems(model, plan: dict) -> list[str]:
     if not wrong:
         return []
     return [f"{len(wrong)} shapes differ ({_listed(wrong)}): the file holds another model "
-            "configuration."]
+            "configuration"]
 
 
 def _key_problems(missing: list[str], unexpected: list[str]) -> list[str]:
