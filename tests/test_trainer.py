@@ -1,0 +1,176 @@
+"""ZeroTrainer: transformers.Trainer through a zerofn transform.
+
+ZeRO-3 on 2 gloo ranks follows a single-process Trainer on the same global batches (loss
+per step and final weights), with accumulation, clipping, a warm-up schedule and
+activation checkpointing; resuming from its checkpoint continues exactly like the
+uninterrupted run; fp16 loss scaling is zerofn's, and a skipped step leaves the LR
+scheduler alone.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zerofn as zf
+from multiproc import run_ranks
+from test_hf_models import build
+from test_parity import TOL
+
+transformers = pytest.importorskip("transformers")
+from zerofn.integrations.transformers import ZeroTrainer  # noqa: E402 (needs transformers)
+
+ROWS, SEQ, VOCAB = 24, 10, 97     # ids fit both test models
+STEPS, SAVE_AT = 6, 3
+ACCUM = 2
+GLOBAL_ROWS = 8          # per optimizer step: 2 micro-batches of 4 rows
+CLIP = 0.5
+
+
+class Rows(torch.utils.data.Dataset):
+    """Token rows whose labels ignore a different number of trailing tokens per row, so
+    micro-batches hold different numbers of predicted tokens."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(4)
+        self.ids = torch.randint(3, VOCAB, (ROWS, SEQ), generator=g)
+        self.keep = torch.randint(5, SEQ + 1, (ROWS,), generator=g)
+
+    def __len__(self):
+        return ROWS
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[self.keep[i]:] = -100
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def arguments(out: str, world: int, **kw):
+    """The same global batches at any world size; a linearly decaying learning rate."""
+    return transformers.TrainingArguments(**{
+        "output_dir": out, "per_device_train_batch_size": GLOBAL_ROWS // ACCUM // world,
+        "gradient_accumulation_steps": ACCUM, "max_steps": STEPS, "learning_rate": 1e-3,
+        "weight_decay": 0.1, "max_grad_norm": CLIP, "logging_steps": 1,
+        "train_sampling_strategy": "sequential", "save_strategy": "no", "report_to": [],
+        "use_cpu": True, "seed": 0, "disable_tqdm": True, "dataloader_num_workers": 0, **kw})
+
+
+def launched_like_torchrun(rank: int, world: int) -> None:
+    """accelerate reads the launcher's environment (the harness made the group already)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+
+
+def history(trainer, key: str) -> dict:
+    return {e["step"]: e[key] for e in trainer.state.log_history if key in e}
+
+
+def plain_trainer(rank, world, out):
+    model = build("llama")
+    trainer = transformers.Trainer(model=model, args=arguments(out, world), train_dataset=Rows())
+    trainer.train()
+    return history(trainer, "loss"), history(trainer, "grad_norm"), \
+        {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def zero_run(rank, world, out, resume=None, seed=0):
+    model = build("llama", seed=seed)
+    save = dict(save_strategy="steps", save_steps=SAVE_AT) if resume is None else {}
+    trainer = ZeroTrainer(
+        model=model, args=arguments(out, world, **save), train_dataset=Rows(),
+        zerofn=zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()))
+    trainer.train(resume_from_checkpoint=resume)
+    opt = zf.runtime.runtime.runtime_of(model).optimizer
+    weights, _ = zf.get_state_dict(model, opt, full=True)
+    return trainer, {k: v.numpy() for k, v in weights.items()}
+
+
+def zero_trainer(rank, world, root):
+    launched_like_torchrun(rank, world)
+    first, weights = zero_run(rank, world, os.path.join(root, "first"))
+    first.save_model(os.path.join(root, "final"))
+    checkpoint = os.path.join(root, "first", f"checkpoint-{SAVE_AT}")
+    resumed, resumed_weights = zero_run(rank, world, os.path.join(root, "resumed"),
+                                        resume=checkpoint, seed=5)
+    return dict(loss=history(first, "loss"), grad_norm=history(first, "grad_norm"),
+                weights=weights, resumed_loss=history(resumed, "loss"),
+                resumed_weights=resumed_weights, checkpoint=sorted(os.listdir(checkpoint)),
+                lr_steps=resumed.lr_scheduler.last_epoch)
+
+
+def test_zero3_trainer_follows_trainer_and_resumes_exactly(tmp_path):
+    losses, norms, want = run_ranks(1, plain_trainer, str(tmp_path / "plain"))[0]
+    results = run_ranks(2, zero_trainer, str(tmp_path), timeout=400)
+    assert results[0]["loss"] == results[1]["loss"]      # Trainer logs the mean over ranks
+    r = results[0]
+    assert sorted(losses) == sorted(r["loss"]) == list(range(1, STEPS + 1))
+    for step in losses:
+        assert abs(losses[step] - r["loss"][step]) < TOL, (step, losses[step], r["loss"][step])
+        assert abs(norms[step] - r["grad_norm"][step]) < TOL * norms[step], step
+    assert min(norms.values()) > CLIP                     # clipping really clipped
+    for k, v in want.items():
+        err = abs(torch.from_numpy(r["weights"][k]) - torch.from_numpy(v)).max().item()
+        assert err < TOL, (k, err)
+    # resuming at step 3 continues exactly as the uninterrupted run did
+    for step in range(SAVE_AT + 1, STEPS + 1):
+        assert r["resumed_loss"][step] == r["loss"][step], step
+    for k, v in r["weights"].items():
+        assert (r["resumed_weights"][k] == v).all(), k
+    assert r["lr_steps"] == STEPS
+    # Trainer's checkpoint: Hugging Face weights, a sharded zerofn checkpoint, no
+    # rank-0 torch.save of the optimizer
+    assert {"model.safetensors", "config.json", "zerofn", "trainer_state.json",
+            "rng_state_0.pth", "rng_state_1.pth"} <= set(r["checkpoint"]), r["checkpoint"]
+    assert "optimizer.pt" not in r["checkpoint"]
+    final = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    for k, v in final.state_dict().items():
+        assert torch.equal(v, torch.from_numpy(r["weights"][k])), k
+    assert os.path.exists(tmp_path / "final" / "training_args.bin")
+
+
+def fp16_offload(rank, world, out):
+    """fp16 from 2**20 with hysteresis 1: the first steps overflow and are skipped (the LR
+    scheduler with them), the scale halves each time, then training goes on; AdamW from
+    Trainer steps in zerofn's CPU Adam."""
+    model = build("gpt2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = ZeroTrainer(
+        model=model, args=arguments(out, world, max_steps=8), train_dataset=Rows(),
+        zerofn=zf.compose(zf.shard_grads(), zf.offload("cpu"),
+                          zf.mixed_precision(torch.float16, initial_scale_power=20,
+                                             hysteresis=1)))
+    trainer.train()
+    rt = zf.runtime.runtime.runtime_of(model)
+    weights, _ = zf.get_state_dict(model, rt.optimizer, full=True)
+    moved = any(not torch.equal(weights[k], v) for k, v in before.items())
+    return (rt.scaler.scale, trainer.lr_scheduler.last_epoch, trainer.state.global_step,
+            rt.offload.adamw_mode, moved)
+
+
+def test_fp16_loss_scaling_is_zerofns(tmp_path):
+    scale, lr_steps, steps, adamw_mode, moved = run_ranks(1, fp16_offload, str(tmp_path))[0]
+    skipped = steps - lr_steps
+    assert steps == 8 and 0 < skipped < steps, (steps, lr_steps)
+    assert scale == 2.0 ** (20 - skipped), (scale, skipped)
+    assert adamw_mode is True and moved
+
+
+def test_refuses_what_would_bypass_zerofn(tmp_path):
+    model = build("gpt2")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                          bf16=True)
+    with pytest.raises(ValueError, match="mixed_precision"):
+        ZeroTrainer(model=model, args=args,
+                                                 zerofn=zf.shard_params())
+    with pytest.raises(TypeError, match="zerofn transform"):
+        ZeroTrainer(model=model, args=args, zerofn="zero3")
+
+
+def test_core_package_does_not_import_transformers():
+    import subprocess
+    import sys
+    code = ("import sys, zerofn, zerofn.pretrained, zerofn.integrations; "
+            "print(sorted(m for m in ('transformers', 'accelerate') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out
