@@ -7,6 +7,7 @@
 from .accounting import comm_stats, model_state_bytes
 from .checkpoint import PerRank, RNGState, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from .clip import clip_grad_norm_
+from .deepspeed.config import from_deepspeed_config
 from .estimate import estimate_model_state_bytes
 from .pretrained import load_pretrained, save_pretrained
 from .state_dict import get_state_dict, set_state_dict
@@ -18,5 +19,5 @@ __all__ = [
     "offload",
     "get_state_dict", "set_state_dict", "clip_grad_norm_", "model_state_bytes", "comm_stats",
     "estimate_model_state_bytes", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint",
-    "PerRank", "RNGState", "load_pretrained", "save_pretrained",
+    "PerRank", "RNGState", "load_pretrained", "save_pretrained", "from_deepspeed_config",
 ]
