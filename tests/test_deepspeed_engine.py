@@ -1,0 +1,269 @@
+"""zerofn.deepspeed's engine: DeepSpeed scripts run with one changed import and match real
+DeepSpeed 0.19.8 (tests/data/deepspeed, from tools/deepspeed_reference.py); the engine's
+loop matches plain PyTorch; checkpoints resume exactly; fp16 scales and skips like DeepSpeed.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import runpy
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+import zerofn.deepspeed as deepspeed
+from multiproc import run_ranks
+from zerofn.deepspeed.engine import _config_from
+from zerofn.deepspeed.schedulers import WarmupLR
+from zerofn.runtime.runtime import runtime_of
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "deepspeed_scripts")
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspeed")
+sys.path.insert(0, SCRIPTS)
+
+import cases  # noqa: E402
+from tiny import make_dataset, make_model  # noqa: E402
+
+TOL = 1e-4          # |loss difference| to real DeepSpeed, every micro-step
+PARITY_TOL = 1e-5   # to plain single-process PyTorch
+
+
+# -- DeepSpeed's scripts, unchanged but for the import ---------------------------------------
+def zerofn_script(name: str, tmp) -> str:
+    """The case's script with ``import deepspeed`` changed, and nothing else."""
+    with open(os.path.join(SCRIPTS, cases.CASES[name][0])) as f:
+        source = f.read()
+    changed = "".join(cases.ZEROFN_IMPORT if line == cases.DEEPSPEED_IMPORT else line
+                      for line in source.splitlines(keepends=True))
+    diff = [d for d in difflib.ndiff(source.splitlines(), changed.splitlines()) if d[:1] in "+-"]
+    assert diff == ["- import deepspeed", "+ import zerofn.deepspeed as deepspeed"], diff
+    path = tmp / f"zerofn_{name}.py"
+    path.write_text(changed)
+    return str(path)
+
+
+def _run_scripts(rank, world, runs):
+    """Run each script as torchrun would; returns the offload store each engine got."""
+    sys.path.insert(0, SCRIPTS)     # the scripts import tiny.py, as torchrun would find it
+    stores, initialize = [], deepspeed.initialize
+
+    def watched(*args, **kwargs):
+        out = initialize(*args, **kwargs)
+        stores.append(type(runtime_of(out[0].module).offload).__name__)
+        return out
+
+    deepspeed.initialize = watched
+    try:
+        for script, argv in runs:
+            sys.argv = [script] + argv
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                runpy.run_path(script, run_name="__main__")
+    finally:
+        deepspeed.initialize = initialize
+    return stores
+
+
+def test_deepspeed_scripts_match_real_deepspeed(tmp_path):
+    runs, prefixes = [], {}
+    for name in cases.CASES:
+        nvme = tmp_path / f"{name}-nvme"
+        nvme.mkdir()
+        config = tmp_path / f"{name}.json"
+        config.write_text(json.dumps(cases.comparable_config(name, str(nvme))))
+        prefixes[name] = str(tmp_path / name)
+        runs.append((zerofn_script(name, tmp_path), cases.script_args(str(config), prefixes[name])))
+    stores = run_ranks(cases.WORLD, _run_scripts, runs, timeout=240)
+    assert stores == [["HostOffload", "NvmeOffload", "HostOffload"]] * cases.WORLD
+    for name, prefix in prefixes.items():
+        with open(os.path.join(DATA, f"{name}.json")) as f:
+            reference = json.load(f)["ranks"]
+        ours = cases.read_losses(prefix)
+        for rank, ref in reference.items():
+            assert len(ours[rank]["losses"]) == len(ref["losses"]), (name, rank)
+            worst = max(abs(a - b) for a, b in zip(ours[rank]["losses"], ref["losses"]))
+            assert worst <= TOL, f"{name} {rank}: losses differ by {worst:.2e} from DeepSpeed's"
+            assert ours[rank]["lr"] == pytest.approx(ref["lr"], rel=1e-12), (name, rank)
+            for key in ("global_steps", "global_samples"):
+                assert ours[rank][key] == ref[key], (name, rank, key)
+
+
+# -- the engine API, against plain PyTorch ---------------------------------------------------
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+    "gradient_clipping": 0.3,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.002, "warmup_max_lr": 0.01,
+                                                 "warmup_num_steps": 3}},
+    "zero_optimization": {"stage": 2},
+}
+FP16 = {
+    "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+    "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.05,
+                                                 "warmup_num_steps": 4}},
+    "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8,
+             "loss_scale_window": 2, "hysteresis": 1},
+    "zero_optimization": {"stage": 3},
+}
+
+
+def _engine(config, seed=0, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return deepspeed.initialize(model=make_model(seed), config=config,
+                                    training_data=make_dataset(64), **kw)
+
+
+def _train(engine, loader, micro_steps):
+    losses = []
+    batches = iter(loader)
+    for _ in range(micro_steps):
+        x, y = next(batches)
+        loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _reference(world, steps):
+    """Plain PyTorch on the global batch: both ranks' micro-batches, as the engine sees them."""
+    model, data = make_model(), make_dataset(64)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    sched = WarmupLR(opt, warmup_min_lr=0.002, warmup_max_lr=0.01, warmup_num_steps=3)
+    indices = [list(DistributedSampler(data, num_replicas=world, rank=r)) for r in range(world)]
+    norm = None
+    for step in range(steps):
+        for micro in range(2):
+            rows = [i for r in range(world) for i in indices[r][(2 * step + micro) * 2:][:2]]
+            x, y = data[rows]
+            (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3))
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return model, norm
+
+
+def _check_api(rank, world, engine, opt, loader, sched):
+    assert (engine.global_rank, engine.world_size, engine.local_rank) == (rank, world, rank)
+    assert engine.device == torch.device("cpu") and opt is engine.optimizer
+    assert isinstance(opt, torch.optim.AdamW) and sched is engine.lr_scheduler
+    assert (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+            engine.train_batch_size(), engine.zero_optimization_stage()) == (2, 2, 8, 2)
+    assert not engine.fp16_enabled() and not engine.bfloat16_enabled()
+    assert engine.loss_scale() == 1.0 and engine.get_lr() == [0.002]
+    assert loader.batch_size == 2 and isinstance(loader.sampler, DistributedSampler)
+    assert loader.sampler.rank == rank and len(loader) == 64 // world // 2
+    assert engine.blocks is engine.module.blocks          # attributes fall through
+    engine.eval()
+    assert not engine.module.training
+    engine.train()
+    assert engine.module.training
+
+
+def _check_loop(rank, world, engine, loader):
+    """Boundaries every 2nd micro-step; params move only there; plain-PyTorch parity."""
+    seen = []
+    batches = iter(loader)
+    for micro in range(6):
+        seen.append(engine.is_gradient_accumulation_boundary())
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        x, y = next(batches)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        moved = any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+        assert moved == seen[-1] == engine.was_step_applied(), micro
+    assert seen == [False, True] * 3
+    assert (engine.micro_steps, engine.global_steps, engine.global_samples) == (6, 3, 24)
+    reference, norm = _reference(world, 3)
+    for (name, p), q in zip(engine.module.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.detach(), q.detach(), atol=PARITY_TOL, rtol=0), name
+    assert engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-5)
+    assert engine.get_lr() == pytest.approx([0.002 + 0.008 * math.log(3) / math.log(3)])
+
+
+def _check_checkpoints(rank, world, engine, loader, ckpt):
+    """Save at step 3, train on; a fresh engine loads and trains on identically."""
+    engine.save_checkpoint(ckpt, client_state={"epoch": 7, "rank": rank})
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read() == "global_step3"
+    engine.save_checkpoint(ckpt, tag="side", save_latest=False)
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read() == "global_step3"
+    batches = list(loader)[12:16]
+    after = _train(engine, batches, 4)
+    fresh, _, _, _ = _engine(CONFIG, seed=5)
+    path, client = fresh.load_checkpoint(ckpt)
+    assert path == os.path.join(ckpt, "global_step3")
+    assert client == {"epoch": 7, "rank": 0}                # rank 0's, as DeepSpeed saves it
+    assert (fresh.global_steps, fresh.global_samples, fresh.lr_scheduler.last_batch_iteration) \
+        == (3, 24, 2)
+    assert _train(fresh, batches, 4) == after
+    side, _ = fresh.load_checkpoint(ckpt, tag="side", load_optimizer_states=False)
+    assert side == os.path.join(ckpt, "side") and fresh.global_steps == 3
+    with pytest.warns(deepspeed.DeepSpeedConfigWarning, match="no .*latest"):
+        assert fresh.load_checkpoint(os.path.join(ckpt, "missing")) == (None, None)
+
+
+def _check_fp16(rank, world):
+    """Loss scaling as DeepSpeed's: 2**8, doubling after 3 clean steps (its stable interval
+    reaches the window of 2 at the third); an overflow skips the
+    step on every rank, halves the scale (hysteresis 1) and leaves the scheduler alone."""
+    engine, opt, loader, sched = _engine(FP16, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05),
+                                         lr_scheduler=lambda o: WarmupLR(o, 0.01, 0.05, 4))
+    assert engine.fp16_enabled() and engine.loss_scale() == 2.0 ** 8
+    assert next(engine.module.parameters()).dtype == torch.float16
+    losses = _train(engine, loader, 3)                       # auto_cast: fp32 inputs work
+    assert all(math.isfinite(v) for v in losses)
+    assert engine.loss_scale() == 2.0 ** 9 == runtime_of(engine.module).scaler.scale
+    params = [p.detach().clone() for p in engine.module.parameters()]
+    lr = engine.get_lr()
+    x, y = next(iter(loader))
+    loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+    engine.backward(loss * (float("inf") if rank == 1 else 1.0))
+    engine.step()
+    assert (engine.skipped_steps, engine.global_steps) == (1, 4)
+    assert not engine.was_step_applied() and engine.get_lr() == lr
+    assert engine.loss_scale() == 2.0 ** 8
+    assert all(torch.equal(a, p) for a, p in zip(params, engine.module.parameters()))
+
+
+def _engine_ranks(rank, world, ckpt):
+    engine, opt, loader, sched = _engine(CONFIG)
+    _check_api(rank, world, engine, opt, loader, sched)
+    _check_loop(rank, world, engine, loader)
+    _check_checkpoints(rank, world, engine, loader, ckpt)
+    _check_fp16(rank, world)
+    dist.barrier()
+
+
+def test_engine_loop_checkpoints_and_fp16(tmp_path):
+    run_ranks(2, _engine_ranks, str(tmp_path / "ckpt"))
+
+
+# -- set-up without processes -----------------------------------------------------------------
+def test_config_comes_from_args_or_config_not_both(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8}))
+    args = type("Args", (), {"deepspeed_config": str(path), "local_rank": -1})()
+    assert _config_from(args, None, None) == {"train_batch_size": 8}
+    assert _config_from(None, None, {"train_batch_size": 4}) == {"train_batch_size": 4}
+    with pytest.raises(ValueError, match="both args.deepspeed_config and a config"):
+        _config_from(args, {"train_batch_size": 8}, None)
+    with pytest.raises(ValueError, match="needs a DeepSpeed config"):
+        _config_from(None, None, None)
+
+
+def test_add_config_arguments():
+    import argparse
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert args.deepspeed and args.deepspeed_config == "ds.json" and args.deepscale_config is None
