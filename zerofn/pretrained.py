@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from .runtime.runtime import runtime_of
-from .runtime.units import gather_from_ranks
+from .runtime.units import local_rows
 from .state_dict import _slots_by_name
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -270,13 +270,13 @@ def save_pretrained(model: nn.Module, directory, *, max_shard_size="5GB", dtype=
         full = _gather_unit(rt, unit)
         if writer is not None:
             for s in unit.slots:
-                writer.write(s, lambda s=s: _full_param(rt, s, full))
+                writer.write(s, _pieces(rt, s, full))
         del full
     if writer is not None:
         buffers = dict(model.named_buffers())
         for e in entries:
             if isinstance(e.source, str):
-                writer.write(e.source, lambda n=e.source: buffers[n])
+                writer.write(e.source, [buffers[e.source]])
         writer.finish(model, entries, shards, directory)
     outcome = [writer.error if writer is not None else None]
     dist.broadcast_object_list(outcome, src=dist.get_global_rank(rt.comm.group, 0),
@@ -406,10 +406,14 @@ def _gather_unit(rt, unit) -> torch.Tensor | None:
     return recv.view(rt.world, unit.shard_numel) if rt.rank == 0 else None
 
 
-def _full_param(rt, slot, ranks: torch.Tensor) -> torch.Tensor:
-    full = torch.empty(slot.shape, dtype=ranks.dtype, device=ranks.device)
-    gather_from_ranks(ranks[:, slot.cols], full)
-    return full
+def _pieces(rt, slot, ranks: torch.Tensor) -> list[torch.Tensor]:
+    """A parameter's rows as they lie in the gathered buffer, rank after rank: written one
+    after the other they are the full tensor's bytes, with no full copy made."""
+    out = []
+    for r in range(rt.world):
+        n = local_rows(slot.rows, rt.world, r) * slot.inner
+        out.append(ranks[r, slot.offset:slot.offset + n])
+    return out
 
 
 class _Writer:
@@ -422,7 +426,8 @@ class _Writer:
         self._queue = [(i, e) for i, shard in enumerate(shards) for e in shard]
         self._shards, self._file, self._open_shard, self._at = shards, None, None, 0
 
-    def write(self, source, tensor_fn) -> None:
+    def write(self, source, pieces) -> None:
+        """Write the next entry (``source`` must be it) from its pieces, in order."""
         if self.error:
             return
         try:
@@ -431,8 +436,9 @@ class _Writer:
             self._at += 1
             if shard != self._open_shard:
                 self._start(shard)
-            t = tensor_fn().detach().to("cpu", entry.dtype).contiguous()
-            self._file.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            for piece in pieces:
+                t = piece.detach().to("cpu", entry.dtype).contiguous().reshape(-1)
+                self._file.write(memoryview(t.view(torch.uint8).numpy()))
         except Exception as e:   # kept for every rank to raise; rank 0 goes on gathering
             self._fail(e)
 
