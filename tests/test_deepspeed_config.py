@@ -130,14 +130,14 @@ def test_keys_zerofn_always_honours_are_silent():
 
 def test_keys_without_meaning_get_one_warning():
     config = zero(stage=3, overlap_comm=False, contiguous_gradients=False,
-                  stage3_max_live_parameters=1e9, stage3_max_reuse_distance=1e9,
+                  stage3_max_live_parameters=1e9, max_reuse_distance=1e9,
                   sub_group_size=1e9, offload_optimizer={"device": "cpu", "buffer_count": 8})
     config["prescale_gradients"] = True
     s, warned = read_warned(config)
     assert len(warned) == 1
     for key in ("zero_optimization.overlap_comm=False", "zero_optimization.contiguous_gradients",
                 "zero_optimization.stage3_max_live_parameters",
-                "zero_optimization.stage3_max_reuse_distance", "zero_optimization.sub_group_size",
+                "zero_optimization.max_reuse_distance", "zero_optimization.sub_group_size",
                 "zero_optimization.offload_optimizer.buffer_count", "prescale_gradients=True"):
         assert key in warned[0] and any(i.startswith(key) for i in s.ignored), key
 

@@ -4,13 +4,18 @@ loop matches plain PyTorch; checkpoints resume exactly; fp16 scales and skips li
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
+import io
 import json
 import math
 import os
 import runpy
+import socket
+import subprocess
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,10 +42,7 @@ PARITY_TOL = 1e-5   # to plain single-process PyTorch
 # -- DeepSpeed's scripts, unchanged but for the import ---------------------------------------
 def zerofn_script(name: str, tmp) -> str:
     """The case's script with ``import deepspeed`` changed, and nothing else."""
-    with open(os.path.join(SCRIPTS, cases.CASES[name][0])) as f:
-        source = f.read()
-    changed = "".join(cases.ZEROFN_IMPORT if line == cases.DEEPSPEED_IMPORT else line
-                      for line in source.splitlines(keepends=True))
+    source, changed = cases.deepspeed_source(name), cases.zerofn_source(name)
     diff = [d for d in difflib.ndiff(source.splitlines(), changed.splitlines()) if d[:1] in "+-"]
     assert diff == ["- import deepspeed", "+ import zerofn.deepspeed as deepspeed"], diff
     path = tmp / f"zerofn_{name}.py"
@@ -236,17 +238,66 @@ def _check_fp16(rank, world):
     assert all(torch.equal(a, p) for a, p in zip(params, engine.module.parameters()))
 
 
+def _check_mpu_and_progress(rank, world):
+    """A model-parallel unit's data-parallel group is the one zerofn shards over; the
+    progress line comes every steps_per_print optimizer steps, from rank 0 only."""
+    group = dist.new_group(list(range(world)))
+    mpu = SimpleNamespace(get_data_parallel_group=lambda: group,
+                          get_data_parallel_rank=lambda: rank,
+                          get_data_parallel_world_size=lambda: world)
+    engine, _, loader, _ = _engine({**CONFIG, "steps_per_print": 2}, mpu=mpu)
+    assert runtime_of(engine.module).comm.group is group and engine.dp_world_size == world
+    assert loader.sampler.rank == rank
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        _train(engine, loader, 8)
+    lines = printed.getvalue().splitlines()
+    assert len(lines) == (2 if rank == 0 else 0)
+    assert all(line.startswith("[zerofn.deepspeed] step=") for line in lines)
+
+
 def _engine_ranks(rank, world, ckpt):
     engine, opt, loader, sched = _engine(CONFIG)
     _check_api(rank, world, engine, opt, loader, sched)
     _check_loop(rank, world, engine, loader)
     _check_checkpoints(rank, world, engine, loader, ckpt)
     _check_fp16(rank, world)
+    _check_mpu_and_progress(rank, world)
     dist.barrier()
 
 
 def test_engine_loop_checkpoints_and_fp16(tmp_path):
     run_ranks(2, _engine_ranks, str(tmp_path / "ckpt"))
+
+
+INIT = """
+import os, sys
+import torch.distributed as dist
+import zerofn.deepspeed as deepspeed
+from tiny import make_model
+for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    os.environ.pop(key, None)
+deepspeed.init_distributed()                     # no launcher: a one-process group
+assert (dist.get_world_size(), dist.get_backend()) == (1, "gloo")
+dist.destroy_process_group()
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[1])
+engine, opt, _, _ = deepspeed.initialize(model=make_model(), config={
+    "train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+assert (dist.get_world_size(), dist.get_backend(), engine.local_rank) == (1, "gloo", 0)
+print("initialized")
+"""
+
+
+def test_initialize_initializes_torch_distributed():
+    """From torchrun's environment, or as one process without a launcher; gloo on CPU."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SCRIPTS] + sys.path))
+    done = subprocess.run([sys.executable, "-c", INIT, port], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "initialized" in done.stdout, done.stderr
 
 
 # -- set-up without processes -----------------------------------------------------------------

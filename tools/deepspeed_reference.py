@@ -11,6 +11,12 @@ DeepSpeed cannot read "auto": the config handed to it has "auto" filled by Huggi
 own integration (``HfTrainerDeepSpeedConfig``), given TrainingArguments that agree with
 the config's explicit values. Where DeepSpeed's CPU build has no async I/O (libaio), its
 side of an NVMe case runs with CPU offload instead; the JSON says so.
+
+``--compare`` runs the same scripts through zerofn.deepspeed instead (only the import
+changed; no DeepSpeed needed) and prints each case's largest loss difference to the
+recorded DeepSpeed losses:
+
+    python3 tools/deepspeed_reference.py --compare
 """
 from __future__ import annotations
 
@@ -37,7 +43,13 @@ def main() -> None:
                         help="which cases to run (default: all)")
     parser.add_argument("--no-schedulers", action="store_true",
                         help="skip recording the scheduler values")
+    parser.add_argument("--compare", action="store_true",
+                        help="run the scripts on zerofn and compare with the recorded losses")
     args = parser.parse_args()
+    if args.compare:
+        for name in args.cases:
+            compare_case(name)
+        return
     import deepspeed
     os.makedirs(OUT, exist_ok=True)
     for name in args.cases:
@@ -47,23 +59,47 @@ def main() -> None:
 
 
 # -- the training runs ------------------------------------------------------------------------
+def run_script(script: str, config: dict, tmp: str, env: dict) -> dict:
+    """``script`` on 2 ranks under torchrun with ``config``; the losses it recorded."""
+    config_path = os.path.join(tmp, "ds_config.json")
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
+    prefix = os.path.join(tmp, "losses")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                    f"--nproc-per-node={cases.WORLD}", script]
+                   + cases.script_args(config_path, prefix), check=True,
+                   env=dict(env, OMP_NUM_THREADS="1"))
+    return cases.read_losses(prefix)
+
+
 def record_case(name: str, version: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config, notes = deepspeed_config(name, tmp)
-        config_path = os.path.join(tmp, "ds_config.json")
-        with open(config_path, "w") as f:
-            json.dump(config, f, indent=2)
-        prefix = os.path.join(tmp, "losses")
-        script = os.path.join(SCRIPTS, cases.CASES[name][0])
-        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-        subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                        f"--nproc-per-node={cases.WORLD}", script]
-                       + cases.script_args(config_path, prefix), check=True, env=env)
-        ranks = cases.read_losses(prefix)
+        ranks = run_script(os.path.join(SCRIPTS, cases.CASES[name][0]), config, tmp,
+                           dict(os.environ, DS_ACCELERATOR="cpu"))
     record = {"deepspeed": version, "world_size": cases.WORLD, "steps": cases.STEPS,
               "script": cases.CASES[name][0], "config_file": cases.CASES[name][1],
               "deepspeed_config": config, "notes": notes, "ranks": ranks}
     _write(f"{name}.json", record)
+
+
+def compare_case(name: str) -> None:
+    """The case on zerofn.deepspeed, against the recorded DeepSpeed losses."""
+    with open(os.path.join(OUT, f"{name}.json")) as f:
+        recorded = json.load(f)["ranks"]
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, "nvme"))
+        script = os.path.join(tmp, "zerofn_" + cases.CASES[name][0])
+        with open(script, "w") as f:
+            f.write(cases.zerofn_source(name))
+        path = os.pathsep.join([SCRIPTS, os.environ.get("PYTHONPATH", "")])
+        ranks = run_script(script, cases.comparable_config(name, os.path.join(tmp, "nvme")),
+                           tmp, dict(os.environ, PYTHONPATH=path))
+    for rank, ref in recorded.items():
+        ours = ranks[rank]["losses"]
+        worst = max(abs(a - b) for a, b in zip(ours, ref["losses"]))
+        print(f"{name} {rank}: {len(ours)} micro-steps (DeepSpeed {len(ref['losses'])}), "
+              f"max |loss difference| {worst:.2e}")
 
 
 def deepspeed_config(name: str, tmp: str) -> tuple[dict, list[str]]:

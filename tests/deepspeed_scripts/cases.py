@@ -27,6 +27,17 @@ DEEPSPEED_IMPORT = "import deepspeed\n"
 ZEROFN_IMPORT = "import zerofn.deepspeed as deepspeed\n"
 
 
+def deepspeed_source(name: str) -> str:
+    with open(os.path.join(HERE, CASES[name][0])) as f:
+        return f.read()
+
+
+def zerofn_source(name: str) -> str:
+    """The case's script with ``import deepspeed`` changed to zerofn's, and nothing else."""
+    return "".join(ZEROFN_IMPORT if line == DEEPSPEED_IMPORT else line
+                   for line in deepspeed_source(name).splitlines(keepends=True))
+
+
 def load(name: str) -> dict:
     with open(os.path.join(HERE, CASES[name][1])) as f:
         return json.load(f)
