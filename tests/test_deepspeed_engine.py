@@ -35,6 +35,9 @@ sys.path.insert(0, SCRIPTS)
 import cases  # noqa: E402
 from tiny import make_dataset, make_model  # noqa: E402
 
+# Every rank trains on the CPU even where CUDA exists (DS_ACCELERATOR=cpu): the comparison
+# is with DeepSpeed's CPU accelerator, and two ranks must not share one GPU.
+CPU = {"DS_ACCELERATOR": "cpu"}
 TOL = 1e-4          # |loss difference| to real DeepSpeed, every micro-step
 PARITY_TOL = 1e-5   # to plain single-process PyTorch
 
@@ -52,6 +55,7 @@ def zerofn_script(name: str, tmp) -> str:
 
 def _run_scripts(rank, world, runs):
     """Run each script as torchrun would; returns the offload store each engine got."""
+    os.environ.update(CPU)
     sys.path.insert(0, SCRIPTS)     # the scripts import tiny.py, as torchrun would find it
     stores, initialize = [], deepspeed.initialize
 
@@ -215,7 +219,7 @@ def _check_checkpoints(rank, world, engine, loader, ckpt):
         assert fresh.load_checkpoint(os.path.join(ckpt, "missing")) == (None, None)
 
 
-def _check_fp16(rank, world):
+def _check_fp16(rank, world, ckpt):
     """Loss scaling as DeepSpeed's: 2**8, doubling after 3 clean steps (its stable interval
     reaches the window of 2 at the third); an overflow skips the
     step on every rank, halves the scale (hysteresis 1) and leaves the scheduler alone."""
@@ -236,6 +240,14 @@ def _check_fp16(rank, world):
     assert not engine.was_step_applied() and engine.get_lr() == lr
     assert engine.loss_scale() == 2.0 ** 8
     assert all(torch.equal(a, p) for a, p in zip(params, engine.module.parameters()))
+    # The full fp16 weights, gathered from ZeRO-3 shards, compute what the engine computes
+    engine.save_16bit_model(os.path.join(ckpt, "16bit"))
+    saved = torch.load(os.path.join(ckpt, "16bit", "pytorch_model.bin"))
+    assert {v.dtype for v in saved.values()} == {torch.float16}
+    plain = make_model().half()
+    plain.load_state_dict(saved)
+    with torch.no_grad():
+        assert torch.equal(plain(x.half()), engine(x))
 
 
 def _check_mpu_and_progress(rank, world):
@@ -257,11 +269,12 @@ def _check_mpu_and_progress(rank, world):
 
 
 def _engine_ranks(rank, world, ckpt):
+    os.environ.update(CPU)
     engine, opt, loader, sched = _engine(CONFIG)
     _check_api(rank, world, engine, opt, loader, sched)
     _check_loop(rank, world, engine, loader)
     _check_checkpoints(rank, world, engine, loader, ckpt)
-    _check_fp16(rank, world)
+    _check_fp16(rank, world, ckpt)
     _check_mpu_and_progress(rank, world)
     dist.barrier()
 
@@ -294,7 +307,7 @@ def test_initialize_initializes_torch_distributed():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SCRIPTS] + sys.path))
+    env = dict(os.environ, **CPU, PYTHONPATH=os.pathsep.join([SCRIPTS] + sys.path))
     done = subprocess.run([sys.executable, "-c", INIT, port], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "initialized" in done.stdout, done.stderr

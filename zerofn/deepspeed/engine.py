@@ -22,6 +22,7 @@ from ..checkpoint import load_checkpoint as zf_load_checkpoint
 from ..checkpoint import save_checkpoint as zf_save_checkpoint
 from ..clip import clip_grad_norm_
 from ..runtime.runtime import runtime_of
+from ..state_dict import get_model_state_dict
 from .config import DeepSpeedConfigWarning, load_config, read_config
 
 DEFAULT_PORT = 29500
@@ -51,7 +52,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     """Initialize torch.distributed as DeepSpeed does, if it is not already.
 
     The launcher's environment (torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-    LOCAL_RANK) is used; the backend is nccl with CUDA, gloo without. Started without a
+    LOCAL_RANK) is used; the backend is nccl with CUDA, gloo without (or with
+    ``DS_ACCELERATOR=cpu``). Started without a
     launcher, it forms a one-process group (DeepSpeed would look for MPI instead).
     ``auto_mpi_discovery``, ``verbose`` and ``config`` are accepted for DeepSpeed's
     signature and do nothing here.
@@ -61,7 +63,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if dist_init_required is False:
         raise RuntimeError("torch.distributed is not initialized and dist_init_required=False; "
                            "initialize it first, or leave dist_init_required unset.")
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = dist_backend or ("nccl" if _on_cuda() else "gloo")
     if init_method is None and rank < 0 and "RANK" not in os.environ:
         init_method, rank, world_size = f"tcp://127.0.0.1:{_free_port()}", 0, 1
     else:
@@ -69,8 +71,14 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank,
                             world_size=world_size)
-    if torch.cuda.is_available():
+    if _on_cuda():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _on_cuda() -> bool:
+    """Train on CUDA when there is one, unless ``DS_ACCELERATOR=cpu`` picks the CPU, as it
+    picks DeepSpeed's CPU accelerator."""
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
 
 
 def _free_port() -> int:
@@ -159,7 +167,7 @@ class DeepSpeedEngine(nn.Module):
         self.world_size = dist.get_world_size()
         self.dp_world_size = dist.get_world_size(self.group)
         self.local_rank = _local_rank(args)
-        self.device = torch.device(f"cuda:{self.local_rank}") if torch.cuda.is_available() \
+        self.device = torch.device(f"cuda:{self.local_rank}") if _on_cuda() \
             else torch.device("cpu")
         self.settings = read_config(config, model=model, world_size=self.dp_world_size,
                                     group=None if mpu is None else self.group)
@@ -221,7 +229,7 @@ class DeepSpeedEngine(nn.Module):
         return DataLoader(dataset, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
                           sampler=data_sampler, collate_fn=collate_fn or self.collate_fn,
                           num_workers=num_local_io_workers or 0,
-                          pin_memory=pin_memory and torch.cuda.is_available(),
+                          pin_memory=pin_memory and _on_cuda(),
                           drop_last=self.settings.dataloader_drop_last)
 
     # -- the loop ----------------------------------------------------------------------
@@ -396,6 +404,25 @@ class DeepSpeedEngine(nn.Module):
                 setattr(self, name, value)
         return path, loaded["client_state"]
 
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the full weights (``torch.save`` of a state dict) in the compute
+        dtype: fp16 or bf16, fp32 without mixed precision. Call on every rank. Every stage
+        gathers (DeepSpeed's ZeRO-3 needs ``stage3_gather_16bit_weights_on_model_save``)."""
+        state = get_model_state_dict(self.module, full=True)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if dist.get_rank(self.group) == 0:
+            dtype = self.settings.param_dtype
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save({k: v.to(dtype) if dtype is not None and v.is_floating_point() else v
+                        for k, v in state.items()}, os.path.join(save_dir, save_filename))
+        dist.barrier(self.group)
+        return True
+
+    save_fp16_model = save_16bit_model
+
     _COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 
     def _counters(self) -> dict:
@@ -456,7 +483,7 @@ def _local_rank(args) -> int:
     from_args = getattr(args, "local_rank", -1)
     if from_args is not None and from_args >= 0:
         return from_args
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = torch.cuda.device_count() if _on_cuda() else 0
     return dist.get_rank() % count if count else dist.get_rank()
 
 

@@ -82,6 +82,8 @@ ZERO_USED = frozenset((
     "stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "allgather_bucket_size",
     "prefetch_bucket_size", "param_persistence_threshold", "cpu_offload", "cpu_offload_param",
     "cpu_offload_use_pin_memory",
+    # the engine's save_16bit_model always gathers, whatever these say
+    "gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
 ))
 _ALWAYS = "zerofn always does this"
 _NO_CAP = ("zerofn keeps gathered only the running unit and `prefetch` units ahead; it has "
@@ -101,10 +103,6 @@ ZERO_IGNORED = {
     "model_persistence_threshold": Ignored("zerofn has no cap on persistent elements"),
     "sub_group_size": Ignored("zerofn's offloaded step goes one unit at a time; it has no "
                               "element-sized sub-groups"),
-    "gather_16bit_weights_on_model_save": Ignored(
-        "make a full state dict with `python -m zerofn.consolidate to-full`", (False,)),
-    "stage3_gather_fp16_weights_on_model_save": Ignored(
-        "make a full state dict with `python -m zerofn.consolidate to-full`", (False,)),
     "module_granularity_threshold": Ignored(
         "zerofn's units are chosen by `units` (ModuleList children by default)", (0,)),
     "use_all_reduce_for_fetch_params": Ignored("ZeRO-3 gathers with all-gather", (False,)),
