@@ -43,7 +43,7 @@ def build(name: str, seed: int = 0):
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=PAD,
             bos_token_id=1, eos_token_id=2)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    if name == "llama":   # transformers 5 name; 4.x (and 5, deprecated) gradient_checkpointing_enable
+    if name == "llama":   # transformers 5's name; gradient_checkpointing_enable in 4.x
         enable = getattr(model, "activation_checkpointing_enable", None) \
             or model.gradient_checkpointing_enable
         enable()

@@ -190,7 +190,8 @@ def check_saved(out: str, shard_size: str, dtype, trained: dict, logits, bf16: b
             index = json.load(f)
         shards = sorted(set(index["weight_map"].values()))
         n = len(shards)
-        assert n > 1 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        assert n > 1
+        assert shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
         assert [f for f in files if f.endswith(".safetensors")] == shards
         # tied: written once, under the name transformers keeps
         assert "model.embed_tokens.weight" in index["weight_map"]

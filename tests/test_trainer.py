@@ -1,10 +1,10 @@
 """ZeroTrainer: transformers.Trainer through a zerofn transform.
 
 ZeRO-3 on 2 gloo ranks follows a single-process Trainer on the same global batches (loss
-per step and final weights), with accumulation, clipping, a warm-up schedule and
-activation checkpointing; resuming from its checkpoint continues exactly like the
-uninterrupted run; fp16 loss scaling is zerofn's, and a skipped step leaves the LR
-scheduler alone.
+per step, gradient norms, final weights, evaluation loss), with accumulation, clipping, a
+decaying learning rate and activation checkpointing; resuming from its checkpoint
+continues exactly like the uninterrupted run; fp16 loss scaling is zerofn's, and a
+skipped step leaves the LR scheduler alone.
 """
 from __future__ import annotations
 
@@ -30,12 +30,16 @@ CLIP = 0.5
 
 class Rows(torch.utils.data.Dataset):
     """Token rows whose labels ignore a different number of trailing tokens per row, so
-    micro-batches hold different numbers of predicted tokens."""
+    micro-batches hold different numbers of predicted tokens. ``whole``: every token is
+    predicted (Trainer's evaluation loss is a mean of batch means at one rank and a token
+    mean at several; equal batches make them the same)."""
 
-    def __init__(self):
+    def __init__(self, whole: bool = False):
         g = torch.Generator().manual_seed(4)
         self.ids = torch.randint(3, VOCAB, (ROWS, SEQ), generator=g)
         self.keep = torch.randint(5, SEQ + 1, (ROWS,), generator=g)
+        if whole:
+            self.keep.fill_(SEQ)
 
     def __len__(self):
         return ROWS
@@ -53,7 +57,8 @@ def arguments(out: str, world: int, **kw):
         "gradient_accumulation_steps": ACCUM, "max_steps": STEPS, "learning_rate": 1e-3,
         "weight_decay": 0.1, "max_grad_norm": CLIP, "logging_steps": 1,
         "train_sampling_strategy": "sequential", "save_strategy": "no", "report_to": [],
-        "use_cpu": True, "seed": 0, "disable_tqdm": True, "dataloader_num_workers": 0, **kw})
+        "use_cpu": True, "seed": 0, "disable_tqdm": True, "dataloader_num_workers": 0,
+        "per_device_eval_batch_size": ROWS // 2, **kw})   # the same 2 eval batches anywhere
 
 
 def launched_like_torchrun(rank: int, world: int) -> None:
@@ -68,10 +73,11 @@ def history(trainer, key: str) -> dict:
 
 def plain_trainer(rank, world, out):
     model = build("llama")
-    trainer = transformers.Trainer(model=model, args=arguments(out, world), train_dataset=Rows())
+    trainer = transformers.Trainer(model=model, args=arguments(out, world), train_dataset=Rows(),
+                                   eval_dataset=Rows(whole=True))
     trainer.train()
     return history(trainer, "loss"), history(trainer, "grad_norm"), \
-        {k: v.numpy() for k, v in model.state_dict().items()}
+        {k: v.numpy() for k, v in model.state_dict().items()}, trainer.evaluate()["eval_loss"]
 
 
 def zero_run(rank, world, out, resume=None, seed=0):
@@ -79,6 +85,7 @@ def zero_run(rank, world, out, resume=None, seed=0):
     save = dict(save_strategy="steps", save_steps=SAVE_AT) if resume is None else {}
     trainer = ZeroTrainer(
         model=model, args=arguments(out, world, **save), train_dataset=Rows(),
+        eval_dataset=Rows(whole=True),
         zerofn=zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()))
     trainer.train(resume_from_checkpoint=resume)
     opt = zf.runtime.runtime.runtime_of(model).optimizer
@@ -90,17 +97,18 @@ def zero_trainer(rank, world, root):
     launched_like_torchrun(rank, world)
     first, weights = zero_run(rank, world, os.path.join(root, "first"))
     first.save_model(os.path.join(root, "final"))
+    eval_loss = first.evaluate()["eval_loss"]       # ZeRO-3 forwards in lockstep
     checkpoint = os.path.join(root, "first", f"checkpoint-{SAVE_AT}")
     resumed, resumed_weights = zero_run(rank, world, os.path.join(root, "resumed"),
                                         resume=checkpoint, seed=5)
     return dict(loss=history(first, "loss"), grad_norm=history(first, "grad_norm"),
                 weights=weights, resumed_loss=history(resumed, "loss"),
                 resumed_weights=resumed_weights, checkpoint=sorted(os.listdir(checkpoint)),
-                lr_steps=resumed.lr_scheduler.last_epoch)
+                lr_steps=resumed.lr_scheduler.last_epoch, eval_loss=eval_loss)
 
 
 def test_zero3_trainer_follows_trainer_and_resumes_exactly(tmp_path):
-    losses, norms, want = run_ranks(1, plain_trainer, str(tmp_path / "plain"))[0]
+    losses, norms, want, eval_loss = run_ranks(1, plain_trainer, str(tmp_path / "plain"))[0]
     results = run_ranks(2, zero_trainer, str(tmp_path), timeout=400)
     assert results[0]["loss"] == results[1]["loss"]      # Trainer logs the mean over ranks
     r = results[0]
@@ -109,6 +117,7 @@ def test_zero3_trainer_follows_trainer_and_resumes_exactly(tmp_path):
         assert abs(losses[step] - r["loss"][step]) < TOL, (step, losses[step], r["loss"][step])
         assert abs(norms[step] - r["grad_norm"][step]) < TOL * norms[step], step
     assert min(norms.values()) > CLIP                     # clipping really clipped
+    assert abs(r["eval_loss"] - eval_loss) < TOL, (r["eval_loss"], eval_loss)
     for k, v in want.items():
         err = abs(torch.from_numpy(r["weights"][k]) - torch.from_numpy(v)).max().item()
         assert err < TOL, (k, err)

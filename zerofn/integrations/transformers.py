@@ -135,7 +135,9 @@ class ZeroTrainer(transformers.Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         save_pretrained(self.model, output_dir)
         if self.args.should_save:
-            tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+            tokenizer = self.processing_class
+            if tokenizer is None:
+                tokenizer = getattr(self.data_collator, "tokenizer", None)
             if tokenizer is not None:
                 tokenizer.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
