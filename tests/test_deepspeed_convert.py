@@ -294,6 +294,12 @@ def test_foreign_file(tmp_path, name, source, added, fragments):
     expect_error(step_dir, *fragments)
 
 
+def test_optimizer_state_offloaded_to_nvme(tmp_path):
+    step_dir = copy_case("zero3_fp32_w3", tmp_path)
+    os.makedirs(os.path.join(step_dir, "offloaded_tensors", "rank0"))
+    expect_error(step_dir, "offloaded_tensors", "NVMe")
+
+
 def test_corrupt_file(tmp_path):
     step_dir = copy_case("zero1_fp32_w1", tmp_path)
     with open(os.path.join(step_dir, "zero_pp_rank_0_mp_rank_00_optim_states.pt"), "wb") as f:

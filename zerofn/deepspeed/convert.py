@@ -121,7 +121,7 @@ def _has_stand_in(obj) -> bool:
 
 
 # -- finding the files ---------------------------------------------------------------------
-def find_step_dir(path, tag: str | None = None) -> str:
+def _find_step_dir(path, tag: str | None = None) -> str:
     """The directory holding one checkpoint's rank files (``global_stepN``)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -158,6 +158,10 @@ def _rank_files(step_dir: str) -> tuple[dict, dict]:
         raise ValueError(f"{step_dir} holds pipeline-parallel or mixture-of-experts files "
                          f"({', '.join(other[:3])}); zerofn converts data-parallel ZeRO "
                          f"checkpoints only.")
+    if "offloaded_tensors" in names:
+        raise ValueError(f"{step_dir} keeps its optimizer state in offloaded_tensors/ "
+                         f"(offload_optimizer to NVMe), not in the rank files; zerofn cannot "
+                         f"convert it. Load it in DeepSpeed and save again without NVMe offload.")
     model, optim, mp_ranks = {}, {}, set()
     for name in names:
         for pattern, files in ((_MODEL_FILE, model), (_OPTIM_FILE, optim)):
@@ -197,7 +201,7 @@ def read_checkpoint(path, tag: str | None = None) -> DeepSpeedCheckpoint:
         >>> ck.model["lm_head.weight"].dtype           # doctest: +SKIP
         torch.float32
     """
-    step_dir = find_step_dir(path, tag)
+    step_dir = _find_step_dir(path, tag)
     model_files, optim_files = _rank_files(step_dir)
     optims = {r: _load(f, "optimizer_state_dict")["optimizer_state_dict"]
               for r, f in sorted(optim_files.items())}
