@@ -77,6 +77,7 @@ def record_case(name: str, version: str) -> None:
         config, notes = deepspeed_config(name, tmp)
         ranks = run_script(os.path.join(SCRIPTS, cases.CASES[name][0]), config, tmp,
                            dict(os.environ, DS_ACCELERATOR="cpu"))
+        config = json.loads(json.dumps(config).replace(tmp, "<tmp>"))   # same on every run
     record = {"deepspeed": version, "world_size": cases.WORLD, "steps": cases.STEPS,
               "script": cases.CASES[name][0], "config_file": cases.CASES[name][1],
               "deepspeed_config": config, "notes": notes, "ranks": ranks}

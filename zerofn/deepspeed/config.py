@@ -228,7 +228,7 @@ def _sections(config: dict):
     for name, known in (("fp16", K.FP16_KNOWN), ("bf16", K.BF16_KNOWN),
                         ("bfloat16", K.BF16_KNOWN), ("optimizer", K.OPTIMIZER_KNOWN),
                         ("scheduler", K.SCHEDULER_KNOWN),
-                        ("activation_checkpointing", frozenset(K.ACTIVATION_CHECKPOINTING_DEFAULTS))):
+                        ("activation_checkpointing", K.ACTIVATION_CHECKPOINTING_KNOWN)):
         if isinstance(config.get(name), dict):
             yield f"{name}.", config[name], known
 
@@ -408,15 +408,14 @@ def _zero_section(config: dict) -> dict:
     return {} if isinstance(zero, bool) else zero
 
 
-def zero_value(zero: dict, name: str, default=None):
+def zero_value(zero: dict, name: str):
     """A zero_optimization value under either spelling (``x`` or ``stage3_x``)."""
     plain, prefixed = zero.get(name), zero.get("stage3_" + name)
     if plain is not None and prefixed is not None and plain != prefixed:
         raise ValueError(f"DeepSpeed config: zero_optimization.{name}={plain!r} and "
                          f"zero_optimization.stage3_{name}={prefixed!r} are the same setting "
                          f"with two values; keep one.")
-    value = plain if plain is not None else prefixed
-    return default if value is None else value
+    return plain if plain is not None else prefixed
 
 
 def _sharding_options(zero: dict, stage: int) -> tuple[dict, dict]:

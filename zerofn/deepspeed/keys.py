@@ -128,7 +128,6 @@ ZERO_IGNORED = {
 }
 ZERO_KNOWN = (ZERO_USED | frozenset(ZERO_IGNORED)
               | frozenset("stage3_" + name for name in STAGE3_ALIASED))
-ZERO3_ONLY = ("prefetch_bucket_size", "param_persistence_threshold", "offload_param")
 
 _PIN = "zerofn pins host memory whenever an accelerator exists"
 OFFLOAD_OPTIMIZER_IGNORED = {
@@ -176,6 +175,7 @@ ACTIVATION_CHECKPOINTING_DEFAULTS = {
     "cpu_checkpointing": False, "number_checkpoints": None,
     "synchronize_checkpoint_boundary": False, "profile": False,
 }
+ACTIVATION_CHECKPOINTING_KNOWN = frozenset(ACTIVATION_CHECKPOINTING_DEFAULTS)
 ACTIVATION_CHECKPOINTING_IGNORED = {
     "partition_activations": Ignored(_PARALLEL.format("model"), (False,)),
     "contiguous_memory_optimization": Ignored("checkpoints live where torch puts them",
