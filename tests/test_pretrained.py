@@ -243,8 +243,8 @@ def expect_raises(error, fn, *args, **kw) -> str:
 
 
 def plain_files(rank, world, root):
-    """ParityGPT (a buffer, a frozen and a tied parameter, a 3-row parameter) through a
-    consolidated checkpoint, errors, rename and a failing save."""
+    """ParityGPT (an integer buffer, a frozen and a tied parameter, a 3-row parameter)
+    through a consolidated checkpoint, errors, rename and a failing save."""
     model, opt = transform(3)(*_parity())
     train_sharded(model, opt, batches(2, 1, world), rank, world)
     want, _ = zf.get_state_dict(model, opt, full=True)
@@ -268,6 +268,13 @@ def plain_files(rank, world, root):
     got, _ = zf.get_state_dict(renamed, renamed_opt, full=True)
     out["saved_err"] = max((got[k] - v).abs().max().item() for k, v in want.items())
     out["saved_keys"] = keys
+    # a bf16 file into fp32 masters: converted on the way in
+    half = os.path.join(root, "half")
+    zf.save_pretrained(model, half, dtype=torch.bfloat16)
+    zf.load_pretrained(renamed, half)
+    got, _ = zf.get_state_dict(renamed, renamed_opt, full=True)
+    out["bf16_err"] = max((got[k] - v.to(torch.bfloat16).to(v.dtype)).abs().max().item()
+                          for k, v in want.items())
 
     # errors: missing, unexpected and shape mismatches, in one message on every rank
     other = os.path.join(root, "other.safetensors")
@@ -312,14 +319,17 @@ def plain_files(rank, world, root):
 
 
 def _parity(seed: int = 0):
+    """ParityGPT and its optimizer, with an integer buffer (read and written whole, never
+    cast), different per seed."""
     _, model = make_models(seed=seed)
+    model.register_buffer("counts", torch.tensor([3, 1, 4]) + seed)
     return model, make_optimizer("adamw", model.parameters())
 
 
 def test_consolidated_files_errors_and_atomic_saves(tmp_path):
     results = run_ranks(2, plain_files, str(tmp_path))
     for rank, r in enumerate(results):
-        assert r["consolidated_err"] == 0.0 and r["saved_err"] == 0.0, r
+        assert r["consolidated_err"] == r["saved_err"] == r["bf16_err"] == 0.0, r
         assert r["saved_keys"].missing_keys == [] and r["saved_keys"].unexpected_keys == []
         strict = r["strict"]
         assert "lacks 1 of the model's keys (pos.weight)" in strict, strict   # head is tied
