@@ -255,7 +255,7 @@ def plain_files(rank, world, root):
         to_full(os.path.join(root, "ckpt"), full)
     dist.barrier()
     out = {}
-    fresh, fresh_opt = transform(1)(*_parity(seed=9))
+    fresh, fresh_opt = transform(3, persist_below=200)(*_parity(seed=9))   # whole small params
     zf.load_pretrained(fresh, full)
     got, _ = zf.get_state_dict(fresh, fresh_opt, full=True)
     out["consolidated_err"] = max((got[k] - v).abs().max().item() for k, v in want.items())
