@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import zerofn as zf
 from multiproc import run_ranks
+from zerofn.deepspeed import convert as convert_module
 from zerofn.deepspeed.convert import convert, main, read_checkpoint
 from zerofn.runtime.optimizer import SCALER_KEY
 
@@ -90,7 +91,8 @@ def test_weights_moments_and_steps_equal_deepspeeds(converted, name):
         assert step.dtype == torch.float32 and step.item() == ref["adam_step"], fqn
     if ref["zero_to_fp32"] is not None:          # zero_to_fp32: the same tensors, every name
         for fqn, value in ref["zero_to_fp32"].items():
-            assert torch.equal(ck.model[fqn], value.float() if value.is_floating_point() else value), fqn
+            expected = value.float() if value.is_floating_point() else value
+            assert torch.equal(ck.model[fqn], expected), fqn
     # zero_to_fp32 drops ZeRO-1's frozen parameters; the module state keeps them.
     assert ck.model["pos.weight"].shape == (TOOL.CONFIG["context"], TOOL.CONFIG["width"])
     assert ck.model["head.weight"] is ck.model["tok.weight"]
@@ -116,7 +118,8 @@ def test_param_groups_scaler_and_extras(converted, name):
     else:
         assert SCALER_KEY not in ck.optim
     info = ck.extras["deepspeed"]
-    assert (info["zero_stage"], info["world_size"], info["dtype"]) == (case.stage, case.world, case.dtype)
+    assert (info["zero_stage"], info["world_size"], info["dtype"]) == \
+        (case.stage, case.world, case.dtype)
     assert info["gradient_clipping"] == TOOL.CLIP
     assert {k: ck.extras[k] for k in TOOL.CLIENT_STATE} == TOOL.CLIENT_STATE
 
@@ -224,8 +227,9 @@ def test_command_line_runs_where_deepspeed_cannot_be_imported(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "ZeRO-3" in done.stdout and "world size 3" in done.stdout
     assert (out / "latest").read_text().strip() == "step-00000003"
+    saved = _saved_keys(out / "step-00000003")
     assert sorted(read_checkpoint(checkpoint_dir("zero3_fp32_w3")).model) == \
-        sorted(k[len("model."):] for k in _saved_keys(out / "step-00000003") if k.startswith("model."))
+        sorted(k[len("model."):] for k in saved if k.startswith("model."))
 
 
 def _saved_keys(ckpt) -> list[str]:
@@ -236,11 +240,64 @@ def _saved_keys(ckpt) -> list[str]:
 def test_step_dir_and_tag_are_accepted(tmp_path, capsys):
     step_dir = os.path.join(checkpoint_dir("zero1_fp32_w1"), "global_step3")
     assert main([step_dir, str(tmp_path / "a")]) == 0
-    assert main([checkpoint_dir("zero1_fp32_w1"), str(tmp_path / "b"), "--tag", "global_step3"]) == 0
-    assert main([checkpoint_dir("zero1_fp32_w1"), str(tmp_path / "c"), "--tag", "global_step9"]) == 1
+    save_dir = checkpoint_dir("zero1_fp32_w1")
+    assert main([save_dir, str(tmp_path / "b"), "--tag", "global_step3"]) == 0
+    assert main([save_dir, str(tmp_path / "c"), "--tag", "global_step9"]) == 1
     assert "no checkpoint tagged 'global_step9'" in capsys.readouterr().err
     assert main([step_dir, str(tmp_path / "a")]) == 1   # never overwrites
     assert "step-00000003 exists" in capsys.readouterr().err
+
+
+def patched_load(monkeypatch, change):
+    """Read the committed files, then ``change(key, data)`` before the converter sees them."""
+    real = convert_module._load
+
+    def load(path, key):
+        data = real(path, key)
+        change(key, data)
+        return data
+
+    monkeypatch.setattr(convert_module, "_load", load)
+
+
+def test_client_state_that_cannot_ride_along_is_dropped_and_said(monkeypatch):
+    def change(key, data):
+        if key == "param_shapes":   # the model file: three more client-state keys
+            scaler = type("DynamicLossScaler", (convert_module._StandIn,),
+                          {"path": "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"})
+            data.update(step=7, deepspeed="mine", scaler={"inner": [scaler()]})
+    patched_load(monkeypatch, change)
+    ck = read_checkpoint(checkpoint_dir("zero1_fp32_w1"))
+    assert ck.step == 3 and ck.extras["deepspeed"]["zero_stage"] == 1
+    assert "scaler" not in ck.extras and ck.extras["epoch"] == 1
+    assert [n.split(";")[0] for n in ck.notes] == [
+        "client state 'step' collides with zerofn's own extra",
+        "client state 'deepspeed' collides with zerofn's own extra",
+        "client state 'scaler' holds deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"]
+
+
+def test_static_fp16_loss_scale(monkeypatch):
+    """DeepSpeed's fp16 "loss_scale": 128 keeps a static LossScaler in place of the dynamic one."""
+    def change(key, data):
+        if key == "optimizer_state_dict":
+            osd = data[key]
+            osd["loss_scaler"].state = {"cur_scale": 128.0, "dynamic": False}
+            osd["dynamic_loss_scale"] = False
+    patched_load(monkeypatch, change)
+    ck = read_checkpoint(checkpoint_dir("zero2_fp16_w2"))
+    assert ck.optim[SCALER_KEY] == {"scale": 128.0, "hysteresis_left": 1, "iteration": 3,
+                                    "last_overflow": -1}
+    assert ck.extras["deepspeed"]["loss_scaling"] == {"loss_scale": 128.0}
+
+
+def test_checkpoint_saved_before_the_first_step(monkeypatch, tmp_path):
+    def change(key, data):
+        if key == "optimizer_state_dict":
+            data[key]["optimizer_state_dict"]["state"].clear()
+    patched_load(monkeypatch, change)
+    _, ck = convert(checkpoint_dir("zero3_fp32_w3"), tmp_path)
+    assert ck.optim["state"] == {} and "had no optimizer state yet" in ck.notes[0]
+    assert all(len(g["params"]) for g in ck.optim["param_groups"])
 
 
 # -- clear errors on what is not a convertible checkpoint --------------------------------
@@ -280,8 +337,13 @@ def test_missing_file(tmp_path, name, removed, fragments):
 
 @pytest.mark.parametrize("name, source, added, fragments", [
     # a world-3 run's rank-2 file among a world-2 run's
-    ("zero2_fp16_w2", "zero2_bf16_w3/checkpoint/global_step3/bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt",
-     "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt", ("mismatched files", "world size 2", "world size 3")),
+    ("zero2_fp16_w2",
+     "zero2_bf16_w3/checkpoint/global_step3/bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt",
+     "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt",
+     ("mismatched files", "world size 2", "world size 3")),
+    # rank 0's model file from the world-3 run
+    ("zero2_fp16_w2", "zero2_bf16_w3/checkpoint/global_step3/mp_rank_00_model_states.pt",
+     "mp_rank_00_model_states.pt", ("mismatched files", "world size 3", "optimizer files at 2")),
     # a second model-parallel rank
     ("zero1_fp32_w1", "zero1_fp32_w1/checkpoint/global_step3/mp_rank_00_model_states.pt",
      "mp_rank_01_model_states.pt", ("mp_rank_00, mp_rank_01", "tensor- or pipeline-parallel")),

@@ -225,8 +225,7 @@ def reference(engine) -> dict:
                 ref[key][name] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
     ref.update(global_step=engine.global_steps, skipped_steps=engine.skipped_steps,
                adam_step=engine.global_steps - engine.skipped_steps,
-               loss_scale=float(engine.optimizer.loss_scale) if hasattr(engine.optimizer, "loss_scale")
-               else 1.0)
+               loss_scale=float(getattr(engine.optimizer, "loss_scale", 1.0)))
     return ref
 
 

@@ -110,14 +110,15 @@ def _load(path: str, key: str) -> dict:
     return data
 
 
-def _has_stand_in(obj) -> bool:
+def _pickled_classes(obj) -> set[str]:
+    """The paths of the classes stood in for anywhere inside ``obj``."""
     if isinstance(obj, _StandIn):
-        return True
+        return {obj.path}
     if isinstance(obj, dict):
-        return any(_has_stand_in(k) or _has_stand_in(v) for k, v in obj.items())
+        return set().union(*(_pickled_classes(k) | _pickled_classes(v) for k, v in obj.items()))
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return any(_has_stand_in(v) for v in obj)
-    return False
+        return set().union(*(_pickled_classes(v) for v in obj))
+    return set()
 
 
 # -- finding the files ---------------------------------------------------------------------
@@ -207,23 +208,26 @@ def read_checkpoint(path, tag: str | None = None) -> DeepSpeedCheckpoint:
               for r, f in sorted(optim_files.items())}
     stage, world = _stage_and_world(optims, optim_files)
     _check_model_files(model_files, stage, world, step_dir)
-    models = {r: _load(model_files[r], "param_shapes") for r in (range(world) if stage == 3 else [0])}
+    ranks = range(world) if stage == 3 else [0]   # ZeRO-1/2: rank 0's model file alone
+    models = {r: _load(model_files[r], "param_shapes") for r in ranks}
     head = models[0]
     _check_head(head, model_files[0], world)
     ck = DeepSpeedCheckpoint(step_dir, stage, world, _module_dtype(head),
                              int(head.get("global_steps") or 0), {}, {}, {})
-    _add_trainable(ck, [optims[r] for r in range(world)], head, optim_files[0])
+    _add_trainable(ck, [optims[r] for r in range(world)], [optim_files[r] for r in range(world)],
+                   head)
     _add_frozen_and_buffers(ck, models)
     _add_loss_scaler(ck, optims[0])
     _add_extras(ck, head, optims[0])
     return ck
 
 
-def _add_trainable(ck: DeepSpeedCheckpoint, optims: list, head: dict, file0: str) -> None:
+def _add_trainable(ck: DeepSpeedCheckpoint, optims: list, files: list, head: dict) -> None:
     """fp32 masters and optimizer state of the trainable parameters, flat group by flat
     group (a param group, or under ZeRO-3 a sub-group of one), and the param groups."""
-    parts = [_partition_states(osd, ck.stage, file0) for osd in optims]
-    groups, group_of = _param_groups(optims[0], ck.stage, len(parts[0]), head.get("ds_config"), file0)
+    parts = [_partition_states(osd, ck.stage, file) for osd, file in zip(optims, files)]
+    groups, group_of = _param_groups(optims[0], ck.stage, len(parts[0]), head.get("ds_config"),
+                                     files[0])
     param_shapes = head["param_shapes"]
     if len(param_shapes) != len(group_of):
         raise ValueError(f"{ck.path}: the model file lists {len(param_shapes)} flat groups in "
@@ -318,8 +322,8 @@ def _check_head(head: dict, file: str, world: int) -> None:
 def _module_dtype(head: dict) -> torch.dtype:
     """The dtype DeepSpeed computed in: that of the module's parameter entries."""
     names = {n for shapes in head["param_shapes"] for n in shapes}
-    for name, value in head["module"].items():
-        if name in names and value.is_floating_point():
+    for name, value in (head.get("module") or {}).items():
+        if name in names and torch.is_tensor(value) and value.is_floating_point():
             return value.dtype
     return torch.float32
 
@@ -327,10 +331,13 @@ def _module_dtype(head: dict) -> torch.dtype:
 def _partition_states(osd: dict, stage: int, file: str) -> list[dict]:
     """This rank's pieces, one dict per flat group: ``master`` (its fp32 partition) and
     every per-element optimizer state cut to the same length; scalars (``step``) as is."""
-    if stage == 3:
-        masters, base = osd["fp32_flat_groups"], osd["optimizer_state_dict"]
-    else:
-        masters, base = osd["single_partition_of_fp32_groups"], osd["base_optimizer_state"]
+    keys = ("fp32_flat_groups", "optimizer_state_dict") if stage == 3 \
+        else ("single_partition_of_fp32_groups", "base_optimizer_state")
+    if any(k not in osd for k in keys):
+        raise ValueError(f"{file} lacks {' or '.join(k for k in keys if k not in osd)}, which "
+                         f"a ZeRO-{stage} optimizer file holds; the file is damaged or not "
+                         f"DeepSpeed's.")
+    masters, base = (osd[k] for k in keys)
     if isinstance(base, list):
         raise ValueError(f"{file} was saved with zero_optimization.elastic_checkpoint=true, "
                          f"which keeps no optimizer hyperparameters; zerofn does not convert it.")
@@ -454,12 +461,13 @@ def _add_frozen_and_buffers(ck: DeepSpeedCheckpoint, models: dict) -> None:
     """Frozen parameters (ZeRO-3: partitioned like trainable ones, one fragment per rank's
     model file; ZeRO-1/2: whole in the module state), buffers, then tied aliases."""
     head = models[0]
-    module, buffers = head["module"], set(head.get("buffer_names") or ())
+    module, buffers = head.get("module") or {}, set(head.get("buffer_names") or ())
     shared = head.get("shared_params") or {}
     frozen = head.get("frozen_param_shapes") or {}
     if ck.stage == 3:
         for name, shape in frozen.items():
-            pieces = [models[r]["frozen_param_fragments"][name].reshape(-1) for r in range(ck.world)]
+            pieces = [models[r]["frozen_param_fragments"][name].reshape(-1)
+                      for r in range(ck.world)]
             ck.model[name] = torch.cat(pieces)[:math.prod(shape)].view(shape).float()
     else:
         for name, value in module.items():
@@ -499,8 +507,8 @@ def _add_loss_scaler(ck: DeepSpeedCheckpoint, osd: dict) -> None:
 
 def _add_extras(ck: DeepSpeedCheckpoint, head: dict, osd: dict) -> None:
     """Client state keys as extras, each on its own; DeepSpeed's bookkeeping under
-    ``deepspeed``. Values holding DeepSpeed objects are dropped (nothing could load them
-    without DeepSpeed), and said so."""
+    ``deepspeed``. Values holding objects of other classes (DeepSpeed's, numpy's) are
+    dropped, and said so: only their stand-ins were read."""
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     info = ck.extras.setdefault("deepspeed", {})
     info.update(zero_stage=ck.stage, world_size=ck.world, dtype=names.get(ck.dtype, str(ck.dtype)),
@@ -508,18 +516,24 @@ def _add_extras(ck: DeepSpeedCheckpoint, head: dict, osd: dict) -> None:
                 global_samples=head.get("global_samples"), gradient_clipping=_clipping(osd, head),
                 lr_scheduler=head.get("lr_scheduler"), ds_config=head.get("ds_config"),
                 ds_version=head.get("ds_version"))
-    for key in [k for k, v in info.items() if _has_stand_in(v)]:
-        ck.notes.append(f"DeepSpeed's {key} holds DeepSpeed objects; dropped")
-        del info[key]
+    for key, value in list(info.items()):
+        if _pickled_classes(value):
+            ck.notes.append(_unpickled(f"DeepSpeed's {key}", value))
+            del info[key]
     for key, value in head.items():
         if key in _ENGINE_KEYS:
             continue
         if key in ("step", "deepspeed"):
             ck.notes.append(f"client state {key!r} collides with zerofn's own extra; dropped")
-        elif _has_stand_in(value):
-            ck.notes.append(f"client state {key!r} holds DeepSpeed objects; dropped")
+        elif _pickled_classes(value):
+            ck.notes.append(_unpickled(f"client state {key!r}", value))
         else:
             ck.extras[key] = value
+
+
+def _unpickled(what: str, value) -> str:
+    return (f"{what} holds {', '.join(sorted(_pickled_classes(value)))}; dropped: the converter "
+            f"runs no pickled code, so it keeps only tensors and plain Python values")
 
 
 def _clipping(osd: dict, head: dict):
