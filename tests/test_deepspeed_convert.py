@@ -93,6 +93,11 @@ def test_weights_moments_and_steps_equal_deepspeeds(converted, name):
         for fqn, value in ref["zero_to_fp32"].items():
             expected = value.float() if value.is_floating_point() else value
             assert torch.equal(ck.model[fqn], expected), fqn
+    if case.parameter_alignment:   # the layout this case is for: padding between parameters
+        file = os.path.join(checkpoint_dir(name), "global_step3",
+                            "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        osd = convert_module._load(file, "optimizer_state_dict")["optimizer_state_dict"]
+        assert any(any(group) for group in osd["param_alignment_paddings"])
     # zero_to_fp32 drops ZeRO-1's frozen parameters; the module state keeps them.
     assert ck.model["pos.weight"].shape == (TOOL.CONFIG["context"], TOOL.CONFIG["width"])
     assert ck.model["head.weight"] is ck.model["tok.weight"]

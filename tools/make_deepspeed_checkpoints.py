@@ -59,16 +59,17 @@ class Case:
     ds_optimizer: bool = False      # DeepSpeed builds its own AdamW from the config
     grad_accum_fp32: bool = False   # bf16 + ZeRO-1 + fp32 accumulation: DeepSpeed's BF16_Optimizer
     sub_group_size: int | None = None   # ZeRO-3: several flat sub-groups per param group
+    parameter_alignment: bool = False   # ZeRO-1/2: parameters 16-byte aligned in the flat buffer
 
 
 # Fewer combinations than the full cross product, each code path of the converter at least
-# once: ZeRO-1/2 flat partitions (lean and padded), BF16_Optimizer's files, ZeRO-3's
-# per-parameter partitions with sub-groups, uneven worlds, fp16 loss scaling, offload,
-# DeepSpeed's own CPU Adam.
+# once: ZeRO-1/2 flat partitions (lean and padded, with per-parameter alignment padding),
+# BF16_Optimizer's files, ZeRO-3's per-parameter partitions with sub-groups, uneven worlds,
+# fp16 loss scaling, offload, DeepSpeed's own CPU Adam.
 CASES = {c.name: c for c in [
     Case("zero1_fp32_w1", 1, 1, "fp32"),
     Case("zero1_bf16_w2", 1, 2, "bf16", grad_accum_fp32=True),
-    Case("zero2_bf16_w3", 2, 3, "bf16"),
+    Case("zero2_bf16_w3", 2, 3, "bf16", parameter_alignment=True),
     Case("zero2_fp16_w2", 2, 2, "fp16"),
     Case("zero2_fp32_w2_offload", 2, 2, "fp32", offload=True, ds_optimizer=True),
     Case("zero3_fp32_w3", 3, 3, "fp32", sub_group_size=300),
@@ -156,6 +157,8 @@ def ds_config(case: Case) -> dict:
         zero["offload_optimizer"] = {"device": "cpu"}
     if case.sub_group_size:
         zero["sub_group_size"] = case.sub_group_size
+    if case.parameter_alignment:
+        zero["parameter_alignment"] = True
     cfg = {"train_micro_batch_size_per_gpu": ROWS // case.world, "gradient_accumulation_steps": 1,
            "gradient_clipping": CLIP, "steps_per_print": 10 ** 9, "zero_optimization": zero,
            "bf16": {"enabled": case.dtype == "bf16"}, "fp16": {"enabled": case.dtype == "fp16"}}
