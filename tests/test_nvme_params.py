@@ -41,9 +41,9 @@ def count_read_ahead(model) -> dict:
     counts = {"hit": 0, "miss": 0}
     take = reader.take
 
-    def counted(unit):
+    def counted(unit, *rest):
         counts["hit" if unit in reader.held else "miss"] += 1
-        return take(unit)
+        return take(unit, *rest)
     reader.take = counted
     return counts
 

@@ -51,3 +51,25 @@ def test_empty_requests_need_no_buffer():
     pool = BufferPool()
     pool.give(pool.take(0, torch.float32, CPU))
     assert pool.nbytes() == 0
+
+
+class FakeEvent:
+    """Stands for a CUDA event: records which streams were made to wait for it."""
+
+    def __init__(self):
+        self.waited_by = []
+
+    def wait(self, stream=None):
+        self.waited_by.append(stream)
+
+
+def test_a_buffer_freed_on_a_side_stream_is_waited_for_once_by_its_next_taker():
+    pool = BufferPool()
+    a = pool.take(1000, torch.float32, CPU)
+    ready = FakeEvent()
+    pool.give(a, ready)
+    again = pool.take(1000, torch.float32, CPU, stream="side")
+    assert again.data_ptr() == a.data_ptr() and ready.waited_by == ["side"]
+    pool.give(again)                         # its last use was on the taker's stream
+    pool.take(1000, torch.float32, CPU)
+    assert ready.waited_by == ["side"]

@@ -1,6 +1,8 @@
 """Global gradient-norm clipping across shards."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -13,31 +15,56 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     """Clip the model's gradients by their global norm, as
     ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would on the unsharded model.
 
-    Call on every rank after backward and before ``optimizer.step()``. Returns the total norm.
+    Call on every rank after backward and before ``optimizer.step()``. Under offload with
+    Adam the clip coefficient is not applied to the host gradients but folded into the
+    step's Adam kernel (runtime/step.py, [Note: deferred scaling]).
+
+    Args:
+        model: a model transformed by zerofn.
+        max_norm: the largest global norm the gradients may have.
+        norm_type: the norm's order (``float("inf")`` for the largest magnitude).
+        error_if_nonfinite: raise if the total norm is inf or nan.
+
+    Returns:
+        The total norm of the (unscaled) gradients before clipping, on the model's device.
+
+    Example:
+        >>> loss.backward()
+        >>> zf.clip_grad_norm_(model, 1.0)
+        >>> opt.step()
     """
     rt = runtime_of(model)
     norm_type = float(norm_type)
-    rt.step_grads.prepare()   # reduced, in the master dtype, unscaled
-    shards = rt.step_grads.present()
-    device = rt.device
-    if norm_type == float("inf"):
-        local = torch.stack([g.abs().max() for g in shards]).max() if shards \
-            else torch.zeros((), device=device)
-        total = local.to(device, torch.float32, copy=True)   # offloaded shards: on the host
+    grads = rt.step_grads
+    grads.prepare()   # reduced, in the master dtype, unscaled (or to be, see above)
+    total = _local_norm(grads, norm_type, rt.device)
+    if norm_type == math.inf:
         rt.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
     else:
-        local = sum((torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
-                     for g in shards), torch.zeros((), device=device))
-        total = local.clone()
         rt.comm.all_reduce(total)
         total = total ** (1.0 / norm_type)
+    total = total * grads.grad_scale     # the deferred unscale; 1 where already applied
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, "
                            "so it cannot be clipped. Pass error_if_nonfinite=False to clip anyway.")
-    if rt.step_grads.overflow:
+    if grads.overflow:
         return total      # the step will be skipped: nothing to clip
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    coef = coef.to(shards[0].device) if shards else coef   # once, where the shards are
-    for g in shards:
-        g.mul_(coef.to(g.dtype))
+    grads.scale_by(torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
+
+
+def _local_norm(grads, norm_type: float, device: torch.device) -> torch.Tensor:
+    """This rank's part of the norm, as a new fp32 tensor on ``device``: the largest
+    magnitude for the inf-norm, else the sum of ``|g|**norm_type``. Host gradients of the
+    Adam offload use the sums of squares their overflow check already read."""
+    if grads.deferred and norm_type == 2.0:
+        return torch.tensor([sum(sq for sq, _ in grads.host_stats())], dtype=torch.float64) \
+            .to(device, torch.float32).reshape(())
+    shards = grads.present()
+    if not shards:
+        return torch.zeros((), device=device)
+    norms = torch.stack([n.to(device) for n in
+                         torch._foreach_norm(shards, norm_type, dtype=torch.float32)])
+    if norm_type == math.inf:
+        return norms.max()
+    return (norms ** norm_type).sum()

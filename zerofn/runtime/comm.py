@@ -3,6 +3,12 @@
 Every collective carries a ``record_function`` label so profiles read well. Counts are in
 elements of the full (gathered / pre-scatter) buffer: one all-gather or reduce-scatter of
 a unit counts that unit's padded parameter count.
+
+[Note: in-flight bound] Async collectives wait in a queue until their buffers are needed
+again. The bound is in bytes (``bucket_size`` fp32 elements' worth, so bf16 buffers count
+half), and the two newest collectives are never waited for to make room: a unit's
+backward may run while the reductions of the two units before it are still in flight,
+however large units are.
 """
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
+
+KEEP_IN_FLIGHT = 2   # collectives the in-flight bound always allows (see the Note)
 
 # torch 2.13 renamed the flat collectives; 2.11 has only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -25,9 +33,13 @@ class Comm:
         self.world = dist.get_world_size(group)
         self.step_counts: Counter = Counter()     # elements in the step under way
         self.last_step: Counter = Counter()       # elements of the last finished step
-        self._queue: deque = deque()              # (work, numel, on_done)
-        self._inflight_numel = 0
-        self._max_inflight = max_inflight_numel
+        self._queue: deque = deque()              # (work or None, nbytes, on_done)
+        self._inflight = 0                        # bytes
+        self._max_inflight = 4 * max_inflight_numel
+        # NCCL averages inside the reduce-scatter (a pre-multiplied sum for floats), so fp16
+        # gradients of many ranks cannot overflow in the sum; gloo's AVG is unreliable, so
+        # there the caller divides the sum.
+        self.averages = dist.get_backend(group) == "nccl"
         # [Note: gloo collectives] gloo's all-gather and reduce-scatter allocate a flat copy
         # of the whole buffer in its worker thread on every call (measured with torch 2.13:
         # +23 MB of peak memory for a 23 MB all-gather, and glibc keeps such blocks), and its
@@ -56,13 +68,13 @@ class Comm:
                 for r in range(self.world)])
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
-        """Sum-reduce-scatter. Averaging is the caller's division: gloo's AVG is unreliable.
-        On gloo ``full`` is scratch afterwards."""
+        """Reduce-scatter: the mean over ranks where ``averages`` (NCCL), else the sum, which
+        the caller divides. On gloo ``full`` is scratch afterwards."""
         self._count("reduce_scatter", full.numel(), full.dtype)
         with record_function("zerofn::reduce_scatter"):
             if not self._in_place:
-                return _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=self.group,
-                                       async_op=async_op)
+                op = dist.ReduceOp.AVG if self.averages else dist.ReduceOp.SUM
+                return _reduce_scatter(out, full, op=op, group=self.group, async_op=async_op)
             chunks = full.view(self.world, -1)
             return self._finish(async_op, [
                 dist.reduce(chunks[r], dst=self._global[r], op=dist.ReduceOp.SUM,
@@ -86,17 +98,20 @@ class Comm:
         with record_function("zerofn::broadcast"):
             dist.broadcast(t, src=dist.get_global_rank(self.group, src_rank), group=self.group)
 
-    def enqueue(self, work, numel: int, on_done: Callable[[], None]) -> None:
-        """Track an async collective; wait the oldest ones once too much is in flight."""
-        self._queue.append((work, numel, on_done))
-        self._inflight_numel += numel
-        while self._inflight_numel > self._max_inflight and len(self._queue) > 1:
+    def enqueue(self, work, nbytes: int, on_done: Callable[[], None]) -> None:
+        """Track an async collective on buffers of ``nbytes``; ``on_done`` runs once it is
+        waited, when the in-flight bound needs room or at ``drain``. ``work`` may be None
+        where the caller has ordered the wait itself (CUDA side streams) and only its
+        buffers remain to be let go."""
+        self._queue.append((work, nbytes, on_done))
+        self._inflight += nbytes
+        while self._inflight > self._max_inflight and len(self._queue) > KEEP_IN_FLIGHT:
             self._finish_oldest()
 
-    def make_room(self, numel: int) -> None:
-        """Wait the oldest collectives until ``numel`` more elements fit the in-flight bound,
-        before a buffer for them is taken."""
-        while self._queue and self._inflight_numel + numel > self._max_inflight:
+    def make_room(self, nbytes: int) -> None:
+        """Wait the oldest collectives until ``nbytes`` more fit the in-flight bound, before
+        a buffer for them is taken (the newest ``KEEP_IN_FLIGHT`` are never waited here)."""
+        while len(self._queue) > KEEP_IN_FLIGHT and self._inflight + nbytes > self._max_inflight:
             self._finish_oldest()
 
     def drain(self) -> None:
@@ -104,9 +119,10 @@ class Comm:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        work, numel, on_done = self._queue.popleft()
-        work.wait()
-        self._inflight_numel -= numel
+        work, nbytes, on_done = self._queue.popleft()
+        if work is not None:
+            work.wait()
+        self._inflight -= nbytes
         on_done()
 
     def end_step(self) -> None:

@@ -10,6 +10,11 @@ unit's latest copy ends. Three waits order everything else against those events:
   stream waits; the host goes on).
 - ``before_host_write``: the host is about to rewrite ``to_device``'s source (blocks the
   host).
+- ``after_to_device``: a collective about to read what ``to_device`` wrote (ZeRO-3's
+  gather of an offloaded shard) is issued on the copy's own stream, so it follows the copy
+  while the current stream, computing the unit before, is not held up.
+
+The events are blocking: a host waiting on one sleeps instead of spinning a core.
 
 A copy itself first waits for the work already queued on the current stream, which
 produced (or still reads) what it touches. Device work may rewrite a ``to_host`` source
@@ -22,6 +27,8 @@ Copies between tensors on the same device are always plain ``copy_``s in stream 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -31,7 +38,8 @@ class CopyStreams:
         if not self.streaming:
             return
         self._streams = {d: torch.cuda.Stream(device) for d in ("d2h", "h2d")}
-        self._done = {d: {u: torch.cuda.Event() for u in units} for d in ("d2h", "h2d")}
+        self._done = {d: {u: torch.cuda.Event(blocking=True) for u in units}
+                      for d in ("d2h", "h2d")}
         self._fence = torch.cuda.Event()      # reused: recorded and waited back to back
 
     @property
@@ -72,3 +80,13 @@ class CopyStreams:
     def before_host_write(self, unit) -> None:
         if self.streaming:
             self._done["h2d"][unit].synchronize()
+
+    @contextlib.contextmanager
+    def after_to_device(self, unit):
+        """Device work issued inside reads what the unit's latest ``to_device`` wrote."""
+        if not self.streaming:
+            self.device_wait(unit)
+            yield
+            return
+        with torch.cuda.stream(self._streams["h2d"]):
+            yield

@@ -4,7 +4,21 @@ ZeRO-2/3 reduce a unit as soon as all its gradients have been accumulated during
 backward (counted by post-accumulate-grad hooks), overlapping the rest of backward; an
 end-of-backward callback reduces units some of whose parameters got no gradient. ZeRO-1
 keeps full gradients on the parameters and reduces once, when the optimizer steps.
-Reduction is SUM then a division by the world size.
+Reduction averages over ranks: NCCL's reduce-scatter averages itself, elsewhere the sum
+is divided by the world size.
+
+[Note: the reduce stream] On CUDA each reduce-scatter is issued on a side stream, after
+the compute stream's work so far (the packed gradients), and everything after it (the
+division, adding into an accumulated shard, starting the shard's copy to the host) is
+queued there too, so backward's compute never waits for a reduction. The compute stream
+waits for the side stream only where it reuses a buffer the side stream still uses
+(pool.py's ready events, after the in-flight bound of comm.py lets the buffer go), and
+once at the end of backward, before anything reads the reduced gradients.
+
+[Note: lent gradient shards] Under offload the gradients live on the host; a unit's
+device shard is only where its reductions accumulate until the copy. It is taken from
+the pool at the unit's first reduction and given back at ``zero_grad``, so between steps
+the device holds no gradient memory (the pool reuses it for forward's gathers).
 """
 from __future__ import annotations
 
@@ -25,7 +39,7 @@ class GradReducer:
         # host once a backward's reduction of it is final (runtime/copies.py).
         self.on_shard_ready = None
         self.no_sync = False
-        self.grad_shard: dict[Unit, torch.Tensor | None] = {}
+        self.grad_shard: dict[Unit, torch.Tensor | None] = {}   # made at the first reduction
         self._fresh = {u: True for u in units}  # next reduction overwrites instead of adds
         self._send: dict[Unit, torch.Tensor] = {}
         self._packed: dict[Unit, set] = {}      # slots whose gradient is in the send buffer
@@ -34,10 +48,12 @@ class GradReducer:
         self._in_backward = False
         self._dirty = False                     # ZeRO-1: a backward ran since the last reduce
         self._hooks = []
+        # [Note: the reduce stream], for the reductions during backward (ZeRO-1 reduces in
+        # the step, where there is no compute to overlap).
+        self.device = next((u.device for u in units if u.device is not None), None)
+        self.stream = torch.cuda.Stream(self.device) if stage >= 2 and \
+            self.device is not None and self.device.type == "cuda" else None
         for u in units:
-            if stage >= 2:
-                self.grad_shard[u] = torch.zeros(u.shard_numel, dtype=self._dtype(u),
-                                                 device=u.device)
             for s in u.trainable:
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(
                     functools.partial(self._on_grad, u, s)))
@@ -87,6 +103,7 @@ class GradReducer:
                         self._pack(unit, s)
                 self._reduce(unit)
         self.comm.drain()
+        self._join()
         self._in_backward = False
         if self.on_reduced is not None:
             self.on_reduced(None)
@@ -101,7 +118,7 @@ class GradReducer:
                 # Backward's send buffers count against the in-flight bound while they
                 # fill, not only once their reduction starts. (ZeRO-1 packs at the step,
                 # where packing overlaps the previous unit's reduction instead.)
-                self.comm.make_room(self.comm.world * unit.shard_numel)
+                self.comm.make_room(self.comm.world * unit.shard_numel * self._dtype(unit).itemsize)
             send = self.pool.take(self.comm.world * unit.shard_numel, self._dtype(unit),
                                   unit.device)
             self._send[unit] = send
@@ -125,31 +142,74 @@ class GradReducer:
             if s not in self._packed[unit]:
                 ranks[:, s.cols].zero_()
         del self._send[unit], self._packed[unit]
-        fresh = self._fresh[unit] or self.grad_shard.get(unit) is None
-        if fresh and self.grad_shard.get(unit) is None:
-            self.grad_shard[unit] = self.pool.take(unit.shard_numel, self._dtype(unit), unit.device)
-        out = self.grad_shard[unit] if fresh else self.pool.take(
-            unit.shard_numel, self._dtype(unit), unit.device)
-        self._fresh[unit] = False
-        work = self.comm.reduce_scatter(out, send, async_op=True)
-        self.comm.enqueue(work, send.numel(), functools.partial(self._reduced, unit, send, out))
+        out = self._reduction_target(unit)
+        if self.stream is None:
+            work = self.comm.reduce_scatter(out, send, async_op=True)
+            self.comm.enqueue(work, send.nbytes, functools.partial(self._reduced, unit, send, out))
+        else:   # [Note: the reduce stream]
+            with self._on_stream():
+                self.comm.reduce_scatter(out, send, async_op=True).wait()
+                spent = self._post_reduce(unit, out)
+                ready = self.stream.record_event()
+            self.comm.enqueue(None, send.nbytes, functools.partial(self._give, [send] + spent, ready))
         if self.on_reduced is not None:
             self.on_reduced(unit)
 
+    def _reduction_target(self, unit: Unit) -> torch.Tensor:
+        """Where this reduction lands: the unit's gradient shard when it starts afresh, else
+        a temporary that is then added to the shard (accumulation)."""
+        shard = self.grad_shard.get(unit)
+        fresh = self._fresh[unit] or shard is None
+        self._fresh[unit] = False
+        if not fresh:
+            return self.pool.take(unit.shard_numel, self._dtype(unit), unit.device, self.stream)
+        if shard is None:
+            shard = self._new_shard(unit)
+            self.grad_shard[unit] = shard
+        return shard
+
+    def _new_shard(self, unit: Unit) -> torch.Tensor:
+        """ZeRO-1's reduced rows, and the lent shards of offload, come from the pool (given
+        back at zero_grad); otherwise the shard is the unit's gradient memory, kept."""
+        if self.stage == 1 or self.on_shard_ready is not None:
+            return self.pool.take(unit.shard_numel, self._dtype(unit), unit.device, self.stream)
+        return torch.empty(unit.shard_numel, dtype=self._dtype(unit), device=unit.device)
+
+    def _on_stream(self):
+        """The reduce stream, ordered after the current stream's work so far."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
+
+    def _join(self) -> None:
+        """The current stream waits for every reduction so far (CUDA)."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
     def _reduced(self, unit: Unit, send: torch.Tensor, out: torch.Tensor) -> None:
-        self.pool.give(send)
-        out.div_(self.comm.world)
+        self._give([send] + self._post_reduce(unit, out))
+
+    def _give(self, buffers: list[torch.Tensor], ready=None) -> None:
+        for b in buffers:
+            self.pool.give(b, ready)
+
+    def _post_reduce(self, unit: Unit, out: torch.Tensor) -> list[torch.Tensor]:
+        """Average, then put the reduced rows where the step reads them; returns the
+        buffers this spent."""
+        if not self.comm.averages and self.comm.world > 1:
+            out.div_(self.comm.world)
         if self.stage == 1 and out.dtype == unit.dtype:
             self._write_back(unit, out)
-            return
+            return [out]
         if self.stage == 1:
-            return     # a wider reduce dtype: keep the reduced shard for the step
+            return []     # a wider reduce dtype: keep the reduced shard for the step
         target = self.grad_shard[unit]
+        spent = []
         if out is not target:
             target.add_(out)
-            self.pool.give(out)
+            spent.append(out)
         if self.on_shard_ready is not None:
             self.on_shard_ready(unit, target)
+        return spent
 
     def _write_back(self, unit: Unit, out: torch.Tensor) -> None:
         """ZeRO-1: the reduced shard goes into this rank's rows of the full gradients, so no
@@ -159,7 +219,6 @@ class GradReducer:
                 s.param.grad = torch.zeros_like(s.param)
             s.rows_of(s.param.grad).copy_(s.shard_of(out))
         del self.grad_shard[unit]
-        self.pool.give(out)
 
     # -- at the optimizer step -----------------------------------------------------------
     def sync(self) -> None:
@@ -179,6 +238,7 @@ class GradReducer:
                 self._reduce(unit)
         self._dirty = False
         self.comm.drain()
+        self._join()
 
     def has_grads(self, unit: Unit) -> bool:
         return not self._fresh[unit]
@@ -192,10 +252,13 @@ class GradReducer:
         return slot.shard_of(self.grad_shard[unit])
 
     def zero_grad(self) -> None:
-        """What ``optimizer.zero_grad()`` means for the shards: the next reduction starts over."""
+        """What ``optimizer.zero_grad()`` means for the shards: the next reduction starts
+        over; shards taken from the pool go back to it (the caller has waited for their
+        copies to the host)."""
+        lent = self.stage == 1 or self.on_shard_ready is not None
         for unit in self.units:
             self._fresh[unit] = True
-            if self.stage == 1 and unit in self.grad_shard:
+            if lent and self.grad_shard.get(unit) is not None:
                 self.pool.give(self.grad_shard.pop(unit))
             for s in unit.slots:
                 s.param.grad = None

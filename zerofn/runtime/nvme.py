@@ -176,9 +176,12 @@ class NvmeOffload:
         return self._param_stand_in[dtype].expand(unit.shard_numel)
 
     # -- the step --------------------------------------------------------------------
-    def step(self, optimizer, grads: dict, after_unit) -> None:
+    def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
+             copied=None) -> None:
         """Adam over every unit, streamed; ``after_unit(unit, master)`` refreshes the compute
-        params from the updated master while it is in memory."""
+        params from the updated master while it is in memory, and ``copied(unit)`` waits
+        for any asynchronous copy that refresh started, before its buffer is read into
+        again. Gradients are multiplied by ``grad_scale`` (unscale x clip) in the kernel."""
         if self.param_reads is not None:
             self.param_reads.forget()          # the ring is ours again; the file changes now
         self.evict()
@@ -188,9 +191,16 @@ class NvmeOffload:
         writes = [None] * ring
         reads = {}
 
-        def start_read(i: int) -> None:
+        def release(i: int) -> None:
+            """Buffer ``i % ring``'s last unit is written back and copied to the device."""
             if writes[i % ring] is not None:
-                writes[i % ring].result()      # that buffer's write-back must finish first
+                writes[i % ring].result()
+                writes[i % ring] = None
+                if copied is not None:
+                    copied(units[i - ring])
+
+        def start_read(i: int) -> None:
+            release(i)
             reads[i] = self.io.submit(self._read, units[i], self.staging[i % ring])
 
         for i, unit in enumerate(units):
@@ -200,12 +210,12 @@ class NvmeOffload:
             if ring > 1 and i + 1 < len(units):
                 start_read(i + 1)              # read ahead while this unit steps
             master, m, v = flat.view(3, unit.shard_numel)
-            adam_unit(optimizer, group_of, unit, grads, master, m, v, self.adamw_mode)
+            adam_unit(optimizer, group_of, unit, grads, master, m, v, self.adamw_mode,
+                      grad_scale=grad_scale)
             self._refresh(unit, self.staging[i % ring], master, after_unit)
             writes[i % ring] = self.io.submit(self._write, unit, self.staging[i % ring])
-        for w in writes:
-            if w is not None:
-                w.result()
+        for i in range(len(units), len(units) + ring):   # the ring is idle again after
+            release(i)
         if self.param_reads is not None:
             self.param_reads.resume()
 
@@ -280,13 +290,17 @@ class ParamReads:
     staging ring (idle outside the step), up to ``units_in_flight`` of them ahead of use.
 
     ``read_ahead`` names the units to come, in order; each buffer that frees up goes to the
-    next of them, so reading runs ahead of the gathers for as long as the guess holds."""
+    next of them, so reading runs ahead of the gathers for as long as the guess holds.
+
+    A lent buffer may still be read by an asynchronous copy to the device after it is
+    given back: ``take``'s ``copied`` waits for that copy, and runs before the buffer is
+    read into again."""
 
     def __init__(self, store: NvmeOffload):
         self.store = store
-        self.free = list(store.staging)
+        self.free = [(b, None) for b in store.staging]   # (buffer, wait for its last copy)
         self.held: dict = {}                  # unit -> (buffer, future), oldest first
-        self._lent = None                     # the buffer ``take`` returned last
+        self._lent = None                     # (buffer, copied) ``take`` returned last
         self._plan = iter(())
 
     def read_ahead(self, units) -> None:
@@ -295,8 +309,9 @@ class ParamReads:
         self._plan = iter(units)
         self._fill()
 
-    def take(self, unit) -> torch.Tensor:
-        """The unit's shard on the host, valid until the next call here."""
+    def take(self, unit, copied=None) -> torch.Tensor:
+        """The unit's shard on the host, valid until the next call here; ``copied()`` then
+        waits for the caller's copy of it, if any, before the buffer is reused."""
         if self.store.resident:
             return unit.shard                 # may be newer than the file (a load)
         self._settle()
@@ -304,7 +319,8 @@ class ParamReads:
             if not self.free:
                 self._drop(next(iter(self.held)))   # a read ahead that guessed wrong
             self._start(unit)
-        self._lent, read = self.held.pop(unit)
+        buf, read = self.held.pop(unit)
+        self._lent = (buf, copied)
         shard = read.result()
         self._fill()
         return shard
@@ -316,6 +332,7 @@ class ParamReads:
         dropped = list(self.held)
         for u in dropped:
             self._drop(u)
+        self.free = [(buf, _waited(copied)) for buf, copied in self.free]
         self._plan = itertools.chain(dropped, self._plan)
 
     def resume(self) -> None:
@@ -331,11 +348,12 @@ class ParamReads:
                 self._start(u)
 
     def _start(self, unit) -> None:
-        buf = self.free.pop()
+        buf, copied = self.free.pop()
+        _waited(copied)
         self.held[unit] = (buf, self.store.io.submit(self.store.read_param, unit, buf))
 
     def _settle(self) -> None:
-        """The caller is done with the buffer ``take`` lent it."""
+        """The caller is done with the buffer ``take`` lent it (its copy may not be)."""
         if self._lent is not None:
             self.free.append(self._lent)
             self._lent = None
@@ -343,7 +361,13 @@ class ParamReads:
     def _drop(self, unit) -> None:
         buf, read = self.held.pop(unit)
         read.result()
-        self.free.append(buf)
+        self.free.append((buf, None))
+
+
+def _waited(copied) -> None:
+    """Wait for a copy out of a staging buffer, if one was made (``None`` after)."""
+    if copied is not None:
+        copied()
 
 
 def _set(t: torch.Tensor, view, shape, stand_in) -> None:

@@ -27,9 +27,10 @@ class HostArena:
     """One host allocation handed out as aligned views; never freed while training.
     Page-locked (exactly its size) when ``pin``."""
 
-    def __init__(self, sizes: list[int], dtype: torch.dtype, pin: bool = False):
+    def __init__(self, sizes: list[int], dtype: torch.dtype | None, pin: bool = False):
         total = sum(_aligned(n) for n in sizes)
-        self.buffer = host_buffer(total, dtype, pin)
+        # (units without parameters have no dtype; they take no room either)
+        self.buffer = host_buffer(total, dtype or torch.float32, pin)
         self._used = 0
 
     def take(self, numel: int) -> torch.Tensor:
@@ -132,13 +133,14 @@ class HostOffload:
                     state[k].copy_(v)
                 optimizer.state[s.opt_param] = state
 
-    def step(self, optimizer, grads: dict, after_unit) -> None:
+    def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0) -> None:
         """Adam over every parameter that has a gradient, from the host gradient rows, unit
-        by unit; ``after_unit(unit, rows)`` gets each unit's updated compute rows at once."""
+        by unit; ``after_unit(unit, rows)`` gets each unit's updated compute rows at once.
+        Gradients are multiplied by ``grad_scale`` (unscale x clip) in the kernel."""
         group_of = groups_by_param(optimizer)
         for u in self._units:
             adam_unit(optimizer, group_of, u, grads, self.master[u], self.exp_avg[u],
-                      self.exp_avg_sq[u], self.adamw_mode, self.lowp.get(u))
+                      self.exp_avg_sq[u], self.adamw_mode, self.lowp.get(u), grad_scale)
             after_unit(u, self.compute_rows(u))
 
 
@@ -147,10 +149,11 @@ def groups_by_param(optimizer) -> dict:
 
 
 def adam_unit(optimizer, group_of: dict, unit: Unit, grads: dict, master, exp_avg, exp_avg_sq,
-              adamw_mode: bool, lowp=None) -> None:
+              adamw_mode: bool, lowp=None, grad_scale: float = 1.0) -> None:
     """zerofn's CPU Adam over each of the unit's parameters that has a gradient, on the
     rows of flat master and state buffers, with that parameter's group hyperparameters
-    and its own step count (as torch.optim keeps them)."""
+    and its own step count (as torch.optim keeps them); each gradient times
+    ``grad_scale`` as it is read."""
     for s in unit.trainable:
         g, group = grads.get(s), group_of.get(s.opt_param)
         if g is None or group is None or not s.local_numel:
@@ -161,4 +164,5 @@ def adam_unit(optimizer, group_of: dict, unit: Unit, grads: dict, master, exp_av
         adam_step(s.shard_of(master).view(-1), g.reshape(-1), s.shard_of(exp_avg).view(-1),
                   s.shard_of(exp_avg_sq).view(-1), step=int(state["step"]), lr=float(group["lr"]),
                   beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                  adamw_mode=adamw_mode, out=None if lowp is None else s.shard_of(lowp).view(-1))
+                  adamw_mode=adamw_mode, grad_scale=grad_scale,
+                  out=None if lowp is None else s.shard_of(lowp).view(-1))

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from .copies import CopyStreams
 from .units import Unit
 
 
@@ -33,9 +34,12 @@ class _SavedView:
 
 class ParamGatherer:
     def __init__(self, comm, pool, units: list[Unit], prefetch: int, reshard_after_forward: bool,
-                 staged: bool = False, reader=None):
+                 staged: bool = False, reader=None, copies=None):
         self.comm, self.pool, self.units = comm, pool, units
         self.staged = staged
+        # Parameter offload: each host shard goes to the device on the copy stream when its
+        # gather starts (a prefetch, mostly), and the gather follows it there (copies.py).
+        self.copies = copies if copies is not None else CopyStreams(torch.device("cpu"), units)
         # Parameter offload to NVMe: staged shards come from the swap file through this
         # (nvme.ParamReads), read ahead in ``order``; else they are ``unit.shard``.
         self.reader = reader
@@ -54,11 +58,17 @@ class ParamGatherer:
         if unit in self.full or unit in self._pending or not unit.slots:
             return
         recv = self.pool.take(self.comm.world * unit.shard_numel, unit.dtype, unit.device)
-        shard = unit.shard
-        if self.staged:   # offloaded shard: copied into this rank's slot, gathered in place
-            host = self.reader.take(unit) if self.reader is not None else unit.shard
-            shard = recv.view(self.comm.world, unit.shard_numel)[self.comm.rank].copy_(host)
-        self._pending[unit] = (self.comm.all_gather(recv, shard, async_op=True), recv)
+        if not self.staged:
+            self._pending[unit] = (self.comm.all_gather(recv, unit.shard, async_op=True), recv)
+            return
+        # An offloaded shard is copied into this rank's slot and gathered in place. NVMe's
+        # staging buffer is reused once this copy has read it.
+        mine = recv.view(self.comm.world, unit.shard_numel)[self.comm.rank]
+        host = unit.shard if self.reader is None else \
+            self.reader.take(unit, lambda: self.copies.before_host_write(unit))
+        self.copies.to_device(unit, mine, host)
+        with self.copies.after_to_device(unit):
+            self._pending[unit] = (self.comm.all_gather(recv, mine, async_op=True), recv)
 
     def ensure(self, unit: Unit) -> torch.Tensor:
         """The unit's gathered buffer (param-major, each param padded to world*chunk rows)."""

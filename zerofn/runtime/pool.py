@@ -10,6 +10,11 @@ served by the smallest free buffer that is large enough, as a view of its front,
 pool holds about as many buffers as are ever in use at once. A request is only served
 from a buffer at most ``MAX_WASTE`` times its size, so a small request (a shard is half
 a gathered unit at two ranks) never pins a large buffer.
+
+[Note: buffers freed on a side stream] On CUDA a buffer may be given back while work on
+a side stream (a reduce-scatter) still uses it. It comes back with an event recorded
+after that work, and whoever takes it next makes its own stream wait for the event, so
+the compute stream waits for a side stream only when it reuses that stream's buffer.
 """
 from __future__ import annotations
 
@@ -24,22 +29,33 @@ class BufferPool:
     def __init__(self):
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)   # (dtype, device)
         self._owned: dict[int, torch.Tensor] = {}                          # data_ptr -> buffer
+        self._ready: dict[int, object] = {}     # data_ptr -> event its last use ends with
 
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device,
+             stream=None) -> torch.Tensor:
+        """A buffer of ``numel`` elements, usable on ``stream`` (default: the current one)."""
         if numel == 0:
             return torch.empty(0, dtype=dtype, device=device)
         free = self._free[(dtype, torch.device(device))]
         fits = [i for i, b in enumerate(free) if numel <= b.numel() <= MAX_WASTE * numel]
         if fits:
-            return free.pop(min(fits, key=lambda i: free[i].numel()))[:numel]
+            buf = free.pop(min(fits, key=lambda i: free[i].numel()))
+            ready = self._ready.pop(buf.data_ptr(), None)
+            if ready is not None:
+                ready.wait(stream)
+            return buf[:numel]
         buf = torch.empty(numel, dtype=dtype, device=device)
         self._owned[buf.data_ptr()] = buf
         return buf
 
-    def give(self, view: torch.Tensor) -> None:
+    def give(self, view: torch.Tensor, ready=None) -> None:
+        """Take back the buffer ``view`` lies in; ``ready``: an event that its last use
+        (on another stream) ends with, for the next taker to wait for."""
         if view.numel() == 0:
             return
         buf = self._owned[view.data_ptr()]
+        if ready is not None:
+            self._ready[buf.data_ptr()] = ready
         self._free[(buf.dtype, buf.device)].append(buf)
 
     def nbytes(self) -> int:
@@ -49,3 +65,4 @@ class BufferPool:
     def clear(self) -> None:
         self._free.clear()
         self._owned.clear()
+        self._ready.clear()

@@ -270,10 +270,13 @@ class Runtime:
         self._refreshed = not skip and (on_host or self._steps_per_unit())
         if self._refreshed and on_host:
             # Each unit's updated rows head back to the device as soon as CPU Adam is done
-            # with the unit, overlapping the step of the next one.
-            after_unit = self._refresh_staged if isinstance(self.offload, NvmeOffload) \
-                else self._refresh_unit
-            self.offload.step(self.optimizer, self.step_grads.grads, after_unit)
+            # with the unit, overlapping the step of the next one; the kernel unscales and
+            # clips the gradients as it reads them. NVMe's rows lie in staging buffers,
+            # reused for later units once their copies are done.
+            nvme = {"copied": self.copies.before_host_write} \
+                if isinstance(self.offload, NvmeOffload) else {}
+            self.offload.step(self.optimizer, self.step_grads.grads, self._refresh_unit,
+                              self.step_grads.grad_scale, **nvme)
             self._await_shards()
         elif self._refreshed:
             self._step_unit_by_unit()
@@ -318,11 +321,11 @@ class Runtime:
         self.comm.end_step()
 
     def _host_grad_dtype(self, unit) -> torch.dtype:
-        """Gradients land on the host in the reduce dtype when CPU Adam reads them directly;
-        in the master dtype when they must be unscaled first or torch.optim steps them."""
+        """Gradients land on the host in the reduce dtype when CPU Adam reads them (scaled
+        fp16 too: it unscales as it reads, step.py's [Note: deferred scaling]); in the
+        master dtype when torch.optim steps them."""
         plan = self.plan
-        if fused_adam_mode(self.optimizer) is not None \
-                and plan.option("loss_scale") is None and plan.option("param_dtype") != torch.float16:
+        if fused_adam_mode(self.optimizer) is not None:
             return plan.option("reduce_dtype") or plan.option("param_dtype") or unit.dtype
         return unit.dtype
 
@@ -367,13 +370,7 @@ class Runtime:
             for s in unit.slots:
                 send[s.offset:s.offset + s.local_numel].copy_(s.rows_of(s.param.detach()).reshape(-1))
         work = self.comm.all_gather(recv, send, async_op=True)
-        self.comm.enqueue(work, recv.numel(), lambda u=unit, rv=recv: self._params_arrived(u, rv))
-
-    def _refresh_staged(self, unit, master: torch.Tensor) -> None:
-        """NVMe: ``master`` is a staging buffer the next read reuses, so its copy must be done
-        before the step goes on (file I/O, not this copy, bounds the NVMe step)."""
-        self._refresh_unit(unit, master)
-        self.copies.before_host_write(unit)
+        self.comm.enqueue(work, recv.nbytes, lambda u=unit, rv=recv: self._params_arrived(u, rv))
 
     def _await_shards(self) -> None:
         """ZeRO-3's next forward gathers from the refreshed shards: device work from here on

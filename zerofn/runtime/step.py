@@ -7,12 +7,24 @@ given back after it. Under offload they land in the unit's host buffer: ZeRO-2/3
 that copy during backward, as soon as the unit's shard is reduced (``shard_ready``), so
 it overlaps the backward of the units still to come; ZeRO-1, which reduces here, starts
 every unit's copy before waiting for the first.
+
+[Note: deferred scaling] Where zerofn's CPU Adam steps (offload of Adam/AdamW), the
+gradients cross to the host in the reduce dtype (bf16, or fp16 still loss-scaled), and
+nothing rewrites them there: the unscale factor and the clip coefficient multiply
+``grad_scale``, which the Adam kernel applies as it reads each gradient. The overflow
+check and the L2 norm come from one read of the host gradients (``grad_sumsq_and_finite``,
+summed in double). Elsewhere the gradients are unscaled and checked in place by one
+fused foreach kernel per device and dtype.
 """
 from __future__ import annotations
+
+import math
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
+from ..optim import grad_sumsq_and_finite
 from .units import ParamSlot
 
 
@@ -23,6 +35,10 @@ class StepGrads:
         self.grads: dict[ParamSlot, torch.Tensor | None] = {}
         self.overflow = False
         self.ready = False
+        # [Note: deferred scaling]: the factor the step's gradients still need.
+        self.deferred = offload is not None and offload.adamw_mode is not None
+        self.grad_scale = 1.0
+        self._stats: list[tuple[float, bool]] | None = None   # per present() grad, cached
         self._buffers: list[torch.Tensor] = []
         self._streamed: set = set()    # units whose shard is on its way to the host
 
@@ -39,19 +55,17 @@ class StepGrads:
         if self.ready:
             return
         self.reducer.sync()
-        inv_scale = None if self.scaler is None else 1.0 / self.scaler.scale
-        landed = {}
-        for unit in self.units:
-            dest = self._prepare_unit(unit, inv_scale is not None)
-            if dest is not None:
-                landed[unit] = dest
-        for unit, dest in landed.items():   # later units' copies run while earlier ones wait
-            self.copies.host_wait(unit)
-            if inv_scale is not None:
-                dest.mul_(inv_scale)
-        self._streamed.clear()
-        self.overflow = self._any_overflow() if self.scaler is not None else False
+        scaled = self.scaler is not None
+        landed = [u for u in self.units if self._prepare_unit(u, scaled) is not None]
+        self._wait_copies(landed)   # later units' copies run while earlier ones wait
+        self.grad_scale = 1.0 / self.scaler.scale if scaled else 1.0
+        self.overflow = scaled and self._vote(self._found_inf())
         self.ready = True
+
+    def _wait_copies(self, units) -> None:
+        for unit in units:
+            self.copies.host_wait(unit)
+        self._streamed.clear()
 
     def _prepare_unit(self, unit, scaled: bool) -> torch.Tensor | None:
         """Point the step at the unit's gradient rows. Returns the buffer they land in, if
@@ -78,20 +92,67 @@ class StepGrads:
         self._buffers.append(buf)
         return buf
 
-    def _any_overflow(self) -> bool:
+    def _found_inf(self) -> torch.Tensor:
+        """1 where any gradient is inf or nan, else 0 (a tensor: no sync here). Unscales the
+        gradients on the way unless scaling is deferred."""
+        grads = self.present()
+        if self.deferred:
+            return torch.tensor(float(not all(ok for _, ok in self.host_stats())))
+        found = torch.zeros((), device=self.device)
+        for (device, _), group in _by_device_and_dtype(grads).items():
+            flag = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                group, flag, torch.full((), self.grad_scale, device=device))
+            found = found + flag.to(self.device).sum()
+        self.grad_scale = 1.0
+        return found
+
+    def _vote(self, found: torch.Tensor) -> bool:
         """One small all-reduce: if any rank saw inf or nan, every rank skips the step."""
-        sums = [g.sum(dtype=torch.float32) for g in self.grads.values() if g is not None]
-        local = torch.stack(sums).sum() if sums else torch.zeros((), device=self.device)
-        flag = (~torch.isfinite(local)).float().reshape(1).to(self.device)  # offload: host sums
+        flag = found.reshape(1).to(self.device, torch.float32)   # offload: from the host
         self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def host_stats(self) -> list[tuple[float, bool]]:
+        """Deferred scaling: ``(sum of squares, all finite)`` of each ``present()`` gradient
+        as it lies on the host (still scaled), from one read; cached until ``release``."""
+        if self._stats is None:
+            self._stats = [grad_sumsq_and_finite(g.reshape(-1)) for g in self.present()]
+        return self._stats
+
+    def scale_by(self, factor) -> None:
+        """Multiply the step's gradients by ``factor`` (a clip coefficient): deferred to the
+        Adam kernel where scaling is, else in place by one foreach kernel per group."""
+        if self.deferred:
+            scale = self.grad_scale * float(factor)
+            if math.isfinite(scale):
+                self.grad_scale = scale
+                return
+            # A non-finite norm (training diverged, with no loss scaling to skip the step):
+            # torch's clip writes it into every gradient, so the step does the same.
+            factor, self.grad_scale = torch.tensor(scale), 1.0
+        for (device, dtype), group in _by_device_and_dtype(self.present()).items():
+            torch._foreach_mul_(group, factor.to(device, dtype))
 
     def present(self) -> list[torch.Tensor]:
         return [g for g in self.grads.values() if g is not None and g.numel()]
 
     def release(self) -> None:
+        """After the step, or at ``zero_grad``: nothing reads the gradients any more. Copies
+        still on their way (a ``zero_grad`` without a step) are waited for first: the device
+        shards they read go back to the pool."""
+        self._wait_copies(list(self._streamed))
         for buf in self._buffers:
             self.pool.give(buf)
         self._buffers.clear()
         self.grads.clear()
+        self._stats = None
+        self.grad_scale = 1.0
         self.ready = False
+
+
+def _by_device_and_dtype(tensors) -> dict[tuple, list[torch.Tensor]]:
+    groups = defaultdict(list)
+    for t in tensors:
+        groups[(t.device, t.dtype)].append(t)
+    return groups

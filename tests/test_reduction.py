@@ -1,0 +1,121 @@
+"""Gradient reduction: the in-flight bound (bytes, never fewer than two collectives in
+flight), averaging inside the collective where the backend does it (NCCL), and gradient
+shards lent from the pool under offload."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import zerofn as zf
+import zerofn.runtime.comm as comm_module
+from models import batches, make_models, make_optimizer
+from multiproc import run_ranks
+from test_parity import STAGES, TOL, max_errors, train_reference, train_sharded
+from zerofn.runtime.comm import Comm
+from zerofn.runtime.runtime import runtime_of
+
+
+class Work:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait(self):
+        self.log.append(self.name)
+
+
+def in_flight_order(rank, world):
+    comm = Comm(dist.group.WORLD, 1000)         # 1000 fp32 elements: 4000 bytes
+    waited, done = [], []
+    for i in range(4):                           # each far over the bound
+        comm.enqueue(Work(i, waited), 10_000, lambda i=i: done.append(i))
+    big = list(waited)
+    comm.make_room(10_000)                       # two in flight: no wait for room
+    after_room = list(waited)
+    for i in range(4, 7):                        # small ones: the bytes decide
+        comm.enqueue(Work(i, waited), 1000, lambda i=i: done.append(i))
+    small = list(waited)
+    comm.enqueue(None, 3000, lambda: done.append("no work"))
+    over = list(waited)
+    comm.drain()
+    return big, after_room, small, over, waited, done
+
+
+def test_two_collectives_stay_in_flight_and_the_rest_is_bounded_in_bytes():
+    big, after_room, small, over, waited, done = run_ranks(1, in_flight_order)[0]
+    assert big == [0, 1] and after_room == [0, 1]
+    # 2 and 3 go as small ones arrive; three small ones (3000 bytes) fit the bound
+    assert small == [0, 1, 2, 3]
+    # 3000 more bytes do not: the oldest go until the rest fits
+    assert over == [0, 1, 2, 3, 4, 5]
+    assert waited == [0, 1, 2, 3, 4, 5, 6] and done == [0, 1, 2, 3, 4, 5, 6, "no work"]
+
+
+def averaging_runs(rank, world):
+    """ZeRO-2 and ZeRO-3 with the collectives of a backend that averages (NCCL): the
+    reduce-scatter gets AVG, and the gradients must not be divided again."""
+    ops = []
+
+    def reduce_scatter_mean(out, full, op, group, async_op):
+        ops.append(op)
+        total = full.clone()
+        dist.all_reduce(total, group=group)
+        out.copy_(total.view(world, -1)[rank] / world)
+        return _Done() if async_op else None
+
+    comm_module._reduce_scatter = reduce_scatter_mean
+    out = []
+    for stage in (2, 3):
+        ref, model = make_models()
+        ref_opt = make_optimizer("adamw", ref.parameters())
+        opt = make_optimizer("adamw", model.parameters())
+        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]))(model, opt)
+        comm = runtime_of(model).comm
+        comm.averages, comm._in_place = True, False     # as on NCCL
+        data = batches(3, 2, world)
+        train_reference(ref, ref_opt, data)
+        train_sharded(model, opt, data, rank, world)
+        out.append(max_errors(ref, ref_opt, model, opt))
+    return out, {str(op) for op in ops}
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+def test_a_backend_that_averages_is_trusted_to():
+    for errs, ops in run_ranks(2, averaging_runs):
+        assert ops == {str(dist.ReduceOp.AVG)}, ops
+        for p_err, s_err in errs:
+            assert p_err < TOL and s_err < TOL, errs
+
+
+def lent_shard_runs(rank, world):
+    """Offload: gradient shards exist on the device only from a unit's first reduction to
+    zero_grad, and are the pool's buffers; the pool stops growing."""
+    out = {}
+    for stage in (2, 3):
+        _, model = make_models()
+        opt = make_optimizer("adamw", model.parameters())
+        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]),
+                                zf.offload("cpu"))(model, opt)
+        rt = runtime_of(model)
+        pool_bytes, lent = [], []
+        for micro in batches(4, 2, world):
+            for x, y in micro:
+                model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+            shards = [t for t in rt.reducer.grad_shard.values() if t is not None]
+            lent.append(bool(shards) and all(t.data_ptr() in rt.pool._owned for t in shards))
+            opt.step()
+            opt.zero_grad()
+            pool_bytes.append(rt.pool.nbytes())
+        held = [t for t in rt.reducer.grad_shard.values() if t is not None]
+        out[stage] = (lent, held, zf.model_state_bytes(model)["cpu"]["grads"], pool_bytes)
+    return out
+
+
+def test_offload_lends_gradient_shards_from_the_pool():
+    for by_stage in run_ranks(2, lent_shard_runs):
+        for stage, (lent, held, device_grad_bytes, pool_bytes) in by_stage.items():
+            assert all(lent) and held == [] and device_grad_bytes == 0, (stage, lent, held)
+            assert pool_bytes[1:] == pool_bytes[:1] * 3, (stage, pool_bytes)
