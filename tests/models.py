@@ -17,11 +17,12 @@ class ParityGPT(GPT):
     def __init__(self, checkpoint: bool = False, frozen: bool = True):
         super().__init__(GPTConfig(**CONFIG, checkpoint=checkpoint))
         self.gain = nn.Parameter(torch.tensor([1.0, 0.9, 1.1]))
+        self.register_buffer("temperature", torch.tensor([1.25]))
         if frozen:
             self.pos.weight.requires_grad_(False)
 
     def forward(self, idx, targets):
-        return super().forward(idx, targets) * self.gain.mean()
+        return super().forward(idx, targets) * self.gain.mean() / self.temperature
 
 
 def make_models(seed: int = 0, **kw):

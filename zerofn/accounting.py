@@ -17,7 +17,9 @@ from .runtime.runtime import runtime_of
 
 def _storages(tensors, arenas=()) -> dict[tuple, int]:
     """Unique storages as ``(where, pointer) -> bytes``; ``where`` is the device type, or
-    "host" for zerofn's offload arenas (host memory even where the device is the CPU)."""
+    "host" for zerofn's offload arenas (host memory even where the device is the CPU). A
+    view of a flat buffer zerofn hands out (an arena, the device's masters) counts its own
+    bytes, not the whole buffer's."""
     out = {}
     for t in tensors:
         if t is None or not torch.is_tensor(t):
@@ -26,7 +28,7 @@ def _storages(tensors, arenas=()) -> dict[tuple, int]:
             t = t.to_local()
         arena = next((a for a in arenas if a.holds(t)), None)
         if arena is not None:   # an arena is one storage: count the view, not the whole
-            out[("host", t.data_ptr())] = _extent(t)
+            out[(getattr(arena, "where", "host"), t.data_ptr())] = _extent(t)
         else:
             st = t.untyped_storage()
             out[(t.device.type, st.data_ptr())] = st.nbytes()
@@ -55,7 +57,7 @@ def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
     """
     rt = runtime_of(model)
     slots = rt.slot_of.values()
-    arenas = rt.offload.arenas() if rt.offload is not None else ()
+    arenas = list(rt.offload.arenas() if rt.offload is not None else ()) + rt.flats
     params = _storages((s.sharded if s.sharded is not None else s.param for s in slots), arenas)
     grads = _storages([s.param.grad for s in slots] + [s.opt_param.grad for s in slots]
                       + list(rt.reducer.grad_shard.values())

@@ -2,11 +2,11 @@
 
 Plain PyTorch, nothing zerofn-specific: blocks sit in an ``nn.ModuleList`` (zerofn's
 default unit policy makes each block a unit), the output head is tied to the token
-embedding, and the causal mask is a buffer.
+embedding, and attention is ``scaled_dot_product_attention``. ``init_weights`` is the
+initialization, usable as zerofn's ``init=`` for a GPT built on the meta device.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -40,15 +40,12 @@ class Attention(nn.Module):
         # shift-invariant), which turns exact parity comparisons into noise.
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=False)
         self.proj = nn.Linear(cfg.width, cfg.width)
-        self.register_buffer("mask", torch.tril(torch.ones(cfg.context, cfg.context, dtype=torch.bool)),
-                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
-        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(-1)
-        return self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
 class Block(nn.Module):
@@ -81,7 +78,7 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(cfg.width)
         self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)
         self.head.weight = self.tok.weight
-        self.apply(_init)
+        self.apply(init_weights)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
@@ -93,8 +90,13 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def _init(m: nn.Module) -> None:
+def init_weights(m: nn.Module) -> None:
+    """GPT-2's scheme (normal, std 0.02; norms to one and zero), one module at a time, as
+    ``model.apply`` and zerofn's meta-device ``init=`` call it."""
     if isinstance(m, (nn.Linear, nn.Embedding)):
         nn.init.normal_(m.weight, std=0.02)
     if isinstance(m, nn.Linear) and m.bias is not None:
         nn.init.normal_(m.bias, std=0.02)
+    if isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Options shared by every stage: a transform that names one sets it for the whole plan.
-SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states")
+SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states", "init")
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
 OFFLOAD_OPTIONS = ("offload", "offload_path", "offload_params", "units_in_flight")
 PRECISION_OPTIONS = ("param_dtype", "reduce_dtype", "loss_scale", "initial_scale_power",
@@ -22,6 +22,7 @@ DEFAULTS = {
     "units": None,
     "bucket_size": 4_000_000,
     "sync_module_states": True,
+    "init": None,
     "prefetch": 1,
     "reshard_after_forward": True,
     "persist_below": 0,
@@ -76,7 +77,15 @@ class Plan:
         names the option. The group and the NVMe path may differ by rank (a local drive)."""
         opts = {k: self.option(k) for k in DEFAULTS if k not in ("group", "offload_path")}
         opts["units"] = _describe_units(opts["units"])
+        opts["init"] = _describe_init(opts["init"])
         return [f"stage={self.stage}"] + [f"{k}={opts[k]!r}" for k in sorted(opts)]
+
+
+def _describe_init(init) -> str:
+    """A bound method's repr holds its address, which differs per process."""
+    if init is None:
+        return "reset_parameters"
+    return getattr(init, "__qualname__", type(init).__name__)
 
 
 def _describe_units(units: Any) -> Any:

@@ -9,7 +9,6 @@ data-parallel mesh for parameters, plain tensors for buffers. Optimizer state: F
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -76,19 +75,12 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict) -> None:
 
 
 # -- conversions -------------------------------------------------------------------------
-def full_tensor_of(rt, slot: ParamSlot, local: torch.Tensor) -> torch.Tensor:
-    """Gather a tensor sharded like ``slot`` (this rank's rows) into the full tensor."""
-    padded = F.pad(local.reshape(local.shape[0], slot.inner), (0, 0, 0, slot.chunk - local.shape[0]))
-    out = torch.empty(rt.world * padded.numel(), dtype=local.dtype, device=local.device)
-    rt.comm.all_gather(out, padded.contiguous().view(-1))
-    return out[:slot.numel].view(slot.shape).clone()
-
-
 def _export(rt, slot: ParamSlot, local: torch.Tensor, full: bool):
+    """A full tensor where the caller keeps ``local`` (host under offload), or the Shard(0)
+    DTensor over ``local`` itself: no copy, so DCP writes and loads zerofn's own buffers."""
     if full:
-        return full_tensor_of(rt, slot, local)
-    return DTensor.from_local(local, rt.mesh, [Shard(0)], run_check=False, shape=slot.shape,
-                              stride=slot.stride)
+        return rt.full_tensor(slot, local)
+    return slot.as_dtensor(local, rt.mesh)
 
 
 def _snapshot(value, full: bool):

@@ -49,10 +49,26 @@ def shard_optimizer(**options) -> Transform:
             or an int (a module becomes a unit once it holds that many parameters).
         bucket_size: elements of collective buffers allowed in flight at once (default
             4M; at least one unit's collective is always allowed).
-        sync_module_states: broadcast rank 0's parameters and buffers at set-up (like DDP).
+        sync_module_states: broadcast rank 0's parameters and buffers at set-up (like DDP);
+            for a model built on the meta device, check instead that every rank's random
+            generators agree, so every rank initializes the same weights.
+        init: how a model built under ``torch.device("meta")`` is initialized as the
+            transforms materialize it (only this rank's rows are kept, one unit at a time):
+            None calls each module's ``reset_parameters()``; a function ``init(module)`` is
+            applied like ``model.apply(init)`` (children first, the same order and RNG
+            stream), e.g. Hugging Face's ``model._init_weights``. Parameters or buffers no
+            init writes are an error naming them. Unused for a model not on meta.
 
     Example:
         >>> model, opt = zerofn.shard_optimizer()(model, opt)
+
+        Building on the meta device (nothing is allocated until the transforms run):
+
+        >>> with torch.device("meta"):
+        ...     model = MyTransformer(cfg)
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        >>> torch.manual_seed(0)       # the same on every rank
+        >>> model, opt = zerofn.compose(zerofn.shard_params(init=my_init), ...)(model, opt)
     """
     return _stage_transform("shard_optimizer", 1, SHARED_OPTIONS, options)
 

@@ -12,12 +12,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ..plan import Plan
 from .comm import Comm
 from .copies import CopyStreams
 from .grads import GradReducer
+from .materialize import Materializer, meta_state, rng_digest, target_device
 from .nvme import NvmeOffload, nvme_problems, swap_bytes
 from .offload import HostOffload, fused_adam_mode
 from .optimizer import OptimizerWiring, check_optimizer
@@ -68,25 +69,26 @@ def apply_plan(model: nn.Module, optimizer, edits):
 class Runtime:
     def __init__(self, model: nn.Module, optimizer, plan: Plan):
         self.model, self.optimizer, self.plan = model, optimizer, plan
-        group, self.mesh = _resolve_group(plan.option("group"), model)
+        group, self.mesh, self.device = _resolve_group(plan.option("group"), model)
         self.comm = Comm(group, plan.option("bucket_size"))
         self.rank, self.world = self.comm.rank, self.comm.world
+        self.meta = meta_state(model) is True      # built on the meta device: materialize
         units, problems = self._build_units()
         self._agree_across_ranks(problems)
-        if plan.option("sync_module_states"):
+        if plan.option("sync_module_states") and not self.meta:
             self._broadcast_module_states()
         self.units = units
         self.root = units[-1]
-        self.device = next((u.device for u in units if u.device), torch.device("cpu"))
-        self.slot_of = {s.param: s for u in units for s in u.slots}
         self.pool = BufferPool()
         self.stage = plan.stage
-        self.gatherer = None
         self._sharded_params = [u for u in units if self.stage == 3 and not u.replicated]
         self.offload = self._make_offload(units)
         self.copies = CopyStreams(self.device, units)
         self._refreshed = False     # the step refreshed each unit's compute params
-        self._lay_out_shards(plan.option("param_dtype"))
+        self.gatherer = self._make_gatherer()
+        self.flats: list[FlatBuffers] = []    # the device's flat masters and shards
+        self._lay_out_shards()
+        self.slot_of = {s.param: s for u in units for s in u.slots}
         self.reducer = GradReducer(self.comm, self.pool, units, self.stage,
                                    self._on_reduced if self.stage == 3 else None,
                                    plan.option("reduce_dtype"))
@@ -105,11 +107,15 @@ class Runtime:
 
     # -- set-up ----------------------------------------------------------------------
     def _build_units(self):
+        if meta_state(self.model) is None:
+            return [], ["some of the model's parameters are on the meta device and some are "
+                        "not; build the whole model under torch.device('meta') (the transforms "
+                        "then materialize it), or none of it."]
         problems = []
         try:
             persist = self.plan.option("persist_below") if self.plan.stage == 3 else 0
             units = build_units(self.model, self.plan.option("units"), self.world, self.rank,
-                                persist)
+                                persist, self.device)
         except ValueError as e:
             return [], [str(e)]
         slot_of = {s.param: s for u in units for s in u.slots}
@@ -131,12 +137,22 @@ class Runtime:
         """One small collective: every rank raises the same error, or none does."""
         sig = self._signature()
         digest = hashlib.sha256("\n".join(sig).encode()).hexdigest()
+        # A meta-built model is initialized on every rank, not broadcast: the ranks' random
+        # generators must agree, or each would keep rows of a different model.
+        rng = rng_digest(self.device) if self.meta and self.plan.option("sync_module_states") \
+            else None
         gathered = [None] * self.world
-        dist.all_gather_object(gathered, (digest, problems, sig), group=self.comm.group)
-        for rank, (_, probs, _) in enumerate(gathered):
+        dist.all_gather_object(gathered, (digest, problems, sig, rng), group=self.comm.group)
+        for rank, (_, probs, _, _) in enumerate(gathered):
             if probs:
                 raise ValueError(f"zerofn set-up failed on rank {rank}: " + " ".join(probs))
-        for rank, (other, _, other_sig) in enumerate(gathered):
+        if len({g[3] for g in gathered}) > 1:
+            raise ValueError(
+                "The ranks' random generators differ, so initializing the meta-built model "
+                "would give each rank rows of a different model: call torch.manual_seed(seed) "
+                "with the same seed on every rank before applying the transforms (or pass "
+                "sync_module_states=False if the init draws no random numbers).")
+        for rank, (other, _, other_sig, _) in enumerate(gathered):
             if other != gathered[0][0]:
                 diff = next((f"rank 0 has {a!r}, rank {rank} has {b!r}"
                              for a, b in zip(gathered[0][2], other_sig) if a != b),
@@ -150,52 +166,86 @@ class Runtime:
                 self.comm.broadcast(t.data if not isinstance(t, DTensor) else t.to_local())
 
     @torch.no_grad()
-    def _lay_out_shards(self, param_dtype) -> None:
-        """Masters (what the optimizer steps) and compute params for every unit.
-
-        The master is a flat buffer of this rank's rows, except in plain ZeRO-1/2 where this
-        rank's rows of the full parameters serve (DESIGN.md §4: fp32 params are their own
-        master). ZeRO-3 computes on a flat shard: the master itself, or its cast copy.
-        """
-        for unit in self.units:
-            sharded = unit in self._sharded_params
-            compute = param_dtype or unit.dtype
-            if isinstance(self.offload, NvmeOffload):
-                unit.master = self._master_to_file(unit)
-            elif self.offload is not None:
-                unit.master = self.offload.master[unit]
-            elif sharded or compute != unit.dtype:
-                unit.master = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=unit.device)
-            for s in unit.slots if not isinstance(self.offload, NvmeOffload) else ():
-                if unit.master is None:
-                    s.opt_param = s.rows_of(s.param.detach())
-                else:
-                    s.opt_param = s.shard_of(unit.master).copy_(s.rows_of(s.param.detach()))
-            if sharded:
-                unit.shard = self._compute_shard(unit, compute)
-                if isinstance(self.offload, NvmeOffload):
-                    unit.master = None    # it lives in the file from here on
-                for s in unit.slots:
-                    dt = DTensor.from_local(s.shard_of(unit.shard), self.mesh, [Shard(0)],
-                                            run_check=False, shape=s.shape, stride=s.stride)
-                    s.sharded = nn.Parameter(dt, requires_grad=s.requires_grad)
-            elif compute != unit.dtype:
-                for s in unit.slots:
-                    s.param.data = s.param.data.to(compute)
-            unit.dtype = compute
+    def _lay_out_shards(self) -> None:
+        """Every unit's masters and compute params (see ``_lay_out_unit``). A meta-built
+        model is materialized and initialized module by module on the way, each unit laid
+        out as soon as its modules are initialized (runtime/materialize.py)."""
+        self._flats = self._allocate_flats()
+        if self.meta:
+            self._materialize()
+        else:
+            for unit in self.units:
+                self._lay_out_unit(unit)
+        self.flats = [f for f in self._flats.values() if f.views]
+        del self._flats
         if isinstance(self.offload, HostOffload):
             self.offload.recast()   # rows CPU Adam never steps (frozen) must be right too
-        if self.stage == 3:
-            self.gatherer = ParamGatherer(self.comm, self.pool, self.units,
-                                          self.plan.option("prefetch"),
-                                          self.plan.option("reshard_after_forward"),
-                                          staged=self.plan.option("offload_params"),
-                                          reader=getattr(self.offload, "param_reads", None))
-            for unit in self._sharded_params:
-                for s in unit.slots:
-                    s.param.data = self.gatherer.placeholder(s, unit)
-                    for module, name in s.owners:
-                        module._parameters[name] = s.sharded
+
+    def _lay_out_unit(self, unit) -> None:
+        """Masters (what the optimizer steps) and compute params of one unit, from its full
+        parameters.
+
+        The master is a flat buffer of this rank's rows, except in plain ZeRO-1/2 where this
+        rank's rows of the full parameters serve (fp32 params are their own master). ZeRO-3
+        computes on a flat shard (the master itself, or its cast copy) and registers it as
+        Shard(0) DTensor parameters; the full parameters are then let go.
+        """
+        sharded = unit in self._sharded_params
+        compute = self.plan.option("param_dtype") or unit.dtype
+        nvme = isinstance(self.offload, NvmeOffload)
+        if nvme:
+            unit.master = self._master_to_file(unit)
+        elif self.offload is not None:
+            unit.master = self.offload.master[unit]
+        else:
+            unit.master = self._flats["master"].views.get(unit)
+        for s in unit.slots if not nvme else ():
+            if unit.master is None:
+                s.opt_param = s.rows_of(s.param.detach())
+            else:
+                s.opt_param = s.shard_of(unit.master).copy_(s.rows_of(s.param.detach()))
+        if sharded:
+            unit.shard = self._compute_shard(unit, compute)
+            if nvme:
+                unit.master = None    # it lives in the file from here on
+        elif compute != unit.dtype:
+            for s in unit.slots:
+                s.param.data = s.param.data.to(compute)
+        unit.dtype = compute
+        for s in unit.slots if sharded else ():
+            s.sharded = nn.Parameter(s.as_dtensor(s.shard_of(unit.shard), self.mesh),
+                                     requires_grad=s.requires_grad)
+            s.param.data = self.gatherer.placeholder(s, unit)
+            for module, name in s.owners:
+                module._parameters[name] = s.sharded
+
+    def _materialize(self) -> None:
+        """Meta construction: initialize and lay out unit by unit; any rank's problem (an
+        uninitialized parameter or buffer, an init that raised) is raised on every rank,
+        with the model's meta tensors put back."""
+        m = Materializer(self.model, self.units, self.plan.option("init"), self.device)
+        m.run(self._lay_out_unit)
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, m.problems, group=self.comm.group)
+        failed = next(((r, p) for r, p in enumerate(gathered) if p), None)
+        if failed is not None:
+            m.undo()
+            raise ValueError(f"zerofn could not initialize the meta-built model (rank "
+                             f"{failed[0]}): " + " ".join(failed[1]))
+        opt = self.optimizer
+        for group in opt.param_groups:
+            group["params"] = [m.new_of.get(p, p) for p in group["params"]]
+        for old, new in m.new_of.items():
+            if old in opt.state:
+                opt.state[new] = opt.state.pop(old)
+
+    def _make_gatherer(self) -> ParamGatherer | None:
+        if self.stage != 3:
+            return None
+        return ParamGatherer(self.comm, self.pool, self.units, self.plan.option("prefetch"),
+                             self.plan.option("reshard_after_forward"),
+                             staged=self.plan.option("offload_params"),
+                             reader=getattr(self.offload, "param_reads", None))
 
     def _make_offload(self, units):
         where = self.plan.option("offload")
@@ -231,7 +281,22 @@ class Runtime:
             return self.offload.param_shard(unit, compute)
         if compute == unit.dtype and self.offload is None:
             return unit.master
-        return unit.master.to(unit.device, compute, copy=True)
+        return self._flats["compute"].views[unit].copy_(unit.master)
+
+    def _allocate_flats(self) -> dict[str, dict]:
+        """The device's master rows (where they are not the full parameters' own) and
+        ZeRO-3's compute shards (where they are not the masters), one allocation per kind
+        and dtype, handed out per unit: many small long-lived blocks made while a meta
+        model's transient full units come and go would fragment the host heap."""
+        compute_of = {u: self.plan.option("param_dtype") or u.dtype for u in self.units}
+        sharded = set(self._sharded_params)
+        masters = {u: (u.dtype, u.shard_numel) for u in self.units if self.offload is None
+                   and (u in sharded or compute_of[u] != u.dtype)}
+        shards = {u: (compute_of[u], u.shard_numel) for u in sharded
+                  if not self.plan.option("offload_params")
+                  and (compute_of[u] != u.dtype or self.offload is not None)}
+        return {"master": FlatBuffers(masters, self.device),
+                "compute": FlatBuffers(shards, self.device)}
 
     def _register_forward_hooks(self):
         """ZeRO-3 only: ZeRO-1/2 keep full parameters and gather them inside step()."""
@@ -370,7 +435,8 @@ class Runtime:
             for s in unit.slots:
                 send[s.offset:s.offset + s.local_numel].copy_(s.rows_of(s.param.detach()).reshape(-1))
         work = self.comm.all_gather(recv, send, async_op=True)
-        self.comm.enqueue(work, recv.nbytes, lambda u=unit, rv=recv: self._params_arrived(u, rv))
+        self.comm.enqueue(work, recv.nbytes,
+                          lambda u=unit, rv=recv, own=rows is None: self._params_arrived(u, rv, own))
 
     def _await_shards(self) -> None:
         """ZeRO-3's next forward gathers from the refreshed shards: device work from here on
@@ -384,11 +450,19 @@ class Runtime:
         for unit in self.units:
             self.copies.before_host_write(unit)
 
-    def _params_arrived(self, unit, recv) -> None:
+    def _params_arrived(self, unit, recv, own_current: bool) -> None:
+        """The gathered rows into the full params; this rank's own rows only where they are
+        not the ones the optimizer updated in place (``own_current``)."""
         ranks = recv.view(self.world, unit.shard_numel)
+        r = self.rank
         with torch.no_grad():
             for s in unit.slots:
-                gather_from_ranks(ranks[:, s.cols], s.param.detach())
+                if not own_current:
+                    gather_from_ranks(ranks[:, s.cols], s.param.detach())
+                    continue
+                full, width = s.param.detach().view(-1), s.chunk * s.inner
+                gather_from_ranks(ranks[:r, s.cols], full[:r * width])
+                gather_from_ranks(ranks[r + 1:, s.cols], full[(r + 1) * width:])
         self.pool.give(recv)
 
     def refresh_params(self) -> None:
@@ -406,13 +480,27 @@ class Runtime:
         if isinstance(self.offload, NvmeOffload):
             self.offload.materialize(self.optimizer)
 
+    def full_tensor(self, slot, local: torch.Tensor, device=None) -> torch.Tensor:
+        """Gather a tensor sharded like ``slot`` (this rank's rows) into a new full tensor on
+        ``device`` (default: where ``local`` is). Collective.
+
+        The gather runs on the runtime's device whatever ``local``'s: under offload the rows
+        live on the host, and NCCL gathers only device tensors.
+        """
+        width = slot.chunk * slot.inner
+        out = torch.empty(self.world * width, dtype=local.dtype, device=self.device)
+        mine = out.view(self.world, width)[self.rank]    # gathered in place
+        mine[local.numel():].zero_()
+        mine[:local.numel()].copy_(local.reshape(-1))
+        self.comm.all_gather(out, mine)
+        return out[:slot.numel].view(slot.shape).to(device or local.device, copy=True)
+
     # -- teardown ----------------------------------------------------------------------
     def restore(self) -> None:
         """Undo this runtime: full parameters and full optimizer state, no hooks.
 
         Used when another transform is applied on top, so the combined plan is built afresh.
         """
-        from ..state_dict import full_tensor_of
         self.prepare_state_dict()
         self.step_grads.prepare()
         self.step_grads.release()
@@ -421,16 +509,40 @@ class Runtime:
         self.reducer.remove_hooks()
         for unit in self.units:
             for s in unit.slots:
-                full = full_tensor_of(self, s, s.opt_param.detach())
-                s.param.data = full
+                s.param.data = self.full_tensor(s, s.opt_param.detach(), unit.device)
                 for module, name in s.owners:
                     module._parameters[name] = s.param
         slot_of_opt = {s.opt_param: s for s in self.slot_of.values()}
-        self.opt.restore(lambda shard, v: full_tensor_of(self, slot_of_opt[shard], v)
+        # Optimizer state goes where torch.optim keeps it: with the parameter.
+        self.opt.restore(lambda shard, v: self.full_tensor(slot_of_opt[shard], v, self.device)
                          if torch.is_tensor(v) and v.shape == shard.shape and v.dim() > 0 else v)
         del self.model.__dict__[ATTR]
         del self.model.__dict__["no_sync"]
         self.pool.clear()
+
+
+class FlatBuffers:
+    """``{key: (dtype, numel)}`` as zeroed views of one buffer per dtype (``views``), each
+    starting ``align`` elements apart (256 bytes for fp32), as vector kernels like.
+    ``holds`` tells accounting which storage they share (see ``accounting._storages``)."""
+
+    def __init__(self, sizes: dict, device: torch.device, align: int = 64):
+        self.views: dict = {}
+        self._storages = []
+        for dtype in {dt for dt, _ in sizes.values()}:
+            mine = {k: n for k, (dt, n) in sizes.items() if dt == dtype}
+            padded = {k: -(-n // align) * align for k, n in mine.items()}
+            buf = torch.zeros(sum(padded.values()), dtype=dtype, device=device)
+            self._storages.append(buf.untyped_storage())
+            at = 0
+            for k, n in mine.items():
+                self.views[k] = buf[at:at + n]
+                at += padded[k]
+        self.where = device.type
+
+    def holds(self, t: torch.Tensor) -> bool:
+        ptr = t.untyped_storage().data_ptr()
+        return any(s.data_ptr() == ptr for s in self._storages)
 
 
 @contextlib.contextmanager
@@ -460,16 +572,21 @@ def _loss_scaler(plan: Plan) -> LossScaler | None:
 
 
 def _resolve_group(group, model: nn.Module):
+    """``(process group, 1-D mesh, device)``: the device the model computes on is its
+    parameters', or for a meta-built model the mesh's, else the current CUDA device, else
+    the CPU."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "zerofn needs torch.distributed: call torch.distributed.init_process_group() "
             "first (torchrun sets up the environment it reads; use backend 'gloo' on CPU, "
             "'nccl' on GPUs). A single process works too, with world_size=1.")
-    device_type = next((p.device.type for p in model.parameters()), "cpu")
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(f"zerofn shards over a 1-D DeviceMesh; got a {group.ndim}-D mesh. "
+    mesh = group if isinstance(group, DeviceMesh) else None
+    real = next((p.device for p in model.parameters() if not p.is_meta), None)
+    device = real or target_device(mesh.device_type if mesh is not None else None)
+    if mesh is not None:
+        if mesh.ndim != 1:
+            raise ValueError(f"zerofn shards over a 1-D DeviceMesh; got a {mesh.ndim}-D mesh. "
                              "Pass the data-parallel sub-mesh, e.g. mesh['dp'].")
-        return group.get_group(), group
+        return mesh.get_group(), mesh, device
     group = group or dist.group.WORLD
-    return group, DeviceMesh.from_group(group, device_type)
+    return group, DeviceMesh.from_group(group, device.type), device

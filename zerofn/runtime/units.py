@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 
 def chunk_rows(rows: int, world: int) -> int:
@@ -83,6 +85,16 @@ class ParamSlot:
         start = self.rank * self.chunk
         return full.narrow(0, min(start, self.rows), self.local)
 
+    def as_dtensor(self, local: torch.Tensor, mesh, requires_grad: bool = False) -> DTensor:
+        """``local`` (this rank's rows) as the ``Shard(0)`` DTensor of the full parameter.
+
+        Built directly, as FSDP2 builds its CPU-offloaded parameters: ``DTensor.from_local``
+        would copy a host ``local`` onto the mesh's device, and the DTensor would stop
+        aliasing zerofn's buffers (an offload arena, an NVMe staging view).
+        """
+        spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(self.shape, self.stride, local.dtype))
+        return DTensor(local, spec, requires_grad=requires_grad)
+
 
 @dataclass(eq=False)
 class Unit:
@@ -129,12 +141,13 @@ def gather_from_ranks(cols: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def build_units(model: nn.Module, policy, world: int, rank: int,
-                persist_below: int = 0) -> list[Unit]:
+                persist_below: int = 0, device: torch.device | None = None) -> list[Unit]:
     """Group the model's parameters into units; the root unit comes last.
 
     A parameter belongs to the innermost unit whose module holds it; one held by two
     units (tied across them) belongs to the root. Parameters under ``persist_below``
-    elements go to one replicated unit instead, placed before the root.
+    elements go to one replicated unit instead, placed before the root. Parameters on the
+    meta device will be materialized on ``device``.
     """
     unit_modules = _unit_modules(model, policy)
     names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
@@ -154,21 +167,22 @@ def build_units(model: nn.Module, policy, world: int, rank: int,
     persistent = Unit("<persistent>", model, replicated=True)
     for p, unit in owner_unit.items():
         _add_slot(persistent if p.numel() < persist_below else unit, p, fqns[p], owners[p],
-                  world, rank)
+                  world, rank, device if p.is_meta else p.device)
     # The root stays even when empty: its hooks bracket the whole forward.
     return [units[m] for m in unit_modules if units[m].slots] \
         + [persistent] * bool(persistent.slots) + [units[model]]
 
 
-def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: int) -> None:
+def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: int,
+              device: torch.device) -> None:
     if p.dim() == 0:
         raise ValueError(f"zerofn cannot shard the 0-dim parameter {fqn!r} along dim 0; "
                          "give it shape (1,) instead.")
     if unit.dtype is None:
-        unit.dtype, unit.device = p.dtype, p.device
-    elif (p.dtype, p.device) != (unit.dtype, unit.device):
+        unit.dtype, unit.device = p.dtype, device
+    elif (p.dtype, device) != (unit.dtype, unit.device):
         raise ValueError(
-            f"Parameter {fqn!r} is {p.dtype} on {p.device} but unit {unit.name!r} holds "
+            f"Parameter {fqn!r} is {p.dtype} on {device} but unit {unit.name!r} holds "
             f"{unit.dtype} on {unit.device}: cast the model to one dtype and device first.")
     chunk = chunk_rows(p.shape[0], world)
     slot = ParamSlot(fqn, p, owners, p.shape, unit.shard_numel, chunk,
