@@ -1,9 +1,11 @@
 """load_pretrained / save_pretrained: Hugging Face files in and out of a zerofn model.
 
-Each rank reads only its own rows (recorded at the safetensors reader), every stage,
-mixed precision and offload load exactly, transformers loads what save_pretrained wrote
-with the same logits, consolidated checkpoints load, errors name every bad key on every
-rank, and a failed save leaves the old directory as it was.
+Each rank reads only its own rows (recorded at the safetensors reader); every stage,
+mixed precision and offload load exactly, into eager models and into meta-built ones
+(materialized by the transforms with transformers' ``_init_weights``); transformers
+loads what save_pretrained wrote, with the same logits; consolidated checkpoints load;
+errors name every bad key on every rank; a save holds one unit and a load touches only
+this rank's share of the file; a failed save leaves the old directory as it was.
 """
 from __future__ import annotations
 
@@ -43,13 +45,17 @@ def llama_config(tie: bool = True):
         max_position_embeddings=64)
 
 
-def llama(seed: int, tie: bool = True):
+def llama(seed: int, tie: bool = True, meta: bool = False):
+    """A tiny Llama, eager or built on the meta device (nothing allocated)."""
     torch.manual_seed(seed)
-    return hf().AutoModelForCausalLM.from_config(llama_config(tie))
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return hf().AutoModelForCausalLM.from_config(llama_config(tie))
 
 
-def zero_transform(stage: int, bf16=False, offload=None, path=None):
-    parts = [getattr(zf, name)() for name in STAGES[stage]]
+def zero_transform(stage: int, bf16=False, offload=None, path=None, init=None):
+    """``init``: how the transforms initialize a meta-built model (a shared option)."""
+    parts = [getattr(zf, name)() for name in STAGES[stage][1:]]
+    parts.insert(0, getattr(zf, STAGES[stage][0])(**({"init": init} if init else {})))
     if bf16:
         parts.append(zf.mixed_precision(torch.bfloat16))
     if offload == "cpu":
@@ -124,17 +130,21 @@ def rows_read_wrongly(log: list, shapes: dict, rank: int, world: int) -> list:
     return wrong
 
 
-CONFIGS = [   # (stage, bf16, offload, max_shard_size, save dtype)
-    (1, False, None, "5GB", None),
-    (2, False, None, "20KB", None),
-    (3, False, None, "20KB", None),
-    (3, True, None, "5GB", torch.bfloat16),
-    (2, True, None, "20KB", None),
-    (1, False, "cpu", "5GB", None),
-    (3, False, "cpu", "20KB", None),
-    (3, True, "cpu-params", "5GB", None),
-    (2, False, "nvme", "20KB", None),
-    (3, False, "nvme-params", "5GB", None),
+CONFIGS = [   # (stage, bf16, offload, max_shard_size, save dtype, built on meta)
+    (1, False, None, "5GB", None, False),
+    (2, False, None, "20KB", None, False),
+    (3, False, None, "20KB", None, False),
+    (3, True, None, "5GB", torch.bfloat16, False),
+    (2, True, None, "20KB", None, False),
+    (1, False, "cpu", "5GB", None, False),
+    (3, False, "cpu", "20KB", None, False),
+    (3, True, "cpu-params", "5GB", None, False),
+    (2, False, "nvme", "20KB", None, False),
+    (3, False, "nvme-params", "5GB", None, False),
+    (3, False, None, "20KB", None, True),
+    (1, True, None, "5GB", None, True),
+    (2, False, "cpu", "5GB", None, True),
+    (3, True, "nvme-params", "20KB", None, True),
 ]
 
 
@@ -148,11 +158,12 @@ def round_trips(rank, world, src, out_root):
     full = ref.state_dict()
     x = torch.randint(0, VOCAB, (4, 9), generator=torch.Generator().manual_seed(3))
     results = []
-    for i, (stage, bf16, where, shard_size, dtype) in enumerate(CONFIGS):
+    for i, (stage, bf16, where, shard_size, dtype, meta) in enumerate(CONFIGS):
         with tempfile.TemporaryDirectory() as swap:
-            model = llama(seed=100 + i)
+            model = llama(seed=100 + i, meta=meta)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            model, opt = zero_transform(stage, bf16, where, swap)(model, opt)
+            init = model._init_weights if meta else None     # also recomputes rotary buffers
+            model, opt = zero_transform(stage, bf16, where, swap, init)(model, opt)
             with recording_reads() as log:
                 loaded = zf.load_pretrained(model, src)
             wrong = rows_read_wrongly(log, {k: tuple(v.shape) for k, v in full.items()
@@ -221,7 +232,7 @@ def test_round_trip_every_stage_precision_and_offload(tmp_path):
             assert r["state_err"] == 0.0, (config, r["state_err"])
             assert r["logits_err"] == 0.0, (config, r["logits_err"])
     for config, r in zip(CONFIGS, results[0]):
-        _, bf16, _, shard_size, dtype = config
+        _, bf16, _, shard_size, dtype, _ = config
         trained = {k: torch.from_numpy(v) for k, v in r["trained"].items()}
         check_saved(r["out"], shard_size, dtype, trained, torch.from_numpy(r["logits"]), bf16, x)
 
