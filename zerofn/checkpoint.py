@@ -289,7 +289,7 @@ atexit.register(_wait_at_exit)
 
 # -- load ------------------------------------------------------------------------------
 def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    **extra) -> dict:
+                    **extra) -> dict | None:
     """Load a checkpoint into ``model``, ``optimizer`` and ``extra``; call on every rank.
 
     Args:
@@ -302,12 +302,22 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
             for a plain value pass any placeholder and read the result from the return.
 
     Returns:
-        ``{name: value}`` for the plain extras, and ``"step"`` when the checkpoint has one.
+        ``{name: value}`` for the plain extras, and ``"step"`` when the checkpoint has one;
+        None, with nothing loaded, when ``path`` holds no checkpoint yet (it does not exist,
+        is empty, or holds only a save that never finished), so a job may call this
+        unconditionally on start-up. A checkpoint that is there but broken or partial
+        raises ``ValueError`` on every rank.
+
+    Example:
+        >>> state = zf.load_checkpoint("ckpt", model, opt, sched=sched)
+        >>> start = state["step"] if state else 0
     """
     wait_for_checkpoint()
     rt = runtime_of(model)
     group = rt.comm.group
     ckpt = _resolve_on_rank0(os.fspath(path), group)
+    if ckpt is None:
+        return None
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:
@@ -327,18 +337,27 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
     return _restore_extras(extra, state["extra"], rank)
 
 
-def _resolve_on_rank0(path: str, group) -> str:
-    """Rank 0 reads ``latest`` (it alone publishes it) and tells the others."""
+def _resolve_on_rank0(path: str, group) -> str | None:
+    """Rank 0 reads ``latest`` (it alone publishes it) and tells the others; None where
+    ``path`` holds no checkpoint at all."""
     found = [None]
     if dist.get_rank(group) == 0:
         try:
-            found[0] = _resolve(path)
+            found[0] = None if _holds_nothing(path) else _resolve(path)
         except (OSError, ValueError) as e:
             found[0] = e
     dist.broadcast_object_list(found, src=dist.get_global_rank(group, 0), group=group)
     if isinstance(found[0], BaseException):
         raise ValueError(str(found[0]))
     return found[0]
+
+
+def _holds_nothing(path: str) -> bool:
+    """No checkpoint was ever published here: no such path, or a directory holding nothing
+    but unfinished saves (which the next save removes)."""
+    if not os.path.exists(path):
+        return True
+    return os.path.isdir(path) and all(e.startswith(".tmp-") for e in os.listdir(path))
 
 
 def _resolve(path: str) -> str:

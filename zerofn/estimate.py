@@ -1,8 +1,24 @@
-"""Model-state memory per rank before building anything: DESIGN.md §4 as a function."""
+"""Model-state memory per rank before building anything, and where offload puts it.
+
+    zerofn estimate 7B --world 8                       # the stage 0-3 table, bf16 + Adam
+    zerofn estimate --model 1b --world 2 --offload cpu --offload-params
+
+The formulas are those of docs/design.md ("Memory"), the same accounting
+``zf.model_state_bytes`` measures on a live model: Ψ parameters, N ranks, compute dtype of
+c bytes, masters and optimizer state in fp32.
+"""
 from __future__ import annotations
+
+import argparse
+import re
+import sys
 
 import torch
 from torch import nn
+
+PLACES = ("device", "host", "nvme")
+ROLES = ("params", "grads", "optimizer")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def estimate_model_state_bytes(params: int | nn.Module, world: int, stage: int,
@@ -20,20 +36,186 @@ def estimate_model_state_bytes(params: int | nn.Module, world: int, stage: int,
             ``param_dtype`` the params are their own master.
         optimizer_states: tensors of state per param (Adam: 2, SGD momentum: 1).
 
-    Example (DESIGN.md §4, 7B params on 8 ranks, bf16 + Adam, in GB):
+    Returns:
+        ``{"params", "grads", "optimizer", "total"}`` in bytes.
+
+    Example (7B params on 8 ranks, bf16 + Adam, in GB):
         >>> [estimate_model_state_bytes(7e9, 8, s)["total"] / 1e9 for s in range(4)]
         [112.0, 38.5, 26.25, 14.0]
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}.")
-    n = sum(p.numel() for p in params.parameters()) if isinstance(params, nn.Module) else params
-    compute = param_dtype.itemsize
-    master = 0 if master_dtype == param_dtype else master_dtype.itemsize
-    out = {
-        "params": n * compute / (world if stage >= 3 else 1),
-        "grads": n * compute / (world if stage >= 2 else 1),
-        "optimizer": n * (master + optimizer_states * master_dtype.itemsize)
-        / (world if stage >= 1 else 1),
-    }
+    placed = estimate_placement(params, world, stage, param_dtype, master_dtype,
+                                optimizer_states)
+    out = {role: placed["device"][role] for role in ROLES}
     out["total"] = sum(out.values())
     return out
+
+
+def estimate_placement(params: int | nn.Module, world: int, stage: int,
+                       param_dtype: torch.dtype = torch.bfloat16,
+                       master_dtype: torch.dtype = torch.float32, optimizer_states: int = 2,
+                       *, reduce_dtype: torch.dtype | None = None, offload: str | None = None,
+                       offload_params: bool = False) -> dict[str, dict[str, float]]:
+    """Model-state bytes one rank holds, by place and role, as zerofn lays them out.
+
+    Without offload everything is on the device. ``offload("cpu")`` moves the fp32
+    masters and optimizer state to host memory (masters there even in fp32: the device
+    keeps its own compute copy) and adds a host landing buffer for the gradient shard;
+    ``params=True`` (ZeRO-3) moves the compute shards to the host too. ``offload("nvme")``
+    keeps masters and optimizer state (and with ``params=True`` the compute shards) in the
+    swap file; host memory then holds the gradient landing buffer plus a staging ring of
+    ``units_in_flight`` units, which depends on unit sizes and is not counted here.
+
+    Adam/AdamW (``optimizer_states=2``) steps in zerofn's C++ kernel, which reads the
+    gradients in the reduce dtype; other optimizers step fp32 gradients on the host.
+    Shards are rounded up to whole rows per rank, which this ignores.
+
+    Args:
+        params, world, stage, param_dtype, master_dtype, optimizer_states: as for
+            ``estimate_model_state_bytes``.
+        reduce_dtype: dtype gradients are reduced and held in (default ``param_dtype``).
+        offload: None, "cpu" or "nvme".
+        offload_params: ZeRO-3 only: offload the parameter shards too.
+
+    Returns:
+        ``{place: {"params", "grads", "optimizer", "total"}}`` in bytes for every place in
+        ("device", "host", "nvme"), zeros where nothing goes.
+
+    Example (7B, 8 ranks, bf16, ZeRO-3 with the optimizer offloaded to the host, in GB):
+        >>> p = estimate_placement(7e9, 8, 3, offload="cpu")
+        >>> {place: p[place]["total"] / 1e9 for place in p}
+        {'device': 3.5, 'host': 12.25, 'nvme': 0.0}
+    """
+    _check(stage, offload, offload_params)
+    n = sum(p.numel() for p in params.parameters()) if isinstance(params, nn.Module) else params
+    c, m = param_dtype.itemsize, master_dtype.itemsize
+    r = (reduce_dtype or param_dtype).itemsize
+    share = n / world
+    out = {place: dict.fromkeys(ROLES, 0.0) for place in PLACES}
+    params_bytes = c * (share if stage == 3 else n)
+    out["nvme" if offload == "nvme" and offload_params else
+        "host" if offload_params else "device"]["params"] = params_bytes
+    # ZeRO-1 keeps the full gradients until the step; ZeRO-2/3 the reduced shard.
+    out["device"]["grads"] = c * n if stage <= 1 else r * share
+    if offload is None:
+        master = 0 if master_dtype == param_dtype else m
+        out["device"]["optimizer"] = (master + optimizer_states * m) * (share if stage else n)
+    else:
+        out["nvme" if offload == "nvme" else "host"]["optimizer"] = \
+            (m + optimizer_states * m) * share
+        landing = r if optimizer_states == 2 else m
+        out["host"]["grads"] = landing * share
+    for place in out.values():
+        place["total"] = sum(place[role] for role in ROLES)
+    return out
+
+
+def _check(stage: int, offload: str | None, offload_params: bool) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}.")
+    if offload not in (None, "cpu", "nvme"):
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}.")
+    if offload is not None and stage == 0:
+        raise ValueError("offload needs a sharded optimizer (stage 1, 2 or 3): zerofn has no "
+                         "unsharded mode to offload from.")
+    if offload_params and (offload is None or stage != 3):
+        raise ValueError("offload_params needs offload='cpu' or 'nvme' and stage 3: only "
+                         "ZeRO-3 shards the parameters.")
+
+
+_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> int:
+    """A parameter count as people write it: ``7e9``, ``7B``, ``1.3b``, ``350M``, ``125_000``.
+
+    Example:
+        >>> parse_count("1.3B"), parse_count("7e9"), parse_count("350m")
+        (1300000000, 7000000000, 350000000)
+    """
+    match = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([kmbgt]?)\s*",
+                         text.lower())
+    if not match:
+        raise ValueError(f"{text!r} is not a parameter count; write e.g. 7e9, 7B, 1.3B or 350M.")
+    value = float(match.group(1).replace("_", "")) * _SUFFIX[match.group(2)]
+    if value < 1:
+        raise ValueError(f"{text!r}: a model has at least one parameter.")
+    return round(value)
+
+
+def table(n: int, world: int, stages, param_dtype: torch.dtype, optimizer_states: int = 2,
+          offload: str | None = None, offload_params: bool = False) -> str:
+    """The estimate as a text table: one row per stage and place that holds bytes, in GB."""
+    header = f"{'stage':<8}{'place':<8}" + "".join(f"{h:>11}" for h in ROLES + ("total",))
+    rows = [header, "-" * len(header)]
+    for stage in stages:
+        placed = estimate_placement(n, world, stage, param_dtype,
+                                    optimizer_states=optimizer_states, offload=offload,
+                                    offload_params=offload_params)
+        for place in PLACES:
+            if place == "device" or placed[place]["total"]:
+                rows.append(f"{'ZeRO-' + str(stage):<8}{place:<8}" + "".join(
+                    f"{placed[place][k] / 1e9:>11,.2f}" for k in ROLES + ("total",)))
+    return "\n".join(rows)
+
+
+def _description(n: int, world: int, precision: str, optimizer_states: int,
+                 offload: str | None, offload_params: bool) -> str:
+    masters = "" if precision == "fp32" else ", fp32 masters"
+    where = "" if offload is None else f", offload {offload}" + \
+        (" (params too)" if offload_params else "")
+    return (f"{n / 1e9:,.3g}B parameters, {world} rank{'s' * (world != 1)}, {precision} compute"
+            f"{masters}, {optimizer_states} optimizer state(s) per parameter{where}.\n"
+            f"Model-state bytes per rank in GB (10^9 bytes); communication buffers and "
+            f"activations come on top.")
+
+
+def main(argv=None, prog: str = "python -m zerofn.estimate") -> int:
+    """The command line (``zerofn estimate``); ``prog`` names it in the help."""
+    p = argparse.ArgumentParser(prog=prog, description="Model-state bytes per rank by place "
+                                "(device, host, NVMe) and role, before building anything.")
+    p.add_argument("size", nargs="?", help="parameter count: 7e9, 7B, 1.3B, 350M ...")
+    p.add_argument("--model", help="a `zerofn train` preset instead of SIZE "
+                                   "(tiny, small, 125m, 350m, 1b)")
+    p.add_argument("--world", type=int, default=8, help="ranks sharing the state (default 8)")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3),
+                   help="one ZeRO stage (default: every stage the offload allows)")
+    p.add_argument("--precision", choices=sorted(DTYPES), default="bf16",
+                   help="compute dtype (default bf16; masters and optimizer state are fp32)")
+    p.add_argument("--optimizer-states", type=int, default=2,
+                   help="state tensors per parameter (Adam 2, SGD with momentum 1)")
+    p.add_argument("--offload", choices=("cpu", "nvme"), help="offload the optimizer")
+    p.add_argument("--offload-params", action="store_true",
+                   help="ZeRO-3: offload the parameter shards too")
+    args = p.parse_args(argv)
+    try:
+        n = _count(args)
+        if args.world < 1:
+            raise ValueError(f"--world {args.world}: at least one rank.")
+        stages = [args.stage] if args.stage is not None else \
+            [3] if args.offload_params else [1, 2, 3] if args.offload else [0, 1, 2, 3]
+        text = table(n, args.world, stages, DTYPES[args.precision], args.optimizer_states,
+                     args.offload, args.offload_params)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(_description(n, args.world, args.precision, args.optimizer_states, args.offload,
+                       args.offload_params))
+    print(text)
+    if args.offload == "nvme":
+        print("NVMe offload also stages units_in_flight units in host memory (not counted).")
+    return 0
+
+
+def _count(args) -> int:
+    if (args.size is None) == (args.model is None):
+        raise ValueError("give a parameter count (e.g. 7B) or --model PRESET, one of them.")
+    if args.model is None:
+        return parse_count(args.size)
+    from .train import MODELS
+    if args.model not in MODELS:
+        raise ValueError(f"--model {args.model!r}: the presets are {', '.join(MODELS)}.")
+    return MODELS[args.model].params()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

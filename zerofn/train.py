@@ -1,50 +1,142 @@
-"""The main job: train the small GPT on the built-in corpus with ZeRO on every rank.
+"""The main job: train a GPT on the built-in corpus with zerofn on every rank.
 
-    torchrun --standalone --nproc-per-node 2 -m zerofn.train --stage 3 --steps 200
+    zerofn train                                  # small GPT, ZeRO-3, 2 ranks, 200 steps
+    zerofn train --config ds_config.json --model 125m --nproc 2
+    torchrun --standalone --nproc-per-node 2 -m zerofn.train --stage 2 --precision bf16
 
-Each rank draws the same global batch (one seeded generator per step) and trains on its
-slice of it, exactly as under DDP. gloo on CPU, NCCL on GPUs (one per ``LOCAL_RANK``).
+Started outside torchrun, it starts itself under ``torch.distributed.run`` with ``--nproc``
+ranks. Each optimizer step draws one global batch (a generator seeded by the seed and the
+step), split into ``--grad-accum`` micro-batches and each of those across the ranks, so a
+run's losses do not depend on how it was split or interrupted. gloo on CPU, NCCL on GPUs
+(one per ``LOCAL_RANK``). The model is built on the meta device; the transforms
+materialize only this rank's rows.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import math
 import os
+import resource
 import sys
 import time
+import warnings
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 import zerofn as zf
 from zerofn.data import load_corpus, sample_batch, split
-from zerofn.nanogpt import GPT, GPTConfig
+from zerofn.estimate import ROLES, estimate_placement
+from zerofn.nanogpt import GPT, GPTConfig, init_weights
+from zerofn.runtime.runtime import runtime_of
 
-STAGES = {1: ("shard_optimizer",), 2: ("shard_optimizer", "shard_grads"),
-          3: ("shard_optimizer", "shard_grads", "shard_params")}
+# Byte-level GPTs (vocabulary 256); the larger ones are sized to their names.
+MODELS = {
+    "tiny": GPTConfig(vocab=256, width=64, heads=2, ffn=256, layers=2, context=64),
+    "small": GPTConfig(vocab=256, width=192, heads=4, ffn=768, layers=4, context=128),
+    "125m": GPTConfig(vocab=256, width=768, heads=12, ffn=3072, layers=18, context=512),
+    "350m": GPTConfig(vocab=256, width=1024, heads=16, ffn=4096, layers=28, context=512),
+    "1b": GPTConfig(vocab=256, width=2048, heads=16, ffn=8192, layers=20, context=512),
+}
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SHAPE_FLAGS = ("width", "heads", "ffn", "layers", "context")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m zerofn.train", description=__doc__.splitlines()[0])
-    p.add_argument("--stage", type=int, choices=(1, 2, 3), default=3,
-                   help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also params")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps to train")
-    p.add_argument("--batch", type=int, default=16,
-                   help="global batch in sequences, split evenly across ranks")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
-    p.add_argument("--width", type=int, default=192, help="model width")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--ffn", type=int, default=768, help="MLP hidden width")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--context", type=int, default=128, help="sequence length in bytes")
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
-    p.add_argument("--eval-batches", type=int, default=8,
-                   help="global batches of held-out text for the final validation loss")
-    p.add_argument("--log-every", type=int, default=10,
-                   help="steps between progress lines when stdout is not a terminal")
+    p = argparse.ArgumentParser(
+        prog="zerofn train", description=__doc__.split("\n\n")[0],
+        epilog="Precedence: an explicit flag wins over --config, which wins over the "
+               "defaults shown. --model sets the shape; --width etc. override it.")
+    run = p.add_argument_group("run")
+    run.add_argument("--nproc", type=int, help="ranks to start on this machine when not "
+                     "already under torchrun (default: the GPU count, else 2)")
+    run.add_argument("--config", help="a DeepSpeed ds_config.json: stage, precision, offload, "
+                     "batch sizes, accumulation, clipping, optimizer and scheduler")
+    run.add_argument("--steps", type=int, default=200, help="optimizer steps in the whole run")
+    run.add_argument("--stop-at", type=int, help="end this run after that optimizer step "
+                     "(saving a checkpoint), e.g. to fit a job's time limit; the LR "
+                     "schedule still spans --steps")
+    run.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
+    run.add_argument("--log-every", type=int, help="steps between progress lines when stdout "
+                     "is not a terminal (config: steps_per_print; default 10)")
+    run.add_argument("--eval-batches", type=int, default=8,
+                     help="global batches of held-out text for the final validation loss")
+
+    zero = p.add_argument_group("ZeRO")
+    zero.add_argument("--stage", type=int, choices=(1, 2, 3), help="1 shards optimizer "
+                      "state, 2 also gradients, 3 also parameters (default 3)")
+    zero.add_argument("--precision", choices=sorted(PRECISIONS),
+                      help="compute dtype; masters and optimizer state stay fp32 (default "
+                           "fp32). fp16 scales the loss dynamically")
+    zero.add_argument("--offload", choices=("none", "cpu", "nvme"),
+                      help="keep masters and optimizer state on the host or in a swap file")
+    zero.add_argument("--nvme-path", help="directory for --offload nvme's swap files")
+    zero.add_argument("--offload-params", action=argparse.BooleanOptionalAction,
+                      help="ZeRO-3 with --offload: the parameter shards too")
+    zero.add_argument("--grad-accum", type=int,
+                      help="micro-batches per optimizer step (default 1)")
+    zero.add_argument("--activation-checkpointing", action="store_true",
+                      help="recompute each block's activations in backward")
+    zero.add_argument("--clip", type=float, help="global gradient-norm clip, 0 for none "
+                      "(config: gradient_clipping; default 1.0)")
+
+    model = p.add_argument_group("model and data")
+    model.add_argument("--model", choices=tuple(MODELS), default="small",
+                       help="preset: " + "; ".join(f"{k} {_millions(c)}"
+                                                   for k, c in MODELS.items()))
+    for name in SHAPE_FLAGS:
+        model.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
+    model.add_argument("--batch", type=int, help="global batch in sequences per optimizer "
+                       "step (config: train_batch_size; default 16)")
+    model.add_argument("--lr", type=float, help="peak learning rate (config: the optimizer's "
+                       "lr; default 2e-3, AdamW with warm-up and cosine decay)")
+
+    ckpt = p.add_argument_group("checkpoints")
+    ckpt.add_argument("--save-dir", help="checkpoint root: model, optimizer, LR schedule, "
+                      "data position and RNG; one path every rank sees (docs/checkpoints.md)")
+    ckpt.add_argument("--save-every", type=int, help="optimizer steps between checkpoints "
+                      "(default: only at the end)")
+    ckpt.add_argument("--keep", type=int, default=3, help="newest checkpoints to keep")
+    ckpt.add_argument("--resume", action="store_true", help="continue from --save-dir's "
+                      "latest checkpoint, if it has one (else start afresh)")
     return p.parse_args(argv)
+
+
+def _millions(cfg: GPTConfig) -> str:
+    n = cfg.params()
+    return f"({n / 1e9:.2f}B)" if n >= 1e9 else f"({n / 1e6:.3g}M)"
+
+
+# -- launching ----------------------------------------------------------------------------
+def under_launcher() -> bool:
+    """Whether torchrun (or another launcher setting RANK and WORLD_SIZE) started us."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(argv: list[str], nproc: int | None) -> None:
+    """Replace this process by ``torch.distributed.run`` starting the job on ``nproc``
+    ranks (its own free port, so several jobs can share a machine)."""
+    n = nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    if n < 1:
+        raise SystemExit(f"--nproc {n}: start at least one rank.")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(n), "-m", "zerofn.train", *without_nproc(argv)]
+    sys.stdout.flush()
+    os.execv(sys.executable, cmd)
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc N``: torchrun would take it for an abbreviation of its own
+    ``--nproc-per-node`` and stop."""
+    out, skip = [], False
+    for arg in argv:
+        if not skip and arg != "--nproc" and not arg.startswith("--nproc="):
+            out.append(arg)
+        skip = arg == "--nproc"
+    return out
 
 
 def setup() -> torch.device:
@@ -54,75 +146,334 @@ def setup() -> torch.device:
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
         return device
-    # Ranks share the cores: more than one thread each only makes them fight.
-    torch.set_num_threads(1)
+    # Ranks on one machine share its cores: more threads than their share only fight.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     dist.init_process_group("gloo")
     return torch.device("cpu")
 
 
-def build(args, device: torch.device):
-    """The model and AdamW, transformed to the requested ZeRO stage."""
-    torch.manual_seed(args.seed)
-    cfg = GPTConfig(vocab=256, width=args.width, heads=args.heads, ffn=args.ffn,
-                    layers=args.layers, context=args.context)
-    model = GPT(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
-    transform = zf.compose(*(getattr(zf, name)() for name in STAGES[args.stage]))
-    return transform(model, opt)
+# -- what to run: flags over the config over defaults -------------------------------------
+@dataclass
+class Job:
+    """Every setting of the run, resolved."""
+    cfg: GPTConfig
+    stage: int
+    precision: str
+    offload: str | None
+    offload_params: bool
+    nvme_path: str | None
+    grad_accum: int
+    batch: int
+    clip: float
+    lr: float | None
+    log_every: int
+    steps: int
+    eval_batches: int
+    options: dict = field(default_factory=dict)   # from the config: per transform
+    optimizer: object = None                       # the config's factories, or None
+    scheduler: object = None
+
+    @property
+    def micro(self) -> int:
+        return self.batch // (dist.get_world_size() * self.grad_accum)
 
 
-def lr_at(step: int, args) -> float:
-    """Linear warm-up over the first 5 % of steps, then cosine decay to a tenth."""
-    warmup = max(1, args.steps // 20)
-    if step < warmup:
-        return args.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, args.steps - warmup)
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+def resolve(args) -> Job:
+    """The job the flags and the config ask for; raises ValueError (the same on every
+    rank) for settings that cannot run."""
+    settings = _read_config(args.config) if args.config else None
+    opts = dict(settings.transforms) if settings else {}
+    mp = opts.get("mixed_precision", {})
+    offload = dict(opts.get("offload") or {})
+    config_precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(mp.get("param_dtype"))
+    cfg = replace(MODELS[args.model], checkpoint=args.activation_checkpointing,
+                  **{k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None})
+    job = Job(
+        cfg=cfg,
+        stage=_first(args.stage, settings and settings.stage or None, 3),
+        precision=_first(args.precision, config_precision, "fp32"),
+        offload=_first(args.offload, offload.get("device"), "none"),
+        # The config's parameter offload goes with its device, not with --offload's.
+        offload_params=_first(args.offload_params,
+                              offload.get("params") if args.offload is None else None, False),
+        nvme_path=_first(args.nvme_path, offload.get("path")),
+        grad_accum=_first(args.grad_accum, settings and settings.gradient_accumulation_steps, 1),
+        batch=_first(args.batch, settings and settings.train_batch_size, 16),
+        clip=_first(args.clip, settings and settings.gradient_clipping, 1.0),
+        lr=_first(args.lr, None if settings and settings.optimizer else 2e-3),
+        log_every=_first(args.log_every, settings and settings.steps_per_print, 10),
+        steps=args.steps, eval_batches=args.eval_batches,
+        options=opts, optimizer=settings and settings.optimizer,
+        scheduler=settings and settings.scheduler)
+    if job.offload == "none":
+        job.offload = None
+    _check(job, args)
+    return job
 
 
-def my_slice(data: torch.Tensor, args, generator, device):
-    """This rank's part of one global batch."""
-    x, y = sample_batch(data, args.batch, args.context, generator)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    return x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
+def _first(*values):
+    """The first value that is not None."""
+    return next((v for v in values if v is not None), None)
 
 
-def mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().clone()
-    dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
+def _read_config(path: str):
+    """The DeepSpeed config; its warnings are shown once, by rank 0."""
+    with warnings.catch_warnings():
+        if dist.get_rank() != 0:
+            warnings.simplefilter("ignore")
+        return zf.from_deepspeed_config(path)
 
 
-def train_step(model, opt, x, y, args) -> torch.Tensor:
-    loss = model(x, y)
-    loss.backward()
-    zf.clip_grad_norm_(model, args.clip)
+def _check(job: Job, args) -> None:
+    world = dist.get_world_size()
+    if min(job.batch, job.grad_accum) < 1 or job.batch % (world * job.grad_accum):
+        raise ValueError(f"the global batch ({job.batch} sequences) must split evenly into "
+                         f"{job.grad_accum} micro-batches on each of {world} ranks; change "
+                         f"--batch or --grad-accum.")
+    if job.offload == "nvme" and not job.nvme_path:
+        raise ValueError("--offload nvme needs --nvme-path DIR (a directory on the drive) or "
+                         "the config's zero_optimization.offload_optimizer.nvme_path.")
+    if job.offload_params and (job.offload is None or job.stage != 3):
+        raise ValueError(f"--offload-params needs --stage 3 and --offload cpu or nvme (here "
+                         f"stage {job.stage}, offload {job.offload or 'none'}): only ZeRO-3 "
+                         f"shards the parameters.")
+    if args.save_every is not None and not args.save_dir:
+        raise ValueError("--save-every needs --save-dir.")
+    if args.resume and not args.save_dir:
+        raise ValueError("--resume continues from --save-dir's latest checkpoint: give "
+                         "--save-dir.")
+    if args.steps < 1 or (args.stop_at is not None and not 1 <= args.stop_at <= args.steps):
+        raise ValueError(f"--steps {args.steps} must be at least 1, and --stop-at between 1 "
+                         f"and --steps.")
+    if job.cfg.width % job.cfg.heads:
+        raise ValueError(f"--width {job.cfg.width} must be a multiple of --heads "
+                         f"{job.cfg.heads}.")
+
+
+def transforms(job: Job) -> list:
+    """zerofn's transforms for the job: the config's options where the flags leave them."""
+    opts = job.options
+    shared = dict(opts.get("shard_optimizer", {}), init=init_weights)
+    out = [zf.shard_optimizer(**shared)]
+    if job.stage >= 2:
+        out.append(zf.shard_grads())
+    if job.stage == 3:
+        out.append(zf.shard_params(**opts.get("shard_params", {})))
+    mp = dict(opts.get("mixed_precision", {}))
+    dtype = PRECISIONS[job.precision]
+    if mp.get("param_dtype", torch.float32) != dtype:   # the config's scaling was for another
+        mp = {"reduce_dtype": mp.get("reduce_dtype")}
+    if dtype != torch.float32 or mp.get("reduce_dtype") is not None:
+        out.append(zf.mixed_precision(**dict(mp, param_dtype=dtype)))
+    if job.offload is not None:
+        in_flight = opts.get("offload", {}).get("units_in_flight", 2)
+        out.append(zf.offload(job.offload, params=job.offload_params, path=job.nvme_path,
+                              units_in_flight=in_flight))
+    return out
+
+
+# -- building -----------------------------------------------------------------------------
+def build(job: Job, seed: int):
+    """The model built on the meta device, its optimizer and LR schedule, transformed:
+    each rank materializes and initializes only its rows."""
+    with torch.device("meta"):
+        model = GPT(job.cfg)
+    if job.optimizer is not None:
+        kwargs = dict(job.optimizer.kwargs, **({"lr": job.lr} if job.lr is not None else {}))
+        opt = job.optimizer.cls(model.parameters(), **kwargs)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=0.1,
+                                betas=(0.9, 0.95))
+    torch.manual_seed(seed)            # the same on every rank: one model, not several
+    model, opt = zf.compose(*transforms(job))(model, opt)
+    sched = job.scheduler(opt) if job.scheduler is not None else \
+        torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(job.steps))
+    return model, opt, sched
+
+
+def warmup_cosine(steps: int):
+    """Linear warm-up over the first 5 % of steps, then cosine decay to a tenth: the factor
+    of the peak rate at each step."""
+    warmup = max(1, steps // 20)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+class Batches:
+    """The training data's position: the global batch of step ``k`` is drawn by a
+    generator seeded from (seed, k). Saved in checkpoints, so a resumed run reads on from
+    the same place, and refuses a different seed or batch shape."""
+
+    def __init__(self, data: torch.Tensor, seed: int, batch: int, context: int):
+        self.data, self.seed, self.batch, self.context = data, seed, batch, context
+        self.position = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.position)
+        self.position += 1
+        return sample_batch(self.data, self.batch, self.context, generator)
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "batch": self.batch, "context": self.context,
+                "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        differ = [f"{k} {state[k]} (now {mine[k]})" for k in ("seed", "batch", "context")
+                  if state[k] != mine[k]]
+        if differ:
+            raise ValueError(f"the checkpoint's data was drawn with {', '.join(differ)}; "
+                             f"resume with the same --seed, --batch and --context.")
+        self.position = state["position"]
+
+
+def micro_batches(x: torch.Tensor, y: torch.Tensor, job: Job, device):
+    """This rank's part of each micro-batch of one global batch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shape = (job.grad_accum, world, job.micro, x.shape[1])
+    for i in range(job.grad_accum):
+        yield x.view(shape)[i, rank].to(device), y.view(shape)[i, rank].to(device)
+
+
+# -- one step -----------------------------------------------------------------------------
+def train_step(model, opt, sched, batch, job: Job, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over the micro-batches, clip, step. Returns this rank's mean
+    loss and the global gradient norm (inf or nan where fp16 overflowed: step skipped)."""
+    loss = torch.zeros((), device=device)
+    for x, y in micro_batches(*batch, job, device):
+        micro_loss = model(x, y) / job.grad_accum
+        opt.scale(micro_loss).backward()     # fp16 loss scaling; a no-op otherwise
+        loss += micro_loss.detach().float()
+    # The norm is reported every step, so without clipping it is measured with no limit.
+    norm = zf.clip_grad_norm_(model, job.clip if job.clip > 0 else math.inf)
     opt.step()
-    opt.zero_grad()
-    return loss
+    if torch.isfinite(norm):        # DeepSpeed leaves the schedule alone on a skipped step
+        sched.step()
+    return loss, norm
+
+
+def fp16_kernels_missing(error: RuntimeError, precision: str) -> str | None:
+    """A clear message for torch lacking an fp16 kernel (on the CPU), else None."""
+    text = str(error)
+    if precision != "fp16" or "Half" not in text or "not implemented" not in text:
+        return None
+    return (f"--precision fp16: this torch ({torch.__version__}) has no fp16 kernel for an "
+            f"operation the model uses ({text.strip()}). Use --precision bf16 or fp32 on "
+            f"this machine, or run fp16 on a GPU.")
+
+
+# -- reporting ----------------------------------------------------------------------------
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes of this rank: allocated on the GPU, resident (RSS) on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def gather_stats(loss: torch.Tensor, device: torch.device) -> tuple[float, int]:
+    """(mean loss over ranks, largest peak memory of any rank): one small all-gather."""
+    mine = torch.tensor([float(loss), float(peak_memory(device))], dtype=torch.float64,
+                        device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    stacked = torch.stack(every).cpu()
+    return stacked[:, 0].mean().item(), int(stacked[:, 1].max().item())
+
+
+def banner(job: Job, model, args) -> str:
+    """Parameters, world, plan and the estimated model state per rank."""
+    world = dist.get_world_size()
+    n = job.cfg.params()
+    offload = "none" if job.offload is None else job.offload + \
+        (" (params too)" if job.offload_params else "") + \
+        (f" at {job.nvme_path}" if job.offload == "nvme" else "")
+    units = len(runtime_of(model).units)
+    lines = [
+        f"zerofn train: GPT '{args.model}' {n:,} parameters (width {job.cfg.width}, "
+        f"{job.cfg.layers} layers, context {job.cfg.context}), {world} ranks on "
+        f"{dist.get_backend()}",
+        f"plan: ZeRO-{job.stage}, {job.precision} compute" +
+        ("" if job.precision == "fp32" else ", fp32 masters") + f", offload {offload}, "
+        f"{units} units, activation checkpointing {'on' if job.cfg.checkpoint else 'off'}",
+        f"batch: {job.batch} sequences of {job.cfg.context} bytes per step ({job.grad_accum} "
+        f"x {job.micro} on each of {world} ranks); clip {job.clip or 'off'}; "
+        f"{_optimizer_name(job)}",
+    ]
+    est = estimate_placement(n, world, job.stage, PRECISIONS[job.precision],
+                             offload=job.offload, offload_params=job.offload_params)
+    lines.append("model state per rank, estimated: " + _places(est))
+    return "\n".join(lines)
+
+
+def _optimizer_name(job: Job) -> str:
+    return (job.optimizer.cls.__name__ if job.optimizer else "AdamW") + \
+        (f" lr {job.lr:g}" if job.lr is not None else "") + \
+        (f", {job.scheduler.cls.__name__}" if job.scheduler else ", warm-up + cosine")
+
+
+def _places(by_place: dict, compute: str | None = None) -> str:
+    """``device 1.2 MiB (params .., grads .., optimizer ..) | host ...``; the measured
+    place named ``compute`` (the device's type) is shown as the device."""
+    parts = []
+    for place, roles in by_place.items():
+        total = sum(roles[r] for r in ROLES)
+        if not total and place != "device" and place != compute:
+            continue
+        detail = ", ".join(f"{r} {_mb(roles[r])}" for r in ROLES)
+        extra = f"; buffers {_mb(roles['buffers'])}" if roles.get("buffers") else ""
+        name = f"device ({place})" if place == compute else place
+        parts.append(f"{name} {_mb(total)} ({detail}{extra})")
+    return " | ".join(parts)
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
 
 
 class Progress:
     """Rank 0's progress: one rewritten line on a terminal, plain lines otherwise."""
 
-    def __init__(self, args, tokens_per_step: int):
-        self.args, self.tokens_per_step = args, tokens_per_step
+    def __init__(self, args, job: Job, start: int):
+        self.args, self.job, self.start = args, job, start
+        self.tokens_per_rank = job.batch * job.cfg.context // dist.get_world_size()
         self.tty = sys.stdout.isatty()
-        self.start = time.perf_counter()
+        self.last_time, self.last_step = time.perf_counter(), start
+        self.timed_from = None       # (time, step) after this run's first step: ETA's base
         self.first_loss = None
+        self.skipped = 0
 
-    def wants(self, step: int) -> bool:
-        """Whether to report this step (reporting costs a small all-reduce)."""
-        return self.tty or step % self.args.log_every == 0 or step == self.args.steps - 1
+    def wants(self, step: int, end: int) -> bool:
+        """Whether to report this step (reporting costs a small all-gather)."""
+        return self.tty or (step + 1) % self.job.log_every == 0 or step in (self.start, end - 1)
 
-    def show(self, step: int, loss: float) -> None:
+    def show(self, step: int, loss: float, lr: float, norm: float, peak: int) -> None:
+        now = time.perf_counter()
         if self.first_loss is None:
             self.first_loss = loss
+        if self.timed_from is None:
+            self.timed_from = (now, step + 1)
+        step_s = (now - self.last_time) / max(1, step + 1 - self.last_step)
+        self.last_time, self.last_step = now, step + 1
         if dist.get_rank() != 0:
             return
-        rate = (step + 1) * self.tokens_per_step / (time.perf_counter() - self.start)
-        line = f"step {step + 1:>5}/{self.args.steps}  loss {loss:.4f}  {rate:,.0f} tok/s"
+        line = (f"step {step + 1:>5}/{self.args.steps}  loss {loss:.4f}  lr {lr:.3e}  "
+                f"gnorm {norm:.3f}{' (skipped: fp16 overflow)' if not math.isfinite(norm) else ''}"
+                f"  {step_s * 1e3:,.0f} ms  {self.tokens_per_rank / step_s:,.0f} tok/s/rank  "
+                f"peak {peak / 2**20:,.0f} MiB  eta {self._eta(now, step)}")
         print(f"\r{line}", end="", flush=True) if self.tty else print(line, flush=True)
+
+    def _eta(self, now: float, step: int) -> str:
+        t0, s0 = self.timed_from
+        if step + 1 <= s0:
+            return "-"
+        left = (now - t0) / (step + 1 - s0) * (self.args.steps - step - 1)
+        return str(datetime.timedelta(seconds=round(left)))
 
     def close(self) -> None:
         if self.tty and dist.get_rank() == 0:
@@ -130,42 +481,112 @@ class Progress:
 
 
 @torch.no_grad()
-def evaluate(model, data: torch.Tensor, args, device) -> float:
+def evaluate(model, data: torch.Tensor, job: Job, device) -> float:
     """Mean loss over held-out batches (fixed seed, so every run sees the same text)."""
     generator = torch.Generator().manual_seed(1234)
-    losses = [model(*my_slice(data, args, generator, device)) for _ in range(args.eval_batches)]
-    return mean_over_ranks(torch.stack(losses).mean())
+    world, rank = dist.get_world_size(), dist.get_rank()
+    losses = []
+    for _ in range(job.eval_batches):
+        x, y = sample_batch(data, job.batch, job.cfg.context, generator)
+        losses.append(model(x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)))
+    total = torch.stack(losses).float().mean()
+    dist.all_reduce(total)
+    return total.item() / world
 
 
+# -- the run ------------------------------------------------------------------------------
 def train(args, device) -> None:
+    job = resolve(args)
     train_data, val_data = split(load_corpus())
-    model, opt = build(args, device)
-    progress = Progress(args, args.batch * args.context)
-    loss = torch.zeros(())
-    for step in range(args.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
-        generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-        loss = train_step(model, opt, *my_slice(train_data, args, generator, device), args)
-        if progress.wants(step):
-            progress.show(step, mean_over_ranks(loss))
-    progress.close()
-    final, val = mean_over_ranks(loss), evaluate(model, val_data, args, device)
+    model, opt, sched = build(job, args.seed)
+    data = Batches(train_data, args.seed, job.batch, job.cfg.context)
+    start = resume(args, model, opt, sched, data)
+    end = args.stop_at or args.steps
     if dist.get_rank() == 0:
-        print(f"first loss {progress.first_loss:.4f}, validation loss {val:.4f}")
-        print(f"final loss {final:.4f} after {args.steps} steps "
-              f"(ZeRO-{args.stage}, {dist.get_world_size()} ranks)", flush=True)
+        print(banner(job, model, args), flush=True)
+    progress = Progress(args, job, start)
+    loss = torch.zeros(())
+    for step in range(start, end):
+        lr = opt.param_groups[0]["lr"]
+        try:
+            loss, norm = train_step(model, opt, sched, data.next(), job, device)
+        except RuntimeError as e:
+            message = fp16_kernels_missing(e, job.precision)
+            if message is None:
+                raise
+            raise ValueError(message) from e
+        if step == start:
+            measured(model, job)
+        opt.zero_grad()
+        progress.skipped += not torch.isfinite(norm)
+        if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0)
+                              or step + 1 == end):
+            save(args, model, opt, sched, data, step + 1)
+        if progress.wants(step, end):
+            mean_loss, peak = gather_stats(loss, device)
+            progress.show(step, mean_loss, lr, norm.item(), peak)
+    progress.close()
+    finish(args, job, model, loss, val_data, device, progress, end)
+
+
+def measured(model, job: Job) -> None:
+    """The banner's last line, once optimizer state and gradients exist (after the first
+    step, before its zero_grad): what this rank really holds."""
+    if dist.get_rank() == 0:
+        held = zf.model_state_bytes(model)
+        print("model state per rank, measured on rank 0 (zf.model_state_bytes): "
+              + _places(held, runtime_of(model).device.type), flush=True)
+
+
+def finish(args, job, model, loss, val_data, device, progress, end: int) -> None:
+    final, _ = gather_stats(loss, device)
+    val = evaluate(model, val_data, job, device)
+    if dist.get_rank() == 0:
+        if progress.first_loss is not None:
+            print(f"first loss {progress.first_loss:.4f}, validation loss {val:.4f}")
+        skipped = f", {progress.skipped} skipped (fp16 overflow)" if progress.skipped else ""
+        print(f"final loss {final:.4f} after {end} steps (ZeRO-{job.stage}, "
+              f"{dist.get_world_size()} ranks{skipped})", flush=True)
+
+
+def save(args, model, opt, sched, data: Batches, step: int) -> None:
+    zf.save_checkpoint(args.save_dir, model, opt, step=step, keep=args.keep, async_save=True,
+                       sched=sched, data=data, rng=zf.RNGState())
+
+
+def resume(args, model, opt, sched, data: Batches) -> int:
+    """The step to start from: the checkpoint's under --resume, else 0."""
+    if not args.resume:
+        return 0
+    state = zf.load_checkpoint(args.save_dir, model, opt, sched=sched, data=data,
+                               rng=zf.RNGState())
+    if state is None:
+        if dist.get_rank() == 0:
+            print(f"no checkpoint in {args.save_dir} yet: starting at step 0", flush=True)
+        return 0
+    if dist.get_rank() == 0:
+        print(f"resumed from {args.save_dir} at step {state['step']}", flush=True)
+    return state["step"]
 
 
 def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if not under_launcher():
+        launch(argv, args.nproc)
+    if args.nproc is not None and args.nproc != int(os.environ.get("LOCAL_WORLD_SIZE", args.nproc)):
+        raise SystemExit(f"--nproc {args.nproc}, but the launcher started "
+                         f"{os.environ['LOCAL_WORLD_SIZE']} ranks here; drop --nproc.")
     device = setup()
-    if args.batch % dist.get_world_size():
-        raise SystemExit(f"--batch {args.batch} must divide evenly over "
-                         f"{dist.get_world_size()} ranks.")
     try:
         train(args, device)
+    except ValueError as e:
+        # The same on every rank (raised before any collective could part them): one line.
+        if dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     finally:
+        zf.wait_for_checkpoint()
         # zerofn's runtime and the model refer to each other; left to interpreter
         # shutdown, that cycle's collectives state is torn down after torch's and the
         # process sometimes aborts ("terminate called without an active exception").

@@ -1,0 +1,61 @@
+"""The ``zerofn`` command line: one entry point for the project's tools.
+
+    zerofn train [...]                 the main job (zerofn/train.py); --help lists its flags
+    zerofn estimate 7B --world 8       model-state bytes per rank by stage, place and role
+    zerofn consolidate to-full CKPT OUT.safetensors
+    zerofn convert deepspeed CKPT OUT  a DeepSpeed ZeRO checkpoint into a zerofn checkpoint
+
+Each subcommand is its module's own command line, imported only when it runs.
+"""
+from __future__ import annotations
+
+import sys
+
+USAGE = __doc__.split("\n\n")[1].rstrip()
+
+
+def main(argv=None) -> int:
+    """Dispatch ``argv`` (default ``sys.argv[1:]``) to a subcommand; returns its exit code.
+
+    Example:
+        >>> main(["estimate", "7B", "--world", "8"])   # prints the stage 0-3 table
+        0
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: zerofn COMMAND [ARGS]\n\n{USAGE}\n\n`zerofn COMMAND --help` "
+              f"describes each.")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from . import train
+        train.main(rest)
+        return 0
+    if command == "estimate":
+        from . import estimate
+        return estimate.main(rest, prog="zerofn estimate")
+    if command == "consolidate":
+        from . import consolidate
+        return consolidate.main(rest)
+    if command == "convert":
+        return _convert(rest)
+    print(f"zerofn: unknown command {command!r}; the commands are train, estimate, "
+          f"consolidate, convert (see `zerofn --help`).", file=sys.stderr)
+    return 2
+
+
+def _convert(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: zerofn convert deepspeed CKPT OUT [--tag TAG]\n\nConvert another "
+              "framework's checkpoint into a zerofn checkpoint. Sources: deepspeed.")
+        return 0 if argv else 2
+    if argv[0] != "deepspeed":
+        print(f"zerofn convert: unknown source {argv[0]!r}; zerofn converts from: deepspeed.",
+              file=sys.stderr)
+        return 2
+    from .deepspeed import convert     # loads torch pickles only when asked to
+    return convert.main(argv[1:], prog="zerofn convert deepspeed")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
