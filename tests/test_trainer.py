@@ -2,12 +2,13 @@
 
 ZeRO-3 on 2 gloo ranks follows a single-process Trainer on the same global batches (loss
 per step, gradient norms, final weights, evaluation loss), with accumulation, clipping, a
-decaying learning rate and activation checkpointing; resuming from its checkpoint
-continues exactly like the uninterrupted run; fp16 loss scaling is zerofn's, and a
+decaying learning rate and activation checkpointing; resuming from its checkpoint (into
+a model built on the meta device) continues exactly like the uninterrupted run; fp16 loss scaling is zerofn's, and a
 skipped step leaves the LR scheduler alone.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -80,13 +81,18 @@ def plain_trainer(rank, world, out):
         {k: v.numpy() for k, v in model.state_dict().items()}, trainer.evaluate()["eval_loss"]
 
 
-def zero_run(rank, world, out, resume=None, seed=0):
-    model = build("llama", seed=seed)
+def zero_run(rank, world, out, resume=None, meta=False):
+    """ZeRO-3 through ZeroTrainer; ``meta``: the model is built on the meta device and
+    materialized by the transform (with transformers' own init), its weights then coming
+    from the checkpoint resumed."""
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = build("llama")
     save = dict(save_strategy="steps", save_steps=SAVE_AT) if resume is None else {}
+    init = {"init": model._init_weights} if meta else {}
     trainer = ZeroTrainer(
         model=model, args=arguments(out, world, **save), train_dataset=Rows(),
         eval_dataset=Rows(whole=True),
-        zerofn=zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()))
+        zerofn=zf.compose(zf.shard_optimizer(**init), zf.shard_grads(), zf.shard_params()))
     trainer.train(resume_from_checkpoint=resume)
     opt = zf.runtime.runtime.runtime_of(model).optimizer
     weights, _ = zf.get_state_dict(model, opt, full=True)
@@ -100,7 +106,7 @@ def zero_trainer(rank, world, root):
     eval_loss = first.evaluate()["eval_loss"]       # ZeRO-3 forwards in lockstep
     checkpoint = os.path.join(root, "first", f"checkpoint-{SAVE_AT}")
     resumed, resumed_weights = zero_run(rank, world, os.path.join(root, "resumed"),
-                                        resume=checkpoint, seed=5)
+                                        resume=checkpoint, meta=True)
     return dict(loss=history(first, "loss"), grad_norm=history(first, "grad_norm"),
                 weights=weights, resumed_loss=history(resumed, "loss"),
                 resumed_weights=resumed_weights, checkpoint=sorted(os.listdir(checkpoint)),
@@ -121,7 +127,8 @@ def test_zero3_trainer_follows_trainer_and_resumes_exactly(tmp_path):
     for k, v in want.items():
         err = abs(torch.from_numpy(r["weights"][k]) - torch.from_numpy(v)).max().item()
         assert err < TOL, (k, err)
-    # resuming at step 3 continues exactly as the uninterrupted run did
+    # resuming at step 3, into a model built on the meta device, continues exactly as the
+    # uninterrupted run did
     for step in range(SAVE_AT + 1, STEPS + 1):
         assert r["resumed_loss"][step] == r["loss"][step], step
     for k, v in r["weights"].items():
