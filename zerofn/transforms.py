@@ -108,6 +108,11 @@ def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype=None
     ``reduce_dtype`` (default ``param_dtype``); the optimizer steps fp32 masters, and the
     updated parameters are cast back once per step.
 
+    ``mixed_precision(torch.bfloat16, reduce_dtype=torch.float32)`` trains bit for bit as
+    FSDP2 with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+    reduce_dtype=torch.float32)``. The default reduces in bf16 instead: half the gradient
+    traffic and memory, but the sums are rounded to bf16: close to FSDP2, not bit for bit.
+
     fp16 needs loss scaling: ``opt.scale(loss).backward()`` (the same call is a no-op for
     bf16 and fp32, so one loop serves all). Options, with DeepSpeed's names and defaults:
         loss_scale: None for dynamic scaling under fp16 (none under bf16), or a static scale.
