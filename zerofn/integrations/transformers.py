@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from torch import nn
+from transformers.trainer import TRAINING_ARGS_NAME
 
 from .. import checkpoint as zf_checkpoint
 from ..clip import clip_grad_norm_
@@ -41,7 +42,6 @@ from ..runtime.runtime import ATTR, runtime_of
 from ..transforms import Transform
 
 STATE_DIR = "zerofn"          # the zerofn checkpoint inside Trainer's checkpoint-N
-TRAINING_ARGS_NAME = "training_args.bin"
 
 
 class ZeroTrainer(transformers.Trainer):
