@@ -33,7 +33,7 @@ def train_reference(ref, opt, data, clip=None):
         opt.zero_grad()
 
 
-def train_sharded(model, opt, data, rank, world, clip=None, no_sync=False):
+def train_sharded(model, opt, data, rank, world, clip=None, no_sync=False, zero="opt"):
     for micro in data:
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
@@ -43,7 +43,8 @@ def train_sharded(model, opt, data, rank, world, clip=None, no_sync=False):
         if clip:
             zf.clip_grad_norm_(model, clip)
         opt.step()
-        opt.zero_grad()
+        # model.zero_grad() must clear the reduced gradient shards as opt.zero_grad() does
+        (model if zero == "model" else opt).zero_grad()
 
 
 def max_errors(ref, ref_opt, model, opt):
@@ -63,14 +64,14 @@ def max_errors(ref, ref_opt, model, opt):
 
 
 def run_config(rank, world, stage, kind, accum, clip=None, no_sync=False, checkpoint=False,
-               groups=False, opts=None):
+               groups=False, opts=None, zero="opt"):
     ref, model = make_models(checkpoint=checkpoint)
     ref_opt = make_optimizer(kind, ref.parameters(), groups)
     opt = make_optimizer(kind, model.parameters(), groups)
     model, opt = transform(stage, **(opts or {}))(model, opt)
     data = batches(STEPS, accum, world)
     train_reference(ref, ref_opt, data, clip)
-    train_sharded(model, opt, data, rank, world, clip, no_sync)
+    train_sharded(model, opt, data, rank, world, clip, no_sync, zero)
     return max_errors(ref, ref_opt, model, opt)
 
 
@@ -93,6 +94,8 @@ EXTRA = [
     (3, "adamw", 1, {"opts": {"reshard_after_forward": False}}),
     (3, "adamw", 3, {"opts": {"persist_below": 200}, "clip": 0.05}),
     (3, "sgd", 3, {"checkpoint": True, "clip": 0.05}),
+    (2, "sgd", 1, {"zero": "model"}),
+    (3, "adamw", 3, {"zero": "model"}),
 ]
 
 

@@ -104,6 +104,7 @@ class Runtime:
         self._hooks = self._register_forward_hooks()
         model.__dict__[ATTR] = self
         model.__dict__["no_sync"] = types.MethodType(_no_sync, model)
+        model.__dict__["zero_grad"] = types.MethodType(_zero_grad, model)
 
     # -- set-up ----------------------------------------------------------------------
     def _build_units(self):
@@ -518,6 +519,7 @@ class Runtime:
                          if torch.is_tensor(v) and v.shape == shard.shape and v.dim() > 0 else v)
         del self.model.__dict__[ATTR]
         del self.model.__dict__["no_sync"]
+        del self.model.__dict__["zero_grad"]
         self.pool.clear()
 
 
@@ -543,6 +545,13 @@ class FlatBuffers:
     def holds(self, t: torch.Tensor) -> bool:
         ptr = t.untyped_storage().data_ptr()
         return any(s.data_ptr() == ptr for s in self._storages)
+
+
+def _zero_grad(model: nn.Module, set_to_none: bool = True) -> None:
+    """``model.zero_grad()`` clears what ``optimizer.zero_grad()`` clears: the reduced
+    gradient shards too, which torch's own would leave for the next backward to add to."""
+    nn.Module.zero_grad(model, set_to_none)
+    runtime_of(model).zero_grad()
 
 
 @contextlib.contextmanager
