@@ -68,7 +68,7 @@ def traffic_at(rank, world):
             return fn(out, inp, *a, **k)
         return counted
 
-    def wrap_in_place(kind, fn):    # gloo: one broadcast / reduce per rank's chunk
+    def wrap_in_place(kind, fn):    # gloo: one broadcast per rank's chunk
         def counted(tensor, *a, **k):
             seen[kind] += tensor.numel()
             return fn(tensor, *a, **k)
@@ -79,7 +79,7 @@ def traffic_at(rank, world):
             if hasattr(dist, name):
                 setattr(dist, name, wrap(kind, getattr(dist, name)))
     dist.broadcast = wrap_in_place("all_gather", dist.broadcast)
-    dist.reduce = wrap_in_place("reduce_scatter", dist.reduce)
+    dist.all_to_all_single = wrap("reduce_scatter", dist.all_to_all_single)
     import zerofn.runtime.comm as comm  # bind the wrapped functions zerofn calls
     comm._all_gather = dist.all_gather_single if hasattr(dist, "all_gather_single") \
         else dist.all_gather_into_tensor

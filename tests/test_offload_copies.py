@@ -153,6 +153,7 @@ def test_deferred_copies_train_like_synchronous_ones(world, tmp_path):
 # for NVMe, whose staging buffers are rewritten before the ZeRO-3 shards are waited for.
 MISSING = [("host_wait", (2, "adamw", {}, None)), ("device_wait", (3, "adamw", {}, None)),
            ("device_wait", (1, "adamw", {}, torch.bfloat16)),
+           ("device_wait", (3, "adamw", {"params": True}, None)),   # a staged shard's gather
            ("before_host_write", (3, "adamw", {"nvme": True}, torch.bfloat16))]
 
 
@@ -226,29 +227,84 @@ class SynchronousCopies(CopyStreams):
     streaming = False
 
 
-def cuda_runs(rank, world):
-    """One rank over NCCL: side streams against blocking copies of the same run."""
+SLEEP_CYCLES = 2_000_000    # ~1 ms of GPU clock: a copy or collective held back that long
+
+
+class SleepyCopies(CopyStreams):
+    """Real side streams, each copy held back by a spin on its stream first, so anything
+    that reads its data without waiting for it reads stale data."""
+
+    def _copy(self, direction, unit, dst, src):
+        if self.streaming and dst.device != src.device:
+            with torch.cuda.stream(self._streams[direction]):
+                torch.cuda._sleep(SLEEP_CYCLES)
+        super()._copy(direction, unit, dst, src)
+
+
+@contextlib.contextmanager
+def sleepy_collectives():
+    """Every collective zerofn issues starts after a spin on the stream it is issued from."""
+    from zerofn.runtime.comm import Comm
+    plain = {name: getattr(Comm, name) for name in ("all_gather", "reduce_scatter")}
+
+    def held_back(fn):
+        def call(self, *args, **kwargs):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            return fn(self, *args, **kwargs)
+        return call
+
+    for name, fn in plain.items():
+        setattr(Comm, name, held_back(fn))
+    try:
+        yield
+    finally:
+        for name, fn in plain.items():
+            setattr(Comm, name, fn)
+
+
+# Every offload configuration on the device: (stage, optimizer, offload options, dtype).
+CUDA_CONFIGS = [(1, "adamw", {}, None), (2, "adamw", {}, torch.bfloat16), (2, "sgd", {}, None),
+                (2, "adamw", {}, torch.float16), (3, "adamw", {}, None),
+                (3, "adamw", {}, torch.bfloat16), (3, "adamw", {"params": True}, torch.bfloat16),
+                (1, "adamw", {"nvme": True}, None),
+                (3, "adamw", {"nvme": True, "params": True}, torch.bfloat16)]
+
+
+def cuda_runs(rank, world, path, configs, sleepy):
+    """One rank over NCCL: side streams (copies and collectives held back when ``sleepy``)
+    against blocking copies of the same run."""
     import torch.distributed as dist
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.cuda.set_device(0)
     group = dist.new_group(backend="nccl")
     data = batches(STEPS, ACCUM, world)
     out = []
-    for stage, opts, dtype, kind in ((1, {}, None, "adamw"), (2, {}, torch.bfloat16, "adamw"),
-                                     (2, {}, None, "sgd"), (2, {}, torch.float16, "adamw"),
-                                     (3, {}, None, "adamw"),
-                                     (3, {}, torch.bfloat16, "adamw"),
-                                     (3, {"params": True}, torch.bfloat16, "adamw")):
+    for stage, kind, opts, dtype in configs:
+        opts = dict(opts, path=path)
         synced, _ = train(stage, kind, opts, dtype, data, rank, world, SynchronousCopies, group)
-        streamed, rt = train(stage, kind, opts, dtype, data, rank, world, group=group)
-        pinned = all(a.buffer.is_pinned() for a in rt.offload.arenas())
-        out.append((stage, opts, dtype, kind, state_diff(synced, streamed), rt.copies.streaming,
-                    pinned))
+        with sleepy_collectives() if sleepy else contextlib.nullcontext():
+            streamed, rt = train(stage, kind, opts, dtype, data, rank, world,
+                                 SleepyCopies if sleepy else CopyStreams, group)
+        pinned = all(t.is_pinned() for t in device_facing(rt) if t.numel())
+        out.append((state_diff(synced, streamed), rt.copies.streaming, pinned))
     return out
 
 
+def device_facing(rt) -> list[torch.Tensor]:
+    """The host buffers copies to and from the device use: gradient landing buffers, the
+    rows that go back up (host arenas), or NVMe's staging ring."""
+    store = rt.offload
+    if hasattr(store, "staging"):
+        return list(store.grads.values()) + list(store.staging)
+    return list(store.grads.values()) + [store.compute_rows(u) for u in rt.units]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_copy_streams_train_like_blocking_copies(monkeypatch):
+@pytest.mark.parametrize("sleepy", [False, True])
+def test_cuda_copy_streams_train_like_blocking_copies(monkeypatch, tmp_path, sleepy):
+    """Bit for bit, in every offload configuration; with every copy and collective held
+    back (``sleepy``), a missing wait would read stale data."""
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS
-    for stage, opts, dtype, kind, err, streaming, pinned in run_ranks(1, cuda_runs)[0]:
-        assert streaming and pinned and err < 1e-6, (stage, opts, dtype, kind, err)
+    results = run_ranks(1, cuda_runs, str(tmp_path), CUDA_CONFIGS, sleepy, timeout=600)[0]
+    for config, (err, streaming, pinned) in zip(CUDA_CONFIGS, results):
+        assert streaming and pinned and err == 0, (config, err)

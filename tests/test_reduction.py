@@ -119,3 +119,38 @@ def test_offload_lends_gradient_shards_from_the_pool():
         for stage, (lent, held, device_grad_bytes, pool_bytes) in by_stage.items():
             assert all(lent) and held == [] and device_grad_bytes == 0, (stage, lent, held)
             assert pool_bytes[1:] == pool_bytes[:1] * 3, (stage, pool_bytes)
+
+
+def zero1_runs(rank, world):
+    """ZeRO-1 with one backward per step, accumulation, and accumulation under no_sync:
+    where its reductions ran (in backward or at the step) and the parity errors."""
+    out = []
+    for accum, no_sync in ((1, False), (3, False), (3, True)):
+        ref, model = make_models()
+        ref_opt = make_optimizer("adamw", ref.parameters())
+        opt = make_optimizer("adamw", model.parameters())
+        model, opt = zf.shard_optimizer()(model, opt)
+        reducer = runtime_of(model).reducer
+        where = []
+        reduce = reducer._reduce
+        reducer._reduce = lambda u: where.append(reducer._in_backward) or reduce(u)
+        data = batches(3, accum, world)
+        train_reference(ref, ref_opt, data)
+        train_sharded(model, opt, data, rank, world, no_sync=no_sync)
+        units = sum(1 for u in runtime_of(model).units if u.trainable)
+        out.append((units, where.count(True), where.count(False),
+                    max_errors(ref, ref_opt, model, opt)))
+    return out
+
+
+def test_zero1_reduces_in_backward_when_it_is_the_steps_only_one():
+    """[Note: ZeRO-1 reduces in backward]: with one backward per step every reduction
+    overlaps backward; with accumulation the first step's early reductions are dropped and
+    the step reduces; under no_sync the last micro-batch's backward reduces, once."""
+    for rank_out in run_ranks(2, zero1_runs):
+        (u, early1, late1, e1), (_, early3, late3, e3), (_, early_ns, late_ns, e_ns) = rank_out
+        assert (early1, late1) == (3 * u, 0)
+        assert (early3, late3) == (u, 3 * u)
+        assert (early_ns, late_ns) == (3 * u, 0)
+        for p_err, s_err in (e1, e3, e_ns):
+            assert p_err < TOL and s_err < TOL, rank_out

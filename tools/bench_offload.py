@@ -12,8 +12,9 @@ gloo on cpu). Contenders, each built fresh in its own process on the same seed a
   zerofn   ZeRO-3 + mixed_precision(bf16) + offload("cpu"): fp32 masters and Adam state in
            one host arena, the step in zerofn's C++ CPU Adam.
   FSDP2    fully_shard per block and at the root, MixedPrecisionPolicy(param_dtype=bf16,
-           reduce_dtype=fp32), CPUOffloadPolicy(), torch AdamW(fused=True) on the host
-           (torch's fastest CPU AdamW, so the peer is not handicapped).
+           reduce_dtype=bf16) (zerofn reduces in bf16 too: the same bytes on the wire and
+           across PCIe), CPUOffloadPolicy(), torch AdamW(fused=True) on the host (torch's
+           fastest CPU AdamW, so the peer is not handicapped).
 
 Each run takes ``--warmup`` untimed steps, then ``--steps`` timed ones, each fenced by
 ``torch.cuda.synchronize``; the step time is their median. tokens/s = batch*context / step
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -63,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="activation checkpointing per block; auto: on for --find-largest only")
     p.add_argument("--offload-params", action="store_true",
                    help="zerofn: offload('cpu', params=True), ZeRO-3 param shards on the host too")
+    p.add_argument("--nvme", metavar="DIR",
+                   help="zerofn: offload('nvme', path=DIR): masters and Adam state in a swap "
+                        "file there (with --offload-params the param shards too)")
     p.add_argument("--find-largest", action="store_true",
                    help="climb the ladder of sizes with zerofn until one fails")
     p.add_argument("--host-limit-gb", type=float,
@@ -123,17 +128,24 @@ def build(contender: str, cfg, args):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         return zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(),
                           zf.mixed_precision(torch.bfloat16),
-                          zf.offload("cpu", params=args.offload_params))(model, opt)
+                          _offload(args))(model, opt)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(args.device, (1,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     # Pinning needs an accelerator; on a CPU-only machine FSDP2 refuses pin_memory=True.
     policy = CPUOffloadPolicy(pin_memory=args.device == "cuda")
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+
+def _offload(args):
+    import zerofn as zf
+    if args.nvme:
+        return zf.offload("nvme", path=args.nvme, params=args.offload_params)
+    return zf.offload("cpu", params=args.offload_params)
 
 
 def sync(device: str) -> None:
@@ -225,7 +237,8 @@ def worker(args) -> None:
 def forwarded(args) -> list[str]:
     keys = ("device", "vocab", "context", "batch", "warmup", "steps", "checkpoint")
     flags = [a for k in keys for a in (f"--{k}", str(getattr(args, k)))]
-    return flags + (["--offload-params"] if args.offload_params else [])
+    return flags + (["--offload-params"] if args.offload_params else []) + \
+        (["--nvme", args.nvme] if args.nvme else [])
 
 
 def launch(contender: str, size: str, args) -> dict:
@@ -254,11 +267,20 @@ def mem_available() -> int:
 
 def host_need(params: int, args) -> int:
     """Host bytes zerofn offload needs, with a margin: fp32 master + Adam m, v (12 B/param),
-    the bf16 gradient landing buffer (2), bf16 param shards with --offload-params (2); on a
-    CPU device the "device" bf16 shard and gradient shard (4) are host memory too."""
-    per = 14 + 2 * args.offload_params + 4 * (args.device == "cpu")
+    the bf16 gradient landing buffer (2), bf16 param shards with --offload-params (2); with
+    --nvme only the landing buffer (the rest is in the swap file, the staging ring is a
+    few units); on a CPU device the "device" bf16 shard and gradient shard (4) are host
+    memory too."""
+    per = (2 if args.nvme else 14) + 2 * args.offload_params * (not args.nvme) \
+        + 4 * (args.device == "cpu")
     process = 3 * 2**30 if args.device == "cuda" else 2**29   # libraries, CUDA context
     return int(1.15 * per * params) + process
+
+
+def nvme_need(params: int, args) -> int:
+    """Swap-file bytes: fp32 master, exp_avg, exp_avg_sq (12 B/param), + the bf16 param
+    shards with --offload-params (2), rounded up a little for per-unit alignment."""
+    return int(1.01 * (12 + 2 * args.offload_params) * params)
 
 
 def compare(args) -> list[dict]:
@@ -279,9 +301,13 @@ def find_largest(args) -> list[dict]:
     for size in args.sizes.split(","):
         params = model_config(size, args).params()
         need = host_need(params, args)
+        disk = shutil.disk_usage(args.nvme).free if args.nvme else None
         if need > limit:
             r = dict(status="skipped", reason=f"needs ~{need / 2**30:.3g} GB host, "
                      f"{limit / 2**30:.3g} GB available")
+        elif disk is not None and nvme_need(params, args) > disk:
+            r = dict(status="skipped", reason=f"needs ~{nvme_need(params, args) / 2**30:.3g} "
+                     f"GB of NVMe, {disk / 2**30:.3g} GB free at {args.nvme}")
         else:
             r = launch("zerofn", size, args)
         r.update(contender="zerofn", size=size, params=params)
@@ -328,7 +354,8 @@ def header(rows: list[dict], args) -> str:
     env = next((r["env"] for r in rows if "env" in r), f"{args.device} (no run finished)")
     return (f"{env}, world 1; bf16 compute, AdamW; "
             f"{args.batch}x{args.context} tokens/step, vocab {args.vocab}, activation "
-            f"checkpointing {args.checkpoint}; zerofn offload('cpu'"
+            f"checkpointing {args.checkpoint}; zerofn offload("
+            f"{repr('nvme') + ', path=...' if args.nvme else repr('cpu')}"
             f"{', params=True' if args.offload_params else ''}); median of {args.steps} timed "
             f"steps after {args.warmup} warm-up; TFLOP/s = 6*N*tokens/s (model FLOPs)")
 

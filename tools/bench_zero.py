@@ -1,13 +1,22 @@
 """Step time, peak memory and traffic per rank: DDP, FSDP2 and zerofn ZeRO-1/2/3.
 
-    python3 tools/bench_zero.py                 # all configs, prints a markdown table
+    python3 tools/bench_zero.py                 # memory table, then step-time ratios
+    python3 tools/bench_zero.py --mode time --vocab 4096 --width 256 --layers 4
 
-One GPT-style model (~23M params), fp32 AdamW, 2 gloo ranks, 1 thread per rank. Every
-config runs in a fresh pair of processes (``torchrun`` per config, repeated in rotating
-order): glibc keeps freed heap, so a second config in the same process would start from
-a high-water mark it did not cause. Each worker takes its memory baseline after imports
-and process-group set-up, resets the kernel's high-water mark, builds the model, then
-runs warm-up and timed steps; the peak is the rise of VmHWM over that baseline.
+One GPT-style model (~23M params by default), fp32 AdamW, 2 gloo ranks, 1 thread per rank.
+
+Memory: every config runs in a fresh pair of processes (``torchrun`` per config, repeated
+in rotating order): glibc keeps freed heap, so a second config in the same process would
+start from a high-water mark it did not cause. Each worker takes its memory baseline
+after imports and process-group set-up, resets the kernel's high-water mark, builds the
+model, then runs warm-up and timed steps; the peak is the rise of VmHWM over that baseline.
+
+Step time: each zerofn stage and its peer (DDP for ZeRO-1/2, FSDP2 for ZeRO-3) are built
+in the same pair of processes and stepped in pairs, the order alternating (peer first,
+then zerofn first), each step timed on its own between barriers; a step's time is the
+slower rank's. The result is the median of the per-pair ratios zerofn / peer: noise from
+other work on shared cores hits both steps of a pair alike and cancels in the ratio,
+where best-of-N step times of separate runs do not.
 
 Traffic is the payload of every collective per rank per step (the full buffer of an
 all-gather or reduce-scatter, the tensor of an all-reduce), counted by wrapping the
@@ -37,7 +46,10 @@ LABEL = {"ddp": "DDP", "fsdp2": "FSDP2", "zero1": "zerofn ZeRO-1", "zero2": "zer
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=("all", "memory", "time"), default="all",
+                   help="memory: peak RSS and traffic per config; time: paired step-time ratios")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configs to run")
+    p.add_argument("--pairs", type=int, default=30, help="timed step pairs per zerofn stage")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs of every config, in rotating order, to average out noise")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
@@ -52,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the OS at once (MALLOC_MMAP_THRESHOLD_), so peak RSS shows what each "
                         "framework holds rather than what the allocator kept; slower steps")
     p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    p.add_argument("--pair-worker", choices=tuple(PEER), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -81,13 +94,13 @@ def count_collectives(counts: Counter) -> None:
             return plain(*args, **kwargs)
         setattr(dist, name, counted)
 
-    # the gathered output; the reduced tensor; on gloo zerofn gathers and reduce-scatters
-    # with one broadcast / reduce per rank's chunk (zerofn/runtime/comm.py)
-    for name in ("all_gather_into_tensor", "all_gather_single", "all_reduce", "broadcast",
-                 "reduce"):
+    # the gathered output; the reduced tensor; on gloo zerofn gathers with one broadcast
+    # per rank's chunk (zerofn/runtime/comm.py)
+    for name in ("all_gather_into_tensor", "all_gather_single", "all_reduce", "broadcast"):
         wrap(name, 0)
-    # the full input
-    for name in ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter"):
+    # the full input; on gloo zerofn reduce-scatters with an all-to-all
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter",
+                 "all_to_all_single"):
         wrap(name, 1)
 
 
@@ -124,25 +137,35 @@ def build(config: str, args):
 
 def timed_steps(model, opt, args, counts: Counter) -> tuple[list[float], int]:
     """Per-step seconds of the timed steps, and the payload bytes of the last one."""
-    import torch
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(args.vocab, (args.batch * world, args.context + 1), generator=g)
-    x, y = x[:, :-1].chunk(world)[rank].contiguous(), x[:, 1:].chunk(world)[rank].contiguous()
+    x, y = rank_batch(args)
     times = []
     for i in range(args.warmup + args.steps):
         counts.clear()
-        dist.barrier()
-        start = time.perf_counter()
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
+        seconds = one_step(model, opt, x, y)
         if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    # ZeRO-1/2 leave their parameter all-gathers for the next forward: count them in.
+            times.append(seconds)
     return times, sum(counts.values())
+
+
+def one_step(model, opt, x, y) -> float:
+    """Seconds of one training step on this rank, started together with the other ranks."""
+    import torch.distributed as dist
+    dist.barrier()
+    start = time.perf_counter()
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    return time.perf_counter() - start
+
+
+def rank_batch(args):
+    """This rank's slice of a fixed global batch."""
+    import torch
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(args.vocab, (args.batch * world, args.context + 1), generator=g)
+    return x[:, :-1].chunk(world)[rank].contiguous(), x[:, 1:].chunk(world)[rank].contiguous()
 
 
 def prime(args) -> None:
@@ -187,6 +210,54 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+def pair_worker(args) -> None:
+    """A zerofn stage and its peer in the same processes, stepped in pairs of alternating
+    order; prints each pair's slower-rank step times."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    config = args.pair_worker
+    contenders = (PEER[config], config)
+    built = {c: build(c, args) for c in contenders}
+    x, y = rank_batch(args)
+    times = {c: [] for c in contenders}
+    for i in range(args.warmup + args.pairs):
+        for c in contenders if i % 2 == 0 else contenders[::-1]:
+            seconds = one_step(*built[c], x, y)
+            if i >= args.warmup:
+                times[c].append(seconds)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, times)
+    if dist.get_rank() == 0:
+        slowest = {c: [max(r[c][i] for r in everyone) for i in range(args.pairs)]
+                   for c in contenders}
+        print("RESULT " + json.dumps(slowest), flush=True)
+    del built
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def paired_summary(config: str, times: dict) -> dict:
+    """Median step times, and the median and quartiles of the per-pair ratios."""
+    peer = PEER[config]
+    ratios = sorted(b / a for a, b in zip(times[peer], times[config]))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return dict(config=config, peer=peer, pairs=len(ratios), ratio=statistics.median(ratios),
+                q1=q[0], q3=q[2], step_ms=1e3 * statistics.median(times[config]),
+                peer_ms=1e3 * statistics.median(times[peer]))
+
+
+def paired_table(rows: list[dict]) -> str:
+    out = ["| config | step ms | peer | peer step ms | median per-pair ratio | quartiles |",
+           "|---|---:|---|---:|---:|---|"]
+    for r in rows:
+        out.append(f"| {LABEL[r['config']]} | {r['step_ms']:.1f} | {LABEL[r['peer']]} | "
+                   f"{r['peer_ms']:.1f} | {r['ratio']:.3f}× | {r['q1']:.3f}–{r['q3']:.3f} |")
+    return "\n".join(out)
+
+
 def _full_params(model):
     from torch.distributed.tensor import DTensor
     for p in model.parameters():
@@ -194,9 +265,9 @@ def _full_params(model):
 
 
 # -- launcher ----------------------------------------------------------------------------
-def launch(config: str, args) -> list[dict]:
+def launch(config: str, args, role: str = "--worker"):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           __file__, "--worker", config] + _forwarded(args)
+           __file__, role, config] + _forwarded(args)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if args.return_freed:
         # A fixed threshold also stops glibc raising it (and keeping freed blocks) after
@@ -210,7 +281,7 @@ def launch(config: str, args) -> list[dict]:
 
 
 def _forwarded(args) -> list[str]:
-    keys = ("warmup", "steps", "batch", "vocab", "width", "layers", "context")
+    keys = ("warmup", "steps", "pairs", "batch", "vocab", "width", "layers", "context")
     return [a for k in keys for a in (f"--{k}", str(getattr(args, k)))]
 
 
@@ -245,10 +316,7 @@ def table(s: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
-    args = parse_args()
-    if args.worker:
-        return worker(args)
+def memory_runs(args) -> None:
     configs = args.configs.split(",")
     runs: dict[str, list] = {c: [] for c in configs}
     for rep in range(args.repeats):
@@ -268,6 +336,31 @@ def main() -> None:
         if r["zerofn_comm_mb"]:
             print(f"\n{LABEL[config]}: zf.comm_stats says {r['zerofn_comm_mb']:.1f} MB", end="")
     print()
+
+
+def time_runs(args) -> None:
+    from zerofn.nanogpt import GPTConfig
+    stages = [c for c in args.configs.split(",") if c in PEER]
+    rows = [paired_summary(c, launch(c, args, "--pair-worker")) for c in stages]
+    params = GPTConfig(vocab=args.vocab, width=args.width, heads=args.width // 64,
+                       ffn=4 * args.width, layers=args.layers, context=args.context).params()
+    print(f"GPT {params / 1e6:.1f}M params, fp32 AdamW, 2 gloo ranks, 1 thread each, "
+          f"{args.batch}x{args.context} tokens per rank; {args.pairs} step pairs after "
+          f"{args.warmup} warm-up pairs, order alternating; a step's time is the slower "
+          "rank's\n")
+    print(paired_table(rows))
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    if args.pair_worker:
+        return pair_worker(args)
+    if args.mode in ("all", "memory"):
+        memory_runs(args)
+    if args.mode in ("all", "time"):
+        time_runs(args)
 
 
 if __name__ == "__main__":

@@ -57,9 +57,8 @@ def _local_norm(grads, norm_type: float, device: torch.device) -> torch.Tensor:
     """This rank's part of the norm, as a new fp32 tensor on ``device``: the largest
     magnitude for the inf-norm, else the sum of ``|g|**norm_type``. Host gradients of the
     Adam offload use the sums of squares their overflow check already read."""
-    if grads.deferred and norm_type == 2.0:
-        return torch.tensor([sum(sq for sq, _ in grads.host_stats())], dtype=torch.float64) \
-            .to(device, torch.float32).reshape(())
+    if grads.deferred and norm_type == 2.0:   # (made on the device: no blocking copy up)
+        return torch.full((), sum(sq for sq, _ in grads.host_stats()), device=device)
     shards = grads.present()
     if not shards:
         return torch.zeros((), device=device)

@@ -3,9 +3,19 @@
 ZeRO-2/3 reduce a unit as soon as all its gradients have been accumulated during
 backward (counted by post-accumulate-grad hooks), overlapping the rest of backward; an
 end-of-backward callback reduces units some of whose parameters got no gradient. ZeRO-1
-keeps full gradients on the parameters and reduces once, when the optimizer steps.
-Reduction averages over ranks: NCCL's reduce-scatter averages itself, elsewhere the sum
+keeps full gradients on the parameters and reduces them once per step. Reduction averages
+over ranks: NCCL's reduce-scatter averages itself, elsewhere the sum
 is divided by the world size.
+
+[Note: ZeRO-1 reduces in backward] ZeRO-1 needs the reduction of the gradients as they
+stand at the step. Reducing at the step leaves the reduction outside backward, where DDP
+overlaps its all-reduce with it; so when a backward looks like the step's only one (it is
+the first since ``zero_grad`` outside ``no_sync``, and the last step had one too), each
+unit is reduced as its gradients are complete, into a pooled shard, exactly as ZeRO-2
+does, but leaving the full gradients in place. The step then writes the shards into this
+rank's rows. Should another backward come after all (accumulation without ``no_sync``),
+the shards are stale: they are dropped and the step reduces the accumulated gradients as
+before, and from then on while steps keep taking several backwards.
 
 [Note: the reduce stream] On CUDA each reduce-scatter is issued on a side stream, after
 the compute stream's work so far (the packed gradients), and everything after it (the
@@ -46,13 +56,17 @@ class GradReducer:
         self._remaining: dict[Unit, int] = {}
         self._held: dict[Unit, list] = {}       # slots whose gradient waits on the parameter
         self._in_backward = False
+        self._reducing = False                  # this backward reduces
         self._dirty = False                     # ZeRO-1: a backward ran since the last reduce
+        # [Note: ZeRO-1 reduces in backward]
+        self._backwards = self._last_backwards = 0   # outside no_sync, this step / the last
+        self._early = False                     # the shards hold the last backward's reduction
         self._hooks = []
-        # [Note: the reduce stream], for the reductions during backward (ZeRO-1 reduces in
-        # the step, where there is no compute to overlap).
+        # [Note: the reduce stream], for the reductions during backward (at the step there
+        # is no compute to overlap).
         self.device = next((u.device for u in units if u.device is not None), None)
-        self.stream = torch.cuda.Stream(self.device) if stage >= 2 and \
-            self.device is not None and self.device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(self.device) \
+            if self.device is not None and self.device.type == "cuda" else None
         for u in units:
             for s in u.trainable:
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(
@@ -65,17 +79,12 @@ class GradReducer:
         for h in self._hooks:
             h.remove()
 
-    # -- during backward (ZeRO-2/3) ----------------------------------------------------
+    # -- during backward -------------------------------------------------------------
     def _on_grad(self, unit: Unit, slot: ParamSlot, param) -> None:
         self._dirty = True
-        if self.stage == 1:
-            return
         if not self._in_backward:
-            self._in_backward = True
-            self._remaining = {u: len(u.trainable) for u in self.units}
-            self._held = {}
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if self.no_sync:
+            self._begin_backward()
+        if not self._reducing:
             return
         self._held.setdefault(unit, []).append(slot)
         self._remaining[unit] -= 1
@@ -84,6 +93,23 @@ class GradReducer:
                 self._pack(unit, s)
         if self._remaining[unit] == 0:
             self._reduce(unit)
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._remaining = {u: len(u.trainable) for u in self.units}
+        self._held = {}
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self.stage == 1:
+            self._drop_early()   # gradients accumulate again: an earlier reduction is stale
+        if self.no_sync:
+            self._reducing = False
+            return
+        self._backwards += 1
+        # [Note: ZeRO-1 reduces in backward] while this looks like the step's only backward.
+        self._reducing = self.stage >= 2 or (self._backwards == 1 and self._last_backwards <= 1)
+        if self.stage == 1 and self._reducing:
+            for unit in self.units:
+                self._fresh[unit] = True
 
     def _worth_a_buffer(self, unit: Unit) -> bool:
         """[Note: late send buffers] A unit's first gradients can arrive long before its
@@ -95,7 +121,7 @@ class GradReducer:
         return 2 * held >= self.comm.world * unit.shard_numel
 
     def _end_backward(self) -> None:
-        for unit in self.units if not self.no_sync else ():
+        for unit in self.units if self._reducing else ():
             if self._remaining.get(unit, 0) > 0:
                 self._held.pop(unit, None)
                 for s in unit.trainable:
@@ -104,7 +130,8 @@ class GradReducer:
                 self._reduce(unit)
         self.comm.drain()
         self._join()
-        self._in_backward = False
+        self._early = self.stage == 1 and self._reducing
+        self._in_backward = self._reducing = False
         if self.on_reduced is not None:
             self.on_reduced(None)
 
@@ -118,7 +145,8 @@ class GradReducer:
                 # Backward's send buffers count against the in-flight bound while they
                 # fill, not only once their reduction starts. (ZeRO-1 packs at the step,
                 # where packing overlaps the previous unit's reduction instead.)
-                self.comm.make_room(self.comm.world * unit.shard_numel * self._dtype(unit).itemsize)
+                per_buffer = self.comm.world * unit.shard_numel * self._dtype(unit).itemsize
+                self.comm.make_room(per_buffer * (2 if self.comm.needs_scratch else 1))
             send = self.pool.take(self.comm.world * unit.shard_numel, self._dtype(unit),
                                   unit.device)
             self._send[unit] = send
@@ -132,7 +160,8 @@ class GradReducer:
 
     def _pack(self, unit: Unit, slot: ParamSlot) -> None:
         self._pack_grad(unit, slot, slot.param.grad)
-        slot.param.grad = None
+        if self.stage >= 2:     # ZeRO-1 keeps its full gradients
+            slot.param.grad = None
 
     def _reduce(self, unit: Unit) -> None:
         self._remaining[unit] = 0
@@ -143,15 +172,22 @@ class GradReducer:
                 ranks[:, s.cols].zero_()
         del self._send[unit], self._packed[unit]
         out = self._reduction_target(unit)
-        if self.stream is None:
-            work = self.comm.reduce_scatter(out, send, async_op=True)
-            self.comm.enqueue(work, send.nbytes, functools.partial(self._reduced, unit, send, out))
+        stream = self._reduce_stream()
+        buffers = [send]
+        scratch = None
+        if self.comm.needs_scratch:
+            scratch = self.pool.take(send.numel(), send.dtype, unit.device, stream)
+            buffers.append(scratch)
+        nbytes = sum(b.nbytes for b in buffers)
+        if stream is None:
+            work = self.comm.reduce_scatter(out, send, True, scratch)
+            self.comm.enqueue(work, nbytes, functools.partial(self._reduced, unit, buffers, out))
         else:   # [Note: the reduce stream]
             with self._on_stream():
-                self.comm.reduce_scatter(out, send, async_op=True).wait()
+                self.comm.reduce_scatter(out, send, True, scratch).wait()
                 spent = self._post_reduce(unit, out)
                 ready = self.stream.record_event()
-            self.comm.enqueue(None, send.nbytes, functools.partial(self._give, [send] + spent, ready))
+            self.comm.enqueue(None, nbytes, functools.partial(self._give, buffers + spent, ready))
         if self.on_reduced is not None:
             self.on_reduced(unit)
 
@@ -162,7 +198,8 @@ class GradReducer:
         fresh = self._fresh[unit] or shard is None
         self._fresh[unit] = False
         if not fresh:
-            return self.pool.take(unit.shard_numel, self._dtype(unit), unit.device, self.stream)
+            return self.pool.take(unit.shard_numel, self._dtype(unit), unit.device,
+                                  self._reduce_stream())
         if shard is None:
             shard = self._new_shard(unit)
             self.grad_shard[unit] = shard
@@ -172,8 +209,13 @@ class GradReducer:
         """ZeRO-1's reduced rows, and the lent shards of offload, come from the pool (given
         back at zero_grad); otherwise the shard is the unit's gradient memory, kept."""
         if self.stage == 1 or self.on_shard_ready is not None:
-            return self.pool.take(unit.shard_numel, self._dtype(unit), unit.device, self.stream)
+            return self.pool.take(unit.shard_numel, self._dtype(unit), unit.device,
+                                  self._reduce_stream())
         return torch.empty(unit.shard_numel, dtype=self._dtype(unit), device=unit.device)
+
+    def _reduce_stream(self):
+        """The side stream reductions run on (CUDA, during backward), else None."""
+        return self.stream if self._in_backward else None
 
     def _on_stream(self):
         """The reduce stream, ordered after the current stream's work so far."""
@@ -185,8 +227,8 @@ class GradReducer:
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
-    def _reduced(self, unit: Unit, send: torch.Tensor, out: torch.Tensor) -> None:
-        self._give([send] + self._post_reduce(unit, out))
+    def _reduced(self, unit: Unit, buffers: list[torch.Tensor], out: torch.Tensor) -> None:
+        self._give(buffers + self._post_reduce(unit, out))
 
     def _give(self, buffers: list[torch.Tensor], ready=None) -> None:
         for b in buffers:
@@ -197,11 +239,11 @@ class GradReducer:
         buffers this spent."""
         if not self.comm.averages and self.comm.world > 1:
             out.div_(self.comm.world)
-        if self.stage == 1 and out.dtype == unit.dtype:
+        if self.stage == 1 and out.dtype == unit.dtype and not self._in_backward:
             self._write_back(unit, out)
             return [out]
         if self.stage == 1:
-            return []     # a wider reduce dtype: keep the reduced shard for the step
+            return []     # written back at the step; kept for it in a wider reduce dtype
         target = self.grad_shard[unit]
         spent = []
         if out is not target:
@@ -213,12 +255,21 @@ class GradReducer:
 
     def _write_back(self, unit: Unit, out: torch.Tensor) -> None:
         """ZeRO-1: the reduced shard goes into this rank's rows of the full gradients, so no
-        gradient memory beyond the full gradients (DESIGN.md §4) outlives the reduction."""
+        gradient memory beyond the full gradients (DESIGN.md §4) outlives the step's
+        preparation; the shard goes back to the pool."""
         for s in unit.trainable:
             if s.param.grad is None:
                 s.param.grad = torch.zeros_like(s.param)
             s.rows_of(s.param.grad).copy_(s.shard_of(out))
         del self.grad_shard[unit]
+
+    def _drop_early(self) -> None:
+        """ZeRO-1: another backward after one reduced early (accumulation): its shards are
+        stale; the step reduces the accumulated gradients instead."""
+        if self._early:
+            for unit in list(self.grad_shard):
+                self.pool.give(self.grad_shard.pop(unit))
+            self._early = False
 
     # -- at the optimizer step -----------------------------------------------------------
     def sync(self) -> None:
@@ -227,7 +278,13 @@ class GradReducer:
         ZeRO-1's full gradients stay on the parameters (they accumulate there, as in plain
         PyTorch) and the reduced rows are written back into them.
         """
-        if self.stage == 1 and self._dirty:
+        if self.stage == 1 and self._dirty and self._early:
+            for unit, shard in list(self.grad_shard.items()):
+                if shard.dtype == unit.dtype:
+                    self._write_back(unit, shard)
+                    self.pool.give(shard)
+        elif self.stage == 1 and self._dirty:
+            self._drop_early()
             for unit in self.units:
                 if not unit.trainable:
                     continue
@@ -236,7 +293,7 @@ class GradReducer:
                         self._pack_grad(unit, s, s.param.grad)
                 self._fresh[unit] = True
                 self._reduce(unit)
-        self._dirty = False
+        self._dirty = self._early = False
         self.comm.drain()
         self._join()
 
@@ -256,6 +313,8 @@ class GradReducer:
         over; shards taken from the pool go back to it (the caller has waited for their
         copies to the host)."""
         lent = self.stage == 1 or self.on_shard_ready is not None
+        self._last_backwards, self._backwards = self._backwards, 0
+        self._early = False
         for unit in self.units:
             self._fresh[unit] = True
             if lent and self.grad_shard.get(unit) is not None:

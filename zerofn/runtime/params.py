@@ -15,7 +15,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .copies import CopyStreams
 from .units import Unit
 
 
@@ -34,12 +33,12 @@ class _SavedView:
 
 class ParamGatherer:
     def __init__(self, comm, pool, units: list[Unit], prefetch: int, reshard_after_forward: bool,
-                 staged: bool = False, reader=None, copies=None):
+                 copies, staged: bool = False, reader=None):
         self.comm, self.pool, self.units = comm, pool, units
         self.staged = staged
         # Parameter offload: each host shard goes to the device on the copy stream when its
         # gather starts (a prefetch, mostly), and the gather follows it there (copies.py).
-        self.copies = copies if copies is not None else CopyStreams(torch.device("cpu"), units)
+        self.copies = copies
         # Parameter offload to NVMe: staged shards come from the swap file through this
         # (nvme.ParamReads), read ahead in ``order``; else they are ``unit.shard``.
         self.reader = reader

@@ -244,7 +244,7 @@ class Runtime:
         if self.stage != 3:
             return None
         return ParamGatherer(self.comm, self.pool, self.units, self.plan.option("prefetch"),
-                             self.plan.option("reshard_after_forward"),
+                             self.plan.option("reshard_after_forward"), self.copies,
                              staged=self.plan.option("offload_params"),
                              reader=getattr(self.offload, "param_reads", None))
 

@@ -96,8 +96,9 @@ class StepGrads:
         """1 where any gradient is inf or nan, else 0 (a tensor: no sync here). Unscales the
         gradients on the way unless scaling is deferred."""
         grads = self.present()
-        if self.deferred:
-            return torch.tensor(float(not all(ok for _, ok in self.host_stats())))
+        if self.deferred:   # made on the device: a copy up from pageable memory would sync
+            return torch.full((), float(not all(ok for _, ok in self.host_stats())),
+                              device=self.device)
         found = torch.zeros((), device=self.device)
         for (device, _), group in _by_device_and_dtype(grads).items():
             flag = torch.zeros(1, device=device)

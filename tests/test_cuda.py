@@ -1,0 +1,121 @@
+"""What only a CUDA device can show about offload: host memory page-locked at its exact
+size, no host synchronization in forward and backward, and checkpoints staged through one
+page-locked buffer. Skipped without CUDA; ``tools/gpu_check.py`` runs them on a GPU
+(tests/test_offload_copies.py holds the copy-stream race tests)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zerofn as zf
+from models import batches, make_models, make_optimizer
+from multiproc import run_ranks
+from test_offload import offload_transform
+from test_parity import STAGES
+from zerofn.runtime.runtime import runtime_of
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# (stage, offload options, compute dtype): every way offload touches the device.
+OFFLOADS = [(1, {}, None), (2, {}, torch.bfloat16), (3, {}, torch.bfloat16),
+            (3, {"params": True}, torch.bfloat16), (2, {}, torch.float16),
+            (3, {"nvme": True, "params": True}, torch.bfloat16)]
+
+
+def on_nccl(path, stage, opts, dtype):
+    """A model of ``stage`` on cuda:0 over a world-1 NCCL group, with ``opts`` offload
+    (None: none)."""
+    import torch.distributed as dist
+    torch.cuda.set_device(0)
+    group = dist.new_group(backend="nccl")
+    _, model = make_models()
+    model = model.cuda()
+    opt = make_optimizer("adamw", model.parameters())
+    first, *rest = STAGES[stage]
+    extra = ([zf.mixed_precision(dtype)] if dtype else []) + \
+        ([offload_transform(dict(opts, path=path))] if opts is not None else [])
+    return zf.compose(getattr(zf, first)(group=group), *(getattr(zf, n)() for n in rest),
+                      *extra)(model, opt)
+
+
+def pinned_runs(rank, world, path):
+    import zerofn.runtime.pinned as pinned
+    out = []
+    for stage, opts, dtype in OFFLOADS:
+        before = pinned.registered_bytes()
+        model, opt = on_nccl(path, stage, opts, dtype)
+        arenas = runtime_of(model).offload.arenas()
+        pinnable = [a for a in arenas if pinned.is_registered(a.buffer)]
+        out.append((all(a.buffer.is_pinned() for a in pinnable), len(pinnable),
+                    pinned.registered_bytes() - before,
+                    sum(a.buffer.nbytes for a in pinnable)))
+    return out
+
+
+def test_offload_arenas_are_pinned_at_their_exact_size(tmp_path):
+    for config, (is_pinned, count, registered, arena_bytes) in zip(
+            OFFLOADS, run_ranks(1, pinned_runs, str(tmp_path))[0]):
+        assert is_pinned and count >= 1, config
+        # NVMe also pins its staging ring, which is not an arena
+        assert registered >= arena_bytes and (registered == arena_bytes or "nvme" in config[1])
+
+
+def sync_runs(rank, world, path):
+    """Forward and backward under sync-debug mode "error": any synchronizing CUDA call (a
+    blocking copy, an .item(), a stream synchronize) raises. Then the syncs of the step."""
+    import warnings
+    out = []
+    for stage, opts, dtype in OFFLOADS:
+        if opts.get("nvme"):
+            continue      # NVMe's reads are host I/O, and its staging buffers waited for
+        model, opt = on_nccl(path, stage, opts, dtype)
+        data = batches(3, 1, 1)
+        for i, ((x, y),) in enumerate(data):
+            x, y = x.cuda(), y.cuda()
+            torch.cuda.set_sync_debug_mode("error" if i else "default")   # 1st: set-up
+            loss = opt.scale(model(x, y))
+            loss.backward()
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+                opt.zero_grad()
+            torch.cuda.set_sync_debug_mode("default")
+        out.append(sum("synchroniz" in str(w.message) for w in caught))
+    return out
+
+
+def test_forward_and_backward_never_wait_for_the_device(tmp_path):
+    """Items 4 and 6 of issue 13: offloaded shards go up, gradient shards come down and
+    reductions finish without the host waiting; the step waits only where it must read
+    (the overflow verdict under fp16)."""
+    configs = [c for c in OFFLOADS if not c[1].get("nvme")]
+    for config, step_syncs in zip(configs, run_ranks(1, sync_runs, str(tmp_path))[0]):
+        assert step_syncs <= (1 if config[2] == torch.float16 else 0), (config, step_syncs)
+
+
+def staging_runs(rank, world, root):
+    from zerofn.checkpoint import _STAGER, save_checkpoint, wait_for_checkpoint
+    model, opt = on_nccl(root, 3, None, None)     # its state lives on the device
+    (x, y), = batches(1, 1, 1)[0]
+    model(x.cuda(), y.cuda()).backward()
+    opt.step()
+    expected = zf.get_state_dict(model, opt, full=True)
+    save_checkpoint(os.path.join(root, "ckpt"), model, opt, step=1, async_save=True)
+    staging = _STAGER._staging
+    wait_for_checkpoint()
+    save_checkpoint(os.path.join(root, "ckpt"), model, opt, step=2, async_save=True)
+    wait_for_checkpoint()
+    reused = _STAGER._staging.data_ptr() == staging.data_ptr()
+    fresh, fresh_opt = on_nccl(root, 3, None, None)
+    zf.load_checkpoint(os.path.join(root, "ckpt"), fresh, fresh_opt)
+    loaded = zf.get_state_dict(fresh, fresh_opt, full=True)
+    same = all(torch.equal(expected[0][k].cpu(), loaded[0][k].cpu()) for k in expected[0])
+    return staging.is_pinned(), reused, same
+
+
+def test_async_checkpoints_stage_device_tensors_through_one_pinned_buffer(tmp_path):
+    pinned_staging, reused, same = run_ranks(1, staging_runs, str(tmp_path))[0]
+    assert pinned_staging and reused and same
