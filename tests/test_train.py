@@ -6,7 +6,8 @@ under torchrun on a tiny model. Few jobs, each exercising several flags at once:
 - ZeRO-1 with NVMe offload and fp16 loss scaling on the CPU;
 - ZeRO-2 with gradient accumulation and activation checkpointing, interrupted by
   ``--stop-at`` and resumed, against the same run uninterrupted: the same losses and the
-  same final weights, bit for bit (compared through ``zerofn consolidate``).
+  same final weights, bit for bit (compared through ``zerofn consolidate``); then resumed
+  on one rank, and started again once finished.
 
 Settings that cannot run are refused on every rank before any collective (cheaper to
 check through ``resolve`` on spawned ranks than through torchrun). ``load_checkpoint`` on
@@ -62,6 +63,8 @@ def assert_learns(out: str, steps: int) -> dict:
     assert losses[-1] < losses[0] - 0.5, out
     val = re.search(r"validation loss (\S+)", out)
     assert val and float(val.group(1)) < losses[0], out
+    final = re.search(rf"^final loss (\S+) after {steps} steps \(ZeRO-\d, 2 ranks", out, re.M)
+    assert final and final.group(1) == logged[steps][0], out
     return logged
 
 
@@ -150,6 +153,18 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path):
     a, b = (load_file(f) for f in files)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert a.keys() == GPT(train.MODELS["tiny"]).state_dict().keys()
+    # One rank goes on from the two ranks' checkpoint (the data position and the schedule
+    # too; per-rank generator states cannot move, and this job draws from none).
+    out = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "1", *TINY,
+                          *RESUMED, "--steps", "10", "--save-dir", str(parts), "--resume"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "random generator states are not restored" in out.stdout, out.stdout
+    assert sorted(curve(out.stdout)) == [9, 10] and "1 rank on gloo" in out.stdout, out.stdout
+    # Started again once finished (a job scheduler's retry): nothing to do, and says so.
+    again = subprocess.run(out.args, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and not curve(again.stdout), again.stdout + again.stderr
+    assert f"the checkpoint in {parts} is at step 10: nothing left to train" in again.stdout
 
 
 # -- settings that cannot run: the same error on every rank --------------------------------

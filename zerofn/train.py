@@ -55,15 +55,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "already under torchrun (default: the GPU count, else 2)")
     run.add_argument("--config", help="a DeepSpeed ds_config.json: stage, precision, offload, "
                      "batch sizes, accumulation, clipping, optimizer and scheduler")
-    run.add_argument("--steps", type=int, default=200, help="optimizer steps in the whole run")
+    run.add_argument("--steps", type=int, default=200, help="optimizer steps in the whole run (default 200)")
     run.add_argument("--stop-at", type=int, help="end this run after that optimizer step "
                      "(saving a checkpoint), e.g. to fit a job's time limit; the LR "
                      "schedule still spans --steps")
-    run.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
+    run.add_argument("--seed", type=int, default=0, help="seed for weights and batches "
+                     "(default 0)")
     run.add_argument("--log-every", type=int, help="steps between progress lines when stdout "
                      "is not a terminal (config: steps_per_print; default 10)")
     run.add_argument("--eval-batches", type=int, default=8,
-                     help="global batches of held-out text for the final validation loss")
+                     help="global batches of held-out text for the final validation "
+                          "loss (default 8)")
 
     zero = p.add_argument_group("ZeRO")
     zero.add_argument("--stage", type=int, choices=(1, 2, 3), help="1 shards optimizer "
@@ -85,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     model = p.add_argument_group("model and data")
     model.add_argument("--model", choices=tuple(MODELS), default="small",
-                       help="preset: " + "; ".join(f"{k} {_millions(c)}"
+                       help="preset (default small): " + "; ".join(f"{k} {_millions(c)}"
                                                    for k, c in MODELS.items()))
     for name in SHAPE_FLAGS:
         model.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
@@ -99,7 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "data position and RNG; one path every rank sees (docs/checkpoints.md)")
     ckpt.add_argument("--save-every", type=int, help="optimizer steps between checkpoints "
                       "(default: only at the end)")
-    ckpt.add_argument("--keep", type=int, default=3, help="newest checkpoints to keep")
+    ckpt.add_argument("--keep", type=int, default=3, help="newest checkpoints to keep "
+                      "(default 3)")
     ckpt.add_argument("--resume", action="store_true", help="continue from --save-dir's "
                       "latest checkpoint, if it has one (else start afresh)")
     return p.parse_args(argv)
@@ -191,7 +194,8 @@ def resolve(args) -> Job:
                   **{k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None})
     job = Job(
         cfg=cfg,
-        stage=_first(args.stage, settings and settings.stage or None, 3),
+        # A config's stage 0 trains as ZeRO-1, as zerofn.deepspeed maps it.
+        stage=_first(args.stage, settings and max(1, settings.stage), 3),
         precision=_first(args.precision, config_precision, "fp32"),
         offload=_first(args.offload, offload.get("device"), "none"),
         # The config's parameter offload goes with its device, not with --offload's.
@@ -386,7 +390,7 @@ def gather_stats(loss: torch.Tensor, device: torch.device) -> tuple[float, int]:
     return stacked[:, 0].mean().item(), int(stacked[:, 1].max().item())
 
 
-def banner(job: Job, model, args) -> str:
+def banner(job: Job, model, opt, args) -> str:
     """Parameters, world, plan and the estimated model state per rank."""
     world = dist.get_world_size()
     n = job.cfg.params()
@@ -396,32 +400,36 @@ def banner(job: Job, model, args) -> str:
     units = len(runtime_of(model).units)
     lines = [
         f"zerofn train: GPT '{args.model}' {n:,} parameters (width {job.cfg.width}, "
-        f"{job.cfg.layers} layers, context {job.cfg.context}), {world} ranks on "
+        f"{job.cfg.layers} layers, context {job.cfg.context}), {_ranks(world)} on "
         f"{dist.get_backend()}",
         f"plan: ZeRO-{job.stage}, {job.precision} compute" +
         ("" if job.precision == "fp32" else ", fp32 masters") + f", offload {offload}, "
         f"{units} units, activation checkpointing {'on' if job.cfg.checkpoint else 'off'}",
         f"batch: {job.batch} sequences of {job.cfg.context} bytes per step ({job.grad_accum} "
-        f"x {job.micro} on each of {world} ranks); clip {job.clip or 'off'}; "
-        f"{_optimizer_name(job)}",
+        f"x {job.micro} on each of {_ranks(world)}); clip {job.clip or 'off'}; "
+        f"{_optimizer_name(job, opt)}",
     ]
-    est = estimate_placement(n, world, job.stage, PRECISIONS[job.precision],
-                             offload=job.offload, offload_params=job.offload_params)
-    lines.append("model state per rank, estimated: " + _places(est))
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):   # the estimate's optimizer
+        reduce_dtype = job.options.get("mixed_precision", {}).get("reduce_dtype")
+        est = estimate_placement(n, world, job.stage, PRECISIONS[job.precision],
+                                 reduce_dtype=reduce_dtype, offload=job.offload,
+                                 offload_params=job.offload_params)
+        lines.append("model state per rank, estimated: " + _places(est))
     return "\n".join(lines)
 
 
-def _optimizer_name(job: Job) -> str:
-    return (job.optimizer.cls.__name__ if job.optimizer else "AdamW") + \
-        (f" lr {job.lr:g}" if job.lr is not None else "") + \
-        (f", {job.scheduler.cls.__name__}" if job.scheduler else ", warm-up + cosine")
+def _optimizer_name(job: Job, opt) -> str:
+    return f"{type(opt).__name__} lr {opt.defaults['lr']:g}, " + \
+        (job.scheduler.cls.__name__ if job.scheduler else "warm-up + cosine")
 
 
 def _places(by_place: dict, compute: str | None = None) -> str:
     """``device 1.2 MiB (params .., grads .., optimizer ..) | host ...``; the measured
     place named ``compute`` (the device's type) is shown as the device."""
     parts = []
-    for place, roles in by_place.items():
+    places = sorted(by_place, key=lambda p: p not in ("device", compute))   # device first
+    for place in places:
+        roles = by_place[place]
         total = sum(roles[r] for r in ROLES)
         if not total and place != "device" and place != compute:
             continue
@@ -430,6 +438,10 @@ def _places(by_place: dict, compute: str | None = None) -> str:
         name = f"device ({place})" if place == compute else place
         parts.append(f"{name} {_mb(total)} ({detail}{extra})")
     return " | ".join(parts)
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" + "s" * (n != 1)
 
 
 def _mb(nbytes: float) -> str:
@@ -502,8 +514,16 @@ def train(args, device) -> None:
     data = Batches(train_data, args.seed, job.batch, job.cfg.context)
     start = resume(args, model, opt, sched, data)
     end = args.stop_at or args.steps
+    if start >= end:
+        if start > end:
+            raise ValueError(f"the checkpoint in {args.save_dir} is at step {start}, past the "
+                             f"end of this run (step {end}); raise --stop-at or --steps.")
+        if dist.get_rank() == 0:
+            print(f"the checkpoint in {args.save_dir} is at step {end}: nothing left to "
+                  f"train.", flush=True)
+        return
     if dist.get_rank() == 0:
-        print(banner(job, model, args), flush=True)
+        print(banner(job, model, opt, args), flush=True)
     progress = Progress(args, job, start)
     loss = torch.zeros(())
     for step in range(start, end):
@@ -546,7 +566,7 @@ def finish(args, job, model, loss, val_data, device, progress, end: int) -> None
             print(f"first loss {progress.first_loss:.4f}, validation loss {val:.4f}")
         skipped = f", {progress.skipped} skipped (fp16 overflow)" if progress.skipped else ""
         print(f"final loss {final:.4f} after {end} steps (ZeRO-{job.stage}, "
-              f"{dist.get_world_size()} ranks{skipped})", flush=True)
+              f"{_ranks(dist.get_world_size())}{skipped})", flush=True)
 
 
 def save(args, model, opt, sched, data: Batches, step: int) -> None:
@@ -558,8 +578,19 @@ def resume(args, model, opt, sched, data: Batches) -> int:
     """The step to start from: the checkpoint's under --resume, else 0."""
     if not args.resume:
         return 0
-    state = zf.load_checkpoint(args.save_dir, model, opt, sched=sched, data=data,
-                               rng=zf.RNGState())
+    extras = {"sched": sched, "data": data, "rng": zf.RNGState()}
+    try:
+        state = zf.load_checkpoint(args.save_dir, model, opt, **extras)
+    except ValueError as e:
+        if "per-rank state 'rng'" not in str(e):
+            raise
+        # Saved by another number of ranks: everything else reshards, the generators'
+        # state is per rank. Training draws from no global generator, so nothing changes.
+        del extras["rng"]
+        state = zf.load_checkpoint(args.save_dir, model, opt, **extras)
+        if dist.get_rank() == 0:
+            print("the checkpoint was saved by another number of ranks: its random "
+                  "generator states are not restored (training draws none)", flush=True)
     if state is None:
         if dist.get_rank() == 0:
             print(f"no checkpoint in {args.save_dir} yet: starting at step 0", flush=True)
