@@ -3,7 +3,7 @@
     zerofn estimate 7B --world 8                       # the stage 0-3 table, bf16 + Adam
     zerofn estimate --model 1b --world 2 --offload cpu --offload-params
 
-The formulas are those of docs/design.md ("Memory"), the same accounting
+The formulas are those of docs/design.md (section 4), the same accounting
 ``zf.model_state_bytes`` measures on a live model: Ψ parameters, N ranks, compute dtype of
 c bytes, masters and optimizer state in fp32.
 """
