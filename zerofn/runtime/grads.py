@@ -50,6 +50,7 @@ class GradReducer:
         self.on_shard_ready = None
         self.no_sync = False
         self.grad_shard: dict[Unit, torch.Tensor | None] = {}   # made at the first reduction
+        self._kept: dict[Unit, torch.Tensor] = {}   # ZeRO-2/3 without offload: their memory
         self._fresh = {u: True for u in units}  # next reduction overwrites instead of adds
         self._send: dict[Unit, torch.Tensor] = {}
         self._packed: dict[Unit, set] = {}      # slots whose gradient is in the send buffer
@@ -207,11 +208,20 @@ class GradReducer:
 
     def _new_shard(self, unit: Unit) -> torch.Tensor:
         """ZeRO-1's reduced rows, and the lent shards of offload, come from the pool (given
-        back at zero_grad); otherwise the shard is the unit's gradient memory, kept."""
+        back at zero_grad); otherwise the shard is the unit's gradient memory, kept: every
+        unit's is a view of one buffer per dtype, made at the first reduction (one large
+        allocation, where one per unit in backward would fragment the host heap among the
+        activations)."""
         if self.stage == 1 or self.on_shard_ready is not None:
             return self.pool.take(unit.shard_numel, self._dtype(unit), unit.device,
                                   self._reduce_stream())
-        return torch.empty(unit.shard_numel, dtype=self._dtype(unit), device=unit.device)
+        if not self._kept:
+            for dtype in {self._dtype(u) for u in self.units}:
+                mine = [u for u in self.units if self._dtype(u) == dtype]
+                flat = torch.empty(sum(u.shard_numel for u in mine), dtype=dtype,
+                                   device=unit.device)
+                self._kept.update(zip(mine, flat.split([u.shard_numel for u in mine])))
+        return self._kept[unit]
 
     def _reduce_stream(self):
         """The side stream reductions run on (CUDA, during backward), else None."""
