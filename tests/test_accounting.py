@@ -1,4 +1,4 @@
-"""Model-state bytes equal DESIGN.md §4's fp32 formulas; traffic is 2Ψ (ZeRO-1/2) or 3Ψ (ZeRO-3)."""
+"""Model-state bytes equal docs/design.md's fp32 formulas; traffic is 2Ψ (ZeRO-1/2) or 3Ψ (ZeRO-3)."""
 from __future__ import annotations
 
 import pytest

@@ -217,6 +217,11 @@ def _check_checkpoints(rank, world, engine, loader, ckpt):
     assert side == os.path.join(ckpt, "side") and fresh.global_steps == 3
     with pytest.warns(deepspeed.DeepSpeedConfigWarning, match="no .*latest"):
         assert fresh.load_checkpoint(os.path.join(ckpt, "missing")) == (None, None)
+    if rank == 0:
+        os.makedirs(os.path.join(ckpt, "empty"))              # a tag dir with no checkpoint
+    dist.barrier()
+    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+        fresh.load_checkpoint(ckpt, tag="empty")
 
 
 def _check_fp16(rank, world, ckpt):

@@ -2,7 +2,7 @@
 elements each kind of collective carried in the last optimizer step.
 
 Bytes are measured from the tensors that exist (unique storages), not computed from a
-formula, so they are a fair check of the formulas in DESIGN.md §4.
+formula, so they are a fair check of the formulas in docs/design.md.
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
         return estimate.main(rest, prog="zerofn estimate")
     if command == "consolidate":
         from . import consolidate
-        return consolidate.main(rest)
+        return consolidate.main(rest, prog="zerofn consolidate")
     if command == "convert":
         return _convert(rest)
     print(f"zerofn: unknown command {command!r}; the commands are train, estimate, "

@@ -95,9 +95,9 @@ def _read_full(path: str) -> dict[str, torch.Tensor]:
     return sd
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zerofn.consolidate",
-                                     description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str = "python -m zerofn.consolidate") -> int:
+    """The command line; ``prog`` names it in the help (the ``zerofn`` script passes its own)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     full = sub.add_parser("to-full", help="checkpoint -> one full state dict file")
     full.add_argument("checkpoint", help="a checkpoint root (uses its 'latest') or directory")

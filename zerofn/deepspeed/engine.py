@@ -399,6 +399,9 @@ class DeepSpeedEngine(nn.Module):
         with_optimizer = load_optimizer_states and not load_module_only
         loaded = zf_load_checkpoint(path, self.module, self.optimizer if with_optimizer else None,
                                     **extras)
+        if loaded is None:
+            raise FileNotFoundError(f"{path} holds no complete checkpoint (an unfinished save, "
+                                    "or not written by save_checkpoint); pick another tag.")
         if not load_module_only:
             for name, value in loaded["engine"].items():
                 setattr(self, name, value)

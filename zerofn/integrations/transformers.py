@@ -168,7 +168,8 @@ class ZeroTrainer(transformers.Trainer):
                              "by ZeroTrainer, so it holds no sharded optimizer state to resume "
                              "from. Load its weights with zerofn.load_pretrained instead.")
         rt = runtime_of(self.model)
-        zf_checkpoint.load_checkpoint(state, self.model, rt.optimizer, sched=self.lr_scheduler)
+        _loaded(zf_checkpoint.load_checkpoint(state, self.model, rt.optimizer,
+                                              sched=self.lr_scheduler), state)
 
     def _load_best_model(self):
         self._load_weights(self.state.best_model_checkpoint)
@@ -178,7 +179,7 @@ class ZeroTrainer(transformers.Trainer):
         ``save_only_model``), else the Hugging Face files."""
         state = os.path.join(checkpoint, STATE_DIR)
         if os.path.isdir(state):
-            zf_checkpoint.load_checkpoint(state, self.model)
+            _loaded(zf_checkpoint.load_checkpoint(state, self.model), state)
         else:
             load_pretrained(self.model, checkpoint)
 
@@ -233,3 +234,11 @@ def _ensure_process_group(device: torch.device) -> None:
         raise RuntimeError("WORLD_SIZE > 1 but no process group: launch with torchrun.")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _loaded(result, state: str):
+    """``load_checkpoint`` finds nothing in a directory an unfinished save left behind."""
+    if result is None:
+        raise FileNotFoundError(f"{state} holds no complete zerofn checkpoint (an unfinished "
+                                "save?); resume from another checkpoint-N.")
+    return result
