@@ -4,6 +4,7 @@ page-locked buffer. Skipped without CUDA; ``tools/gpu_check.py`` runs them on a 
 (tests/test_offload_copies.py holds the copy-stream race tests)."""
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -44,6 +45,8 @@ def pinned_runs(rank, world, path):
     import zerofn.runtime.pinned as pinned
     out = []
     for stage, opts, dtype in OFFLOADS:
+        model = opt = None
+        gc.collect()     # the last config's runtime (a cycle with its model) unpins now
         before = pinned.registered_bytes()
         model, opt = on_nccl(path, stage, opts, dtype)
         arenas = runtime_of(model).offload.arenas()

@@ -1,0 +1,103 @@
+"""tools/gpu_check.py's CPU-exercisable parts: its arguments, the report (the plan while
+nothing has run; figures, failures and goal verdicts from results), a failing part that
+does not stop the next, the overlap arithmetic of its profile, and its parity code path at
+world 3 with CPU tensors."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tools"))
+import gpu_check as gc  # noqa: E402
+
+
+def test_parts_run_in_the_order_given_and_unknown_ones_are_refused(capsys):
+    assert gc.parse_args(["--parts", "parity, race"]).parts == ["parity", "race"]
+    assert gc.parse_args([]).parts == gc.PART_NAMES
+    with pytest.raises(SystemExit):
+        gc.parse_args(["--parts", "tests,speed"])
+    assert "unknown part(s) speed" in capsys.readouterr().err
+
+
+def test_the_plan_lists_every_part_and_measures_nothing(tmp_path, monkeypatch):
+    report = tmp_path / "gpu.md"
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--plan", "--report", str(report),
+                                      "--results", str(tmp_path / "r.json")])
+    gc.main()
+    text = report.read_text()
+    assert text.startswith("# zerofn on a GPU") and "**Not yet run.**" in text
+    assert all(f"**{p.name}**" in text for p in gc.PARTS)
+    assert text.count("not measured") == 4 and "tokens/s |" not in text
+
+
+RESULTS = {
+    "env": dict(device="NVIDIA H100 80GB HBM3", device_gb=79.1, cpus=16, host_gb=125.8,
+                torch="2.11.0+cu128", cuda="12.8", python="3.11.7", commit="abc1234",
+                date="2026-11-23 10:00 UTC"),
+    "parts": {
+        "compare": dict(status="ok", seconds=201.0, figures={"ratio": 1.62},
+                        lines=["| 2048x24 (1.3B) | zerofn offload | 9,000 | 70.1 |",
+                               "2048x24: zerofn/FSDP2 = 1.62×, meets the 1.5× target"]),
+        "largest": dict(status="ok", seconds=280.0,
+                        figures={"params": 7.05e9, "tokens_per_s": 4100.0, "tflops": 173.0},
+                        lines=["largest that trained: 4096x34 = 7.05B params"]),
+        "race": dict(status="failed", seconds=40.0, lines=["pytest: 1 failed"],
+                     detail="AssertionError: ((3, 'adamw', {}, None), 0.25)"),
+    },
+}
+
+
+def test_the_report_holds_the_device_each_part_and_the_goal_verdicts():
+    text = gc.render(RESULTS)
+    assert "NVIDIA H100 80GB HBM3" in text and "torch 2.11.0+cu128" in text
+    assert "| offload('cpu') tokens/s / FSDP2 CPUOffloadPolicy, matched dtypes | ≥ 1.5× | " \
+           "1.62× | meets |" in text
+    assert "| ≥ 7B | 7.05B | meets |" in text and "| ≥ 300 | 173 | misses |" in text
+    assert "| ≥ 13B | — | not measured |" in text
+    assert "### 3. race: failed (40 s)" in text and "AssertionError: ((3" in text
+    assert "### 1. build: not run yet" in text
+    assert "| 2048x24 (1.3B) | zerofn offload | 9,000 | 70.1 |" in text   # tables as they are
+
+
+def test_a_failing_part_is_recorded_and_the_next_still_runs(tmp_path, monkeypatch):
+    def broken(args):
+        raise RuntimeError("no CUDA device")
+
+    monkeypatch.setitem(gc.PART_RUNNERS, "build", broken)
+    monkeypatch.setitem(gc.PART_RUNNERS, "tests",
+                        lambda args: dict(status="ok", figures={"passed": 5}, lines=["5 passed"]))
+    results, report = tmp_path / "r.json", tmp_path / "gpu.md"
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--parts", "build,tests", "--results",
+                                      str(results), "--report", str(report)])
+    gc.main()
+    parts = json.loads(results.read_text())["parts"]
+    assert parts["build"]["status"] == "failed" and "no CUDA device" in parts["build"]["lines"][0]
+    assert parts["tests"]["status"] == "ok"
+    text = report.read_text()
+    assert "### 1. build: failed" in text and "### 2. tests: ok" in text
+    # A later invocation adds to the results instead of starting over.
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--parts", "tests", "--results",
+                                      str(results), "--report", str(report)])
+    gc.main()
+    assert set(json.loads(results.read_text())["parts"]) == {"build", "tests"}
+
+
+def test_copy_overlap_is_the_covered_share_of_the_copies():
+    assert gc._covered([(0, 10)], [(5, 20)]) == 0.5
+    assert gc._covered([(0, 10), (20, 30)], [(0, 4), (2, 6), (25, 40)]) == (6 + 5) / 20
+    assert math.isnan(gc._covered([], [(0, 1)]))
+
+
+def test_parity_at_world_3_with_cpu_tensors():
+    """The GPU part runs this with CUDA tensors; rows of the parity model do not divide
+    by 3."""
+    configs = [(3, "adamw", 2, {"clip": 0.05}), (2, "adamw", 1, {"offload": {}})]
+    result = gc.parity((3,), "cpu", configs)
+    assert result["status"] == "ok", result["lines"]
+    assert len(result["figures"]) == 2 and all(e < gc.TOL for v in result["figures"].values()
+                                               for e in v)

@@ -1,0 +1,657 @@
+"""The one command for a lent GPU: what zerofn's CUDA path does that a CPU cannot show.
+
+    python tools/gpu_check.py                            # every part (~25 min of device time)
+    python tools/gpu_check.py --parts build,tests,race   # some parts; results accumulate
+    python tools/gpu_check.py --plan                     # docs/gpu.md as "not yet run"
+
+It runs offline on a machine with a CUDA build of torch (2.11 or later) installed and no
+package index. Each part is recorded whether it passes or fails, and a failure does not
+stop the parts after it; docs/gpu.md is rewritten from every result so far after each
+part, so a run cut short still leaves a report. Results accumulate in ``--results`` (JSON,
+kept between invocations), so the parts can be run a few at a time under a per-command
+time limit. ``--copy-to DIR`` also copies the report, the results and the profiler trace
+there. Nothing in the report is written by hand: every figure comes from a run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS, TESTS = os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests")
+REPORT = os.path.join(ROOT, "docs", "gpu.md")
+RESULTS = os.path.join(ROOT, "build", "gpu_check", "results.json")
+TOL = 1e-5                     # parity, as tests/test_parity.py
+COMPARE_SIZE = "2048x24"       # zerofn against FSDP2 (and DeepSpeed)
+LARGE_CPU = "4096x34"          # 7.05B parameters: the >= 7B goal with Adam on the host
+NVME_LADDER = ("5120x41", "4096x34", "3072x32", "2048x24")   # 13.2B first: the 13B goal
+GOALS = {"ratio": 1.5, "largest_cpu": 7e9, "largest_nvme": 13e9, "tflops_7b": 300.0}
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    minutes: float      # the part's time limit
+    what: str           # what it runs and shows, for the plan and the report
+
+
+PARTS = [
+    Part("build", 3, "`pip install --no-build-isolation --no-deps -e .` builds the C++ CPU Adam; "
+         "the kernel's instruction set and threads are recorded."),
+    Part("tests", 3, "The CUDA tests: `tests/test_cuda.py` (offload arenas page-locked at "
+         "their exact size; forward and backward under `torch.cuda.set_sync_debug_mode('error')`"
+         " and the synchronizations of a step; async checkpoints staged through one pinned "
+         "buffer) and `tests/test_offload_copies.py`'s copy streams against blocking copies, "
+         "bit for bit, in every offload configuration."),
+    Part("race", 5, "Race stress: the same comparison with every copy on the side streams and "
+         "every collective held back by a ~1 ms spin (`torch.cuda._sleep`), which a missing "
+         "wait turns into stale data; then once without spins under "
+         "`TORCH_CUDA_SANITIZER=1`."),
+    Part("parity", 2, "Parity with plain PyTorch on the same device, worlds 2 and 3 sharing "
+         "the one GPU over gloo with CUDA tensors (rows not divisible by the world): ZeRO-1/2/3, "
+         "accumulation, clipping, SGD, and offload('cpu') with params=True."),
+    Part("profile", 2, "One ZeRO-3 + bf16 + offload('cpu') step of a 1024x8 GPT (and params="
+         "True): host synchronizations per step (sync debug mode), and from a torch.profiler "
+         "trace the share of device-to-host copy time overlapping compute kernels (backward) "
+         "and of host-to-device copy time overlapping CPU Adam."),
+    Part("compare", 4, f"`tools/bench_offload.py --sizes {COMPARE_SIZE}`: zerofn offload('cpu') "
+         "against FSDP2 CPUOffloadPolicy, both bf16 compute and bf16 reduction, tokens/s and "
+         "TFLOP/s."),
+    Part("largest", 5, f"`bench_offload.py --find-largest --sizes {LARGE_CPU}` (7.05B "
+         "parameters, fp32 master and Adam state on the host, activation checkpointing)."),
+    Part("nvme", 4, "`bench_offload.py --find-largest --nvme DIR`: the largest of "
+         f"{', '.join(NVME_LADDER)} whose swap file fits the disk (13.2B needs ~150 GB)."),
+    Part("deepspeed", 3, f"DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU, bf16) on "
+         f"the {COMPARE_SIZE} model, when a DeepSpeed wheel is carried along "
+         "(`--deepspeed-wheel`, or a `deepspeed-*.whl` under `shared/` or `wheels/`)."),
+]
+PART_NAMES = [p.name for p in PARTS]
+LIMIT = {p.name: 60 * p.minutes for p in PARTS}     # seconds
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default=",".join(PART_NAMES),
+                   help=f"comma-separated parts to run, in order: {', '.join(PART_NAMES)}")
+    p.add_argument("--plan", action="store_true",
+                   help="write the report as 'not yet run', listing what the check runs")
+    p.add_argument("--results", default=RESULTS, help="JSON the results accumulate in")
+    p.add_argument("--report", default=REPORT, help="the markdown report to write")
+    p.add_argument("--copy-to", metavar="DIR", help="also copy report, results and trace here")
+    p.add_argument("--fresh", action="store_true", help="forget earlier results first")
+    p.add_argument("--nvme-dir", default=os.path.join(ROOT, "build", "gpu_check", "nvme"),
+                   help="where the NVMe part puts its swap file")
+    p.add_argument("--deepspeed-wheel", help="a DeepSpeed wheel to install (offline)")
+    p.add_argument("--worker", choices=("profile", "deepspeed"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.parts = [s.strip() for s in args.parts.split(",") if s.strip()]
+    unknown = [s for s in args.parts if s not in PART_NAMES]
+    if unknown:
+        p.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PART_NAMES)}")
+    return args
+
+
+# -- running commands --------------------------------------------------------------------
+def run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
+    """``(exit status, stdout+stderr)``; a timeout is status 124 with what was printed."""
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+        return done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"") + (e.stderr or b"")
+        return 124, (out.decode(errors="replace") if isinstance(out, bytes) else out) + \
+            f"\n(timed out after {timeout:.0f} s)"
+
+
+def tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def pytest_result(rc: int, out: str) -> dict:
+    """Pass/fail counts and the failing tests from pytest's summary."""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", out)}
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    ok = rc == 0 and counts.get("passed", 0) > 0 and not counts.get("skipped")
+    return dict(status="ok" if ok else "failed", figures=counts,
+                lines=[f"pytest: {', '.join(f'{v} {k}' for k, v in counts.items()) or 'no summary'}"]
+                + [f"failed: `{f}`" for f in failed],
+                detail=None if ok else tail(out, 30))
+
+
+def pytest(targets: list[str], timeout: float, env: dict | None = None) -> dict:
+    rc, out = run([sys.executable, "-m", "pytest", "-q", "-rfEs", *targets], timeout, env)
+    return pytest_result(rc, out)
+
+
+# -- parts -------------------------------------------------------------------------------
+def part_build(args) -> dict:
+    rc, out = run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
+                   "-e", "."], LIMIT["build"])
+    if rc:
+        return dict(status="failed", lines=["the build failed"], detail=tail(out, 30))
+    rc, out = run([sys.executable, "-c", "import json, zerofn.optim as o; "
+                   "print(json.dumps(o.kernel_info()))"], 120)
+    if rc:
+        return dict(status="failed", lines=["built, but zerofn._C does not load"],
+                    detail=tail(out))
+    info = json.loads(out.strip().splitlines()[-1])
+    return dict(status="ok", figures=info,
+                lines=[f"CPU Adam kernels: {info.get('isa')} ({info.get('threads')} threads)"])
+
+
+CUDA_TESTS = ["tests/test_cuda.py",
+              "tests/test_offload_copies.py::test_cuda_copy_streams_train_like_blocking_copies[False]"]
+SLEEPY_TEST = "tests/test_offload_copies.py::test_cuda_copy_streams_train_like_blocking_copies[True]"
+
+
+def part_tests(args) -> dict:
+    return pytest(CUDA_TESTS, LIMIT["tests"])
+
+
+def part_race(args) -> dict:
+    held = pytest([SLEEPY_TEST], LIMIT["race"] / 2)
+    sanitized = pytest([CUDA_TESTS[1]], LIMIT["race"] / 2, {"TORCH_CUDA_SANITIZER": "1"})
+    ok = held["status"] == sanitized["status"] == "ok"
+    return dict(status="ok" if ok else "failed",
+                figures=dict(held_back=held["figures"], sanitizer=sanitized["figures"]),
+                lines=["copies and collectives held back: " + "; ".join(held["lines"]),
+                       "under TORCH_CUDA_SANITIZER=1: " + "; ".join(sanitized["lines"])],
+                detail="\n\n".join(d for d in (held["detail"], sanitized["detail"]) if d) or None)
+
+
+# (stage, optimizer, micro-batches per step, options): every option of the parity matrix
+# that differs on a device, with rows not divisible by 3.
+PARITY_CONFIGS = [(1, "adamw", 2, {"clip": 0.05}), (2, "adamw", 2, {"clip": 0.05}),
+                  (3, "adamw", 2, {"clip": 0.05}), (3, "sgd", 1, {}),
+                  (2, "adamw", 1, {"offload": {}}),
+                  (3, "adamw", 2, {"offload": {"params": True}, "clip": 0.05})]
+
+
+def parity_rank(rank, world, device: str, configs) -> list[tuple[float, float]]:
+    """Each config trained sharded over the world's gloo group on ``device`` (every rank on
+    the same GPU for cuda) and as plain PyTorch on the same device: the largest
+    differences of the full params and of the optimizer state."""
+    import torch
+
+    import zerofn as zf
+    from models import batches, make_models, make_optimizer
+    from test_parity import STAGES, train_reference, train_sharded
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    out = []
+    for stage, kind, accum, opts in configs:
+        ref, model = make_models()
+        ref, model = ref.to(device), model.to(device)
+        ref_opt = make_optimizer(kind, ref.parameters())
+        opt = make_optimizer(kind, model.parameters())
+        extra = [zf.offload("cpu", **opts["offload"])] if "offload" in opts else []
+        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), *extra)(model, opt)
+        data = [[(x.to(device), y.to(device)) for x, y in micro]
+                for micro in batches(3, accum, world)]
+        train_reference(ref, ref_opt, data, opts.get("clip"))
+        train_sharded(model, opt, data, rank, world, opts.get("clip"))
+        out.append(_state_errors(ref, ref_opt, *zf.get_state_dict(model, opt, full=True)))
+    return out
+
+
+def _state_errors(ref, ref_opt, msd, osd) -> tuple[float, float]:
+    import torch
+    p_err = max((msd[k].cpu().float() - v.cpu().float()).abs().max().item()
+                for k, v in ref.state_dict().items())
+    names = {p: n for n, p in ref.named_parameters()}
+    s_err = max(((osd["state"][names[p]][k].cpu() - v.cpu()).abs().max().item()
+                 for p, st in ref_opt.state.items() for k, v in st.items()
+                 if torch.is_tensor(v) and v.dim()), default=0.0)
+    return p_err, s_err
+
+
+def parity(worlds, device: str, configs=PARITY_CONFIGS) -> dict:
+    sys.path[:0] = [p for p in (TESTS, TOOLS) if p not in sys.path]
+    from multiproc import run_ranks
+    figures, lines, ok = {}, [], True
+    for world in worlds:
+        per_rank = run_ranks(world, parity_rank, device, configs, timeout=600)
+        worst = [tuple(map(max, zip(*errs))) for errs in zip(*per_rank)]
+        for config, (p_err, s_err) in zip(configs, worst):
+            good = p_err < TOL and s_err < TOL
+            ok &= good
+            name = f"world {world}, ZeRO-{config[0]} {config[1]} x{config[2]} " + \
+                " ".join(f"{k}={v}" for k, v in config[3].items())
+            figures[name] = [p_err, s_err]
+            lines.append(f"{'ok' if good else 'FAILS'} {name}: params {p_err:.2e}, "
+                         f"optimizer state {s_err:.2e} (tolerance {TOL:g})")
+    return dict(status="ok" if ok else "failed", figures=figures, lines=lines)
+
+
+def part_parity(args) -> dict:
+    return parity((2, 3), "cuda")
+
+
+def part_profile(args) -> dict:
+    trace_dir = os.path.dirname(args.results)
+    rc, out = run([sys.executable, os.path.abspath(__file__), "--worker", "profile",
+                   "--results", args.results], LIMIT["profile"])
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+    if rc or line is None:
+        return dict(status="failed", lines=["the profiled step did not finish"],
+                    detail=tail(out, 30))
+    runs = json.loads(line[len("RESULT "):])
+    lines = []
+    for r in runs:
+        lines.append(f"{r['name']}: step {r['step_ms']:.0f} ms; host synchronizations in "
+                     f"forward+backward {r['syncs_fwd_bwd']}, in the step {r['syncs_step']}; "
+                     f"device-to-host copy time overlapping compute kernels "
+                     f"{100 * r['d2h_overlap']:.0f} % ({r['d2h_ms']:.1f} ms of copies); "
+                     f"host-to-device copy time overlapping CPU Adam "
+                     f"{100 * r['h2d_overlap_adam']:.0f} % ({r['h2d_ms']:.1f} ms)")
+    lines.append(f"trace: `{os.path.relpath(os.path.join(trace_dir, 'profile_trace.json'), ROOT)}`")
+    return dict(status="ok", figures={r["name"]: r for r in runs}, lines=lines)
+
+
+def bench(flags: list[str], seconds: float) -> tuple[int, str, list[str]]:
+    rc, out = run([sys.executable, os.path.join(TOOLS, "bench_offload.py"), "--device", "cuda",
+                   *flags], seconds)
+    table = [ln for ln in out.splitlines() if ln.startswith("|")]
+    return rc, out, table
+
+
+def part_compare(args) -> dict:
+    rc, out, table = bench(["--sizes", COMPARE_SIZE, "--steps", "5", "--warmup", "2",
+                            "--timeout", str(int(LIMIT["compare"] / 2))], LIMIT["compare"])
+    ratio = re.search(r"zerofn/FSDP2 = ([\d.]+)×", out)
+    figures = {"ratio": float(ratio.group(1))} if ratio else {}
+    figures.update(_row_figures(table, "zerofn offload"))
+    fsdp2 = _row_figures(table, "FSDP2 CPUOffload")
+    figures.update({f"fsdp2_{k}": v for k, v in fsdp2.items()})
+    ok = rc == 0 and ratio is not None
+    return dict(status="ok" if ok else "failed", figures=figures,
+                lines=table + [ln for ln in out.splitlines() if "zerofn/FSDP2" in ln],
+                detail=None if ok else tail(out))
+
+
+def _row_figures(table: list[str], label: str) -> dict:
+    """tokens/s and TFLOP/s of the first table row of ``label``."""
+    for row in table:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) > 3 and cells[1] == label:
+            try:
+                return {"tokens_per_s": float(cells[2].replace(",", "")),
+                        "tflops": float(cells[3]), "size": cells[0]}
+            except ValueError:
+                return {"size": cells[0], "failure": cells[2]}
+    return {}
+
+
+def part_largest(args) -> dict:
+    return _largest(["--find-largest", "--sizes", LARGE_CPU], LIMIT["largest"])
+
+
+def part_nvme(args) -> dict:
+    os.makedirs(args.nvme_dir, exist_ok=True)
+    free = shutil.disk_usage(args.nvme_dir).free
+    sys.path.insert(0, TOOLS)
+    import bench_offload as bo
+    bargs = bo.parse_args(["--device", "cuda"])
+    need = {s: bo.nvme_need(bo.model_config(s, bargs).params(), bargs) for s in NVME_LADDER}
+    fits = [s for s in NVME_LADDER if need[s] <= free]
+    lines = [f"{free / 2**30:.0f} GB free at the NVMe directory; the swap file of "
+             f"{NVME_LADDER[0]} (13B) needs ~{need[NVME_LADDER[0]] / 2**30:.0f} GB"]
+    if not fits:
+        return dict(status="failed", lines=lines + ["no size of the ladder fits the disk"])
+    result = _largest(["--find-largest", "--nvme", args.nvme_dir, "--sizes", fits[0]],
+                      LIMIT["nvme"])
+    result["lines"] = lines + result["lines"]
+    return result
+
+
+def _largest(flags: list[str], seconds: float) -> dict:
+    rc, out, table = bench(flags + ["--timeout", str(int(seconds - 30))], seconds)
+    summary = next((ln for ln in out.splitlines() if ln.startswith("largest that trained")), "")
+    m = re.search(r"= ([\d.]+)([BM]) params, ([\d,]+) tokens/s, ([\d.e+-]+) TFLOP/s", summary)
+    figures = {"params": float(m.group(1)) * (1e9 if m.group(2) == "B" else 1e6),
+               "tokens_per_s": float(m.group(3).replace(",", "")),
+               "tflops": float(m.group(4))} if m else {}
+    return dict(status="ok" if m else "failed", figures=figures,
+                lines=table + ([summary] if summary else []),
+                detail=None if m else tail(out))
+
+
+def part_deepspeed(args) -> dict:
+    found = _deepspeed_available(args)
+    if found is not True:
+        return dict(status="skipped", lines=[found])
+    rc, out = run([sys.executable, os.path.abspath(__file__), "--worker", "deepspeed"],
+                  LIMIT["deepspeed"])
+    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+    if rc or line is None:
+        return dict(status="failed", lines=["DeepSpeed did not finish a step"],
+                    detail=tail(out, 30))
+    r = json.loads(line[len("RESULT "):])
+    return dict(status="ok", figures=r,
+                lines=[f"DeepSpeed {r['version']} ZeRO-Offload, {COMPARE_SIZE}: "
+                       f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops']:.3g} TFLOP/s, "
+                       f"step {1e3 * r['step_s']:.0f} ms"])
+
+
+def _deepspeed_available(args) -> bool | str:
+    """True once ``import deepspeed`` works (installing a carried wheel offline first),
+    else why not."""
+    if run([sys.executable, "-c", "import deepspeed"], 300)[0] == 0:
+        return True
+    wheel = args.deepspeed_wheel or os.environ.get("ZEROFN_DEEPSPEED_WHEEL") or next(
+        iter(sorted(glob.glob(os.path.join(ROOT, "shared", "**", "deepspeed-*.whl"),
+                              recursive=True) + glob.glob(os.path.join(ROOT, "wheels",
+                                                                       "deepspeed-*.whl")))),
+        None)
+    if wheel is None:
+        return "no DeepSpeed installed and no wheel carried along: not run"
+    rc, out = run([sys.executable, "-m", "pip", "install", "--no-index", "--find-links",
+                   os.path.dirname(os.path.abspath(wheel)), wheel], 600)
+    if rc or run([sys.executable, "-c", "import deepspeed"], 300)[0]:
+        return f"the carried wheel {os.path.basename(wheel)} did not install: {tail(out, 3)}"
+    return True
+
+
+PART_RUNNERS = {"build": part_build, "tests": part_tests, "race": part_race,
+                "parity": part_parity, "profile": part_profile, "compare": part_compare,
+                "largest": part_largest, "nvme": part_nvme, "deepspeed": part_deepspeed}
+
+
+# -- workers (their own processes: CUDA and NCCL state start fresh) ----------------------
+def profile_worker(args) -> None:
+    import warnings
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    sys.path.insert(0, TOOLS)
+    import bench_offload as bo
+
+    import zerofn as zf
+    from zerofn.nanogpt import GPT
+    bo.init_world_1("cuda")
+    bargs = bo.parse_args(["--device", "cuda", "--sizes", "1024x8"])
+    cfg = bo.model_config("1024x8", bargs)
+    runs = []
+    for params in (False, True):
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt = zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(),
+                                zf.mixed_precision(torch.bfloat16),
+                                zf.offload("cpu", params=params))(model, opt)
+        tokens = torch.randint(cfg.vocab, (4, bargs.batch, cfg.context + 1), device="cuda")
+
+        def step(i, between=lambda: None):
+            loss = model(tokens[i, :, :-1], tokens[i, :, 1:])
+            loss.backward()
+            between()
+            opt.step()
+            opt.zero_grad()
+
+        step(0)
+        step(1)
+        torch.cuda.synchronize()
+        counts = {}
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(2, lambda: counts.setdefault("fwd_bwd", len(caught)))
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            step(3)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        name = f"1024x8 bf16 offload('cpu'{', params=True' if params else ''})"
+        if not params:
+            prof.export_chrome_trace(os.path.join(os.path.dirname(args.results),
+                                                  "profile_trace.json"))
+        runs.append(dict(name=name, step_ms=1e3 * seconds, syncs_fwd_bwd=counts["fwd_bwd"],
+                         syncs_step=len(caught) - counts["fwd_bwd"], **overlaps(prof.events())))
+        del model, opt
+    print("RESULT " + json.dumps(runs), flush=True)
+
+
+def overlaps(events) -> dict:
+    """From profiler events: total device-to-host and host-to-device copy time, the share
+    of the first overlapping compute kernels, and of the second overlapping CPU Adam."""
+    def spans(pred):
+        return [(e.time_range.start, e.time_range.end) for e in events if pred(e)]
+
+    def is_gpu(e):
+        return e.device_type.name == "CUDA"
+    d2h = spans(lambda e: is_gpu(e) and "Memcpy DtoH" in e.name)
+    h2d = spans(lambda e: is_gpu(e) and "Memcpy HtoD" in e.name)
+    kernels = spans(lambda e: is_gpu(e) and "Memcpy" not in e.name and "Memset" not in e.name)
+    adam = spans(lambda e: not is_gpu(e) and e.name == "zerofn::cpu_adam")
+    return dict(d2h_ms=_total(d2h) / 1e3, h2d_ms=_total(h2d) / 1e3,
+                d2h_overlap=_covered(d2h, kernels), h2d_overlap_adam=_covered(h2d, adam))
+
+
+def _union(spans):
+    out = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def _total(spans) -> float:
+    return sum(e - s for s, e in _union(spans))
+
+
+def _covered(spans, by) -> float:
+    """The share of the union of ``spans`` that the union of ``by`` covers."""
+    total = _total(spans)
+    if not total:
+        return math.nan
+    cover = _union(by)
+    inside = sum(max(0.0, min(e, ce) - max(s, cs)) for s, e in _union(spans) for cs, ce in cover)
+    return inside / total
+
+
+def deepspeed_worker(args) -> None:
+    import statistics
+
+    import deepspeed
+    import torch
+    sys.path.insert(0, TOOLS)
+    import bench_offload as bo
+
+    from zerofn.nanogpt import GPT
+    bargs = bo.parse_args(["--device", "cuda", "--sizes", COMPARE_SIZE])
+    cfg = bo.model_config(COMPARE_SIZE, bargs)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = GPT(cfg)
+    config = {"train_micro_batch_size_per_gpu": bargs.batch, "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                                    "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    g = torch.Generator().manual_seed(1)
+    n = bargs.warmup + bargs.steps
+    tokens = torch.randint(cfg.vocab, (n, bargs.batch, cfg.context + 1), generator=g).cuda()
+    times = []
+    for i in range(n):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = engine(tokens[i, :, :-1], tokens[i, :, 1:])
+        engine.backward(loss)
+        engine.step()
+        torch.cuda.synchronize()
+        if i >= bargs.warmup:
+            times.append(time.perf_counter() - start)
+    step = statistics.median(times)
+    tok = bargs.batch * cfg.context / step
+    print("RESULT " + json.dumps(dict(version=deepspeed.__version__, step_s=step, tokens_per_s=tok,
+                                      tflops=6 * cfg.params() * tok / 1e12)), flush=True)
+
+
+# -- results and the report ---------------------------------------------------------------
+def load_results(path: str, fresh: bool) -> dict:
+    if fresh or not os.path.exists(path):
+        return {"parts": {}}
+    with open(path) as f:
+        return json.load(f)
+
+
+def environment() -> dict:
+    import platform
+
+    import torch
+    env = dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+               cpus=os.cpu_count(), host_gb=_host_gb(),
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               commit=run(["git", "rev-parse", "--short", "HEAD"], 30)[1].strip() or "unknown")
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(device=props.name, device_gb=props.total_memory / 2**30)
+    else:
+        env.update(device="no CUDA device", device_gb=0.0)
+    return env
+
+
+def _host_gb() -> float:
+    with open("/proc/meminfo") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:")) / 2**20
+
+
+def goals(parts: dict) -> list[str]:
+    """The issue's GPU goals against what the parts measured."""
+    def fig(part, key):
+        return parts.get(part, {}).get("figures", {}).get(key)
+
+    def verdict(value, target):
+        return "not measured" if value is None else ("meets" if value >= target else "misses")
+
+    ratio, cpu, nvme = fig("compare", "ratio"), fig("largest", "params"), fig("nvme", "params")
+    tflops = fig("largest", "tflops") if cpu is not None and cpu >= GOALS["largest_cpu"] else None
+    rows = [("offload('cpu') tokens/s / FSDP2 CPUOffloadPolicy, matched dtypes", "≥ 1.5×",
+             None if ratio is None else f"{ratio:.2f}×", verdict(ratio, GOALS["ratio"])),
+            ("largest trainable, fp32 Adam state on the host", "≥ 7B",
+             None if cpu is None else f"{cpu / 1e9:.2f}B", verdict(cpu, GOALS["largest_cpu"])),
+            ("largest trainable with NVMe", "≥ 13B",
+             None if nvme is None else f"{nvme / 1e9:.2f}B", verdict(nvme, GOALS["largest_nvme"])),
+            ("TFLOP/s (6N) at 7B", "≥ 300", None if tflops is None else f"{tflops:.0f}",
+             verdict(tflops, GOALS["tflops_7b"]))]
+    return ["| goal | target | measured | verdict |", "|---|---|---|---|"] + \
+        [f"| {g} | {t} | {m or '—'} | {v} |" for g, t, m, v in rows]
+
+
+def render(results: dict) -> str:
+    """docs/gpu.md: the environment, the goals, then each part run so far."""
+    parts, env = results["parts"], results.get("env")
+    if not parts or env is None:
+        return render_plan()
+    out = ["# zerofn on a GPU: `tools/gpu_check.py`", "",
+           f"Run on {env['device']} ({env['device_gb']:.0f} GB), {env['cpus']} CPU cores, "
+           f"{env['host_gb']:.0f} GB host memory; torch {env['torch']} (CUDA {env['cuda']}), "
+           f"Python {env['python']}; zerofn {env['commit']}; last part run {env['date']}. "
+           "Every figure below comes from this run (`python tools/gpu_check.py`); parts not "
+           "run yet say so.", "", "## Goals", ""] + goals(parts) + ["", "## Parts", ""]
+    for i, part in enumerate(PARTS, 1):
+        r = parts.get(part.name)
+        if r is None:
+            out += [f"### {i}. {part.name}: not run yet", "", part.what, ""]
+            continue
+        out += [f"### {i}. {part.name}: {r['status']} ({r['seconds']:.0f} s)", "", part.what, ""]
+        out += _blocks(r.get("lines", []))
+        if r.get("detail"):
+            out += ["", "```", r["detail"], "```"]
+        out.append("")
+    return "\n".join(out)
+
+
+def _blocks(lines: list[str]) -> list[str]:
+    """A part's lines as markdown: table rows as they are, the rest as list items, with a
+    blank line wherever one kind ends and the other starts."""
+    out = []
+    for ln in lines:
+        table = ln.startswith("|")
+        if out and table != out[-1].startswith("|"):
+            out.append("")
+        out.append(ln if table else f"- {ln}")
+    return out
+
+
+def render_plan() -> str:
+    out = ["# zerofn on a GPU: `tools/gpu_check.py`", "",
+           "**Not yet run.** No GPU has been lent to a session since the check was written, so "
+           "this page holds no measurements. On a GPU machine with a CUDA build of torch "
+           "(2.11 or later) and no package index:", "", "```bash",
+           f"python tools/gpu_check.py                               # all parts (limits: "
+           f"{sum(p.minutes for p in PARTS):g} min)",
+           "python tools/gpu_check.py --parts build,tests,race      # or a few at a time:",
+           "python tools/gpu_check.py --parts parity,profile,compare  # results accumulate",
+           "python tools/gpu_check.py --parts largest,nvme,deepspeed", "```", "",
+           "It rewrites this page with every figure, the device and the torch version. The "
+           "goals it reports against:", ""] + goals({}) + ["", "## What it runs", ""]
+    for i, part in enumerate(PARTS, 1):
+        out.append(f"{i}. **{part.name}** (limit {part.minutes:g} min): {part.what}")
+    return "\n".join(out) + "\n"
+
+
+def write_report(args, results: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+    with open(args.results, "w") as f:
+        json.dump(results, f, indent=1)
+    with open(args.report, "w") as f:
+        f.write(render(results) if not args.plan else render_plan())
+    if args.copy_to:
+        os.makedirs(args.copy_to, exist_ok=True)
+        for path in (args.report, args.results,
+                     os.path.join(os.path.dirname(args.results), "profile_trace.json")):
+            if os.path.exists(path):
+                shutil.copy(path, args.copy_to)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker == "profile":
+        return profile_worker(args)
+    if args.worker == "deepspeed":
+        return deepspeed_worker(args)
+    results = load_results(args.results, args.fresh)
+    if args.plan:
+        write_report(args, results)
+        return
+    results["env"] = environment()
+    for name in args.parts:
+        print(f"# {name} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            r = PART_RUNNERS[name](args)
+        except Exception as e:   # a part's own failure is a result; the next part still runs
+            r = dict(status="failed", lines=[f"{type(e).__name__}: {e}"[:300]],
+                     detail=tail(repr(e)))
+        r["seconds"] = time.perf_counter() - start
+        results["parts"][name] = r
+        write_report(args, results)
+        print(f"# {name}: {r['status']} ({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
+    print(render(results))
+
+
+if __name__ == "__main__":
+    main()
