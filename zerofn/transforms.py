@@ -45,8 +45,9 @@ def shard_optimizer(**options) -> Transform:
     Options (shared by all stages; give each at most once):
         group: a ProcessGroup or 1-D DeviceMesh to shard over (default: the world).
         units: how parameters are grouped for collectives: None (one unit per child of
-            every ModuleList plus one for the rest), a list of submodules or their names,
-            or an int (a module becomes a unit once it holds that many parameters).
+            every ModuleList plus one for the rest), a list of submodules or their names
+            (modules that run: a ModuleList itself never does, so it is refused), or an
+            int (a module becomes a unit once it holds that many parameters).
         bucket_size: elements of collective buffers allowed in flight at once (default
             4M; at least one unit's collective is always allowed).
         sync_module_states: broadcast rank 0's parameters and buffers at set-up (like DDP);

@@ -81,6 +81,8 @@ class Materializer:
         self._units_at: dict[nn.Module, list[Unit]] = {}
         for u in units:
             self._units_at.setdefault(u.module, []).append(u)
+        self._visits_left: dict[nn.Module, int] = {}
+        self._count_visits(model)
         self.problems: list[str] = []
 
     def run(self, lay_out) -> None:
@@ -108,10 +110,19 @@ class Materializer:
         self._materialize(module)
         self.init(module)
         self._adopt_assigned(module)
-        for unit in self._units_at.pop(module, ()):   # popped: a module seen twice finishes once
+        self._visits_left[module] -= 1
+        if self._visits_left[module]:
+            return   # a module under two parents is initialized again: lay out after the last
+        for unit in self._units_at.pop(module, ()):
             self._check_params(unit)
             lay_out(unit)
             self._release(unit)
+
+    def _count_visits(self, module: nn.Module) -> None:
+        """How often the walk (``model.apply``'s) reaches each module: once per parent."""
+        self._visits_left[module] = self._visits_left.get(module, 0) + 1
+        for child in module.children():
+            self._count_visits(child)
 
     def _materialize(self, module: nn.Module) -> None:
         for pname, p in module._parameters.items():

@@ -122,6 +122,8 @@ def scatter_to_ranks(full: torch.Tensor, cols: torch.Tensor) -> None:
     """Copy a full tensor into its columns of a rank-major ``(world, shard)`` view."""
     flat = full.reshape(-1)
     width = cols.shape[1]
+    if not width:   # a parameter without elements (zero rows, or a zero inner dim)
+        return
     whole, rem = divmod(flat.numel(), width)
     if whole:
         cols[:whole].copy_(flat[:whole * width].view(whole, width))
@@ -133,6 +135,8 @@ def gather_from_ranks(cols: torch.Tensor, full: torch.Tensor) -> None:
     """The inverse of ``scatter_to_ranks``: fill a full tensor from its columns."""
     flat = full.view(-1)
     width = cols.shape[1]
+    if not width:
+        return
     whole, rem = divmod(flat.numel(), width)
     if whole:
         flat[:whole * width].view(whole, width).copy_(cols[:whole])
@@ -149,7 +153,9 @@ def build_units(model: nn.Module, policy, world: int, rank: int,
     elements go to one replicated unit instead, placed before the root. Parameters on the
     meta device will be materialized on ``device``.
     """
-    unit_modules = _unit_modules(model, policy)
+    # Once each: a module under two parents (two ModuleLists, or listed by two names) is
+    # one unit, not two sets of hooks over the same parameters.
+    unit_modules = list(dict.fromkeys(_unit_modules(model, policy)))
     names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
     units = {m: Unit(names[m] or "<root>", m) for m in unit_modules}
     units[model] = Unit("<root>", model)
@@ -159,8 +165,12 @@ def build_units(model: nn.Module, policy, world: int, rank: int,
     module_at = dict(model.named_modules(remove_duplicate=False))
     for mod_name, module in module_at.items():
         unit = _innermost(model, module_at, mod_name, units)
-        for pname, p in module.named_parameters(recurse=False):
-            owners.setdefault(p, []).append((module, pname))
+        # Every registration, also a second name in the same module (``out = inp``).
+        for pname, p in module._parameters.items():
+            if p is None:
+                continue
+            if (module, pname) not in owners.setdefault(p, []):   # a shared module: once
+                owners[p].append((module, pname))
             fqns.setdefault(p, f"{mod_name}.{pname}" if mod_name else pname)
             if owner_unit.setdefault(p, unit) is not unit:
                 owner_unit[p] = units[model]
@@ -183,7 +193,9 @@ def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: i
     elif (p.dtype, device) != (unit.dtype, unit.device):
         raise ValueError(
             f"Parameter {fqn!r} is {p.dtype} on {device} but unit {unit.name!r} holds "
-            f"{unit.dtype} on {unit.device}: cast the model to one dtype and device first.")
+            f"{unit.dtype} on {unit.device}, and a unit holds one dtype on one device: cast "
+            "the model to one dtype and device first, or give the odd parameters' modules "
+            "units of their own (units=[...]).")
     chunk = chunk_rows(p.shape[0], world)
     slot = ParamSlot(fqn, p, owners, p.shape, unit.shard_numel, chunk,
                      local_rows(p.shape[0], world, rank), rank)
@@ -200,21 +212,34 @@ def _innermost(model: nn.Module, module_at: dict, mod_name: str, units: dict) ->
     return units[model]
 
 
+def _runs(module: nn.Module) -> bool:
+    """Whether the module has a forward of its own: containers (ModuleList, ModuleDict) never
+    run, so a unit's hooks on them would never fire (ZeRO-3 would never gather it)."""
+    return type(module).forward is not nn.Module.forward
+
+
 def _unit_modules(model: nn.Module, policy) -> list[nn.Module]:
     if policy is None:
         return [child for m in model.modules() if isinstance(m, nn.ModuleList)
-                for child in m.children()]
+                for child in m.children() if _runs(child)]
     if isinstance(policy, int):
         return _size_based(model, policy)
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))   # every name of a shared one
     chosen = []
     for item in policy:
-        if isinstance(item, str):
-            if item not in modules:
-                raise ValueError(f"units: the model has no submodule named {item!r}.")
-            item = modules[item]
+        name = item if isinstance(item, str) else None
+        if name is not None:
+            if name not in modules:
+                raise ValueError(f"units: the model has no submodule named {name!r}.")
+            item = modules[name]
         if not any(item is m for m in modules.values()):
             raise ValueError(f"units: {type(item).__name__} is not a submodule of the model.")
+        if not _runs(item):
+            what = repr(name) if name is not None else "a submodule"
+            raise ValueError(
+                f"units: {what} is a {type(item).__name__}, which has no forward and never "
+                "runs, so its hooks would never fire (ZeRO-3 gathers a unit when its module "
+                "runs); list the modules it holds instead.")
         if item is not model:
             chosen.append(item)
     return chosen
@@ -228,7 +253,7 @@ def _size_based(model: nn.Module, min_numel: int) -> list[nn.Module]:
     def visit(module: nn.Module) -> None:
         for child in module.children():
             visit(child)
-        if module is model:
+        if module is model or not _runs(module):   # a container's params go to its parent
             return
         fresh = {p for p in module.parameters() if p not in claimed}
         if sum(p.numel() for p in fresh) >= min_numel:
