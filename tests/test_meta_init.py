@@ -310,6 +310,8 @@ def test_setup_peak_is_the_share_plus_a_unit_not_the_model():
 
 
 CAP_CFG = dict(vocab=256, width=256, heads=4, ffn=1024, layers=120, context=16)
+CAP = 0.9     # of the full fp32 parameters; a rank holds 0.5 (its shards and gradient
+#               shards under SGD) plus buffers, and peaked at 0.79 here
 
 
 def train_under_cap(rank, world, eager_build: bool):
@@ -320,7 +322,7 @@ def train_under_cap(rank, world, eager_build: bool):
     full = cfg.params() * 4
     torch.manual_seed(0)
     limits = resource.getrlimit(resource.RLIMIT_DATA)
-    resource.setrlimit(resource.RLIMIT_DATA, (_status("VmData:") + int(0.8 * full), limits[1]))
+    resource.setrlimit(resource.RLIMIT_DATA, (_status("VmData:") + int(CAP * full), limits[1]))
     try:
         return full, _train_two_steps(cfg, rank, world, eager_build), _status("VmData:")
     except RuntimeError as e:
@@ -351,7 +353,12 @@ def _train_two_steps(cfg, rank, world, eager_build):
     return losses
 
 
-def test_a_model_larger_than_the_memory_cap_trains_at_world_4():
+def test_a_model_larger_than_the_memory_cap_trains_at_world_4(monkeypatch):
+    """glibc's mmap threshold is pinned in the ranks (as a memory-capped deployment would,
+    or with another allocator): its default raises the threshold as blocks are freed and
+    then keeps freed blocks of backward's gradients, +0.05-0.2 of the model here, which is
+    the allocator's retention, not memory zerofn holds."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     results = run_ranks(4, train_under_cap, False, timeout=300)
     for full, losses, _ in results:
         assert full > 100 * 2**20
