@@ -1,6 +1,8 @@
 """Model-state bytes equal docs/design.md's fp32 formulas; traffic is 2Ψ (ZeRO-1/2) or 3Ψ (ZeRO-3)."""
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -68,9 +70,9 @@ def traffic_at(rank, world):
             return fn(out, inp, *a, **k)
         return counted
 
-    def wrap_in_place(kind, fn):    # gloo: one broadcast per rank's chunk
-        def counted(tensor, *a, **k):
-            seen[kind] += tensor.numel()
+    def wrap_in_place(kind, fn, share=1):   # gloo: one broadcast per rank's chunk
+        def counted(tensor, *a, **k):       # (or its chunks sent to the other ranks)
+            seen[kind] += tensor.numel() * share
             return fn(tensor, *a, **k)
         return counted
 
@@ -79,7 +81,8 @@ def traffic_at(rank, world):
             if hasattr(dist, name):
                 setattr(dist, name, wrap(kind, getattr(dist, name)))
     dist.broadcast = wrap_in_place("all_gather", dist.broadcast)
-    dist.all_to_all_single = wrap("reduce_scatter", dist.all_to_all_single)
+    # gloo reduce-scatters by sending each other rank its chunk: world - 1 chunks of world
+    dist.isend = wrap_in_place("reduce_scatter", dist.isend, Fraction(world, world - 1))
     import zerofn.runtime.comm as comm  # bind the wrapped functions zerofn calls
     comm._all_gather = dist.all_gather_single if hasattr(dist, "all_gather_single") \
         else dist.all_gather_into_tensor

@@ -80,7 +80,7 @@ def count_collectives(counts: Counter) -> None:
 
     import torch.distributed as dist
 
-    def wrap(name: str, payload_index: int):
+    def wrap(name: str, payload_index: int, share=lambda: 1):
         plain = getattr(dist, name, None)
         if plain is None:   # all_gather_single / reduce_scatter_single: torch 2.13+ only
             return
@@ -90,7 +90,7 @@ def count_collectives(counts: Counter) -> None:
             # FSDP2 passes tensors by keyword, zerofn by position: bind to read either.
             t = list(signature.bind(*args, **kwargs).arguments.values())[payload_index]
             parts = t if isinstance(t, (list, tuple)) else [t]
-            counts[name] += sum(p.numel() * p.element_size() for p in parts)
+            counts[name] += sum(p.numel() * p.element_size() for p in parts) * share()
             return plain(*args, **kwargs)
         setattr(dist, name, counted)
 
@@ -98,10 +98,13 @@ def count_collectives(counts: Counter) -> None:
     # per rank's chunk (zerofn/runtime/comm.py)
     for name in ("all_gather_into_tensor", "all_gather_single", "all_reduce", "broadcast"):
         wrap(name, 0)
-    # the full input; on gloo zerofn reduce-scatters with an all-to-all
-    for name in ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter",
-                 "all_to_all_single"):
+    # the full input
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter"):
         wrap(name, 1)
+    # on gloo zerofn reduce-scatters by sending each other rank its chunk: world - 1 of
+    # the world chunks of the full input
+    world = dist.get_world_size()
+    wrap("isend", 0, lambda: world / max(world - 1, 1))
 
 
 def build(config: str, args):

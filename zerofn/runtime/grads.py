@@ -146,8 +146,9 @@ class GradReducer:
                 # Backward's send buffers count against the in-flight bound while they
                 # fill, not only once their reduction starts. (ZeRO-1 packs at the step,
                 # where packing overlaps the previous unit's reduction instead.)
-                per_buffer = self.comm.world * unit.shard_numel * self._dtype(unit).itemsize
-                self.comm.make_room(per_buffer * (2 if self.comm.needs_scratch else 1))
+                full = self.comm.world * unit.shard_numel
+                self.comm.make_room((full + self.comm.scratch_numel(full))
+                                    * self._dtype(unit).itemsize)
             send = self.pool.take(self.comm.world * unit.shard_numel, self._dtype(unit),
                                   unit.device)
             self._send[unit] = send
@@ -176,8 +177,9 @@ class GradReducer:
         stream = self._reduce_stream()
         buffers = [send]
         scratch = None
-        if self.comm.needs_scratch:
-            scratch = self.pool.take(send.numel(), send.dtype, unit.device, stream)
+        if self.comm.scratch_numel(send.numel()):
+            scratch = self.pool.take(self.comm.scratch_numel(send.numel()), send.dtype,
+                                     unit.device, stream)
             buffers.append(scratch)
         nbytes = sum(b.nbytes for b in buffers)
         if stream is None:
