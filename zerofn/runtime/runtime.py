@@ -270,7 +270,7 @@ class Runtime:
         master = torch.zeros(unit.shard_numel, dtype=unit.dtype)
         for s in unit.slots:
             s.shard_of(master).copy_(s.rows_of(s.param.detach()))
-            s.opt_param = torch.zeros(s.local_shape, dtype=unit.dtype)  # re-pointed by the store
+            s.opt_param = _stand_in(s.local_shape, unit.dtype)   # re-pointed by the store
         self.offload.write_initial(unit, master)
         return master if unit in self._sharded_params else None
 
@@ -545,6 +545,14 @@ class FlatBuffers:
     def holds(self, t: torch.Tensor) -> bool:
         ptr = t.untyped_storage().data_ptr()
         return any(s.data_ptr() == ptr for s in self._storages)
+
+
+def _stand_in(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` backed by one element (zero strides) that can later be pointed
+    at real memory with ``set_``: what NVMe's optimizer tensors are between state reads,
+    so set-up never holds a second copy of the rank's master rows."""
+    one = torch.zeros(1, dtype=dtype)
+    return torch.empty(0, dtype=dtype).set_(one.untyped_storage(), 0, shape, [0] * len(shape))
 
 
 def _zero_grad(model: nn.Module, set_to_none: bool = True) -> None:
