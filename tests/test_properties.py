@@ -68,20 +68,36 @@ REFUSALS = {"0-dim": "cannot shard the 0-dim parameter",
 # reference does the same, so the rest of each example is still compared exactly
 # (test_a_parameter_without_a_gradient_is_not_stepped).
 UNUSED_GET_ZERO_GRADS = True
-# Problems explained by a known bug: {its test: (spec, problem line) -> bool}.
+# Problems explained by a known bug: {its test: (spec, every rank's report, problem) -> bool}.
 KNOWN_BUGS = {
     "test_every_name_of_a_shared_module_is_in_the_state_dict":
-        lambda spec, problem: problem.endswith(": a DTensor, not a full tensor"),
+        lambda spec, reports, problem: problem.endswith(": a DTensor, not a full tensor"),
     "test_offload_counts_steps_on_ranks_without_rows":
-        lambda spec, problem: spec["offload"] is not None
+        lambda spec, reports, problem: spec["offload"] is not None
         and re.search(r": state \S+\.step: 0\.0, expected [1-9]", problem) is not None,
+    # Seen as it happens: a gather still pending when the optimizer steps.
+    "test_a_prefetch_left_over_from_backward_is_not_used_after_the_step":
+        lambda spec, reports, problem: any(r.get("stale_gathers") for r in reports)
+        and ("max error" in problem or ": state " in problem),
 }
 # Examples a known bug would crash mid-step (which ends the run on every rank): skipped.
+# {its test: (spec, model, expected units, world) -> bool}.
 KNOWN_CRASHES = {
     "test_offload_with_units_of_several_dtypes":
-        lambda spec, model: spec["offload"] is not None
+        lambda spec, model, expect, world: spec["offload"] is not None
         and any(p.dtype != torch.float32 for p in model.parameters()),
+    "test_a_unit_without_elements_beyond_two_ranks":
+        lambda spec, model, expect, world: world > 2 and _empty_trainable_unit(model, expect),
 }
+
+
+def _empty_trainable_unit(model, expect: dict) -> bool:
+    """Whether a unit holds trainable parameters, all of them without elements."""
+    params, units = dict(model.named_parameters()), {}
+    for name, unit in expect.items():
+        units.setdefault(id(unit), []).append(params[name])
+    return any(all(p.numel() == 0 for p in ps) and any(p.requires_grad for p in ps)
+               for ps in units.values())
 
 
 # -- drawing specs -------------------------------------------------------------------------
@@ -276,12 +292,16 @@ def train_reference(model, opt, batches, zeros_for_unused: bool) -> list[str]:
     return sorted(unused)
 
 
-def train_sharded(model, opt, batches, rank: int, world: int) -> None:
+def train_sharded(model, opt, batches, rank: int, world: int) -> bool:
+    """Returns whether ZeRO-3 had a gather still pending at a step (a known bug)."""
+    gatherer, stale = runtime_of(model).gatherer, False
     for step, micro in enumerate(batches):
         for x, y in micro:
             (model(x.chunk(world)[rank], y.chunk(world)[rank], step) / len(micro)).backward()
+        stale |= bool(gatherer is not None and gatherer._pending)
         opt.step()
         opt.zero_grad()
+    return stale
 
 
 def differ(name: str, got, want: torch.Tensor, tol=TOL) -> list[str]:
@@ -370,7 +390,8 @@ def run_example(rank: int, world: int, spec: dict) -> dict:
     expect = expected_units(model, unit_policy(spec, model), spec["persist_below"])
     report = {"predicted": predicted_refusals(spec, model, expect), "error": None}
     workarounds = spec.get("workarounds", True)
-    crash = next((bug for bug, hits in KNOWN_CRASHES.items() if hits(spec, model)), None)
+    crash = next((bug for bug, hits in KNOWN_CRASHES.items()
+                  if hits(spec, model, expect, world)), None)
     if workarounds and crash and not report["predicted"]:
         return dict(report, skipped=crash)
     ref_opt, opt = make_optimizer(spec, ref), make_optimizer(spec, model)
@@ -386,7 +407,7 @@ def run_example(rank: int, world: int, spec: dict) -> dict:
         batches = data(spec, world)
         report["unused"] = train_reference(ref, ref_opt, batches,
                                            workarounds and UNUSED_GET_ZERO_GRADS)
-        train_sharded(model, opt, batches, rank, world)
+        report["stale_gathers"] = train_sharded(model, opt, batches, rank, world)
         report["diffs"] = compare(ref, ref_opt, model, opt)
     return report
 
@@ -438,10 +459,10 @@ def run_specs(specs: list[dict], world: int) -> list[list[dict | None]]:
     return [[r[i] if i < len(r) else None for r in per_rank] for i in range(len(specs))]
 
 
-def unexplained(spec: dict, problems: list[str], tally: dict) -> list[str]:
+def unexplained(spec: dict, reports: list, problems: list[str], tally: dict) -> list[str]:
     """``problems`` less those a known bug explains, each counted in ``tally``."""
     for bug, explains in KNOWN_BUGS.items():
-        hit = [p for p in problems if explains(spec, p)]
+        hit = [p for p in problems if explains(spec, reports, p)]
         tally[bug] = tally.get(bug, 0) + bool(hit)
         problems = [p for p in problems if p not in hit]
     return problems
@@ -454,7 +475,7 @@ def check_specs(specs: list[dict], world: int):
     each known bug."""
     failures, tally = [], {"refused": 0, "unused": 0}
     for spec, reports in zip(specs, run_specs(specs, world)):
-        problems = unexplained(spec, verdict(spec, reports), tally)
+        problems = unexplained(spec, reports, verdict(spec, reports), tally)
         if problems:
             failures.append((spec, problems))
             continue
@@ -524,6 +545,7 @@ CASES = {
     "unused": [case(({"branch": [2, 1, "dense"]},), workarounds=False),
                case(({"spare": 2},), optimizer="sgd", workarounds=False)],
     "shared state dict": [case(**SHARED, stage=3)],
+    "nested units": [case(({"kind": "stack", "children": [LEAF], "gain": True},), stage=3)],
     "offload steps": [case(one=True, offload="cpu"), case(one=True, offload="nvme", stage=3)],
     # Last: it crashes the step, which ends the run.
     "offload dtypes": [case(({}, {"dtype": "fp64"}), offload="cpu", workarounds=False)],
@@ -542,9 +564,9 @@ def cases() -> dict:
 
 
 def assert_clean(results, known: bool = False) -> None:
-    for spec, problems, _ in results:
+    for spec, problems, reports in results:
         if known:
-            problems = unexplained(spec, problems, {})
+            problems = unexplained(spec, reports, problems, {})
         assert not problems, describe([(spec, problems)], 2)
 
 
@@ -596,6 +618,26 @@ def test_a_parameter_without_a_gradient_is_not_stepped(cases):
                    "the sharded DTensor (get_state_dict(full=True)) and cannot be loaded")
 def test_every_name_of_a_shared_module_is_in_the_state_dict(cases):
     assert_clean(cases["shared state dict"])
+
+
+@pytest.mark.xfail(strict=True, reason="params.py: backward of a unit nested in another "
+                   "starts prefetching the outer one, already done; end_backward frees the "
+                   "gathered units but leaves that pending gather, and the next forward uses "
+                   "its pre-step parameters (silently wrong from the second step)")
+def test_a_prefetch_left_over_from_backward_is_not_used_after_the_step(cases):
+    assert_clean(cases["nested units"])
+
+
+@pytest.mark.xfail(strict=True, reason="comm.py/grads.py (1508be7): a unit whose "
+                   "parameters have no elements gets no scratch (scratch_numel(0) == 0), "
+                   "and gloo's reduce_scatter beyond two ranks views None")
+def test_a_unit_without_elements_beyond_two_ranks():
+    (spec, problems), = [(s, verdict(s, reports)) for s, reports in
+                         zip(EMPTY_UNIT, run_specs(EMPTY_UNIT, 3))]
+    assert not problems, describe([(spec, problems)], 3)
+
+
+EMPTY_UNIT = [case(({"rows": 0}, {}), workarounds=False)]
 
 
 @pytest.mark.xfail(strict=True, reason="offload.py _adam_slots skips a parameter this rank "
