@@ -1,8 +1,6 @@
 """Model-state bytes equal docs/design.md's fp32 formulas; traffic is 2Ψ (ZeRO-1/2) or 3Ψ (ZeRO-3)."""
 from __future__ import annotations
 
-from fractions import Fraction
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -70,10 +68,16 @@ def traffic_at(rank, world):
             return fn(out, inp, *a, **k)
         return counted
 
-    def wrap_in_place(kind, fn, share=1):   # gloo: one broadcast per rank's chunk
-        def counted(tensor, *a, **k):       # (or its chunks sent to the other ranks)
-            seen[kind] += tensor.numel() * share
+    def wrap_in_place(kind, fn):    # gloo: one broadcast per rank's chunk
+        def counted(tensor, *a, **k):
+            seen[kind] += tensor.numel()
             return fn(tensor, *a, **k)
+        return counted
+
+    def wrap_all_to_all(fn):    # gloo's reduce-scatter: world chunks, each to its rank
+        def counted(out, inp, out_splits=None, in_splits=None, *a, **k):
+            seen["reduce_scatter"] += world * max(in_splits) if in_splits else inp.numel()
+            return fn(out, inp, out_splits, in_splits, *a, **k)
         return counted
 
     for kind, fns in names.items():
@@ -81,8 +85,7 @@ def traffic_at(rank, world):
             if hasattr(dist, name):
                 setattr(dist, name, wrap(kind, getattr(dist, name)))
     dist.broadcast = wrap_in_place("all_gather", dist.broadcast)
-    # gloo reduce-scatters by sending each other rank its chunk: world - 1 chunks of world
-    dist.isend = wrap_in_place("reduce_scatter", dist.isend, Fraction(world, world - 1))
+    dist.all_to_all_single = wrap_all_to_all(dist.all_to_all_single)
     import zerofn.runtime.comm as comm  # bind the wrapped functions zerofn calls
     comm._all_gather = dist.all_gather_single if hasattr(dist, "all_gather_single") \
         else dist.all_gather_into_tensor

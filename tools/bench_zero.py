@@ -80,7 +80,7 @@ def count_collectives(counts: Counter) -> None:
 
     import torch.distributed as dist
 
-    def wrap(name: str, payload_index: int, share=lambda: 1):
+    def wrap(name: str, payload_index: int):
         plain = getattr(dist, name, None)
         if plain is None:   # all_gather_single / reduce_scatter_single: torch 2.13+ only
             return
@@ -90,7 +90,7 @@ def count_collectives(counts: Counter) -> None:
             # FSDP2 passes tensors by keyword, zerofn by position: bind to read either.
             t = list(signature.bind(*args, **kwargs).arguments.values())[payload_index]
             parts = t if isinstance(t, (list, tuple)) else [t]
-            counts[name] += sum(p.numel() * p.element_size() for p in parts) * share()
+            counts[name] += sum(p.numel() * p.element_size() for p in parts)
             return plain(*args, **kwargs)
         setattr(dist, name, counted)
 
@@ -101,10 +101,15 @@ def count_collectives(counts: Counter) -> None:
     # the full input
     for name in ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter"):
         wrap(name, 1)
-    # on gloo zerofn reduce-scatters by sending each other rank its chunk: world - 1 of
-    # the world chunks of the full input
-    world = dist.get_world_size()
-    wrap("isend", 0, lambda: world / max(world - 1, 1))
+    # on gloo zerofn reduce-scatters with one all-to-all: world chunks, each to its rank
+    # (at two ranks only the other rank's is sent, named by the split sizes)
+    a2a, world = dist.all_to_all_single, dist.get_world_size()
+
+    def all_to_all(out, inp, out_splits=None, in_splits=None, *args, **kwargs):
+        chunks = world * max(in_splits) if in_splits else inp.numel()
+        counts["all_to_all_single"] += chunks * inp.element_size()
+        return a2a(out, inp, out_splits, in_splits, *args, **kwargs)
+    dist.all_to_all_single = all_to_all
 
 
 def build(config: str, args):
