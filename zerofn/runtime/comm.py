@@ -84,7 +84,7 @@ class Comm:
             if not self._in_place:
                 op = dist.ReduceOp.AVG if self.averages else dist.ReduceOp.SUM
                 return _reduce_scatter(out, full, op=op, group=self.group, async_op=async_op)
-            if self.world == 1:
+            if self.world == 1 or not full.numel():   # (every rank's unit is as empty)
                 out.copy_(full)
                 return self._finish(async_op, [])
             chunks, r = full.view(self.world, -1), self.rank
