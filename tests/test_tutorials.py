@@ -57,6 +57,10 @@ def test_stored_outputs_come_from_the_code_cells(notebook):
         f"{notebook.name}: outputs are not from one run top to bottom ({counts}); {rerun(notebook)}"
     errors = [i for i, c in enumerate(cells) if any(o["output_type"] == "error" for o in c["outputs"])]
     assert not errors, f"{notebook.name}: code cells {errors} stored an error; {rerun(notebook)}"
+    noisy = [i for i, c in enumerate(cells)
+             if any(o.get("name") == "stderr" for o in c["outputs"])]
+    assert not noisy, (f"{notebook.name}: code cells {noisy} wrote to stderr (a warning?): "
+                       f"fix or silence it in the notebook, then {rerun(notebook)}")
 
 
 def missing_modules(nb: dict) -> list[str]:
