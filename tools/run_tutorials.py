@@ -205,6 +205,11 @@ def run(path: Path, check: bool) -> list[str]:
         changes.insert(0, "the stored code digest is not the code cells'")
     if changes and not check:
         nbformat.write(fresh, path)
+    noisy = [i for i, c in enumerate(code_cells(fresh))
+             if any(o.get("name") == "stderr" for o in c.outputs)]
+    if noisy:
+        print(f"{path.name}: code cells {noisy} wrote to stderr; the tests refuse that "
+              "in a stored notebook: fix or silence it", file=sys.stderr)
     return changes
 
 
