@@ -6,8 +6,8 @@ How the stored outputs are kept honest (tools/run_tutorials.py writes them):
 - Fast, without executing: each notebook's metadata holds ``zerofn.code_digest``, a digest
   of its code cells, which the tool stamps when it executes them; the cells must still
   have that digest, and their outputs must come from one clean run (execution counts 1, 2,
-  ... in order, no error). This catches the common slip, a cell edited and committed
-  without a re-run, in milliseconds.
+  ... in order, no error, nothing on stderr). This catches the common slip, a cell edited
+  and committed without a re-run, in milliseconds.
 - For real: every notebook is executed with ``nbclient`` in a fresh ``python3`` kernel; a
   cell that raises fails the test with the cell's source and the kernel's traceback. Then
   what each cell printed and returned is compared with what is stored: text equal, floats
@@ -47,20 +47,25 @@ def test_tutorials_exist():
 @pytest.mark.parametrize("notebook", TUTORIALS, ids=lambda p: p.name)
 def test_stored_outputs_come_from_the_code_cells(notebook):
     nb = json.loads(notebook.read_text())
-    assert nb["nbformat"] == 4
-    cells = rt.code_cells(nb)
-    assert cells, f"{notebook.name} has no code"
-    assert rt.stored_digest(nb) == rt.code_digest(nb), \
-        f"{notebook.name}: its code cells changed since their outputs were made; {rerun(notebook)}"
-    counts = [c.get("execution_count") for c in cells]
-    assert counts == list(range(1, len(cells) + 1)), \
-        f"{notebook.name}: outputs are not from one run top to bottom ({counts}); {rerun(notebook)}"
-    errors = [i for i, c in enumerate(cells) if any(o["output_type"] == "error" for o in c["outputs"])]
-    assert not errors, f"{notebook.name}: code cells {errors} stored an error; {rerun(notebook)}"
-    noisy = [i for i, c in enumerate(cells)
-             if any(o.get("name") == "stderr" for o in c["outputs"])]
-    assert not noisy, (f"{notebook.name}: code cells {noisy} wrote to stderr (a warning?): "
-                       f"fix or silence it in the notebook, then {rerun(notebook)}")
+    assert nb["nbformat"] == 4 and rt.code_cells(nb), f"{notebook.name} holds no code"
+    problems = rt.stored_problems(nb)
+    assert not problems, f"{notebook.name}: {'; '.join(problems)}; {rerun(notebook)}"
+
+
+def test_stored_problems_are_found():
+    ran = {"cells": [{"cell_type": "code", "source": "print(1)", "execution_count": 1,
+                      "outputs": [{"output_type": "stream", "name": "stdout", "text": "1\n"}]}]}
+    ran["metadata"] = {"zerofn": {"code_digest": rt.code_digest(ran)}}
+    assert not rt.stored_problems(ran)
+    edited = json.loads(json.dumps(ran))
+    edited["cells"][0]["source"] = "print(2)"
+    assert rt.stored_problems(edited) == ["its code cells changed since their outputs were made"]
+    rerun_once = json.loads(json.dumps(ran))
+    rerun_once["cells"][0]["execution_count"] = 3
+    assert "not from one run" in rt.stored_problems(rerun_once)[0]
+    noisy = json.loads(json.dumps(ran))
+    noisy["cells"][0]["outputs"].append({"output_type": "stream", "name": "stderr", "text": "w"})
+    assert rt.stored_problems(noisy) == ["code cells [0] wrote to stderr (fix or silence it)"]
 
 
 def missing_modules(nb: dict) -> list[str]:

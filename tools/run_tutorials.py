@@ -87,6 +87,33 @@ def stored_digest(nb: dict) -> str | None:
     return nb.get("metadata", {}).get("zerofn", {}).get("code_digest")
 
 
+def stored_problems(nb: dict) -> list[str]:
+    """Why a notebook's stored outputs are not one clean run of its code cells, if they are not.
+
+    Checked without executing: the code digest stamped at the run is the cells' digest,
+    execution counts are 1, 2, ... in order (one run, top to bottom), no cell stored an
+    error or wrote to stderr (a warning shown to every reader).
+
+    Args:
+        nb: a notebook, as ``json.load`` returns it.
+
+    Returns:
+        One line per problem; empty if there is none.
+    """
+    cells, problems = code_cells(nb), []
+    if stored_digest(nb) != code_digest(nb):
+        problems.append("its code cells changed since their outputs were made")
+    counts = [c.get("execution_count") for c in cells]
+    if counts != list(range(1, len(cells) + 1)):
+        problems.append(f"its outputs are not from one run top to bottom (counts {counts})")
+    for kind, found in (("stored an error", lambda o: o["output_type"] == "error"),
+                        ("wrote to stderr (fix or silence it)", lambda o: o.get("name") == "stderr")):
+        bad = [i for i, c in enumerate(cells) if any(found(o) for o in c.get("outputs", []))]
+        if bad:
+            problems.append(f"code cells {bad} {kind}")
+    return problems
+
+
 def execute(path: Path, timeout: int = TIMEOUT_S):
     """Runs a notebook top to bottom in a fresh kernel and returns it with its new outputs.
 
@@ -200,16 +227,11 @@ def run(path: Path, check: bool) -> list[str]:
 
     committed = json.loads(path.read_text())
     fresh = execute(path)
-    changes = outputs_differ(committed, fresh)
-    if stored_digest(committed) != code_digest(committed):
-        changes.insert(0, "the stored code digest is not the code cells'")
+    changes = stored_problems(committed) + outputs_differ(committed, fresh)
     if changes and not check:
         nbformat.write(fresh, path)
-    noisy = [i for i, c in enumerate(code_cells(fresh))
-             if any(o.get("name") == "stderr" for o in c.outputs)]
-    if noisy:
-        print(f"{path.name}: code cells {noisy} wrote to stderr; the tests refuse that "
-              "in a stored notebook: fix or silence it", file=sys.stderr)
+    for problem in stored_problems(json.loads(nbformat.writes(fresh))):
+        print(f"{path.name}: {problem}; the tests refuse that", file=sys.stderr)
     return changes
 
 
