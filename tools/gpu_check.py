@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -644,8 +645,9 @@ def main() -> None:
         try:
             r = PART_RUNNERS[name](args)
         except Exception as e:   # a part's own failure is a result; the next part still runs
-            r = dict(status="failed", lines=[f"{type(e).__name__}: {e}"[:300]],
-                     detail=tail(repr(e)))
+            first = (str(e).strip().splitlines() or [""])[0]
+            r = dict(status="failed", lines=[f"{type(e).__name__}: {first}"[:300]],
+                     detail=tail(traceback.format_exc(), 30))
         r["seconds"] = time.perf_counter() - start
         results["parts"][name] = r
         write_report(args, results)
