@@ -201,15 +201,17 @@ def test_steps_per_print_drop_last_and_activation_checkpointing():
     assert "activation_checkpointing.partition_activations" in warned[0]
 
 
-def test_monitoring_sections_warn_and_are_kept():
+def test_monitoring_sections_are_kept_and_unbuilt_ones_warn():
+    """(How tensorboard and csv_monitor map onto zf.tensorboard: tests/test_tensorboard.py.)"""
     config = {**BATCH, "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "j"},
               "csv_monitor": {"enabled": False}, "wall_clock_breakdown": True,
-              "comms_logger": {"enabled": True, "verbose": False}}
+              "comms_logger": {"enabled": True, "verbose": False}, "wandb": {"enabled": True}}
     s, warned = read_warned(config)
-    assert len(warned) == 1 and "TensorBoard" in warned[0]
-    assert "'tensorboard'" in warned[0] and "'csv_monitor'" not in warned[0]
+    assert len(warned) == 1 and "W&B" in warned[0]
+    assert "'wandb'" in warned[0] and "'tensorboard'" not in warned[0]
     assert s.monitoring == {k: config[k] for k in ("tensorboard", "csv_monitor",
-                                                   "wall_clock_breakdown", "comms_logger")}
+                                                   "wall_clock_breakdown", "comms_logger",
+                                                   "wandb")}
     assert read({**BATCH, "tensorboard": {"enabled": False}}).monitoring["tensorboard"] == \
         {"enabled": False}
 

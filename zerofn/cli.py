@@ -4,6 +4,7 @@
     zerofn estimate 7B --world 8       model-state bytes per rank by stage, place and role
     zerofn consolidate to-full CKPT OUT.safetensors
     zerofn convert deepspeed CKPT OUT  a DeepSpeed ZeRO checkpoint into a zerofn checkpoint
+    zerofn report LOGDIR               PNG plots of a zf.tensorboard log directory
 
 Each subcommand is its module's own command line, imported only when it runs.
 """
@@ -39,8 +40,11 @@ def main(argv=None) -> int:
         return consolidate.main(rest, prog="zerofn consolidate")
     if command == "convert":
         return _convert(rest)
+    if command == "report":
+        from . import report           # matplotlib, only here
+        return report.main(rest, prog="zerofn report")
     print(f"zerofn: unknown command {command!r}; the commands are train, estimate, "
-          f"consolidate, convert (see `zerofn --help`).", file=sys.stderr)
+          f"consolidate, convert, report (see `zerofn --help`).", file=sys.stderr)
     return 2
 
 

@@ -37,11 +37,22 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     norm_type = float(norm_type)
     grads = rt.step_grads
     grads.prepare()   # reduced, in the master dtype, unscaled (or to be, see above)
+    with rt.timing.span(None, "clip_grad_norm"):
+        total = _clip(rt, grads, max_norm, norm_type, error_if_nonfinite)
+    if rt.monitor is not None:
+        rt.monitor.grad_norm(total)
+    return total
+
+
+def _clip(rt, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool):
+    """The global norm across ranks; the gradients scaled to ``max_norm`` where above it."""
     total = _local_norm(grads, norm_type, rt.device)
-    if norm_type == math.inf:
-        rt.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
-    else:
-        rt.comm.all_reduce(total)
+    with rt.timing.collective("all_reduce"):
+        if norm_type == math.inf:
+            rt.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+        else:
+            rt.comm.all_reduce(total)
+    if norm_type != math.inf:
         total = total ** (1.0 / norm_type)
     total = total * grads.grad_scale     # the deferred unscale; 1 where already applied
     if error_if_nonfinite and not torch.isfinite(total):

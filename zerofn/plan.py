@@ -14,6 +14,8 @@ from typing import Any
 SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states", "init")
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
 OFFLOAD_OPTIONS = ("offload", "offload_path", "offload_params", "units_in_flight")
+MONITOR_OPTIONS = ("tensorboard", "tensorboard_every", "tensorboard_ranks", "tensorboard_csv",
+                   "profile", "memory_snapshot")
 PRECISION_OPTIONS = ("param_dtype", "reduce_dtype", "loss_scale", "initial_scale_power",
                      "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                      "min_loss_scale")
@@ -38,6 +40,12 @@ DEFAULTS = {
     "offload_path": None,
     "offload_params": False,
     "units_in_flight": 2,
+    "tensorboard": None,
+    "tensorboard_every": 10,
+    "tensorboard_ranks": (0,),
+    "tensorboard_csv": None,
+    "profile": None,
+    "memory_snapshot": 0,
 }
 
 

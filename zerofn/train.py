@@ -63,6 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "(default 0)")
     run.add_argument("--log-every", type=int, help="steps between progress lines when stdout "
                      "is not a terminal (config: steps_per_print; default 10)")
+    run.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard logs to DIR "
+                     "every --log-every steps: loss, tokens/s, the step-time breakdown, "
+                     "communication and memory per rank (zf.tensorboard; config: the "
+                     "tensorboard section; `zerofn report DIR` plots them)")
     run.add_argument("--eval-batches", type=int, default=8,
                      help="global batches of held-out text for the final validation "
                           "loss (default 8)")
@@ -173,6 +177,7 @@ class Job:
     log_every: int
     steps: int
     eval_batches: int
+    tensorboard: dict | None = None                # zf.tensorboard's options
     options: dict = field(default_factory=dict)   # from the config: per transform
     optimizer: object = None                       # the config's factories, or None
     scheduler: object = None
@@ -212,6 +217,10 @@ def resolve(args) -> Job:
         scheduler=settings and settings.scheduler)
     if job.offload == "none":
         job.offload = None
+    if args.tensorboard or "tensorboard" in opts:
+        # The flag names the directory; the config's csv_monitor still applies.
+        job.tensorboard = dict(opts.get("tensorboard", {}), every=job.log_every,
+                               **({"logdir": args.tensorboard} if args.tensorboard else {}))
     _check(job, args)
     return job
 
@@ -274,6 +283,9 @@ def transforms(job: Job) -> list:
         in_flight = opts.get("offload", {}).get("units_in_flight", 2)
         out.append(zf.offload(job.offload, params=job.offload_params, path=job.nvme_path,
                               units_in_flight=in_flight))
+    if job.tensorboard is not None:
+        options = dict(job.tensorboard)
+        out.append(zf.tensorboard(options.pop("logdir"), **options))
     return out
 
 
@@ -513,6 +525,7 @@ def train(args, device) -> None:
     model, opt, sched = build(job, args.seed)
     data = Batches(train_data, args.seed, job.batch, job.cfg.context)
     start = resume(args, model, opt, sched, data)
+    zf.set_log_step(model, start)     # a resumed run's series go on from its step
     end = args.stop_at or args.steps
     if start >= end:
         if start > end:
@@ -538,6 +551,9 @@ def train(args, device) -> None:
         if step == start:
             measured(model, job)
         opt.zero_grad()
+        # This rank's loss and data (kept as tensors; read on zf.tensorboard's logging steps).
+        zf.log(model, loss=loss, tokens=job.batch * job.cfg.context // dist.get_world_size(),
+               samples=job.batch // dist.get_world_size())
         progress.skipped += not torch.isfinite(norm)
         if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0)
                               or step + 1 == end):
@@ -546,6 +562,7 @@ def train(args, device) -> None:
             mean_loss, peak = gather_stats(loss, device)
             progress.show(step, mean_loss, lr, norm.item(), peak)
     progress.close()
+    zf.flush_logs(model)
     finish(args, job, model, loss, val_data, device, progress, end)
 
 

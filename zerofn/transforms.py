@@ -6,14 +6,17 @@ runtime from the combined plan, so ``t2(*t1(m, o))`` equals ``compose(t1, t2)(m,
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
 from torch import nn
 
-from .plan import OFFLOAD_OPTIONS, PARAM_OPTIONS, PRECISION_OPTIONS, SHARED_OPTIONS, Plan
+from .plan import (MONITOR_OPTIONS, OFFLOAD_OPTIONS, PARAM_OPTIONS, PRECISION_OPTIONS,
+                   SHARED_OPTIONS, Plan)
 
 Edit = Callable[[Plan], Plan]
+PROFILE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first")   # torch.profiler.schedule's
 
 
 class Transform:
@@ -162,6 +165,79 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
     return _stage_transform("offload", 0, OFFLOAD_OPTIONS,
                             dict(offload=device, offload_params=params, offload_path=path,
                                  units_in_flight=units_in_flight))
+
+
+def tensorboard(logdir, *, every: int = 10, ranks="0", profile: dict | None = None,
+                memory_snapshot: int = 0, csv=False) -> Transform:
+    """Write what every step spends (time, communication, memory) and the values given to
+    ``zf.log`` as TensorBoard event files; optionally torch.profiler traces.
+
+    Composes with every other transform (it shards nothing itself). Every ``every``-th
+    optimizer step is a logging step: the series of the interval are written then, with
+    one device synchronization and one small collective; other steps never wait for the
+    device. ``docs/profiling.md`` lists every series, its unit and how to read traces.
+
+    Args:
+        logdir: the directory for event files (``traces/`` and ``memory/`` go inside).
+        every: optimizer steps per logging interval.
+        ranks: which ranks write: ``"0"`` (default), ``"all"``, a rank, or several
+            (``"0,3"`` or a list). Where more than one writes, each gets ``rank<r>/``.
+            Every rank measures either way.
+        profile: a ``torch.profiler.schedule``: ``dict(wait=, warmup=, active=, repeat=1,
+            skip_first=0)`` in optimizer steps; the writing ranks trace those steps into
+            ``logdir/traces/rank<r>.*.pt.trace.json.gz`` (Perfetto, Holistic Trace
+            Analysis).
+        memory_snapshot: on CUDA, record the caching allocator's last ``memory_snapshot``
+            events (with Python stacks) from set-up and dump them at the first logging step
+            to ``logdir/memory/rank<r>.pickle`` (pytorch.org/memory_viz). 0: off.
+        csv: also write every series as CSV, one file per series in DeepSpeed's
+            csv_monitor layout: True (next to the event files) or a directory.
+
+    Example:
+        >>> model, opt = zf.compose(zf.shard_params(), zf.tensorboard("runs/zero3"))(model, opt)
+        >>> loss = model(x, y); loss.backward(); opt.step()
+        >>> zf.log(model, loss=loss.detach(), tokens=x.numel())
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"tensorboard(every={every!r}): a positive number of steps.")
+    if not isinstance(memory_snapshot, int) or memory_snapshot < 0:
+        raise ValueError(f"tensorboard(memory_snapshot={memory_snapshot!r}): the number of "
+                         f"allocator events to keep (0: off).")
+    root = os.fspath(logdir)
+    return _stage_transform("tensorboard", 0, MONITOR_OPTIONS, dict(
+        tensorboard=root, tensorboard_every=every, tensorboard_ranks=_ranks(ranks),
+        tensorboard_csv=root if csv is True else (os.fspath(csv) if csv else None),
+        profile=_profile(profile), memory_snapshot=memory_snapshot))
+
+
+def _ranks(ranks):
+    """``"all"``, or the writing ranks as a sorted tuple."""
+    if ranks == "all":
+        return "all"
+    try:
+        parts = ranks.split(",") if isinstance(ranks, str) else \
+            [ranks] if isinstance(ranks, int) else list(ranks)
+        out = tuple(sorted({int(r) for r in parts}))
+    except (TypeError, ValueError):
+        out = ()
+    if not out or min(out) < 0:
+        raise ValueError(f"tensorboard(ranks={ranks!r}): \"all\", a rank, or ranks as \"0,3\" "
+                         f"or a list of ints.")
+    return out
+
+
+def _profile(profile: dict | None) -> dict | None:
+    """The torch.profiler schedule, checked; ``repeat`` defaults to one window (torch's own
+    default, 0, would trace every window until the end)."""
+    if profile is None:
+        return None
+    if not isinstance(profile, dict) or set(profile) - set(PROFILE_KEYS) or \
+            not all(isinstance(v, int) and v >= 0 for v in profile.values()) or \
+            profile.get("active", 0) < 1:
+        raise ValueError(f"tensorboard(profile={profile!r}): a dict of non-negative step "
+                         f"counts with keys from {PROFILE_KEYS}, active at least 1, e.g. "
+                         f"dict(wait=1, warmup=1, active=2).")
+    return {"wait": 0, "warmup": 0, "repeat": 1, **profile}
 
 
 def compose(*transforms: Transform) -> Transform:

@@ -45,6 +45,12 @@ GRADIENT_CLIPPING_DEFAULT = 1.0         # DeepSpeed 0.19.8 clips at 1.0 unless t
 DTYPES = {"fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+# Monitoring: the two writers become zf.tensorboard; the two measurements are series it
+# always writes (time/, comm/), so they need a writer.
+WRITERS = ("tensorboard", "csv_monitor")
+MEASUREMENTS = ("wall_clock_breakdown", "comms_logger")
+WRITER_KNOWN = frozenset(("enabled", "output_path", "job_name"))
+DEEPSPEED_JOB_NAME = "DeepSpeedJobName"
 NOT_BUILT_OPTIMIZERS = ("lamb", "lion", "muadam", "muadamw", "musgd", "muon", "onebitadam",
                         "zerooneadam", "onebitlamb")
 
@@ -92,8 +98,8 @@ class DeepSpeedSettings:
         steps_per_print: print progress every this many optimizer steps (None: never).
         dataloader_drop_last: drop the last incomplete micro-batch.
         monitoring: the parsed monitoring sections (tensorboard, csv_monitor, wandb,
-            comet, comms_logger, flops_profiler, wall_clock_breakdown, memory_breakdown),
-            kept for when zerofn can write them.
+            comet, comms_logger, flops_profiler, wall_clock_breakdown, memory_breakdown);
+            tensorboard and csv_monitor become ``zf.tensorboard`` in ``transform``.
         ignored: "key: reason" for each key zerofn does not act on (also warned).
         config: the config with every "auto" resolved.
         world_size: the data-parallel world size the batch sizes were resolved for.
@@ -228,7 +234,8 @@ def _sections(config: dict):
     for name, known in (("fp16", K.FP16_KNOWN), ("bf16", K.BF16_KNOWN),
                         ("bfloat16", K.BF16_KNOWN), ("optimizer", K.OPTIMIZER_KNOWN),
                         ("scheduler", K.SCHEDULER_KNOWN),
-                        ("activation_checkpointing", K.ACTIVATION_CHECKPOINTING_KNOWN)):
+                        ("activation_checkpointing", K.ACTIVATION_CHECKPOINTING_KNOWN),
+                        ("tensorboard", WRITER_KNOWN), ("csv_monitor", WRITER_KNOWN)):
         if isinstance(config.get(name), dict):
             yield f"{name}.", config[name], known
 
@@ -504,7 +511,29 @@ def _transforms(config: dict, stage: int, param_dtype, precision_opts: dict, gro
     offload = _offload_options(zero, stage)
     if offload is not None:
         out["offload"] = offload
+    monitor = _monitor_options(config)
+    if monitor is not None:
+        out["tensorboard"] = monitor
     return out
+
+
+def _monitor_options(config: dict) -> dict | None:
+    """``zf.tensorboard``'s options from the tensorboard and csv_monitor sections: each
+    writes to ``output_path/job_name`` as in DeepSpeed (rank 0 only, as there), the event
+    files to tensorboard's (or, with csv_monitor alone, to the CSV directory), every
+    ``steps_per_print`` steps (DeepSpeed's default 10)."""
+    tb, csv_monitor = (config.get(name) if isinstance(config.get(name), dict) else {}
+                       for name in WRITERS)
+    if not (_enabled(tb) or _enabled(csv_monitor)):
+        return None
+    path = {name: os.path.join(section.get("output_path") or "",
+                               section.get("job_name") or DEEPSPEED_JOB_NAME)
+            for name, section in zip(WRITERS, (tb, csv_monitor))}
+    options = {"logdir": path["tensorboard" if _enabled(tb) else "csv_monitor"],
+               "every": int(config.get("steps_per_print") or 10)}
+    if _enabled(csv_monitor):
+        options["csv"] = path["csv_monitor"]
+    return options
 
 
 def _compose(transforms: dict) -> zt.Transform:
@@ -513,6 +542,8 @@ def _compose(transforms: dict) -> zt.Transform:
         options = dict(options)
         if name == "offload":
             made.append(zt.offload(options.pop("device"), **options))
+        elif name == "tensorboard":
+            made.append(zt.tensorboard(options.pop("logdir"), **options))
         else:
             made.append(getattr(zt, name)(**options))
     return zt.compose(*made)
@@ -667,9 +698,17 @@ def _warn(filled: list[str], ignored: tuple, monitoring: dict) -> None:
         warnings.warn("DeepSpeed config: zerofn does not act on these keys:\n  "
                       + "\n  ".join(ignored), DeepSpeedConfigWarning, stacklevel=4)
     enabled = [name for name, value in monitoring.items() if _enabled(value)]
-    if enabled:
-        warnings.warn(f"DeepSpeed config: {enabled} are enabled, but zerofn cannot write "
-                      f"TensorBoard, CSV, W&B, Comet, comms or timing output yet; the parsed "
+    not_built = [n for n in enabled if n not in WRITERS + MEASUREMENTS]
+    if not_built:
+        warnings.warn(f"DeepSpeed config: {not_built} are enabled, but zerofn cannot write "
+                      f"W&B, Comet, flops-profiler or memory-breakdown output; the parsed "
                       f"sections are kept in settings.monitoring.", DeepSpeedConfigWarning,
                       stacklevel=4)
+    unwritten = [n for n in enabled if n in MEASUREMENTS] \
+        if not any(n in WRITERS for n in enabled) else []
+    if unwritten:
+        warnings.warn(f"DeepSpeed config: {unwritten} are enabled; zerofn measures step "
+                      f"times and collectives always, and writes them (time/ and comm/ series) "
+                      f"only through tensorboard or csv_monitor: enable one of those.",
+                      DeepSpeedConfigWarning, stacklevel=4)
 

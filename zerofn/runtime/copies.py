@@ -31,8 +31,15 @@ import contextlib
 
 import torch
 
+from .timing import NOTHING, UNTIMED
+
 
 class CopyStreams:
+    timing = UNTIMED     # runtime/timing.py
+    # Offload's copies are labelled and timed (d2h, h2d); without offload the same calls
+    # cast on the device, which is no copy between host and device.
+    offloaded = False
+
     def __init__(self, device: torch.device, units):
         self.device = device
         if not self.streaming:
@@ -57,17 +64,21 @@ class CopyStreams:
 
     def _copy(self, direction: str, unit, dst: torch.Tensor, src: torch.Tensor) -> None:
         if not self.streaming or dst.device == src.device:
-            dst.copy_(src)
+            with self._span(direction, unit):
+                dst.copy_(src)
             return
         stream = self._streams[direction]
         self._fence.record(torch.cuda.current_stream(self.device))
         stream.wait_event(self._fence)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), self._span(direction, unit):
             dst.copy_(src, non_blocking=True)
         # The caching allocator must not hand the device block to other work before this
         # stream is done with it, should its tensor be freed meanwhile.
         (src if src.is_cuda else dst).record_stream(stream)
         self._done[direction][unit].record(stream)
+
+    def _span(self, direction: str, unit):
+        return self.timing.span(direction, direction, unit.name) if self.offloaded else NOTHING
 
     def host_wait(self, unit) -> None:
         if self.streaming:

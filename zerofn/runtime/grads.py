@@ -36,10 +36,13 @@ import functools
 
 import torch
 
+from .timing import UNTIMED
 from .units import ParamSlot, Unit, scatter_to_ranks
 
 
 class GradReducer:
+    timing = UNTIMED     # runtime/timing.py
+
     def __init__(self, comm, pool, units: list[Unit], stage: int, on_reduced=None,
                  reduce_dtype: torch.dtype | None = None):
         self.comm, self.pool, self.units, self.stage = comm, pool, units, stage
@@ -183,11 +186,17 @@ class GradReducer:
             buffers.append(scratch)
         nbytes = sum(b.nbytes for b in buffers)
         if stream is None:
-            work = self.comm.reduce_scatter(out, send, True, scratch)
+            work = self.timing.issue(
+                "reduce_scatter", "reduce", unit.name,
+                lambda: self.comm.reduce_scatter(out, send, True, scratch), "reduce_wait")
             self.comm.enqueue(work, nbytes, functools.partial(self._reduced, unit, buffers, out))
         else:   # [Note: the reduce stream]
             with self._on_stream():
-                self.comm.reduce_scatter(out, send, True, scratch).wait()
+                # (this wait holds the side stream, not the step: _join's does)
+                self.timing.issue(
+                    "reduce_scatter", "reduce", unit.name,
+                    lambda: self.comm.reduce_scatter(out, send, True, scratch), "reduce_wait",
+                    stall=False).wait()
                 spent = self._post_reduce(unit, out)
                 ready = self.stream.record_event()
             self.comm.enqueue(None, nbytes, functools.partial(self._give, buffers + spent, ready))
@@ -237,7 +246,8 @@ class GradReducer:
     def _join(self) -> None:
         """The current stream waits for every reduction so far (CUDA)."""
         if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            with self.timing.span("reduce_wait", "reduce_wait"):
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def _reduced(self, unit: Unit, buffers: list[torch.Tensor], out: torch.Tensor) -> None:
         self._give(buffers + self._post_reduce(unit, out))

@@ -34,6 +34,7 @@ import torch
 
 from .offload import HostArena, adam_unit, device_of, fused_adam_mode, groups_by_param
 from .pinned import host_buffer, pins
+from .timing import UNTIMED
 
 BLOCK = 4096                     # bytes: O_DIRECT alignment of buffers, offsets and sizes
 FLOAT = 4
@@ -92,6 +93,8 @@ def remove_stale(path: str, rank: int) -> None:
 
 
 class NvmeOffload:
+    timing = UNTIMED     # runtime/timing.py (I/O threads use its host clock)
+
     def __init__(self, units, optimizer, path: str, rank: int, in_flight: int, grad_dtype_of,
                  param_dtypes: dict | None = None):
         self.adamw_mode = fused_adam_mode(optimizer)
@@ -144,16 +147,20 @@ class NvmeOffload:
     # -- raw I/O ---------------------------------------------------------------------
     def _read(self, unit, buf: torch.Tensor) -> torch.Tensor:
         """The unit's master|m|v (the step never needs the old compute shard)."""
-        os.preadv(self.fd, [_bytes(buf)[:_state_bytes(unit)]], self.offset[unit])
+        with self.timing.span("nvme_read", "nvme_read", unit.name):
+            os.preadv(self.fd, [_bytes(buf)[:_state_bytes(unit)]], self.offset[unit])
         return buf[:3 * unit.shard_numel]
 
     def _write(self, unit, buf: torch.Tensor) -> None:
         """The whole block: state, and the compute shard where the file holds one."""
-        os.pwritev(self.fd, [_bytes(buf)[:self.block[unit]]], self.offset[unit])
+        with self.timing.span("nvme_write", "nvme_write", unit.name):
+            os.pwritev(self.fd, [_bytes(buf)[:self.block[unit]]], self.offset[unit])
 
     def read_param(self, unit, buf: torch.Tensor) -> torch.Tensor:
         start = _state_bytes(unit)
-        os.preadv(self.fd, [_bytes(buf)[:self.block[unit] - start]], self.offset[unit] + start)
+        with self.timing.span("nvme_read", "nvme_read", unit.name):
+            os.preadv(self.fd, [_bytes(buf)[:self.block[unit] - start]],
+                      self.offset[unit] + start)
         return buf.view(self.params[unit])[:unit.shard_numel]
 
     def _param_part(self, unit, buf: torch.Tensor) -> torch.Tensor:
@@ -211,7 +218,7 @@ class NvmeOffload:
                 start_read(i + 1)              # read ahead while this unit steps
             master, m, v = flat.view(3, unit.shard_numel)
             adam_unit(optimizer, group_of, unit, grads, master, m, v, self.adamw_mode,
-                      grad_scale=grad_scale)
+                      grad_scale=grad_scale, timing=self.timing)
             self._refresh(unit, self.staging[i % ring], master, after_unit)
             writes[i % ring] = self.io.submit(self._write, unit, self.staging[i % ring])
         for i in range(len(units), len(units) + ring):   # the ring is idle again after

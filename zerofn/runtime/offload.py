@@ -14,11 +14,11 @@ torch.optim optimizer steps the host masters itself.
 from __future__ import annotations
 
 import torch
-from torch.autograd.profiler import record_function
 
 from ..optim import adam_step
 from ..optim.cpu_adam import CPUAdam
 from .pinned import host_buffer, pins
+from .timing import UNTIMED
 from .units import Unit
 
 ALIGN = 64   # elements: keeps every view 256-byte aligned for the vector kernels
@@ -66,6 +66,8 @@ def fused_adam_mode(optimizer) -> bool | None:
 
 class HostOffload:
     """Per unit on the host: master rows, a gradient landing buffer and, for Adam, its state."""
+
+    timing = UNTIMED     # runtime/timing.py
 
     def __init__(self, units: list[Unit], grad_dtype_of, optimizer, compute_dtype=None):
         self.adamw_mode = fused_adam_mode(optimizer)
@@ -141,7 +143,8 @@ class HostOffload:
         group_of = groups_by_param(optimizer)
         for u in self._units:
             adam_unit(optimizer, group_of, u, grads, self.master[u], self.exp_avg[u],
-                      self.exp_avg_sq[u], self.adamw_mode, self.lowp.get(u), grad_scale)
+                      self.exp_avg_sq[u], self.adamw_mode, self.lowp.get(u), grad_scale,
+                      self.timing)
             after_unit(u, self.compute_rows(u))
 
 
@@ -150,12 +153,12 @@ def groups_by_param(optimizer) -> dict:
 
 
 def adam_unit(optimizer, group_of: dict, unit: Unit, grads: dict, master, exp_avg, exp_avg_sq,
-              adamw_mode: bool, lowp=None, grad_scale: float = 1.0) -> None:
+              adamw_mode: bool, lowp=None, grad_scale: float = 1.0, timing=UNTIMED) -> None:
     """zerofn's CPU Adam over each of the unit's parameters that has a gradient, on the
     rows of flat master and state buffers, with that parameter's group hyperparameters
     and its own step count (as torch.optim keeps them); each gradient times
     ``grad_scale`` as it is read."""
-    with record_function("zerofn::cpu_adam"):   # profiles show it against the copies
+    with timing.span("cpu_adam", "cpu_adam", unit.name):   # profiles show it against copies
         _adam_slots(optimizer, group_of, unit, grads, master, exp_avg, exp_avg_sq,
                     adamw_mode, lowp, grad_scale)
 

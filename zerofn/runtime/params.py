@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from .timing import UNTIMED
 from .units import Unit
 
 
@@ -32,6 +33,8 @@ class _SavedView:
 
 
 class ParamGatherer:
+    timing = UNTIMED     # runtime/timing.py
+
     def __init__(self, comm, pool, units: list[Unit], prefetch: int, reshard_after_forward: bool,
                  copies, staged: bool = False, reader=None):
         self.comm, self.pool, self.units = comm, pool, units
@@ -58,7 +61,7 @@ class ParamGatherer:
             return
         recv = self.pool.take(self.comm.world * unit.shard_numel, unit.dtype, unit.device)
         if not self.staged:
-            self._pending[unit] = (self.comm.all_gather(recv, unit.shard, async_op=True), recv)
+            self._pending[unit] = (self._all_gather(unit, recv, unit.shard), recv)
             return
         # An offloaded shard is copied into this rank's slot and gathered in place. NVMe's
         # staging buffer is reused once this copy has read it.
@@ -67,7 +70,14 @@ class ParamGatherer:
             self.reader.take(unit, lambda: self.copies.before_host_write(unit))
         self.copies.to_device(unit, mine, host)
         with self.copies.after_to_device(unit):
-            self._pending[unit] = (self.comm.all_gather(recv, mine, async_op=True), recv)
+            self._pending[unit] = (self._all_gather(unit, recv, mine), recv)
+
+    def _all_gather(self, unit: Unit, recv: torch.Tensor, shard: torch.Tensor):
+        """The unit's asynchronous all-gather, labelled by the pass that asked for it."""
+        what = "gather[backward]" if in_backward() else "gather[forward]"
+        return self.timing.issue("all_gather", what, unit.name,
+                                 lambda: self.comm.all_gather(recv, shard, async_op=True),
+                                 "gather_wait")
 
     def ensure(self, unit: Unit) -> torch.Tensor:
         """The unit's gathered buffer (param-major, each param padded to world*chunk rows)."""

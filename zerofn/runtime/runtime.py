@@ -26,6 +26,7 @@ from .params import ParamGatherer
 from .pool import BufferPool
 from .precision import LossScaler
 from .step import StepGrads
+from .timing import UNTIMED
 from .units import build_units, gather_from_ranks
 
 ATTR = "_zerofn"
@@ -67,6 +68,9 @@ def apply_plan(model: nn.Module, optimizer, edits):
 
 
 class Runtime:
+    timing = UNTIMED     # labels only; a monitor's Timing with zf.tensorboard
+    monitor = None
+
     def __init__(self, model: nn.Module, optimizer, plan: Plan):
         self.model, self.optimizer, self.plan = model, optimizer, plan
         group, self.mesh, self.device = _resolve_group(plan.option("group"), model)
@@ -84,6 +88,7 @@ class Runtime:
         self._sharded_params = [u for u in units if self.stage == 3 and not u.replicated]
         self.offload = self._make_offload(units)
         self.copies = CopyStreams(self.device, units)
+        self.copies.offloaded = self.offload is not None
         self._refreshed = False     # the step refreshed each unit's compute params
         self.gatherer = self._make_gatherer()
         self.flats: list[FlatBuffers] = []    # the device's flat masters and shards
@@ -102,6 +107,8 @@ class Runtime:
         if self.offload is not None:
             self.offload.register_state(optimizer)
         self._hooks = self._register_forward_hooks()
+        if plan.option("tensorboard") is not None:
+            self._attach_monitor()
         model.__dict__[ATTR] = self
         model.__dict__["no_sync"] = types.MethodType(_no_sync, model)
         model.__dict__["zero_grad"] = types.MethodType(_zero_grad, model)
@@ -121,6 +128,8 @@ class Runtime:
             return [], [str(e)]
         slot_of = {s.param: s for u in units for s in u.slots}
         problems += check_optimizer(self.optimizer, slot_of)
+        from ..monitor import monitor_problems     # (it imports this module)
+        problems += monitor_problems(self.plan, self.device, self.rank, self.world)
         if self.plan.option("offload") == "nvme":
             need = swap_bytes(units, self._offloaded_param_dtypes(units))
             problems += nvme_problems(self.plan.option("offload_path"), need, self.optimizer)
@@ -239,6 +248,15 @@ class Runtime:
         for old, new in m.new_of.items():
             if old in opt.state:
                 opt.state[new] = opt.state.pop(old)
+
+    def _attach_monitor(self) -> None:
+        """zf.tensorboard: the monitor's timing replaces every part's labels-only one."""
+        from ..monitor import Monitor
+        self.monitor = Monitor(self)
+        for part in (self, self.reducer, self.gatherer, self.copies, self.offload,
+                     self.step_grads):
+            if part is not None:
+                part.timing = self.monitor.timing
 
     def _make_gatherer(self) -> ParamGatherer | None:
         if self.stage != 3:
@@ -385,6 +403,8 @@ class Runtime:
         # looks, and no collective outlives the call, so none can outlive the process group.
         self.comm.drain()
         self.comm.end_step()
+        if self.monitor is not None:
+            self.monitor.step_done()
 
     def _host_grad_dtype(self, unit) -> torch.dtype:
         """Gradients land on the host in the reduce dtype when CPU Adam reads them (scaled
@@ -435,7 +455,9 @@ class Runtime:
         else:
             for s in unit.slots:
                 send[s.offset:s.offset + s.local_numel].copy_(s.rows_of(s.param.detach()).reshape(-1))
-        work = self.comm.all_gather(recv, send, async_op=True)
+        work = self.timing.issue("all_gather", "gather[step]", unit.name,
+                                 lambda: self.comm.all_gather(recv, send, async_op=True),
+                                 "gather_wait")
         self.comm.enqueue(work, recv.nbytes,
                           lambda u=unit, rv=recv, own=rows is None: self._params_arrived(u, rv, own))
 
@@ -502,6 +524,8 @@ class Runtime:
 
         Used when another transform is applied on top, so the combined plan is built afresh.
         """
+        if self.monitor is not None:
+            self.monitor.close()
         self.prepare_state_dict()
         self.step_grads.prepare()
         self.step_grads.release()

@@ -25,10 +25,13 @@ import torch
 import torch.distributed as dist
 
 from ..optim import grad_sumsq_and_finite
+from .timing import UNTIMED
 from .units import ParamSlot
 
 
 class StepGrads:
+    timing = UNTIMED     # runtime/timing.py
+
     def __init__(self, comm, pool, units, reducer, scaler, device, copies, offload=None):
         self.comm, self.pool, self.units, self.reducer = comm, pool, units, reducer
         self.scaler, self.device, self.copies, self.offload = scaler, device, copies, offload
@@ -52,6 +55,7 @@ class StepGrads:
     @torch.no_grad()
     def prepare(self) -> None:
         """Idempotent until ``release``: clipping and the step share one preparation."""
+        self.timing.begin("optimizer")     # (clipping starts the optimizer's part of a step)
         if self.ready:
             return
         self.reducer.sync()
@@ -59,7 +63,10 @@ class StepGrads:
         landed = [u for u in self.units if self._prepare_unit(u, scaled) is not None]
         self._wait_copies(landed)   # later units' copies run while earlier ones wait
         self.grad_scale = 1.0 / self.scaler.scale if scaled else 1.0
-        self.overflow = scaled and self._vote(self._found_inf())
+        self.overflow = False
+        if scaled:
+            with self.timing.span(None, "overflow_check"):
+                self.overflow = self._vote(self._found_inf())
         self.ready = True
 
     def _wait_copies(self, units) -> None:
@@ -111,7 +118,8 @@ class StepGrads:
     def _vote(self, found: torch.Tensor) -> bool:
         """One small all-reduce: if any rank saw inf or nan, every rank skips the step."""
         flag = found.reshape(1).to(self.device, torch.float32)   # offload: from the host
-        self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+        with self.timing.collective("all_reduce"):
+            self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def host_stats(self) -> list[tuple[float, bool]]:

@@ -1,0 +1,553 @@
+"""``zf.tensorboard``'s runtime side: the series a step writes, traces, and ``zf.log``.
+
+The transform (``zerofn.transforms.tensorboard``) only sets plan options; a runtime built
+from a plan that has them makes one ``Monitor`` per rank. Every rank measures (the
+slowest and fastest rank's step time need them all); the ranks in ``ranks`` write.
+
+[Note: no waiting on quiet steps] Nothing here reads a device value except on a logging
+step (every ``every``-th optimizer step) and in ``flush``. Phase times are CUDA events on
+GPUs (runtime/timing.py), values passed to ``zf.log`` and the gradient norm are kept as
+tensors, learning rates given as tensors are cloned, and the one collective (the ranks'
+step times) runs on logging steps only. On a logging step all of them are read with one
+synchronization per device.
+
+Step attribution: a step runs from the first forward after an optimizer step to the end
+of the next optimizer step. A value logged while a step runs belongs to it; a value
+logged after ``opt.step()`` and before the next forward belongs to the step just
+finished, so both places in a training loop give the same curve.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import csv
+import os
+import platform
+import resource
+import weakref
+from collections import Counter, defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from .runtime.runtime import runtime_of
+from .runtime.timing import Timing
+
+TIME_SERIES = ("step", "forward", "backward", "optimizer", "logging", "reduce_wait",
+               "gather_wait")
+OFFLOAD_SERIES = ("d2h", "h2d")
+NVME_SERIES = ("nvme_read", "nvme_write")
+COUNTS = ("tokens", "samples")           # zf.log names that are summed, not averaged
+BUILT_IN = ("lr", "grad_norm", "loss_scale", "skipped_steps", "tokens_per_s")
+
+
+def log(model: nn.Module, **values) -> None:
+    """Record values for TensorBoard (``train/<name>``), read only on logging steps.
+
+    Tensors are kept as they are (no device synchronization) and read at the next logging
+    step of ``zf.tensorboard``; without one, values are checked and dropped. Several values
+    of one name in one step are averaged. ``tokens`` and ``samples`` are counts, summed:
+    they give ``train/tokens_per_s`` and ``train/samples``.
+
+    Args:
+        model: a model transformed by zerofn.
+        **values: numbers or one-element tensors.
+
+    Example:
+        >>> loss = model(x, y); opt.scale(loss).backward(); opt.step()
+        >>> zf.log(model, loss=loss.detach(), tokens=x.numel(), samples=len(x))
+    """
+    monitor = runtime_of(model).monitor
+    for name, value in values.items():
+        if name in BUILT_IN:
+            raise ValueError(f"zf.log(): {name!r} is a series zf.tensorboard writes itself "
+                             f"(train/{name}); log your value under another name.")
+        if torch.is_tensor(value) and value.numel() != 1 or \
+                not torch.is_tensor(value) and not isinstance(value, (int, float)):
+            raise TypeError(f"zf.log(): {name}= must be a number or a one-element tensor, "
+                            f"got {_describe(value)}.")
+    if monitor is not None:
+        monitor.log(values)
+
+
+def flush_logs(model: nn.Module) -> None:
+    """Write what is outstanding and flush the files: values logged since the last logging
+    step, and the series of the steps since then (without ``time/step_max`` and
+    ``step_min``, which need every rank: no collective here). Also runs at exit.
+
+    Example:
+        >>> for step in range(steps): ...
+        >>> zf.flush_logs(model)
+    """
+    monitor = runtime_of(model).monitor
+    if monitor is not None:
+        monitor.flush()
+
+
+def set_log_step(model: nn.Module, step: int) -> None:
+    """Number the logs' steps from ``step``: a run resumed from a checkpoint saved after
+    optimizer step ``step`` continues the interrupted run's series (TensorBoard would drop
+    a series' points from a step that comes again). Call before the first step; nothing
+    happens without ``zf.tensorboard``.
+
+    Example:
+        >>> start = (zf.load_checkpoint("ckpt", model, opt) or {"step": 0})["step"]
+        >>> zf.set_log_step(model, start)
+    """
+    monitor = runtime_of(model).monitor
+    if monitor is not None:
+        if monitor.step:
+            raise ValueError(f"zf.set_log_step(): {monitor.step} steps were logged already; "
+                             f"call it before the first optimizer step.")
+        monitor.step = monitor._written = int(step)
+
+
+def _describe(value) -> str:
+    if torch.is_tensor(value):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def writing_ranks(ranks, world: int) -> tuple[int, ...]:
+    return tuple(range(world)) if ranks == "all" else ranks
+
+
+def rank_dir(root: str, ranks, rank: int, world: int) -> str:
+    """Where a rank writes: ``root`` when one rank writes, else ``root/rank<r>``."""
+    return root if len(writing_ranks(ranks, world)) == 1 else os.path.join(root, f"rank{rank}")
+
+
+def monitor_problems(plan, device: torch.device, rank: int, world: int) -> list[str]:
+    """What stops the plan's monitor on this rank (raised on every rank at set-up)."""
+    root = plan.option("tensorboard")
+    if root is None:
+        return []
+    ranks = plan.option("tensorboard_ranks")
+    if ranks != "all" and max(ranks) >= world:
+        return [f"zf.tensorboard(ranks={ranks}): there are only {world} ranks (0 to "
+                f"{world - 1})."]
+    if plan.option("memory_snapshot") and device.type != "cuda":
+        return [f"zf.tensorboard(memory_snapshot=...) records the CUDA caching allocator, but "
+                f"this model computes on {device}; drop memory_snapshot."]
+    if rank not in writing_ranks(ranks, world):
+        return []
+    for path in filter(None, (root, plan.option("tensorboard_csv"))):
+        try:
+            os.makedirs(rank_dir(path, ranks, rank, world), exist_ok=True)
+        except OSError as e:
+            return [f"zf.tensorboard(): cannot create the log directory {path!r} ({e}); "
+                    f"choose a writable path."]
+    return []
+
+
+class Monitor:
+    """One rank's measurements and writers; see the module's docstring."""
+
+    def __init__(self, rt):
+        plan = rt.plan
+        self.rt = rt
+        self.every = plan.option("tensorboard_every")
+        ranks = plan.option("tensorboard_ranks")
+        root = plan.option("tensorboard")
+        self.writes = rt.rank in writing_ranks(ranks, rt.world)
+        self.timing = Timing(rt.device)
+        self.step = 0                    # optimizer steps finished
+        self._in_step = False            # a forward ran since the last optimizer step
+        self._step_start = None          # device mark
+        self._written = 0                # the last step whose interval was written
+        self._pending: list = []         # (step, tag, value) of per-step values
+        self._counts: list = []          # (step, name, value) of zf.log's counts
+        self._samples = 0.0              # written so far
+        self._step_ms: dict = {}         # step -> ms, of the last interval read
+        self._skipped = 0
+        self._grad_norm = None
+        self._comm: Counter = Counter()  # comm_stats summed over the interval's steps
+        self._series = self._time_series()
+        self._hooks = [
+            rt.model.register_forward_pre_hook(self._forward_begins, prepend=True),
+            # First among the post-hooks, so its tensor hooks run before the runtime's
+            # (ZeRO-3 gathers the root unit again there): backward's time includes them.
+            rt.model.register_forward_hook(self._watch_backward, prepend=True),
+            rt.model.register_forward_hook(self._forward_ends, always_call=True)]
+        self.writer = self._csv = None
+        if self.writes:
+            from torch.utils.tensorboard import SummaryWriter   # only where logs are written
+            self.writer = SummaryWriter(rank_dir(root, ranks, rt.rank, rt.world))
+            csv_root = plan.option("tensorboard_csv")
+            if csv_root:
+                self._csv = CsvSeries(rank_dir(csv_root, ranks, rt.rank, rt.world))
+            self._write_text()
+        self.profiler = self._make_profiler(plan, root) if self.writes else None
+        self._profiling = False
+        self._snapshot = None
+        if self.writes and plan.option("memory_snapshot"):
+            self._snapshot = os.path.join(root, "memory", f"rank{rt.rank}.pickle")
+            torch.cuda.memory._record_memory_history(
+                max_entries=plan.option("memory_snapshot"), stacks="python", device=rt.device)
+        # Closed by close() (a rebuild, or exit), else when collected.
+        self._closer = weakref.finalize(self, Monitor._close_refs, self.writer, self._csv)
+        self._closer.atexit = False
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _time_series(self) -> tuple[str, ...]:
+        offload = self.rt.offload
+        series = TIME_SERIES
+        if offload is not None:
+            series += OFFLOAD_SERIES
+            if offload.adamw_mode is not None:
+                series += ("cpu_adam",)
+            if hasattr(offload, "file_bytes"):
+                series += NVME_SERIES
+        return series
+
+    # -- step boundaries (hooks and the runtime) -------------------------------------------
+    def _forward_begins(self, module, args) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return   # a recompute inside backward
+        if not self._in_step:
+            self._in_step = True
+            self._advance_profiler()
+            if self._step_start is None:
+                self._step_start = self.timing.device.mark()
+        self.timing.begin("forward")
+
+    def _forward_ends(self, module, args, output) -> None:
+        if torch._C._current_graph_task_id() == -1:
+            self.timing.end("forward")
+
+    def _watch_backward(self, module, args, output) -> None:
+        if torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
+            return
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._backward_begins)
+
+    def _backward_begins(self, grad) -> None:
+        if "backward" not in self.timing._open:
+            self.timing.begin("backward")
+            # Queued from a final callback, the end runs after the runtime's own callback
+            # (which waits for the reductions): they are part of backward.
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: self.timing.end("backward")))
+
+    def grad_norm(self, total: torch.Tensor) -> None:
+        """``zf.clip_grad_norm_``'s total norm, kept for this step."""
+        self._grad_norm = total.detach()
+
+    def step_done(self) -> None:
+        """The end of ``optimizer.step()``: per-step values, and the interval's series on
+        logging steps."""
+        rt = self.rt
+        self.timing.end("optimizer")
+        end = self.timing.device.mark()
+        self.timing.device.add("step", self._step_start or end, end)
+        self._step_start = end
+        self.step += 1
+        self._in_step = False
+        for i, group in enumerate(rt.optimizer.param_groups):
+            lr = group["lr"]
+            self._pending.append((self.step, f"train/lr/group{i}",
+                                  lr.detach().clone() if torch.is_tensor(lr) else lr))
+        if rt.scaler is not None:
+            self._pending.append((self.step, "train/loss_scale", rt.scaler.scale))
+        if self._grad_norm is not None:
+            self._pending.append((self.step, "train/grad_norm", self._grad_norm))
+            self._grad_norm = None
+        self._skipped += bool(rt.step_grads.overflow)
+        self._comm.update(rt.comm.last_step)
+        if self.step % self.every == 0:
+            with self._logging():
+                self._write(collective=True)
+
+    def log(self, values: dict) -> None:
+        step = self.step + 1 if self._in_step else self.step
+        for name, value in values.items():
+            if name in COUNTS:
+                self._counts.append((step, name, value))
+            else:
+                self._pending.append((step, f"train/{name}", value))
+        if 0 < step <= self._written:   # a logging step's value, logged after its write
+            with self._logging():
+                self._write_values()
+
+    # -- writing ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _logging(self):
+        """The monitor's own time (``time/logging``): after the step's end, so it falls in
+        the next step, which it does delay."""
+        start = self.timing.host.mark()
+        yield
+        self.timing.host.add("logging", start, self.timing.host.mark())
+
+    def _write(self, collective: bool) -> None:
+        """The interval's series, if any step finished since the last write, then every
+        pending per-step value. ``collective``: every rank is here (a logging step), so
+        the ranks' step times can be compared."""
+        if self.step > self._written:
+            self._write_interval(collective)
+        self._write_values()
+
+    def _write_interval(self, collective: bool) -> None:
+        steps = self.step - self._written
+        self._written = self.step
+        spans = self.timing.read(keep=(self._step_start,))
+        ms = {series: sum(times) for series, times in spans.items()}
+        self._step_ms = dict(zip(range(self.step - steps + 1, self.step + 1),
+                                 spans.get("step", [])))
+        calls, self.timing.calls = self.timing.calls, Counter()
+        comm, self._comm = self._comm, Counter()
+        step_ms = ms.get("step", 0.0) / steps
+        stragglers = self._stragglers(step_ms) if collective else None
+        if not self.writes:
+            return
+        scalars = {f"time/{s}": ms.get(s, 0.0) / steps for s in self._series}
+        if stragglers is not None:
+            scalars["time/step_max"], scalars["time/step_min"] = stragglers
+        scalars["train/skipped_steps"] = self._skipped
+        scalars.update(comm_series(comm, calls, ms, steps, self.rt.world))
+        scalars.update(self._memory())
+        for tag, value in scalars.items():
+            self._scalar(tag, value, self.step)
+        self._dump_snapshot()
+
+    def _stragglers(self, step_ms: float) -> tuple[float, float]:
+        """The slowest and fastest rank's mean step time: one small all-reduce."""
+        t = torch.tensor([step_ms, -step_ms], dtype=torch.float64, device=self.rt.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.rt.comm.group)
+        slowest, fastest = t.tolist()
+        return slowest, -fastest
+
+    def _write_values(self) -> None:
+        """Every pending per-step value, read with one synchronization per device: the
+        mean of a tag's values in a step; counts summed per step, as cumulative samples and
+        as tokens per second of the step's time (for steps whose time is read)."""
+        pending, counts = self._pending, self._counts
+        self._pending, self._counts = [], []
+        if not self.writes or not (pending or counts):
+            return
+        read = _floats([v for _, _, v in pending] + [v for _, _, v in counts])
+        per_step: dict = defaultdict(list)
+        for (step, tag, _), value in zip(pending + counts, read):
+            per_step[(step, tag)].append(value)
+        for (step, tag), values in sorted(per_step.items(), key=lambda kv: kv[0][0]):
+            if tag == "samples":
+                self._samples += sum(values)
+                self._scalar("train/samples", self._samples, step)
+            elif tag == "tokens" and step in self._step_ms:
+                self._scalar("train/tokens_per_s", sum(values) / self._step_ms[step] * 1e3, step)
+            elif tag == "tokens":      # its step is still running: at the next write
+                self._counts += [(step, "tokens", v) for v in values]
+            else:
+                self._scalar(tag, sum(values) / len(values), step)
+        self._flush_files()
+
+    def _scalar(self, tag: str, value: float, step: int) -> None:
+        self.writer.add_scalar(tag, value, step)
+        if self._csv is not None:
+            self._csv.add(tag, value, step)
+
+    def _flush_files(self) -> None:
+        self.writer.flush()
+        if self._csv is not None:
+            self._csv.flush()
+
+    def _memory(self) -> dict[str, float]:
+        from .accounting import model_state_bytes
+        from .runtime.pinned import registered_bytes
+        out = {f"memory/model_state/{place}/{role}": float(n)
+               for place, roles in model_state_bytes(self.rt.model).items()
+               for role, n in roles.items()}
+        device = self.rt.device
+        if device.type == "cuda":
+            out["memory/device/peak_allocated"] = float(torch.cuda.max_memory_allocated(device))
+            out["memory/device/peak_reserved"] = float(torch.cuda.max_memory_reserved(device))
+        out["memory/host/rss"] = float(_rss())
+        # (the kernel updates the high-water mark lazily: it may lag the current size)
+        out["memory/host/peak_rss"] = max(out["memory/host/rss"], float(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+        out["memory/host/pinned"] = float(registered_bytes())
+        if hasattr(self.rt.offload, "file_bytes"):
+            out["memory/nvme/file_bytes"] = float(self.rt.offload.file_bytes)
+        return out
+
+    def _write_text(self) -> None:
+        rt = self.rt
+        plan = "\n".join(f"| {k} | `{v}` |" for k, v in
+                         (line.split("=", 1) for line in rt.plan.describe()))
+        self.writer.add_text("plan", "| option | value |\n|---|---|\n" + plan, 0)
+        env = environment(rt)
+        self.writer.add_text("environment", "| | |\n|---|---|\n" +
+                             "\n".join(f"| {k} | {v} |" for k, v in env.items()), 0)
+        self.writer.flush()
+
+    # -- traces and memory snapshots --------------------------------------------------------
+    def _make_profiler(self, plan, root: str):
+        options = plan.option("profile")
+        if options is None:
+            return None
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+        activities = [ProfilerActivity.CPU] + \
+            ([ProfilerActivity.CUDA] if self.rt.device.type == "cuda" else [])
+        self._profile_steps = options.get("skip_first", 0) + options["repeat"] * sum(
+            options.get(k, 0) for k in ("wait", "warmup", "active"))
+        return profile(activities=activities, schedule=schedule(**options),
+                       on_trace_ready=tensorboard_trace_handler(
+                           os.path.join(root, "traces"), worker_name=f"rank{self.rt.rank}",
+                           use_gzip=True),
+                       experimental_config=_all_threads())
+
+    def _advance_profiler(self) -> None:
+        """At the start of each step: the profiler's step boundary, so every traced
+        ``ProfilerStep#`` is one whole step; stopped once its schedule is done."""
+        if self.profiler is None:
+            return
+        if not self._profiling:
+            self.profiler.start()
+            self._profiling = True
+        else:
+            self.profiler.step()
+        if self.profiler.step_num >= self._profile_steps:
+            self.profiler.stop()
+            self.profiler = None
+
+    def _dump_snapshot(self) -> None:
+        if self._snapshot is not None:
+            os.makedirs(os.path.dirname(self._snapshot), exist_ok=True)
+            torch.cuda.memory._dump_snapshot(self._snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None, device=self.rt.device)
+            self._snapshot = None
+
+    # -- the end -------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Everything outstanding written (see ``flush_logs``) and flushed; an unfinished
+        trace window saved."""
+        if self.profiler is not None and self._profiling:
+            self.profiler.stop()
+            self.profiler = None
+        with self._logging():
+            self._write(collective=False)
+
+    def close(self) -> None:
+        if not self._closer.alive:
+            return
+        self.flush()
+        for h in self._hooks:
+            h.remove()
+        self._closer()
+
+    @staticmethod
+    def _close_refs(writer, csv_series) -> None:
+        if writer is not None:
+            writer.close()
+        if csv_series is not None:
+            csv_series.close()
+
+
+def _close_at_exit(ref) -> None:
+    monitor = ref()
+    if monitor is not None:
+        monitor.close()
+
+
+def _floats(values: list) -> list[float]:
+    """Numbers and one-element tensors as floats: one read per device."""
+    out = [float(v) if not torch.is_tensor(v) else None for v in values]
+    by_device = defaultdict(list)
+    for i, v in enumerate(values):
+        if torch.is_tensor(v):
+            by_device[v.device].append(i)
+    for idx in by_device.values():
+        read = torch.stack([values[i].detach().reshape(()).double() for i in idx]).tolist()
+        for i, x in zip(idx, read):
+            out[i] = x
+    return out
+
+
+def bus_bandwidth(kind: str, nbytes: float, ms: float, world: int) -> float:
+    """GB/s on the bus, DeepSpeed's formulas, with ``nbytes`` the full buffer
+    (``zf.comm_stats``'s count): all-gather and reduce-scatter ``size / t * (n-1)/n``;
+    all-reduce ``size / t * 2(n-1)/n`` (its algorithm bandwidth is ``2 size / t``)."""
+    if ms <= 0 or world < 2:
+        return 0.0
+    factor = 2 * (world - 1) / world if kind == "all_reduce" else (world - 1) / world
+    return nbytes / (ms / 1e3) * factor / 1e9
+
+
+def comm_series(comm: Counter, calls: Counter, ms: dict, steps: int, world: int) -> dict:
+    """``comm/<kind>/{bytes,count,time_ms,busbw_gbps}``, means per step of the interval."""
+    out = {}
+    kinds = {k for k in comm if not k.endswith("_bytes")} | set(calls)
+    for kind in sorted(kinds):
+        nbytes, t = comm[kind + "_bytes"], ms.get("comm/" + kind, 0.0)
+        out[f"comm/{kind}/bytes"] = nbytes / steps
+        out[f"comm/{kind}/count"] = calls[kind] / steps
+        out[f"comm/{kind}/time_ms"] = t / steps
+        out[f"comm/{kind}/busbw_gbps"] = bus_bandwidth(kind, nbytes, t, world)
+    return out
+
+
+def environment(rt) -> dict[str, str]:
+    """What the run ran on, for the ``environment`` text."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        zerofn_version = version("zerofn")
+    except PackageNotFoundError:
+        zerofn_version = "(not installed)"
+    device = rt.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    env = {"zerofn": zerofn_version, "torch": torch.__version__,
+           "python": platform.python_version(), "backend": dist.get_backend(rt.comm.group),
+           "world": str(rt.world), "rank": str(rt.rank), "device": f"{device} {name}".strip(),
+           "threads": str(torch.get_num_threads()), "host": platform.node()}
+    if device.type == "cuda":
+        env["cuda"] = str(torch.version.cuda)
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return env
+
+
+def _rss() -> int:
+    """Resident bytes now (Linux), else the peak."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _all_threads():
+    """Trace every thread (NVMe I/O runs in worker threads) where this torch can."""
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        return None
+
+
+class CsvSeries:
+    """DeepSpeed's csv_monitor layout: one ``<tag with _ for />.csv`` per series, rows
+    ``step,value`` under a header naming the tag's last part."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._files: dict = {}
+
+    def add(self, tag: str, value: float, step: int) -> None:
+        entry = self._files.get(tag)
+        if entry is None:
+            path = os.path.join(self.directory, tag.replace("/", "_").replace(" ", "_") + ".csv")
+            f = open(path, "a", newline="")
+            entry = self._files[tag] = (f, csv.writer(f))
+            if f.tell() == 0:
+                entry[1].writerow(["step", tag.rsplit("/", 1)[-1]])
+        entry[1].writerow([step, value])
+
+    def flush(self) -> None:
+        for f, _ in self._files.values():
+            f.flush()
+
+    def close(self) -> None:
+        for f, _ in self._files.values():
+            f.close()
+        self._files = {}
