@@ -55,7 +55,11 @@ def parity_runs(rank, world, path):
         ref, _ = make_models(checkpoint=checkpoint)
         ref_opt = make_optimizer("adamw", ref.parameters())
         train_reference(ref, ref_opt, data)
-        plain, plain_opt = build(3, None, precision, checkpoint)
+        # bf16 compares with CPU offload, which steps with the same C++ Adam: that kernel
+        # agrees with torch's AdamW to an ulp per step (docs/cpu_adam.md), and one ulp of
+        # a master can round its bf16 copy the other way, which backward then amplifies.
+        plain, plain_opt = build(3, None if precision is None else {"params": True},
+                                 precision, checkpoint)
         off, off_opt = build(3, dict(opts, nvme=True, path=path, params=True), precision,
                              checkpoint)
         counts = count_read_ahead(off)
@@ -70,7 +74,8 @@ def parity_runs(rank, world, path):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_nvme_params_match_the_run_without_offload_and_pytorch(world, tmp_path):
-    """fp32 (units_in_flight 2 and 1, activation checkpointing) and bf16, 5 AdamW steps."""
+    """fp32 (units_in_flight 2 and 1, activation checkpointing) against the run without
+    offload, and bf16 against CPU offload; 5 AdamW steps."""
     for rank_out in run_ranks(world, parity_runs, str(tmp_path), timeout=400):
         for config, (vs_plain, vs_torch, counts) in zip(CONFIGS, rank_out):
             assert vs_plain < 1e-6, (config, vs_plain)

@@ -44,7 +44,8 @@ def fsdp2_params(rank, world, data):
     fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = make_optimizer("adamw", model.parameters())
     train(model, opt, data, rank, world)
-    return {k: v.full_tensor() for k, v in model.state_dict().items()}
+    # buffers stay plain tensors under FSDP2; parameters are DTensors
+    return {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in model.state_dict().items()}
 
 
 def bf16_runs(rank, world):
