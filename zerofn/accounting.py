@@ -83,5 +83,22 @@ def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
 
 
 def comm_stats(model: nn.Module) -> dict[str, int]:
-    """Elements (and ``*_bytes``) per collective kind in the last finished optimizer step."""
-    return dict(runtime_of(model).comm.last_step)
+    """Elements (and ``*_bytes``) per collective kind in the last finished optimizer step.
+
+    Unprefixed keys count the shard dimension (every rank without HSDP); under HSDP the
+    replicate dimension's own collectives follow as ``replicate.<kind>`` keys (the
+    averaging all-reduce of the reduced shards, the loss-scaling overflow vote).
+
+    Returns:
+        ``{kind: elements, kind + "_bytes": bytes}``, elements of full (gathered or
+        pre-scatter) buffers, as docs/design.md's traffic formulas count them.
+
+    Example:
+        >>> stats = zf.comm_stats(model)
+        >>> stats["reduce_scatter_bytes"], stats.get("replicate.all_reduce_bytes", 0)
+    """
+    rt = runtime_of(model)
+    out = dict(rt.comm.last_step)
+    if rt.replicas is not None:
+        out.update({f"replicate.{k}": v for k, v in rt.replicas.last_step.items()})
+    return out

@@ -100,7 +100,7 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     wait_for_checkpoint()
     if keep is not None and keep < 1:
         raise ValueError(f"keep={keep}: keep at least the checkpoint being written (keep >= 1).")
-    group = runtime_of(model).comm.group
+    group = runtime_of(model).group    # every rank (HSDP: both mesh dims)
     root, name = os.fspath(path), _step_name(step)
     tmp, final = os.path.join(root, ".tmp-" + name), os.path.join(root, name)
     msd, osd = get_state_dict(model, optimizer)
@@ -363,7 +363,7 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
     """
     wait_for_checkpoint()
     rt = runtime_of(model)
-    group = rt.comm.group
+    group = rt.group
     ckpt = _resolve_on_rank0(os.fspath(path), group)
     if ckpt is None:
         return None

@@ -1,7 +1,7 @@
 """State dicts in the format of torch.distributed.checkpoint.state_dict for FSDP2 models.
 
 Model state: FQN -> DTensor with ``Shard(0)`` (the torch.chunk row split) on the
-data-parallel mesh for parameters, plain tensors for buffers. Optimizer state: FQN ->
+data-parallel mesh for parameters (HSDP: ``(Replicate(), Shard(0))`` on its 2-D mesh), plain tensors for buffers. Optimizer state: FQN ->
 {torch.optim's state names -> DTensor shards or plain scalars} plus ``param_groups`` whose
 ``params`` are FQNs. The sharded tensors are views of zerofn's own buffers, so
 ``dcp.load`` writes straight into the model and optimizer.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from .runtime.optimizer import SCALER_KEY
 from .runtime.runtime import runtime_of
@@ -80,7 +80,7 @@ def _export(rt, slot: ParamSlot, local: torch.Tensor, full: bool):
     DTensor over ``local`` itself: no copy, so DCP writes and loads zerofn's own buffers."""
     if full:
         return rt.full_tensor(slot, local)
-    return slot.as_dtensor(local, rt.mesh)
+    return slot.as_dtensor(local, rt.mesh, rt.placements)
 
 
 def _snapshot(value, full: bool):
@@ -101,7 +101,8 @@ def _full_value(value, shape=None, name=""):
 def _local_value(rt, slot: ParamSlot, value) -> torch.Tensor:
     """This rank's rows of ``value``, without a gather when it is already sharded our way."""
     if isinstance(value, DTensor) and value.shape == slot.shape \
-            and tuple(value.placements) == (Shard(0),) and value.device_mesh.size() == rt.world:
+            and tuple(value.placements) == rt.placements \
+            and tuple(value.device_mesh.shape) == tuple(rt.mesh.shape):
         return value.to_local()
     return slot.rows_of(_full_value(value, slot.shape, slot.fqn))
 
@@ -111,8 +112,8 @@ def _slots_by_name(rt) -> dict[str, ParamSlot]:
     out = {}
     for slot in rt.slot_of.values():
         for module, pname in slot.owners:
-            prefix = names[module]
-            out[f"{prefix}.{pname}" if prefix else pname] = slot
+            for prefix in names[module]:
+                out[f"{prefix}.{pname}" if prefix else pname] = slot
     return out
 
 

@@ -5,7 +5,8 @@ backward (counted by post-accumulate-grad hooks), overlapping the rest of backwa
 end-of-backward callback reduces units some of whose parameters got no gradient. ZeRO-1
 keeps full gradients on the parameters and reduces them once per step. Reduction averages
 over ranks: NCCL's reduce-scatter averages itself, elsewhere the sum
-is divided by the world size.
+is divided by the world size. Under HSDP (runtime/mesh.py) each reduced shard is then
+all-reduced over the replicate dimension, so it is the mean over every rank's batch.
 
 [Note: ZeRO-1 reduces in backward] ZeRO-1 needs the reduction of the gradients as they
 stand at the step. Reducing at the step leaves the reduction outside backward, where DDP
@@ -35,6 +36,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 
 from .timing import UNTIMED
 from .units import ParamSlot, Unit, scatter_to_ranks
@@ -44,8 +46,9 @@ class GradReducer:
     timing = UNTIMED     # runtime/timing.py
 
     def __init__(self, comm, pool, units: list[Unit], stage: int, on_reduced=None,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, replicas=None):
         self.comm, self.pool, self.units, self.stage = comm, pool, units, stage
+        self.replicas = replicas               # HSDP: the replicate dimension's Comm
         self.reduce_dtype = reduce_dtype       # None: the compute dtype
         self.on_reduced = on_reduced           # ZeRO-3 frees a unit's params once reduced
         # Offload (ZeRO-2/3): on_shard_ready(unit, shard) starts the shard's copy to the
@@ -259,8 +262,13 @@ class GradReducer:
     def _post_reduce(self, unit: Unit, out: torch.Tensor) -> list[torch.Tensor]:
         """Average, then put the reduced rows where the step reads them; returns the
         buffers this spent."""
-        if not self.comm.averages and self.comm.world > 1:
-            out.div_(self.comm.world)
+        divisor = 1 if self.comm.averages else self.comm.world
+        if self.replicas is not None:   # HSDP: the replicas' mean of this rank's rows
+            avg = self.replicas.averages
+            self.replicas.all_reduce(out, op=dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM)
+            divisor *= 1 if avg else self.replicas.world
+        if divisor > 1:
+            out.div_(divisor)
         if self.stage == 1 and out.dtype == unit.dtype and not self._in_backward:
             self._write_back(unit, out)
             return [out]

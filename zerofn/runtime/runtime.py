@@ -19,6 +19,7 @@ from .comm import Comm
 from .copies import CopyStreams
 from .grads import GradReducer
 from .materialize import Materializer, meta_state, rng_digest, target_device
+from .mesh import layout_of
 from .nvme import NvmeOffload, nvme_problems, swap_bytes
 from .offload import HostOffload, fused_adam_mode
 from .optimizer import OptimizerWiring, check_optimizer
@@ -73,8 +74,12 @@ class Runtime:
 
     def __init__(self, model: nn.Module, optimizer, plan: Plan):
         self.model, self.optimizer, self.plan = model, optimizer, plan
-        group, self.mesh, self.device = _resolve_group(plan.option("group"), model)
-        self.comm = Comm(group, plan.option("bucket_size"))
+        layout, self.device = _resolve_group(plan.option("group"), model)
+        self.mesh, self.placements, self.group = layout.mesh, layout.placements, layout.everyone
+        self.comm = Comm(layout.shard, plan.option("bucket_size"))
+        # HSDP: the replicate dimension, over which the reduced shards are averaged.
+        self.replicas = None if layout.replicate is None \
+            else Comm(layout.replicate, plan.option("bucket_size"))
         self.rank, self.world = self.comm.rank, self.comm.world
         self.meta = meta_state(model) is True      # built on the meta device: materialize
         units, problems = self._build_units()
@@ -96,10 +101,10 @@ class Runtime:
         self.slot_of = {s.param: s for u in units for s in u.slots}
         self.reducer = GradReducer(self.comm, self.pool, units, self.stage,
                                    self._on_reduced if self.stage == 3 else None,
-                                   plan.option("reduce_dtype"))
+                                   plan.option("reduce_dtype"), self.replicas)
         self.scaler = _loss_scaler(plan)
         self.step_grads = StepGrads(self.comm, self.pool, units, self.reducer, self.scaler,
-                                    self.device, self.copies, self.offload)
+                                    self.device, self.copies, self.offload, self.replicas)
         if self.offload is not None:
             self.reducer.on_shard_ready = self.step_grads.shard_ready
         self.opt = OptimizerWiring(optimizer, self.slot_of, self.before_step, self.after_step,
@@ -151,8 +156,8 @@ class Runtime:
         # generators must agree, or each would keep rows of a different model.
         rng = rng_digest(self.device) if self.meta and self.plan.option("sync_module_states") \
             else None
-        gathered = [None] * self.world
-        dist.all_gather_object(gathered, (digest, problems, sig, rng), group=self.comm.group)
+        gathered = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, (digest, problems, sig, rng), group=self.group)
         for rank, (_, probs, _, _) in enumerate(gathered):
             if probs:
                 raise ValueError(f"zerofn set-up failed on rank {rank}: " + " ".join(probs))
@@ -173,7 +178,10 @@ class Runtime:
     def _broadcast_module_states(self) -> None:
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
-                self.comm.broadcast(t.data if not isinstance(t, DTensor) else t.to_local())
+                local = t.data if not isinstance(t, DTensor) else t.to_local()
+                self.comm.broadcast(local)
+                if self.replicas is not None:   # then replica 0's, which has shard rank 0's
+                    self.replicas.broadcast(local)
 
     @torch.no_grad()
     def _lay_out_shards(self) -> None:
@@ -223,7 +231,8 @@ class Runtime:
                 s.param.data = s.param.data.to(compute)
         unit.dtype = compute
         for s in unit.slots if sharded else ():
-            s.sharded = nn.Parameter(s.as_dtensor(s.shard_of(unit.shard), self.mesh),
+            s.sharded = nn.Parameter(s.as_dtensor(s.shard_of(unit.shard), self.mesh,
+                                                 self.placements),
                                      requires_grad=s.requires_grad)
             s.param.data = self.gatherer.placeholder(s, unit)
             for module, name in s.owners:
@@ -235,8 +244,8 @@ class Runtime:
         with the model's meta tensors put back."""
         m = Materializer(self.model, self.units, self.plan.option("init"), self.device)
         m.run(self._lay_out_unit)
-        gathered = [None] * self.world
-        dist.all_gather_object(gathered, m.problems, group=self.comm.group)
+        gathered = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, m.problems, group=self.group)
         failed = next(((r, p) for r, p in enumerate(gathered) if p), None)
         if failed is not None:
             m.undo()
@@ -269,7 +278,9 @@ class Runtime:
     def _make_offload(self, units):
         where = self.plan.option("offload")
         if where == "nvme":
-            return NvmeOffload(units, self.optimizer, self.plan.option("offload_path"), self.rank,
+            # (the global rank names the swap file: HSDP's replicas share shard ranks)
+            return NvmeOffload(units, self.optimizer, self.plan.option("offload_path"),
+                               dist.get_rank(),
                                self.plan.option("units_in_flight"), self._host_grad_dtype,
                                self._offloaded_param_dtypes(units))
         return HostOffload(units, self._host_grad_dtype, self.optimizer,
@@ -403,6 +414,8 @@ class Runtime:
         # looks, and no collective outlives the call, so none can outlive the process group.
         self.comm.drain()
         self.comm.end_step()
+        if self.replicas is not None:
+            self.replicas.end_step()
         if self.monitor is not None:
             self.monitor.step_done()
 
@@ -613,9 +626,9 @@ def _loss_scaler(plan: Plan) -> LossScaler | None:
 
 
 def _resolve_group(group, model: nn.Module):
-    """``(process group, 1-D mesh, device)``: the device the model computes on is its
-    parameters', or for a meta-built model the mesh's, else the current CUDA device, else
-    the CPU."""
+    """``(layout, device)``: the groups ``group=`` asks for (runtime/mesh.py), and the
+    device the model computes on: its parameters', or for a meta-built model the mesh's,
+    else the current CUDA device, else the CPU."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "zerofn needs torch.distributed: call torch.distributed.init_process_group() "
@@ -624,10 +637,4 @@ def _resolve_group(group, model: nn.Module):
     mesh = group if isinstance(group, DeviceMesh) else None
     real = next((p.device for p in model.parameters() if not p.is_meta), None)
     device = real or target_device(mesh.device_type if mesh is not None else None)
-    if mesh is not None:
-        if mesh.ndim != 1:
-            raise ValueError(f"zerofn shards over a 1-D DeviceMesh; got a {mesh.ndim}-D mesh. "
-                             "Pass the data-parallel sub-mesh, e.g. mesh['dp'].")
-        return mesh.get_group(), mesh, device
-    group = group or dist.group.WORLD
-    return group, DeviceMesh.from_group(group, device.type), device
+    return layout_of(group, device.type), device

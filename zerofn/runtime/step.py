@@ -32,8 +32,10 @@ from .units import ParamSlot
 class StepGrads:
     timing = UNTIMED     # runtime/timing.py
 
-    def __init__(self, comm, pool, units, reducer, scaler, device, copies, offload=None):
+    def __init__(self, comm, pool, units, reducer, scaler, device, copies, offload=None,
+                 replicas=None):
         self.comm, self.pool, self.units, self.reducer = comm, pool, units, reducer
+        self.replicas = replicas   # HSDP: the verdict is voted over both dimensions
         self.scaler, self.device, self.copies, self.offload = scaler, device, copies, offload
         self.grads: dict[ParamSlot, torch.Tensor | None] = {}
         self.overflow = False
@@ -120,6 +122,8 @@ class StepGrads:
         flag = found.reshape(1).to(self.device, torch.float32)   # offload: from the host
         with self.timing.collective("all_reduce"):
             self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if self.replicas is not None:
+                self.replicas.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def host_stats(self) -> list[tuple[float, bool]]:

@@ -85,14 +85,16 @@ class ParamSlot:
         start = self.rank * self.chunk
         return full.narrow(0, min(start, self.rows), self.local)
 
-    def as_dtensor(self, local: torch.Tensor, mesh, requires_grad: bool = False) -> DTensor:
-        """``local`` (this rank's rows) as the ``Shard(0)`` DTensor of the full parameter.
+    def as_dtensor(self, local: torch.Tensor, mesh, placements: tuple = (Shard(0),),
+                   requires_grad: bool = False) -> DTensor:
+        """``local`` (this rank's rows) as the ``Shard(0)`` DTensor of the full parameter
+        (on HSDP's 2-D mesh, ``Replicate()`` along the replicate dim, as FSDP2's).
 
         Built directly, as FSDP2 builds its CPU-offloaded parameters: ``DTensor.from_local``
         would copy a host ``local`` onto the mesh's device, and the DTensor would stop
         aliasing zerofn's buffers (an offload arena, an NVMe staging view).
         """
-        spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(self.shape, self.stride, local.dtype))
+        spec = DTensorSpec(mesh, placements, TensorMeta(self.shape, self.stride, local.dtype))
         return DTensor(local, spec, requires_grad=requires_grad)
 
 

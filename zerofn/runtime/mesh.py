@@ -1,0 +1,81 @@
+"""Which ranks shard together and which replicate: the ``group=`` option read as a layout.
+
+A ProcessGroup or 1-D DeviceMesh shards over its ranks. A 2-D DeviceMesh is hybrid
+sharding (HSDP, as FSDP2's ``fully_shard(mesh=mesh_2d)``): parameters, gradients and
+optimizer state are sharded along the shard dimension exactly as over a 1-D group, and
+every shard is replicated along the replicate dimension, whose ranks average their
+reduced gradient shards. [Note: naming the dims] A mesh whose dims are named
+"replicate" and "shard" (in either order) is read by name; a mesh naming neither is
+read like FSDP2 reads one: dim 0 replicates, dim 1 shards. Naming only one of the two
+is refused, as is any other number of dims, before any collective.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+REPLICATE, SHARD = "replicate", "shard"
+
+
+@dataclass
+class Layout:
+    """The groups a runtime talks over.
+
+    ``shard``: the ranks one parameter is split over (all of them without HSDP);
+    ``replicate``: the ranks holding the same shard as this one (HSDP), else None;
+    ``everyone``: every rank of the layout (set-up agreement, checkpoints);
+    ``mesh`` and ``placements``: how a sharded parameter is declared as a DTensor.
+    """
+
+    shard: dist.ProcessGroup
+    replicate: dist.ProcessGroup | None
+    everyone: dist.ProcessGroup
+    mesh: DeviceMesh
+    placements: tuple
+
+
+def mesh_dims(mesh: DeviceMesh) -> tuple[int | None, int]:
+    """``(replicate dim or None, shard dim)`` of a 1-D or 2-D mesh; ValueError for a mesh
+    zerofn cannot use (see [Note: naming the dims]). Local: no collective."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim == 1:
+        if names == (REPLICATE,):
+            raise ValueError("zerofn got a 1-D DeviceMesh named 'replicate', which shards "
+                             "nothing: pass a 2-D mesh with dims ('replicate', 'shard') for "
+                             "hybrid sharding, or a 1-D mesh to shard over.")
+        return None, 0
+    if mesh.ndim != 2:
+        raise ValueError(
+            f"zerofn shards over a 1-D DeviceMesh, or hybrid-shards over a 2-D one with "
+            f"dims ('replicate', 'shard'); got a {mesh.ndim}-D mesh with dims {names or None}. "
+            "Pass the data-parallel sub-mesh, e.g. mesh['replicate', 'shard'] or mesh['dp'].")
+    known = [n for n in names if n in (REPLICATE, SHARD)]
+    if known and sorted(known) != [REPLICATE, SHARD]:
+        raise ValueError(
+            f"zerofn reads a 2-D DeviceMesh's dims by their names 'replicate' and 'shard', "
+            f"or, where neither is used, as (replicate, shard) in that order; got dims "
+            f"{names}. Name both dims (mesh_dim_names=('replicate', 'shard')) or neither.")
+    if known:
+        return names.index(REPLICATE), names.index(SHARD)
+    return 0, 1
+
+
+def layout_of(group, device_type: str) -> Layout:
+    """The layout ``group=`` asks for: None (the world), a ProcessGroup, or a DeviceMesh."""
+    if not isinstance(group, DeviceMesh):
+        group = group or dist.group.WORLD
+        return Layout(group, None, group, DeviceMesh.from_group(group, device_type), (Shard(0),))
+    mesh = group
+    replicate, shard = mesh_dims(mesh)
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"This rank ({dist.get_rank()}) is not in the DeviceMesh passed as "
+                         "group=; apply zerofn only on the mesh's ranks.")
+    if replicate is None:
+        return Layout(mesh.get_group(), None, mesh.get_group(), mesh, (Shard(0),))
+    placements = tuple(Shard(0) if d == shard else Replicate() for d in range(2))
+    everyone = dist.group.WORLD if mesh.size() == dist.get_world_size() \
+        else mesh._flatten().get_group()
+    return Layout(mesh.get_group(shard), mesh.get_group(replicate), everyone, mesh, placements)
