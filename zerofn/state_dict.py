@@ -1,7 +1,8 @@
 """State dicts in the format of torch.distributed.checkpoint.state_dict for FSDP2 models.
 
 Model state: FQN -> DTensor with ``Shard(0)`` (the torch.chunk row split) on the
-data-parallel mesh for parameters (HSDP: ``(Replicate(), Shard(0))`` on its 2-D mesh), plain tensors for buffers. Optimizer state: FQN ->
+data-parallel mesh for parameters (HSDP: ``(Replicate(), Shard(0))`` on its 2-D mesh),
+plain tensors for buffers. Optimizer state: FQN ->
 {torch.optim's state names -> DTensor shards or plain scalars} plus ``param_groups`` whose
 ``params`` are FQNs. The sharded tensors are views of zerofn's own buffers, so
 ``dcp.load`` writes straight into the model and optimizer.
@@ -112,8 +113,8 @@ def _slots_by_name(rt) -> dict[str, ParamSlot]:
     out = {}
     for slot in rt.slot_of.values():
         for module, pname in slot.owners:
-            for prefix in names[module]:
-                out[f"{prefix}.{pname}" if prefix else pname] = slot
+            prefix = names[module]
+            out[f"{prefix}.{pname}" if prefix else pname] = slot
     return out
 
 
