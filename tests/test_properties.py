@@ -70,8 +70,6 @@ REFUSALS = {"0-dim": "cannot shard the 0-dim parameter",
 UNUSED_GET_ZERO_GRADS = True
 # Problems explained by a known bug: {its test: (spec, every rank's report, problem) -> bool}.
 KNOWN_BUGS = {
-    "test_every_name_of_a_shared_module_is_in_the_state_dict":
-        lambda spec, reports, problem: problem.endswith(": a DTensor, not a full tensor"),
     "test_offload_counts_steps_on_ranks_without_rows":
         lambda spec, reports, problem: spec["offload"] is not None
         and re.search(r": state \S+\.step: 0\.0, expected [1-9]", problem) is not None,
@@ -538,10 +536,12 @@ CASES = {
     "mixed unit": [case(({"dtype": "fp64"},), units=["names", []])],
     "per-unit dtypes": [case(({}, {"dtype": "fp64"}, {"dtype": "bf16"}), stage=s)
                         for s in (1, 2, 3)],
+    # Fixed: ZeRO-3 exported a DTensor for all but one name of a shared module's
+    # parameters (state_dict.py).
+    "shared state dict": [case(**SHARED, stage=3)],
     # Open bugs in files these tests do not own: the xfail tests below.
     "unused": [case(({"branch": [2, 1, "dense"]},), workarounds=False),
                case(({"spare": 2},), optimizer="sgd", workarounds=False)],
-    "shared state dict": [case(**SHARED, stage=3)],
     "nested units": [case(({"kind": "stack", "children": [LEAF], "gain": True},), stage=3)],
     "offload steps": [case(one=True, offload="cpu"), case(one=True, offload="nvme", stage=3)],
 }
@@ -611,10 +611,9 @@ def test_a_parameter_without_a_gradient_is_not_stepped(cases):
     assert_clean(cases["unused"])
 
 
-@pytest.mark.xfail(strict=True, reason="state_dict.py _slots_by_name names a shared module's "
-                   "parameters by its last name only: under ZeRO-3 the other names export "
-                   "the sharded DTensor (get_state_dict(full=True)) and cannot be loaded")
 def test_every_name_of_a_shared_module_is_in_the_state_dict(cases):
+    """Each name of a shared module's parameters exports the full tensor (state_dict.py
+    named them by the module's last name only: ZeRO-3 exported the DTensor for others)."""
     assert_clean(cases["shared state dict"])
 
 

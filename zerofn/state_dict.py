@@ -109,12 +109,16 @@ def _local_value(rt, slot: ParamSlot, value) -> torch.Tensor:
 
 
 def _slots_by_name(rt) -> dict[str, ParamSlot]:
-    names = {m: n for n, m in rt.model.named_modules(remove_duplicate=False)}
+    """Every state dict name of every parameter: a module under two parents (or two
+    names) lends its parameters each of its names."""
+    names: dict[nn.Module, list[str]] = {}
+    for n, m in rt.model.named_modules(remove_duplicate=False):
+        names.setdefault(m, []).append(n)
     out = {}
     for slot in rt.slot_of.values():
         for module, pname in slot.owners:
-            prefix = names[module]
-            out[f"{prefix}.{pname}" if prefix else pname] = slot
+            for prefix in names[module]:
+                out[f"{prefix}.{pname}" if prefix else pname] = slot
     return out
 
 
