@@ -1,0 +1,261 @@
+"""HSDP: ``group=`` a 2-D (replicate, shard) DeviceMesh shards over one dim and averages over
+the other. Every stage matches plain PyTorch on the global batch, traffic per dimension
+follows docs/design.md, and checkpoints move both ways with FSDP2's HSDP and with zerofn's
+1-D layouts at other world sizes.
+
+Four ranks as 2 x 2 run in one set of processes (one spawn for many checks); eight as
+2 x 4 only under ZEROFN_SLOW=1.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import zerofn as zf
+from models import batches, make_models, make_optimizer
+from multiproc import run_ranks
+from test_checkpoint import max_error
+from test_fsdp2_interop import fsdp2_full
+from test_parity import TOL, train_reference, train_sharded, transform
+from test_precision import TOL_FP32
+from test_state_dict import assert_same_state
+from zerofn.checkpoint import load_checkpoint, save_checkpoint
+from zerofn.runtime.runtime import runtime_of
+
+SLOW = os.environ.get("ZEROFN_SLOW") == "1"
+STEPS = 3
+NAMES = ("replicate", "shard")
+# (stage, accumulation, transform options, extra transforms, train_sharded options)
+PARITY = [
+    (1, 1, {}, (), {}),
+    (1, 3, {}, (), {"clip": 0.05}),
+    (2, 3, {}, (), {}),
+    (2, 3, {}, (), {"no_sync": True, "clip": 0.05}),
+    (3, 3, {}, (), {"clip": 0.05}),
+    (3, 1, {"reshard_after_forward": False}, (), {}),
+    (2, 1, {}, ("cpu",), {"clip": 0.05}),
+    (3, 2, {}, ("bf16",), {}),
+]
+
+
+def mesh_2d(shape=(2, 2), names=NAMES):
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def build(stage, group, opts=None, extra=()):
+    _, model = make_models()
+    more = [zf.offload("cpu") if e == "cpu" else zf.mixed_precision(torch.bfloat16,
+                                                                    reduce_dtype=torch.float32)
+            for e in extra]
+    return zf.compose(transform(stage, group=group, **(opts or {})), *more)(
+        model, make_optimizer("adamw", model.parameters()))
+
+
+def expected_traffic(model, stage: int, accum: int, no_sync: bool) -> dict[str, int]:
+    """docs/design.md's per-dimension formula for the last step (fp32 reduction): the shard
+    dim reduce-scatters the padded gradients of every reducing backward; the replicate dim
+    all-reduces each reduced shard, 1/shard_size of that."""
+    rt = runtime_of(model)
+    padded = sum(rt.world * u.shard_numel for u in rt.units if u.trainable)
+    reductions = 1 if stage == 1 or no_sync else accum
+    return {"reduce_scatter_bytes": 4 * reductions * padded,
+            "replicate.all_reduce_bytes": 4 * reductions * padded // rt.world}
+
+
+def parity(rank, world, mesh):
+    """Each config against single-process PyTorch: (param error, state error, traffic)."""
+    out = []
+    for stage, accum, opts, extra, train_opts in PARITY:
+        ref, _ = make_models()
+        ref_opt = make_optimizer("adamw", ref.parameters())
+        data = batches(STEPS, accum, world)
+        train_reference(ref, ref_opt, data, train_opts.get("clip"))
+        model, opt = build(stage, mesh, opts, extra)
+        train_sharded(model, opt, data, rank, world, **train_opts)
+        msd, osd = zf.get_state_dict(model, opt, full=True)
+        p_err = max((msd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+        names = {p: n for n, p in ref.named_parameters()}
+        s_err = max((osd["state"][names[p]][k] - v).abs().max().item()
+                    for p, st in ref_opt.state.items() for k, v in st.items() if v.dim())
+        stats = zf.comm_stats(model)
+        want = expected_traffic(model, stage, accum, train_opts.get("no_sync", False))
+        out.append((p_err, s_err, {k: (stats.get(k), v) for k, v in want.items()}))
+    return out
+
+
+def check_parity(results):
+    for rank, errs in enumerate(results):
+        for config, (p_err, s_err, traffic) in zip(PARITY, errs):
+            tol = TOL_FP32 if "bf16" in config[3] else TOL
+            assert p_err < tol and s_err < tol, (rank, config, p_err, s_err)
+            for key, (got, want) in traffic.items():
+                assert got == want, (rank, config, key, got, want)
+
+
+def layout(rank, world, mesh):
+    """ZeRO-3's parameters are (Replicate(), Shard(0)) DTensors on the 2-D mesh (in the mesh's
+    dim order), and a rank holds exactly what 1-D sharding over the shard dim holds."""
+    model, opt = build(3, mesh)
+    p = next(p for p in model.parameters() if p.requires_grad)
+    assert isinstance(p, DTensor) and p.device_mesh is mesh
+    assert tuple(p.placements) == (Replicate(), Shard(0)), p.placements
+    flipped, _ = build(3, mesh_2d(names=("shard", "replicate")))
+    assert tuple(next(flipped.parameters()).placements) == (Shard(0), Replicate())
+    assert tuple(next(build(3, mesh_2d(names=None))[0].parameters()).placements) == \
+        (Replicate(), Shard(0))      # unnamed: dim 0 replicates, as FSDP2 reads it
+    flat, flat_opt = build(3, mesh["shard"])
+    for m, o in ((model, opt), (flat, flat_opt)):
+        x, y = batches(1, 1, world)[0][0]
+        m(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        o.step()
+    assert zf.model_state_bytes(model) == zf.model_state_bytes(flat)
+
+
+def fsdp2_hsdp(mesh, seed: int):
+    """The parity model under FSDP2's HSDP: each block, then the root, on the 2-D mesh."""
+    _, model = make_models(seed=seed)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, make_optimizer("adamw", model.parameters())
+
+
+def fsdp2_load(model, opt, path):
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def continued(rank, world, model, opt, saved, later, expected) -> float:
+    """A loaded model holds ``saved`` and continues to ``expected`` on ``later``."""
+    full = (lambda: fsdp2_full(model, opt)) if not hasattr(model, "_zerofn") \
+        else (lambda: zf.get_state_dict(model, opt, full=True))
+    assert_same_state(saved, full())
+    train_sharded(model, opt, later, rank, world)
+    return max_error(expected, full())
+
+
+def checkpoints(rank, world, mesh, root):
+    """Checkpoints between zerofn HSDP, FSDP2 HSDP and zerofn 1-D, each continued."""
+    first, later = batches(STEPS, 1, world), batches(STEPS, 1, world, seed=2)
+    errors = {}
+    for name, make, stage in (("zerofn-hsdp", lambda: build(3, mesh), 3),
+                              ("fsdp2-hsdp", lambda: fsdp2_hsdp(mesh, 0), None),
+                              ("zerofn-1d", lambda: build(2, None), 2)):
+        model, opt = make()
+        train_sharded(model, opt, first, rank, world)
+        path = os.path.join(root, name)
+        if stage is None:
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+            saved = fsdp2_full(model, opt)
+        else:
+            path = save_checkpoint(path, model, opt, step=STEPS)
+            saved = zf.get_state_dict(model, opt, full=True)
+        train_sharded(model, opt, later, rank, world)
+        expected = fsdp2_full(model, opt) if stage is None \
+            else zf.get_state_dict(model, opt, full=True)
+        if name == "zerofn-hsdp" and rank == 0:   # for the world-2 ranks that load it next
+            torch.save((saved, expected), os.path.join(root, "hsdp-states.pt"))
+        targets = {"fsdp2-hsdp": lambda: fsdp2_hsdp(mesh, 7), "zerofn-1d": lambda: build(3, None),
+                   "zerofn-hsdp-1": lambda: build(1, mesh), "zerofn-hsdp-3": lambda: build(3, mesh)}
+        for target, make_target in targets.items():
+            if target.startswith(name):
+                continue
+            tm, to = make_target()
+            if target == "fsdp2-hsdp":
+                fsdp2_load(tm, to, path)
+            else:
+                load_checkpoint(path, tm, to)
+            errors[(name, target)] = continued(rank, world, tm, to, saved, later, expected)
+    return errors
+
+
+def bad_meshes(rank, world):
+    """Each bad mesh is refused on every rank before any collective: the ranks stay in step
+    (the all-reduce at the end would hang or mismatch otherwise)."""
+    messages = []
+    for shape, names in (((1, 2, 2), ("pp", "replicate", "shard")), ((2, 2), ("replicate", "tp")),
+                         ((4,), ("replicate",))):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        with pytest.raises(ValueError) as err:
+            build(2, mesh)
+        messages.append(str(err.value))
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return messages, t.item()
+
+
+def hsdp_2x2(rank, world, root):
+    mesh = mesh_2d()
+    layout(rank, world, mesh)
+    return parity(rank, world, mesh), checkpoints(rank, world, mesh, root), bad_meshes(rank, world)
+
+
+def hsdp_checkpoint_at_world_2(rank, world, root):
+    """The 2 x 2 HSDP checkpoint, loaded by zerofn at world 2 (1-D ZeRO-3, and HSDP 2 x 1)."""
+    saved, expected = torch.load(os.path.join(root, "hsdp-states.pt"), weights_only=False)
+    later = batches(STEPS, 1, 4, seed=2)    # the four ranks' global batches
+    errors = {}
+    for name, group in (("1d", None), ("2x1", mesh_2d((2, 1)))):
+        model, opt = build(3, group)
+        load_checkpoint(os.path.join(root, "zerofn-hsdp"), model, opt)
+        errors[name] = continued(rank, world, model, opt, saved, later, expected)
+    return errors
+
+
+def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
+    results = run_ranks(4, hsdp_2x2, str(tmp_path), timeout=400)
+    check_parity([r[0] for r in results])
+    for rank, (_, errors, (messages, total)) in enumerate(results):
+        for (src, dst), err in errors.items():
+            assert err < TOL, f"rank {rank}: {dst} continued {src}'s checkpoint {err} away"
+        assert len(errors) == 8
+        assert "3-D mesh" in messages[0] and "mesh['replicate', 'shard']" in messages[0]
+        assert "('replicate', 'tp')" in messages[1] and "Name both dims" in messages[1]
+        assert "named 'replicate'" in messages[2]
+        assert total == 4.0
+    for rank_errors in run_ranks(2, hsdp_checkpoint_at_world_2, str(tmp_path)):
+        for name, err in rank_errors.items():
+            assert err < TOL, f"world 2 {name} continued the 2 x 2 checkpoint {err} away"
+
+
+def overflow_vote(rank, world):
+    """fp16 loss scaling: an inf in one rank's loss skips the step on all four ranks."""
+    _, model = make_models()
+    model, opt = zf.compose(transform(2, group=mesh_2d()), zf.mixed_precision(
+        torch.float16, initial_scale_power=8, hysteresis=1))(
+        model, make_optimizer("adamw", model.parameters()))
+    before = zf.get_state_dict(model, opt, full=True)
+    x, y = batches(1, 1, world)[0][0]
+    loss = model(x.chunk(world)[rank], y.chunk(world)[rank])
+    opt.scale(loss * (float("inf") if rank == 3 else 1.0)).backward()
+    opt.step()
+    opt.zero_grad()
+    after = zf.get_state_dict(model, opt, full=True)
+    return (all(torch.equal(before[0][k], after[0][k]) for k in before[0]),
+            opt.state_dict()["zerofn_loss_scaler"]["scale"], zf.comm_stats(model))
+
+
+def test_hsdp_overflow_skips_on_every_rank():
+    for same, scale, stats in run_ranks(4, overflow_vote):
+        assert same and scale == 2.0 ** 7
+        assert stats["replicate.all_reduce"] == stats["reduce_scatter"] // 2 + 1   # + the vote
+
+
+def hsdp_2x4(rank, world):
+    return parity(rank, world, mesh_2d((2, 4)))
+
+
+@pytest.mark.skipif(not SLOW, reason="eight processes on this machine: ZEROFN_SLOW=1")
+def test_hsdp_2x4_parity():
+    check_parity(run_ranks(8, hsdp_2x4, timeout=900))
