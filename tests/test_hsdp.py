@@ -1,7 +1,7 @@
 """HSDP: ``group=`` a 2-D (replicate, shard) DeviceMesh shards over one dim and averages over
 the other. Every stage matches plain PyTorch on the global batch, traffic per dimension
 follows docs/design.md, and checkpoints move both ways with FSDP2's HSDP and with zerofn's
-1-D layouts at other world sizes.
+1-D layouts, also at another world size.
 
 Four ranks as 2 x 2 run in one set of processes (one spawn for many checks); eight as
 2 x 4 only under ZEROFN_SLOW=1.
@@ -164,8 +164,8 @@ def checkpoints(rank, world, mesh, root):
         train_sharded(model, opt, later, rank, world)
         expected = fsdp2_full(model, opt) if stage is None \
             else zf.get_state_dict(model, opt, full=True)
-        if name == "zerofn-hsdp" and rank == 0:   # for the world-2 ranks that load it next
-            torch.save((saved, expected), os.path.join(root, "hsdp-states.pt"))
+        if name == "zerofn-hsdp":
+            errors[(name, "zerofn-1d-world-2")] = at_world_2(mesh, path, saved, later, expected)
         targets = {"fsdp2-hsdp": lambda: fsdp2_hsdp(mesh, 7), "zerofn-1d": lambda: build(3, None),
                    "zerofn-hsdp-1": lambda: build(1, mesh), "zerofn-hsdp-3": lambda: build(3, mesh)}
         for target, make_target in targets.items():
@@ -198,41 +198,37 @@ def bad_meshes(rank, world):
 def hsdp_2x2(rank, world, root):
     mesh = mesh_2d()
     layout(rank, world, mesh)
-    return parity(rank, world, mesh), checkpoints(rank, world, mesh, root), bad_meshes(rank, world)
+    return (parity(rank, world, mesh), checkpoints(rank, world, mesh, root),
+            bad_meshes(rank, world), overflow_vote(rank, world, mesh))
 
 
-def hsdp_checkpoint_at_world_2(rank, world, root):
-    """The 2 x 2 HSDP checkpoint, loaded by zerofn at world 2 (1-D ZeRO-3, and HSDP 2 x 1)."""
-    saved, expected = torch.load(os.path.join(root, "hsdp-states.pt"), weights_only=False)
-    later = batches(STEPS, 1, 4, seed=2)    # the four ranks' global batches
-    errors = {}
-    for name, group in (("1d", None), ("2x1", mesh_2d((2, 1)))):
-        model, opt = build(3, group)
-        load_checkpoint(os.path.join(root, "zerofn-hsdp"), model, opt)
-        errors[name] = continued(rank, world, model, opt, saved, later, expected)
-    return errors
+def at_world_2(mesh, path, saved, later, expected) -> float:
+    """The 2 x 2 checkpoint loaded by 1-D ZeRO-3 over two ranks (each shard group of the
+    mesh is one such world), continued on the same global batches."""
+    model, opt = build(3, mesh["shard"])
+    load_checkpoint(path, model, opt)
+    return continued(mesh.get_local_rank("shard"), 2, model, opt, saved, later, expected)
 
 
 def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
     results = run_ranks(4, hsdp_2x2, str(tmp_path), timeout=400)
     check_parity([r[0] for r in results])
-    for rank, (_, errors, (messages, total)) in enumerate(results):
+    for rank, (_, errors, (messages, total), (same, scale, stats)) in enumerate(results):
         for (src, dst), err in errors.items():
             assert err < TOL, f"rank {rank}: {dst} continued {src}'s checkpoint {err} away"
-        assert len(errors) == 8
+        assert len(errors) == 9
         assert "3-D mesh" in messages[0] and "mesh['replicate', 'shard']" in messages[0]
         assert "('replicate', 'tp')" in messages[1] and "Name both dims" in messages[1]
         assert "named 'replicate'" in messages[2]
         assert total == 4.0
-    for rank_errors in run_ranks(2, hsdp_checkpoint_at_world_2, str(tmp_path)):
-        for name, err in rank_errors.items():
-            assert err < TOL, f"world 2 {name} continued the 2 x 2 checkpoint {err} away"
+        assert same and scale == 2.0 ** 7, "an inf on rank 3 must skip the step everywhere"
+        assert stats["replicate.all_reduce"] == stats["reduce_scatter"] // 2 + 1   # + the vote
 
 
-def overflow_vote(rank, world):
+def overflow_vote(rank, world, mesh):
     """fp16 loss scaling: an inf in one rank's loss skips the step on all four ranks."""
     _, model = make_models()
-    model, opt = zf.compose(transform(2, group=mesh_2d()), zf.mixed_precision(
+    model, opt = zf.compose(transform(2, group=mesh), zf.mixed_precision(
         torch.float16, initial_scale_power=8, hysteresis=1))(
         model, make_optimizer("adamw", model.parameters()))
     before = zf.get_state_dict(model, opt, full=True)
@@ -244,12 +240,6 @@ def overflow_vote(rank, world):
     after = zf.get_state_dict(model, opt, full=True)
     return (all(torch.equal(before[0][k], after[0][k]) for k in before[0]),
             opt.state_dict()["zerofn_loss_scaler"]["scale"], zf.comm_stats(model))
-
-
-def test_hsdp_overflow_skips_on_every_rank():
-    for same, scale, stats in run_ranks(4, overflow_vote):
-        assert same and scale == 2.0 ** 7
-        assert stats["replicate.all_reduce"] == stats["reduce_scatter"] // 2 + 1   # + the vote
 
 
 def hsdp_2x4(rank, world):
