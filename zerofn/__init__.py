@@ -9,6 +9,7 @@ from .checkpoint import PerRank, RNGState, load_checkpoint, save_checkpoint, wai
 from .clip import clip_grad_norm_
 from .deepspeed.config import from_deepspeed_config
 from .estimate import estimate_model_state_bytes
+from .failures import RankFailure
 from .monitor import flush_logs, log, set_log_step
 from .pretrained import load_pretrained, save_pretrained
 from .state_dict import get_state_dict, set_state_dict
@@ -21,4 +22,5 @@ __all__ = [
     "get_state_dict", "set_state_dict", "clip_grad_norm_", "model_state_bytes", "comm_stats",
     "estimate_model_state_bytes", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint",
     "PerRank", "RNGState", "load_pretrained", "save_pretrained", "from_deepspeed_config",
+    "RankFailure",
 ]

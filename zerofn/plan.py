@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Options shared by every stage: a transform that names one sets it for the whole plan.
-SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states", "init")
+SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states", "init", "timeout")
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
 OFFLOAD_OPTIONS = ("offload", "offload_path", "offload_params", "units_in_flight")
 MONITOR_OPTIONS = ("tensorboard", "tensorboard_every", "tensorboard_ranks", "tensorboard_csv",
@@ -25,6 +25,7 @@ DEFAULTS = {
     "bucket_size": 4_000_000,
     "sync_module_states": True,
     "init": None,
+    "timeout": None,
     "prefetch": 1,
     "reshard_after_forward": True,
     "persist_below": 0,

@@ -77,8 +77,9 @@ class GradReducer:
         for u in units:
             for s in u.trainable:
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(
-                    functools.partial(self._on_grad, u, s)))
+                    lambda p, u=u, s=s: self._on_grad(u, s, p)))
 
+                # (looked up per call: the runtime's failure watch wraps it)
     def _dtype(self, unit: Unit) -> torch.dtype:
         return self.reduce_dtype or unit.dtype
 

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..failures import Watch
 from ..plan import Plan
 from .comm import Comm
 from .copies import CopyStreams
@@ -77,6 +78,7 @@ class Runtime:
         layout, self.device = _resolve_group(plan.option("group"), model)
         self.mesh, self.placements, self.group = layout.mesh, layout.placements, layout.everyone
         self.comm = Comm(layout.shard, plan.option("bucket_size"))
+        self.watch = Watch(self.group, plan.option("timeout"), (layout.shard, layout.replicate))
         # HSDP: the replicate dimension, over which the reduced shards are averaged.
         self.replicas = None if layout.replicate is None \
             else Comm(layout.replicate, plan.option("bucket_size"))
@@ -112,6 +114,7 @@ class Runtime:
         if self.offload is not None:
             self.offload.register_state(optimizer)
         self._hooks = self._register_forward_hooks()
+        self._hooks += self.watch.attach(model, optimizer, self.reducer, self.gatherer)
         if plan.option("tensorboard") is not None:
             self._attach_monitor()
         model.__dict__[ATTR] = self
@@ -335,10 +338,12 @@ class Runtime:
             if unit.replicated:
                 continue   # persistent params are whole: nothing to gather
             is_root = unit is self.root
+            pre = self.watch.guarded(self._pre_forward, unit.name)
+            post = self.watch.guarded(self._post_forward, unit.name)
             handles.append(unit.module.register_forward_pre_hook(
-                lambda m, a, u=unit, r=is_root: self._pre_forward(u, r), prepend=True))
+                lambda m, a, u=unit, r=is_root: pre(u, r), prepend=True))
             handles.append(unit.module.register_forward_hook(
-                lambda m, a, o, u=unit, r=is_root: self._post_forward(u, r, o), always_call=True))
+                lambda m, a, o, u=unit, r=is_root: post(u, r, o), always_call=True))
         return handles
 
     # -- forward ---------------------------------------------------------------------
@@ -418,6 +423,7 @@ class Runtime:
             self.replicas.end_step()
         if self.monitor is not None:
             self.monitor.step_done()
+        self.watch.step_done()
 
     def _host_grad_dtype(self, unit) -> torch.dtype:
         """Gradients land on the host in the reduce dtype when CPU Adam reads them (scaled
@@ -547,6 +553,7 @@ class Runtime:
         self.reducer.remove_hooks()
         for unit in self.units:
             for s in unit.slots:
+        self.watch.detach()
                 s.param.data = self.full_tensor(s, s.opt_param.detach(), unit.device)
                 for module, name in s.owners:
                     module._parameters[name] = s.param

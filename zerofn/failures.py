@@ -1,0 +1,318 @@
+"""When one rank fails, every other rank stops with an error that names it and its phase.
+
+[Note: progress records] Each rank keeps one short record in the process group's c10d
+Store (the rendezvous store every rank already reaches): its step, its phase (forward,
+backward, step, checkpoint save or load), a count of phase changes, the time, its host
+and process id. It is rewritten only when the phase changes, a few times a step, never
+per tensor. A rank that raises inside zerofn's hooks, the optimizer step or a checkpoint
+adds what it raised and in which unit before the exception goes on.
+
+When a collective fails on a rank (gloo's "Connection closed by peer" where a rank died,
+a timeout where one stalls, NCCL's errors), ``Watch.explain`` reads every other rank's
+record and raises ``RankFailure``: which rank raised what, which is gone (its process
+ended), which is behind (it reported fewer phase changes) or still stalled (it neither
+finished nor failed its collective: ranks waiting in the same collective time out too,
+and say so within a short grace period). A rank that only stopped because another failed
+says so in its record, so it is never blamed.
+
+The bound on a stall is the process group's timeout: zerofn's ``timeout=`` option sets it
+for the group the model is sharded over (``zerofn train --timeout``, default 300 s).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from torch.utils._pytree import tree_leaves
+
+KEY = "zerofn/progress/"       # + the global rank
+DEFAULT_TIMEOUT = 300.0        # seconds; zerofn train's --timeout
+# How a failed collective reads, by backend: a peer gone, or a wait that ran out.
+LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+        "ncclRemoteError", "NCCL communicator was aborted")
+TIMED_OUT = ("Timed out waiting", "Operation timed out", "timed out", "Timeout", "timeout",
+             "Watchdog")
+
+
+class RankFailure(RuntimeError):
+    """Another rank failed, so this one cannot go on.
+
+    Attributes:
+        ranks: the global ranks blamed (raised, gone, behind or stalled); empty where no
+            rank reported anything that explains the failed collective.
+        phase: this rank's phase when its collective failed, e.g. ``"backward of step 3"``.
+    """
+
+    def __init__(self, message: str, ranks: list[int], phase: str):
+        super().__init__(message)
+        self.ranks, self.phase = ranks, phase
+
+
+def collective_failure(exc: BaseException) -> str | None:
+    """``"lost"`` (a peer's connection closed), ``"timeout"`` or None (not a failed
+    collective: this rank's own error)."""
+    if not isinstance(exc, RuntimeError) or isinstance(exc, RankFailure):
+        return None
+    text = str(exc)
+    if any(s in text for s in LOST):
+        return "lost"
+    if any(s in text for s in TIMED_OUT) or isinstance(exc, getattr(dist, "DistError", ())):
+        return "timeout"
+    return None
+
+
+class Watch:
+    """One rank's progress record and the reading of everyone else's (see the Note).
+
+    Args:
+        group: the process group over every rank the model is sharded over (None: the
+            world); their records are read when a collective fails.
+        timeout: seconds any collective of ``group`` and of ``also`` (the groups the
+            collectives run on) may wait before failing; None keeps the group's own
+            timeout, which ``init_process_group(timeout=...)`` set.
+    """
+
+    def __init__(self, group=None, timeout: float | None = None, also=()):
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout={timeout!r}: give the seconds a collective may wait "
+                             f"for the slowest rank (> 0), or None for the group's own "
+                             f"timeout.")
+        self.rank = dist.get_rank()
+        self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self.store = _store()
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        if timeout is not None:
+            for g in {group, *also} - {None} or {None}:
+                c10d._set_pg_timeout(datetime.timedelta(seconds=timeout), g)
+        self.timeout = timeout if timeout is not None else _group_timeout(group)
+        self.step = 1          # the optimizer step under way, counted from 1
+        self.phase = "set-up"
+        self.seq = 0           # phase changes so far: ranks in step with each other agree
+        self.unit = None
+        self.active = True
+        self._step = None      # (optimizer, its own step) while ``attach`` wraps it
+        self._write()
+
+    def attach(self, model: torch.nn.Module, optimizer, reducer, gatherer=None) -> list:
+        """Record forward, backward and the step of ``model`` and ``optimizer``, and send
+        what the step and backward's hooks (``reducer``'s, ZeRO-3 ``gatherer``'s) raise
+        through ``failed``. Returns
+        the hooks' handles; ``detach`` undoes the rest."""
+        def forward_begins(module, args):
+            if torch._C._current_graph_task_id() == -1:   # (not a recompute in backward)
+                self.enter("forward")
+
+        def forward_ends(module, args, output=None):
+            raised = sys.exc_info()[1]
+            if isinstance(raised, Exception):   # the forward raised: the hook runs anyway
+                self.failed(raised)
+            elif torch._C._current_graph_task_id() == -1 and torch.is_grad_enabled():
+                for t in tree_leaves(output):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(backward_begins)
+
+        def backward_begins(grad):
+            self.enter("backward")
+
+        # Backward's hooks look these up per call (per gradient, per unit, when backward
+        # queues its end), so the instance's wrapped ones run.
+        self._guard_per_unit(reducer, "_on_grad")
+        reducer._end_backward = self.guarded(reducer._end_backward)
+        if gatherer is not None:
+            self._guard_per_unit(gatherer, "pre_backward")
+        own = optimizer.__dict__.get("step")
+        step = self.guarded(optimizer.step)
+
+        def stepping(*args, **kwargs):
+            self.enter("step")
+            return step(*args, **kwargs)
+
+        optimizer.step = stepping
+        self._step = (optimizer, own, stepping)
+        return [model.register_forward_pre_hook(forward_begins, prepend=True),
+                model.register_forward_hook(forward_ends, always_call=True)]
+
+    def _guard_per_unit(self, obj, name: str) -> None:
+        """``obj.name(unit, ...)`` through ``failed``, naming the unit."""
+        fn = getattr(obj, name)
+
+        def call(unit, *args):
+            try:
+                return fn(unit, *args)
+            except Exception as e:
+                self._reraise(e, unit.name)
+
+        setattr(obj, name, call)
+
+    def detach(self) -> None:
+        """Stop recording (the runtime is undone); the optimizer gets its step back."""
+        self.active = False
+        optimizer, own, stepping = self._step
+        if optimizer.__dict__.get("step") is not stepping:
+            return   # wrapped again since: ours passes through now that it is inactive
+        if own is None:
+            del optimizer.step
+        else:
+            optimizer.step = own
+
+    def where(self) -> str:
+        return f"{self.phase} of step {self.step}" + (f" (unit '{self.unit}')" if self.unit else "")
+
+    def enter(self, phase: str, unit: str | None = None) -> None:
+        """Record a new phase (a no-op if it is the current one)."""
+        if phase != self.phase and self.active:
+            self.phase, self.unit, self.seq = phase, unit, self.seq + 1
+            self._write()
+
+    def step_done(self) -> None:
+        self.step += 1
+
+    def guarded(self, fn, unit: str | None = None):
+        """``fn`` whose exceptions go through ``failed`` (the hooks' and the step's)."""
+        def call(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                self._reraise(e, unit)
+        return call
+
+    def _reraise(self, exc: Exception, unit: str | None) -> None:
+        """Inside an ``except``: raise what ``failed`` makes of ``exc``."""
+        failure = self.failed(exc, unit)
+        if failure is exc:
+            raise
+        raise failure from exc
+
+    def failed(self, exc: Exception, unit: str | None = None) -> Exception:
+        """What to raise for ``exc``: a ``RankFailure`` where a collective failed, else
+        ``exc`` itself, recorded (and noted) as this rank's own error."""
+        if not self.active or isinstance(exc, RankFailure) or getattr(exc, "_zerofn_seen", False):
+            return exc
+        try:
+            exc._zerofn_seen = True    # outer guards leave it alone
+        except AttributeError:
+            pass
+        if unit is not None:
+            self.unit = unit
+        kind = collective_failure(exc)
+        if kind is None:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            self._write(raised=f"{type(exc).__name__}: {first}"[:300])
+            exc.add_note(f"zerofn: rank {self.rank} raised this in {self.where()}; the "
+                         f"other ranks stop with a RankFailure naming it.")
+            return exc
+        return self.explain(kind, exc)
+
+    def explain(self, kind: str, exc: Exception) -> RankFailure:
+        """Read every rank's record (waiting a little for ranks in the same collective to
+        report theirs) and build the error; records this rank as stopped."""
+        self._write(stopped=True)
+        others = [r for r in self.ranks if r != self.rank]
+        deadline = time.monotonic() + min(10.0, max(2.0, 0.1 * self.timeout))
+        while True:
+            records = self._read(others)
+            verdicts = {r: _verdict(r, records.get(r), self.seq, self.host) for r in others}
+            if all(blame is not None for blame, _ in verdicts.values()):
+                break
+            if time.monotonic() > deadline:   # silent through the grace: stalled
+                verdicts = {r: (blame is not False, text) for r, (blame, text) in verdicts.items()}
+                break
+            time.sleep(0.2)
+        return RankFailure(self._message(kind, exc, verdicts),
+                           sorted(r for r, (blame, _) in verdicts.items() if blame), self.where())
+
+    def _message(self, kind: str, exc: Exception, verdicts: dict) -> str:
+        blamed = [text for blame, text in verdicts.values() if blame]
+        waiting = [text for blame, text in verdicts.values() if not blame]
+        what = "a peer's connection closed" if kind == "lost" else \
+            f"a collective waited past the timeout ({self.timeout:g} s)"
+        lines = [f"rank {self.rank} stopped in {self.where()}: {what}."]
+        lines += blamed or ["No rank reported an error or is known to be gone (a rank on "
+                            "another host may have died; see its log)."]
+        if waiting:
+            lines.append("Also stopped: " + "; ".join(waiting) + ".")
+        if kind == "timeout":
+            lines.append("A slow but healthy rank needs a longer timeout: zerofn's "
+                         "timeout= option or zerofn train --timeout.")
+        first = re.sub(r"^\[[^\]]*\]\s*", "", (str(exc).strip().splitlines() or [""])[0])
+        lines.append(f"({type(exc).__name__}: {first[:160]})")   # less gloo's source path
+        return "\n".join(lines)
+
+    # -- the store -------------------------------------------------------------------
+    def _write(self, **extra) -> None:
+        if self.store is None:
+            return
+        record = {"step": self.step, "phase": self.phase, "unit": self.unit, "seq": self.seq,
+                  "t": time.time(), "host": self.host, "pid": self.pid, **extra}
+        try:
+            self.store.set(KEY + str(self.rank), json.dumps(record))
+        except Exception:   # a store that is gone (its host died) must not hide the failure
+            self.store = None
+
+    def _read(self, ranks: list[int]) -> dict:
+        out = {}
+        for r in ranks if self.store is not None else ():
+            try:
+                if self.store.check([KEY + str(r)]):
+                    out[r] = json.loads(self.store.get(KEY + str(r)))
+            except Exception:
+                return out
+        return out
+
+
+def _verdict(rank: int, record: dict | None, my_seq: int, my_host: str) -> tuple[bool | None, str]:
+    """(blamed, text) for another rank's record: True where it raised, is gone or is
+    behind; False where it stopped because of a failure too; None while undecided (alive,
+    in step with this rank, and silent: stalled, unless it reports within the grace)."""
+    if record is None:
+        return None, f"rank {rank} never reported (it may not have reached zerofn's set-up)"
+    rank_where = f"{record['phase']} of step {record['step']}" + \
+        (f" (unit '{record['unit']}')" if record.get("unit") else "")
+    ago = f"{time.time() - record['t']:.1f} s ago"
+    if record.get("raised"):
+        return True, f"rank {rank} raised {record['raised']} in {rank_where}, {ago}"
+    if record.get("stopped"):
+        return False, f"rank {rank} in {rank_where}"
+    if record["host"] == my_host and not _alive(record["pid"]):
+        return True, f"rank {rank} is gone: its process {record['pid']} on " \
+                     f"{record['host']} ended in {rank_where} (last heard {ago})"
+    if record["seq"] < my_seq:
+        return True, f"rank {rank} is behind: last reported {rank_where}, {ago}"
+    return None, f"rank {rank} is stalled in {rank_where} (since {ago})"
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process of this host still runs (a zombie, killed but not yet reaped by
+    its launcher, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
+def _store():
+    try:
+        return c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def _group_timeout(group) -> float:
+    """The group's collective timeout in seconds, as its backend holds it."""
+    group = group or dist.group.WORLD
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        if options is not None:
+            return options._timeout.total_seconds()
+    return c10d.default_pg_timeout.total_seconds()
