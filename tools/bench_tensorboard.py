@@ -145,7 +145,7 @@ def worker(args) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    root = args.logdir or tempfile.mkdtemp(prefix="bench_tensorboard-")
+    root = args.logdir
     x, y = batch(args)
     off = build(args, None)
     on = build(args, os.path.join(root, "every10"), every=args.every)
@@ -180,9 +180,11 @@ def main(argv=None) -> None:
     if "RANK" in os.environ:
         worker(args)
         return
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if args.logdir is None:   # one directory for every rank: the ranks' plans must agree
+        argv += ["--logdir", tempfile.mkdtemp(prefix="bench_tensorboard-")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(args.nproc), os.path.abspath(__file__),
-           *[a for a in (argv if argv is not None else sys.argv[1:])]]
+           str(args.nproc), os.path.abspath(__file__), *argv]
     os.execv(sys.executable, cmd)
 
 
