@@ -27,6 +27,7 @@ import re
 import socket
 import sys
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -131,10 +132,12 @@ class Watch:
         own = optimizer.__dict__.get("step")
         step = self.guarded(optimizer.step)
 
-        def stepping(*args, **kwargs):
+        def stepping(opt, *args, **kwargs):
             self.enter("step")
             return step(*args, **kwargs)
 
+        # A bound method, as torch's LR schedulers expect to find (they rebind its function).
+        stepping = types.MethodType(stepping, optimizer)
         optimizer.step = stepping
         self._step = (optimizer, own, stepping)
         return [model.register_forward_pre_hook(forward_begins, prepend=True),
@@ -156,7 +159,7 @@ class Watch:
         """Stop recording (the runtime is undone); the optimizer gets its step back."""
         self.active = False
         optimizer, own, stepping = self._step
-        if optimizer.__dict__.get("step") is not stepping:
+        if optimizer.__dict__.get("step") != stepping:
             return   # wrapped again since: ours passes through now that it is inactive
         if own is None:
             del optimizer.step

@@ -26,10 +26,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import zerofn as zf
 from zerofn.data import load_corpus, sample_batch, split
 from zerofn.estimate import ROLES, estimate_placement
+from zerofn.failures import DEFAULT_TIMEOUT, RankFailure
 from zerofn.nanogpt import GPT, GPTConfig, init_weights
 from zerofn.runtime.runtime import runtime_of
 
@@ -108,7 +110,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ckpt.add_argument("--keep", type=int, default=3, help="newest checkpoints to keep "
                       "(default 3)")
     ckpt.add_argument("--resume", action="store_true", help="continue from --save-dir's "
-                      "latest checkpoint, if it has one (else start afresh)")
+                      "latest checkpoint, if it has one (else start afresh); implied when "
+                      "torchrun restarts the job (TORCHELASTIC_RESTART_COUNT > 0)")
+
+    failing = p.add_argument_group("failures")
+    failing.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                         help="seconds a collective may wait for the slowest rank before "
+                              "every rank stops with an error naming it (default "
+                              f"{DEFAULT_TIMEOUT:g}; docs/multinode.md)")
     return p.parse_args(argv)
 
 
@@ -146,18 +155,30 @@ def without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def setup() -> torch.device:
-    """Join the process group; pick this rank's device."""
+def setup(timeout: float = DEFAULT_TIMEOUT) -> torch.device:
+    """Join the process group, whose collectives wait at most ``timeout`` seconds; pick
+    this rank's device."""
+    wait = datetime.timedelta(seconds=timeout)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=wait, **attempt_store(wait))
         return device
     # Ranks on one machine share its cores: more threads than their share only fight.
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=wait, **attempt_store(wait))
     return torch.device("cpu")
+
+
+def attempt_store(wait: datetime.timedelta) -> dict:
+    """The rendezvous store under a prefix of torchrun's attempt: after a restart the
+    launcher's store still holds the first attempt's addresses (torch 2.13), which the
+    new ranks would otherwise try to connect to."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=wait))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"zerofn-attempt-{attempt}", store), "rank": rank,
+            "world_size": world}
 
 
 # -- what to run: flags over the config over defaults -------------------------------------
@@ -525,6 +546,7 @@ def train(args, device) -> None:
     model, opt, sched = build(job, args.seed)
     data = Batches(train_data, args.seed, job.batch, job.cfg.context)
     start = resume(args, model, opt, sched, data)
+    runtime_of(model).watch.step = start + 1   # failures name the run's own step
     zf.set_log_step(model, start)     # a resumed run's series go on from its step
     end = args.stop_at or args.steps
     if start >= end:
@@ -592,8 +614,9 @@ def save(args, model, opt, sched, data: Batches, step: int) -> None:
 
 
 def resume(args, model, opt, sched, data: Batches) -> int:
-    """The step to start from: the checkpoint's under --resume, else 0."""
-    if not args.resume:
+    """The step to start from: the checkpoint's under --resume or after torchrun restarted
+    the job (a rank failed: ``--max-restarts``), else 0."""
+    if not (args.resume or restarted() and args.save_dir):
         return 0
     extras = {"sched": sched, "data": data, "rng": zf.RNGState()}
     try:
@@ -617,6 +640,12 @@ def resume(args, model, opt, sched, data: Batches) -> int:
     return state["step"]
 
 
+def restarted() -> bool:
+    """Whether torchrun restarted this job after a failure."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+
+
+@record   # a rank's uncaught error reaches torchrun's failure summary
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -625,7 +654,10 @@ def main(argv=None) -> None:
     if args.nproc is not None and args.nproc != int(os.environ.get("LOCAL_WORLD_SIZE", args.nproc)):
         raise SystemExit(f"--nproc {args.nproc}, but the launcher started "
                          f"{os.environ['LOCAL_WORLD_SIZE']} ranks here; drop --nproc.")
-    device = setup()
+    if args.timeout <= 0:
+        raise SystemExit(f"--timeout {args.timeout:g}: give the seconds (> 0) a collective "
+                         f"may wait for the slowest rank.")
+    device = setup(args.timeout)
     try:
         train(args, device)
     except ValueError as e:
@@ -633,6 +665,10 @@ def main(argv=None) -> None:
         if dist.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    except RankFailure as e:
+        # Another rank failed: this one says which, and where, in a few lines.
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         zf.wait_for_checkpoint()
         # zerofn's runtime and the model refer to each other; left to interpreter
