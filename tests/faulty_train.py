@@ -20,7 +20,7 @@ import zerofn.train as train
 def inject(kind: str, phase: str, step: int) -> None:
     def fail():
         if kind == "raise":
-            raise ValueError(f"injected failure in {phase}")
+            raise RuntimeError(f"injected failure in {phase}")   # (zerofn train reports a ValueError on rank 0 only)
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(3600)

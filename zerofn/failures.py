@@ -70,6 +70,13 @@ def collective_failure(exc: BaseException) -> str | None:
     return None
 
 
+def translate(exc: Exception) -> Exception:
+    """``exc`` as the newest active ``Watch`` of this process sees it: a ``RankFailure``
+    for a failed collective of the job's own (outside zerofn's hooks), else ``exc``."""
+    watch = Watch.latest
+    return exc if watch is None or not watch.active else watch.failed(exc)
+
+
 class Watch:
     """One rank's progress record and the reading of everyone else's (see the Note).
 
@@ -80,6 +87,8 @@ class Watch:
             collectives run on) may wait before failing; None keeps the group's own
             timeout, which ``init_process_group(timeout=...)`` set.
     """
+
+    latest = None      # the newest of this process: ``translate``'s
 
     def __init__(self, group=None, timeout: float | None = None, also=()):
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
@@ -98,7 +107,9 @@ class Watch:
         self.phase = "set-up"
         self.seq = 0           # phase changes so far: ranks in step with each other agree
         self.unit = None
+        self.between = False   # the last optimizer step is done, the next forward not begun
         self.active = True
+        Watch.latest = self
         self._step = None      # (optimizer, its own step) while ``attach`` wraps it
         self._write()
 
@@ -167,16 +178,20 @@ class Watch:
             optimizer.step = own
 
     def where(self) -> str:
+        if self.between:    # (the job's own code: logging, saving, loading data)
+            return f"the gap between steps {self.step - 1} and {self.step}"
         return f"{self.phase} of step {self.step}" + (f" (unit '{self.unit}')" if self.unit else "")
 
     def enter(self, phase: str, unit: str | None = None) -> None:
         """Record a new phase (a no-op if it is the current one)."""
+        self.between = False
         if phase != self.phase and self.active:
             self.phase, self.unit, self.seq = phase, unit, self.seq + 1
             self._write()
 
     def step_done(self) -> None:
         self.step += 1
+        self.between = True
 
     def guarded(self, fn, unit: str | None = None):
         """``fn`` whose exceptions go through ``failed`` (the hooks' and the step's)."""

@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import zerofn as zf
 from zerofn.data import load_corpus, sample_batch, split
 from zerofn.estimate import ROLES, estimate_placement
-from zerofn.failures import DEFAULT_TIMEOUT, RankFailure
+from zerofn.failures import DEFAULT_TIMEOUT, RankFailure, translate
 from zerofn.nanogpt import GPT, GPTConfig, init_weights
 from zerofn.runtime.runtime import runtime_of
 
@@ -665,9 +665,12 @@ def main(argv=None) -> None:
         if dist.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    except RankFailure as e:
-        # Another rank failed: this one says which, and where, in a few lines.
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except RuntimeError as e:
+        # Another rank failed (also in this job's own collectives): say which, and where.
+        failure = translate(e)
+        if not isinstance(failure, RankFailure):
+            raise
+        print(f"error: {failure}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
         zf.wait_for_checkpoint()
