@@ -59,15 +59,17 @@ def build(stage, group, opts=None, extra=()):
         model, make_optimizer("adamw", model.parameters()))
 
 
-def expected_traffic(model, stage: int, accum: int, no_sync: bool) -> dict[str, int]:
+def expected_traffic(model, stage: int, accum: int, no_sync: bool, clip: bool) -> dict:
     """docs/design.md's per-dimension formula for the last step (fp32 reduction): the shard
     dim reduce-scatters the padded gradients of every reducing backward; the replicate dim
-    all-reduces each reduced shard, 1/shard_size of that."""
+    all-reduces each reduced shard, 1/shard_size of that, plus the step's small votes,
+    which the shard dim carries too (its all-reduces but the clip norm's one element)."""
     rt = runtime_of(model)
     padded = sum(rt.world * u.shard_numel for u in rt.units if u.trainable)
     reductions = 1 if stage == 1 or no_sync else accum
+    votes = zf.comm_stats(model).get("all_reduce_bytes", 0) - 4 * clip
     return {"reduce_scatter_bytes": 4 * reductions * padded,
-            "replicate.all_reduce_bytes": 4 * reductions * padded // rt.world}
+            "replicate.all_reduce_bytes": 4 * reductions * padded // rt.world + votes}
 
 
 def parity(rank, world, mesh):
@@ -86,7 +88,8 @@ def parity(rank, world, mesh):
         s_err = max((osd["state"][names[p]][k] - v).abs().max().item()
                     for p, st in ref_opt.state.items() for k, v in st.items() if v.dim())
         stats = zf.comm_stats(model)
-        want = expected_traffic(model, stage, accum, train_opts.get("no_sync", False))
+        want = expected_traffic(model, stage, accum, train_opts.get("no_sync", False),
+                                "clip" in train_opts)
         out.append((p_err, s_err, {k: (stats.get(k), v) for k, v in want.items()}))
     return out
 
@@ -180,6 +183,18 @@ def checkpoints(rank, world, mesh, root):
     return errors
 
 
+def pretrained_files(rank, world, mesh, root) -> bool:
+    """save_pretrained from 2 x 2 ZeRO-3 (one writer, not one per replica), loaded back into
+    2 x 2 ZeRO-1: the same parameters."""
+    model, opt = build(3, mesh)
+    train_sharded(model, opt, batches(1, 1, world), rank, world)
+    zf.save_pretrained(model, os.path.join(root, "pretrained"))
+    other, other_opt = build(1, mesh)
+    zf.load_pretrained(other, os.path.join(root, "pretrained"))
+    a, b = zf.get_state_dict(model, opt, full=True)[0], zf.get_state_dict(other, other_opt, full=True)[0]
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
 def bad_meshes(rank, world):
     """Each bad mesh is refused on every rank before any collective: the ranks stay in step
     (the all-reduce at the end would hang or mismatch otherwise)."""
@@ -199,7 +214,8 @@ def hsdp_2x2(rank, world, root):
     mesh = mesh_2d()
     layout(rank, world, mesh)
     return (parity(rank, world, mesh), checkpoints(rank, world, mesh, root),
-            bad_meshes(rank, world), overflow_vote(rank, world, mesh))
+            bad_meshes(rank, world), overflow_vote(rank, world, mesh),
+            pretrained_files(rank, world, mesh, root))
 
 
 def at_world_2(mesh, path, saved, later, expected) -> float:
@@ -213,7 +229,8 @@ def at_world_2(mesh, path, saved, later, expected) -> float:
 def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
     results = run_ranks(4, hsdp_2x2, str(tmp_path), timeout=400)
     check_parity([r[0] for r in results])
-    for rank, (_, errors, (messages, total), (same, scale, stats)) in enumerate(results):
+    for rank, (_, errors, (messages, total), (same, scale, stats), pretrained) in \
+            enumerate(results):
         for (src, dst), err in errors.items():
             assert err < TOL, f"rank {rank}: {dst} continued {src}'s checkpoint {err} away"
         assert len(errors) == 9
@@ -222,7 +239,9 @@ def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
         assert "named 'replicate'" in messages[2]
         assert total == 4.0
         assert same and scale == 2.0 ** 7, "an inf on rank 3 must skip the step everywhere"
-        assert stats["replicate.all_reduce"] == stats["reduce_scatter"] // 2 + 1   # + the vote
+        # the reduced shards, and the vote (the shard dim's only all-reduce here)
+        assert stats["replicate.all_reduce"] == stats["reduce_scatter"] // 2 + stats["all_reduce"]
+        assert pretrained, "save_pretrained / load_pretrained under HSDP changed the weights"
 
 
 def overflow_vote(rank, world, mesh):

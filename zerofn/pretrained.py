@@ -220,8 +220,8 @@ def _listed(names: list[str]) -> str:
 
 def _agree(rt, problems: list[str], what: str) -> None:
     """One small collective before any other: every rank raises, or none does."""
-    gathered = [None] * rt.world
-    dist.all_gather_object(gathered, problems, group=rt.comm.group)
+    gathered = [None] * dist.get_world_size(rt.group)
+    dist.all_gather_object(gathered, problems, group=rt.group)
     for rank, probs in enumerate(gathered):
         if probs:
             raise ValueError(f"{what} failed on rank {rank}: " + "; ".join(probs))
@@ -263,9 +263,10 @@ def save_pretrained(model: nn.Module, directory, *, max_shard_size="5GB", dtype=
     entries = _entries(model, rt, dtype)
     shards = _shards(entries, limit)
     tmp = _staging_dir(directory)
-    problems = _save_problems(directory, tmp, entries) if rt.rank == 0 else []
+    first = dist.get_rank(rt.group) == 0    # (HSDP: each replica has a shard rank 0)
+    problems = _save_problems(directory, tmp, entries) if first else []
     _agree(rt, problems, f"save_pretrained({directory!r})")
-    writer = _Writer(tmp, shards) if rt.rank == 0 else None
+    writer = _Writer(tmp, shards) if first else None
     for unit in rt.units:
         full = _gather_unit(rt, unit)
         if writer is not None:
@@ -279,8 +280,7 @@ def save_pretrained(model: nn.Module, directory, *, max_shard_size="5GB", dtype=
                 writer.write(e.source, [buffers[e.source]])
         writer.finish(model, entries, shards, directory)
     outcome = [writer.error if writer is not None else None]
-    dist.broadcast_object_list(outcome, src=dist.get_global_rank(rt.comm.group, 0),
-                               group=rt.comm.group)
+    dist.broadcast_object_list(outcome, src=dist.get_global_rank(rt.group, 0), group=rt.group)
     if outcome[0]:
         raise OSError(f"save_pretrained({directory!r}) failed on rank 0: {outcome[0]}")
     return directory
