@@ -110,10 +110,10 @@ class Comm:
         done.wait()
         return None
 
-    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
         self._count("all_reduce", t.numel(), t.dtype)
         with record_function("zerofn::all_reduce"):
-            dist.all_reduce(t, op=op, group=self.group)
+            return dist.all_reduce(t, op=op, group=self.group, async_op=async_op)
 
     def broadcast(self, t: torch.Tensor, src_rank: int = 0) -> None:
         with record_function("zerofn::broadcast"):

@@ -8,6 +8,14 @@ over ranks: NCCL's reduce-scatter averages itself, elsewhere the sum
 is divided by the world size. Under HSDP (runtime/mesh.py) each reduced shard is then
 all-reduced over the replicate dimension, so it is the mean over every rank's batch.
 
+[Note: HSDP's average] A unit's all-reduce over the replicas needs its reduce-scatter
+done. It is not issued from the queue's completion callback: that runs when a rank
+happens to wait, a moment that differs by rank, and a rank blocked in one dimension's
+collective before issuing what its peers in the other dimension wait for can close a
+cycle of waits. Instead the next unit's reduction (or the end of backward, or the step)
+waits for it and issues the all-reduce: every rank issues the same collectives in the
+same order, and each reduce-scatter still overlaps one unit's backward.
+
 [Note: ZeRO-1 reduces in backward] ZeRO-1 needs the reduction of the gradients as they
 stand at the step. Reducing at the step leaves the reduction outside backward, where DDP
 overlaps its all-reduce with it; so when a backward looks like the step's only one (it is
@@ -49,6 +57,7 @@ class GradReducer:
                  reduce_dtype: torch.dtype | None = None, replicas=None):
         self.comm, self.pool, self.units, self.stage = comm, pool, units, stage
         self.replicas = replicas               # HSDP: the replicate dimension's Comm
+        self._to_average = None                # [Note: HSDP's average] (unit, work, ...)
         self.reduce_dtype = reduce_dtype       # None: the compute dtype
         self.on_reduced = on_reduced           # ZeRO-3 frees a unit's params once reduced
         # Offload (ZeRO-2/3): on_shard_ready(unit, shard) starts the shard's copy to the
@@ -136,6 +145,7 @@ class GradReducer:
                     if s.param.grad is not None:
                         self._pack(unit, s)
                 self._reduce(unit)
+        self._average()
         self.comm.drain()
         self._join()
         self._early = self.stage == 1 and self._reducing
@@ -193,7 +203,12 @@ class GradReducer:
             work = self.timing.issue(
                 "reduce_scatter", "reduce", unit.name,
                 lambda: self.comm.reduce_scatter(out, send, True, scratch), "reduce_wait")
-            self.comm.enqueue(work, nbytes, functools.partial(self._reduced, unit, buffers, out))
+            if self.replicas is None:
+                self.comm.enqueue(work, nbytes,
+                                  functools.partial(self._reduced, unit, buffers, out))
+            else:   # [Note: HSDP's average]
+                self._average()
+                self._to_average = (unit, work, buffers, out)
         else:   # [Note: the reduce stream]
             with self._on_stream():
                 # (this wait holds the side stream, not the step: _join's does)
@@ -201,11 +216,28 @@ class GradReducer:
                     "reduce_scatter", "reduce", unit.name,
                     lambda: self.comm.reduce_scatter(out, send, True, scratch), "reduce_wait",
                     stall=False).wait()
+                if self.replicas is not None:   # (a fixed point in order: on the stream)
+                    self.replicas.all_reduce(out, op=self._replica_op())
                 spent = self._post_reduce(unit, out)
                 ready = self.stream.record_event()
             self.comm.enqueue(None, nbytes, functools.partial(self._give, buffers + spent, ready))
         if self.on_reduced is not None:
             self.on_reduced(unit)
+
+    def _average(self) -> None:
+        """HSDP: wait for the last unit's reduce-scatter and start its all-reduce over the
+        replicas ([Note: HSDP's average]); the step's reads of it wait in the queue."""
+        if self._to_average is None:
+            return
+        unit, work, buffers, out = self._to_average
+        self._to_average = None
+        work.wait()
+        self.comm.enqueue(self.replicas.all_reduce(out, self._replica_op(), async_op=True),
+                          sum(b.nbytes for b in buffers),
+                          functools.partial(self._reduced, unit, buffers, out))
+
+    def _replica_op(self):
+        return dist.ReduceOp.AVG if self.replicas.averages else dist.ReduceOp.SUM
 
     def _reduction_target(self, unit: Unit) -> torch.Tensor:
         """Where this reduction lands: the unit's gradient shard when it starts afresh, else
@@ -264,10 +296,8 @@ class GradReducer:
         """Average, then put the reduced rows where the step reads them; returns the
         buffers this spent."""
         divisor = 1 if self.comm.averages else self.comm.world
-        if self.replicas is not None:   # HSDP: the replicas' mean of this rank's rows
-            avg = self.replicas.averages
-            self.replicas.all_reduce(out, op=dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM)
-            divisor *= 1 if avg else self.replicas.world
+        if self.replicas is not None and not self.replicas.averages:   # summed over replicas
+            divisor *= self.replicas.world
         if divisor > 1:
             out.div_(divisor)
         if self.stage == 1 and out.dtype == unit.dtype and not self._in_backward:
@@ -325,6 +355,7 @@ class GradReducer:
                 self._fresh[unit] = True
                 self._reduce(unit)
         self._dirty = self._early = False
+        self._average()
         self.comm.drain()
         self._join()
 
