@@ -195,6 +195,20 @@ def pretrained_files(rank, world, mesh, root) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+def tensorboard_dirs(rank, world, mesh, root) -> list[str]:
+    """zf.tensorboard(ranks="all") at 2 x 2: one directory per rank of the mesh (replicas
+    share shard ranks, and must not write over each other)."""
+    _, model = make_models()
+    logdir = os.path.join(root, "runs")
+    board = zf.tensorboard(logdir, every=1, ranks="all")
+    model, opt = zf.compose(transform(2, group=mesh), board)(
+        model, make_optimizer("adamw", model.parameters()))
+    train_sharded(model, opt, batches(1, 1, world), rank, world)
+    runtime_of(model).monitor.close()
+    dist.barrier()
+    return sorted(os.listdir(logdir))
+
+
 def bad_meshes(rank, world):
     """Each bad mesh is refused on every rank before any collective: the ranks stay in step
     (the all-reduce at the end would hang or mismatch otherwise)."""
@@ -215,7 +229,7 @@ def hsdp_2x2(rank, world, root):
     layout(rank, world, mesh)
     return (parity(rank, world, mesh), checkpoints(rank, world, mesh, root),
             bad_meshes(rank, world), overflow_vote(rank, world, mesh),
-            pretrained_files(rank, world, mesh, root))
+            pretrained_files(rank, world, mesh, root), tensorboard_dirs(rank, world, mesh, root))
 
 
 def at_world_2(mesh, path, saved, later, expected) -> float:
@@ -229,7 +243,7 @@ def at_world_2(mesh, path, saved, later, expected) -> float:
 def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
     results = run_ranks(4, hsdp_2x2, str(tmp_path), timeout=400)
     check_parity([r[0] for r in results])
-    for rank, (_, errors, (messages, total), (same, scale, stats), pretrained) in \
+    for rank, (_, errors, (messages, total), (same, scale, stats), pretrained, runs) in \
             enumerate(results):
         for (src, dst), err in errors.items():
             assert err < TOL, f"rank {rank}: {dst} continued {src}'s checkpoint {err} away"
@@ -242,6 +256,7 @@ def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
         # the reduced shards, and the vote (the shard dim's only all-reduce here)
         assert stats["replicate.all_reduce"] == stats["reduce_scatter"] // 2 + stats["all_reduce"]
         assert pretrained, "save_pretrained / load_pretrained under HSDP changed the weights"
+        assert runs == [f"rank{r}" for r in range(4)], runs
 
 
 def overflow_vote(rank, world, mesh):

@@ -151,7 +151,9 @@ class Monitor:
         self.every = plan.option("tensorboard_every")
         ranks = plan.option("tensorboard_ranks")
         root = plan.option("tensorboard")
-        self.writes = rt.rank in writing_ranks(ranks, rt.world)
+        # Ranks over every rank of the layout: HSDP's replicas share shard ranks.
+        self.rank, self.world = dist.get_rank(rt.group), dist.get_world_size(rt.group)
+        self.writes = self.rank in writing_ranks(ranks, self.world)
         self.timing = Timing(rt.device)
         self.step = 0                    # optimizer steps finished
         self._in_step = False            # a forward ran since the last optimizer step
@@ -174,16 +176,16 @@ class Monitor:
         self.writer = self._csv = None
         if self.writes:
             from torch.utils.tensorboard import SummaryWriter   # only where logs are written
-            self.writer = SummaryWriter(rank_dir(root, ranks, rt.rank, rt.world))
+            self.writer = SummaryWriter(rank_dir(root, ranks, self.rank, self.world))
             csv_root = plan.option("tensorboard_csv")
             if csv_root:
-                self._csv = CsvSeries(rank_dir(csv_root, ranks, rt.rank, rt.world))
+                self._csv = CsvSeries(rank_dir(csv_root, ranks, self.rank, self.world))
             self._write_text()
         self.profiler = self._make_profiler(plan, root) if self.writes else None
         self._profiling = False
         self._snapshot = None
         if self.writes and plan.option("memory_snapshot"):
-            self._snapshot = os.path.join(root, "memory", f"rank{rt.rank}.pickle")
+            self._snapshot = os.path.join(root, "memory", f"rank{self.rank}.pickle")
             torch.cuda.memory._record_memory_history(
                 max_entries=plan.option("memory_snapshot"), stacks="python", device=rt.device)
         # Closed by close() (a rebuild, or exit), else when collected.
@@ -316,7 +318,7 @@ class Monitor:
     def _stragglers(self, step_ms: float) -> tuple[float, float]:
         """The slowest and fastest rank's mean step time: one small all-reduce."""
         t = torch.tensor([step_ms, -step_ms], dtype=torch.float64, device=self.rt.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.rt.comm.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.rt.group)
         slowest, fastest = t.tolist()
         return slowest, -fastest
 
@@ -395,7 +397,7 @@ class Monitor:
             options.get(k, 0) for k in ("wait", "warmup", "active"))
         return profile(activities=activities, schedule=schedule(**options),
                        on_trace_ready=tensorboard_trace_handler(
-                           os.path.join(root, "traces"), worker_name=f"rank{self.rt.rank}",
+                           os.path.join(root, "traces"), worker_name=f"rank{self.rank}",
                            use_gzip=True),
                        experimental_config=_all_threads())
 
@@ -500,7 +502,8 @@ def environment(rt) -> dict[str, str]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     env = {"zerofn": zerofn_version, "torch": torch.__version__,
            "python": platform.python_version(), "backend": dist.get_backend(rt.comm.group),
-           "world": str(rt.world), "rank": str(rt.rank), "device": f"{device} {name}".strip(),
+           "world": str(dist.get_world_size(rt.group)), "rank": str(dist.get_rank(rt.group)),
+           "device": f"{device} {name}".strip(),
            "threads": str(torch.get_num_threads()), "host": platform.node()}
     if device.type == "cuda":
         env["cuda"] = str(torch.version.cuda)

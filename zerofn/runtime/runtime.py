@@ -137,7 +137,8 @@ class Runtime:
         slot_of = {s.param: s for u in units for s in u.slots}
         problems += check_optimizer(self.optimizer, slot_of)
         from ..monitor import monitor_problems     # (it imports this module)
-        problems += monitor_problems(self.plan, self.device, self.rank, self.world)
+        problems += monitor_problems(self.plan, self.device, dist.get_rank(self.group),
+                                     dist.get_world_size(self.group))
         if self.plan.option("offload") == "nvme":
             need = swap_bytes(units, self._offloaded_param_dtypes(units))
             problems += nvme_problems(self.plan.option("offload_path"), need, self.optimizer)
