@@ -46,7 +46,10 @@ def shard_optimizer(**options) -> Transform:
     """ZeRO-1: each rank keeps and steps only its shard of the optimizer state.
 
     Options (shared by all stages; give each at most once):
-        group: a ProcessGroup or 1-D DeviceMesh to shard over (default: the world).
+        group: a ProcessGroup or 1-D DeviceMesh to shard over (default: the world), or a
+            2-D DeviceMesh for hybrid sharding (HSDP): shard over its "shard" dim and
+            average gradients over its "replicate" dim (dims named so, else dim 0
+            replicates and dim 1 shards, as FSDP2 reads a mesh; see docs/multinode.md).
         units: how parameters are grouped for collectives: None (one unit per child of
             every ModuleList plus one for the rest), a list of submodules or their names
             (modules that run: a ModuleList itself never does, so it is refused), or an
