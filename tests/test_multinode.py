@@ -4,8 +4,11 @@ of one node raises, the other node's rank stops with a RankFailure naming it, an
 launchers end, leaving no process behind."""
 from __future__ import annotations
 
+import os
 import uuid
 
+import zerofn as zf
+from tests.multiproc import run_ranks
 from tests.torchrun_jobs import finish, free_port, losses, survivors, torchrun, uninterrupted
 
 
@@ -40,3 +43,26 @@ def test_a_raise_on_one_node_stops_the_other(tmp_path):
     assert "rank 0 stopped in the gap between steps 3 and 4" in text and \
         "rank 1 raised RuntimeError: injected failure in step in step of step 3" in text, text
     assert not survivors(save_dir)
+
+
+def _save_to_local_dirs(rank, world, root):
+    """Each rank saves to its own "node-local" directory."""
+    import torch
+    from tests.models import make_models
+
+    _, model = make_models()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = zf.shard_optimizer()(model, opt)
+    try:
+        zf.save_checkpoint(os.path.join(root, f"node{rank}"), model, opt, step=1)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_checkpoint_root_not_shared_is_an_error_on_every_rank(tmp_path):
+    errors = run_ranks(2, _save_to_local_dirs, str(tmp_path))
+    print(f"\n{errors[0]}")
+    assert errors[0] == errors[1] and "rank 1 on" in errors[0] and \
+        "cannot see the directory rank 0" in errors[0]
+    assert not os.path.exists(tmp_path / "node0" / "latest")

@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 from concurrent.futures import Future
 
 import torch
@@ -45,6 +46,7 @@ from .runtime.runtime import runtime_of
 from .state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
 LATEST = "latest"
+_MARK = ".zerofn-save"     # rank 0's token in a save's directory (_agree_on_directory)
 _STEP_DIR = re.compile(r"step-(\d+)$")
 _log = logging.getLogger(__name__)
 
@@ -107,7 +109,9 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     blobs = _extra_blobs({"step": step, **extra}, dist.get_rank(group))
     if dist.get_rank(group) == 0:
         _clear_unfinished(root)
+        _mark(tmp)
     _agree_on_save(step, blobs, group)   # also orders rank 0's clean-up before any write
+    _agree_on_directory(tmp, group)
     os.makedirs(tmp, exist_ok=True)
     state = {"model": msd, "optim": osd, "extra": blobs}
     finish = (lambda: _publish(root, name, keep)) if dist.get_rank(group) == 0 else (lambda: None)
@@ -181,6 +185,39 @@ def _agree_on_save(step: int, blobs: dict, group) -> None:
                     f"save_checkpoint: extra {key!r} differs between ranks 0 and {rank}, so "
                     f"saving one copy would lose the others; wrap it in "
                     f"zerofn.checkpoint.PerRank(...) to save each rank's own.")
+
+
+def _mark(tmp: str) -> None:
+    """Rank 0 leaves a token in the save's directory, for every rank to find there."""
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, _MARK), "w") as f:
+        f.write(os.urandom(8).hex())
+
+
+def _agree_on_directory(tmp: str, group) -> None:
+    """Every rank must see rank 0's token (``_mark``): the checkpoint root is one shared
+    directory. Raises the same ValueError on every rank otherwise, before any is written
+    (node-local paths would leave no complete checkpoint: docs/checkpoints.md)."""
+    try:
+        with open(os.path.join(tmp, _MARK)) as f:
+            seen = f.read()
+    except OSError:
+        seen = None
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (seen, socket.gethostname(), os.path.abspath(tmp)),
+                           group=group)
+    token, host, path = gathered[0]
+    blind = [f"rank {r} on {other}" for r, (seen, other, _) in enumerate(gathered)
+             if seen != token]
+    if blind:
+        raise ValueError(
+            f"save_checkpoint: {', '.join(blind)} cannot see the directory rank 0 (on "
+            f"{host}) writes, {os.path.dirname(path)}: every rank must see one "
+            f"shared checkpoint root (NFS, Lustre, ...), or no complete checkpoint is "
+            f"written. Put --save-dir / the path on a filesystem every node mounts at "
+            f"that path.")
+    if dist.get_rank(group) == 0:
+        os.remove(os.path.join(tmp, _MARK))
 
 
 def _background_group(group):
