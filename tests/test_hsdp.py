@@ -42,6 +42,7 @@ PARITY = [
     (3, 3, {}, (), {"clip": 0.05}),
     (3, 1, {"reshard_after_forward": False}, (), {}),
     (2, 1, {}, ("cpu",), {"clip": 0.05}),
+    (3, 2, {}, ("nvme",), {"clip": 0.05}),
     (3, 2, {}, ("bf16",), {}),
 ]
 
@@ -50,11 +51,13 @@ def mesh_2d(shape=(2, 2), names=NAMES):
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
-def build(stage, group, opts=None, extra=()):
+def build(stage, group, opts=None, extra=(), path=None):
+    """The parity model under ``stage`` on ``group``; ``extra`` adds "cpu" or "nvme" offload
+    (the swap files under ``path``) or "bf16" mixed precision."""
     _, model = make_models()
-    more = [zf.offload("cpu") if e == "cpu" else zf.mixed_precision(torch.bfloat16,
-                                                                    reduce_dtype=torch.float32)
-            for e in extra]
+    more = {"cpu": lambda: zf.offload("cpu"), "nvme": lambda: zf.offload("nvme", path=path),
+            "bf16": lambda: zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32)}
+    more = [more[e]() for e in extra]
     return zf.compose(transform(stage, group=group, **(opts or {})), *more)(
         model, make_optimizer("adamw", model.parameters()))
 
@@ -72,7 +75,7 @@ def expected_traffic(model, stage: int, accum: int, no_sync: bool, clip: bool) -
             "replicate.all_reduce_bytes": 4 * reductions * padded // rt.world + votes}
 
 
-def parity(rank, world, mesh):
+def parity(rank, world, mesh, root):
     """Each config against single-process PyTorch: (param error, state error, traffic)."""
     out = []
     for stage, accum, opts, extra, train_opts in PARITY:
@@ -80,7 +83,7 @@ def parity(rank, world, mesh):
         ref_opt = make_optimizer("adamw", ref.parameters())
         data = batches(STEPS, accum, world)
         train_reference(ref, ref_opt, data, train_opts.get("clip"))
-        model, opt = build(stage, mesh, opts, extra)
+        model, opt = build(stage, mesh, opts, extra, root)
         train_sharded(model, opt, data, rank, world, **train_opts)
         msd, osd = zf.get_state_dict(model, opt, full=True)
         p_err = max((msd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
@@ -227,7 +230,7 @@ def bad_meshes(rank, world):
 def hsdp_2x2(rank, world, root):
     mesh = mesh_2d()
     layout(rank, world, mesh)
-    return (parity(rank, world, mesh), checkpoints(rank, world, mesh, root),
+    return (parity(rank, world, mesh, root), checkpoints(rank, world, mesh, root),
             bad_meshes(rank, world), overflow_vote(rank, world, mesh),
             pretrained_files(rank, world, mesh, root), tensorboard_dirs(rank, world, mesh, root))
 
@@ -276,10 +279,10 @@ def overflow_vote(rank, world, mesh):
             opt.state_dict()["zerofn_loss_scaler"]["scale"], zf.comm_stats(model))
 
 
-def hsdp_2x4(rank, world):
-    return parity(rank, world, mesh_2d((2, 4)))
+def hsdp_2x4(rank, world, root):
+    return parity(rank, world, mesh_2d((2, 4)), root)
 
 
 @pytest.mark.skipif(not SLOW, reason="eight processes on this machine: ZEROFN_SLOW=1")
-def test_hsdp_2x4_parity():
-    check_parity(run_ranks(8, hsdp_2x4, timeout=900))
+def test_hsdp_2x4_parity(tmp_path):
+    check_parity(run_ranks(8, hsdp_2x4, str(tmp_path), timeout=900))
