@@ -165,3 +165,45 @@ def test_a_stalled_rank_is_named_after_the_timeout():
 def test_timeout_option_is_checked():
     with pytest.raises(ValueError, match="timeout=-1"):
         Watch(None, -1)
+
+
+def _full_drive(rank, world, path):
+    """One good step with NVMe offload, then steps whose swap writes fail: ENOSPC, and a
+    short write (what a full drive may also give, with no error from the OS)."""
+    import errno
+
+    import zerofn.runtime.nvme as nvme
+    from tests.models import make_optimizer
+
+    real = nvme.os.pwritev
+    faults = {"enospc": lambda fd, bufs, off: (_ for _ in ()).throw(
+                  OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))),
+              "short": lambda fd, bufs, off: real(fd, [bufs[0][:4096]], off)}
+    out = {}
+    for name, fault in faults.items():
+        _, model = make_models()
+        model, opt = zf.compose(zf.shard_optimizer(), zf.offload("nvme", path=path))(
+            model, make_optimizer("adamw", model.parameters()))
+        (x, y), = batches(1, 1, world)[0]
+        model(x, y).backward()
+        opt.step()
+        nvme.os.pwritev = fault
+        try:
+            model(x, y).backward()
+            opt.step()
+        except OSError as e:
+            out[name] = (e.errno, str(e))
+        finally:
+            nvme.os.pwritev = real
+    return out
+
+
+def test_a_full_drive_during_a_swap_write_is_named(tmp_path):
+    from tests.multiproc import run_ranks
+    got = run_ranks(1, _full_drive, str(tmp_path), timeout=120)[0]
+    print("\n" + "\n".join(f"[{k}] errno {code}: {text}" for k, (code, text) in got.items()))
+    for name, code in (("enospc", 28), ("short", 5)):
+        errno_, text = got[name]
+        assert errno_ == code and str(tmp_path) in text and "bytes of unit" in text, text
+    assert "No space left on device" in got["enospc"][1]
+    assert "only 4,096 bytes went through" in got["short"][1]

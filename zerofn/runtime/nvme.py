@@ -23,6 +23,7 @@ step writes it back.
 from __future__ import annotations
 
 import atexit
+import errno
 import glob
 import itertools
 import os
@@ -62,11 +63,18 @@ def swap_bytes(units, param_dtypes: dict) -> int:
     return sum(block_bytes(u, param_dtypes.get(u)) for u in units)
 
 
-def nvme_problems(path, need_bytes: int, optimizer) -> list[str]:
+def nvme_problems(path, need_bytes: int, optimizer, units=()) -> list[str]:
     """What stops an NVMe store at ``path``: checked on every rank before any collective."""
     if fused_adam_mode(optimizer) is None:
         return [(f"offload('nvme') steps Adam and AdamW only (got {type(optimizer).__name__}); "
                  "use offload('cpu') for other optimizers.")]
+    # The swap file's masters and Adam state are fp32, stepped by the C++ kernel: a wider
+    # dtype would be rounded (and its gradients are no kernel input).
+    wide = next((s for u in units for s in u.slots if s.param.dtype.itemsize > 4), None)
+    if wide is not None:
+        return [(f"offload('nvme') keeps fp32 masters, but parameter {wide.fqn!r} is "
+                 f"{wide.param.dtype}: cast the model to float32 (bf16 or fp16 compute with "
+                 "mixed_precision), or use offload('cpu'), which keeps each unit's dtype.")]
     if not path:
         return ["offload('nvme') needs path=, a directory on the NVMe drive."]
     if not os.path.isdir(path):
@@ -148,13 +156,32 @@ class NvmeOffload:
     def _read(self, unit, buf: torch.Tensor) -> torch.Tensor:
         """The unit's master|m|v (the step never needs the old compute shard)."""
         with self.timing.span("nvme_read", "nvme_read", unit.name):
-            os.preadv(self.fd, [_bytes(buf)[:_state_bytes(unit)]], self.offset[unit])
+            self._io(os.preadv, "reading", unit, _bytes(buf)[:_state_bytes(unit)],
+                     self.offset[unit])
         return buf[:3 * unit.shard_numel]
 
     def _write(self, unit, buf: torch.Tensor) -> None:
         """The whole block: state, and the compute shard where the file holds one."""
         with self.timing.span("nvme_write", "nvme_write", unit.name):
-            os.pwritev(self.fd, [_bytes(buf)[:self.block[unit]]], self.offset[unit])
+            self._io(os.pwritev, "writing", unit, _bytes(buf)[:self.block[unit]],
+                     self.offset[unit])
+
+    def _io(self, call, doing: str, unit, view: memoryview, offset: int) -> None:
+        """``call(fd, [view], offset)`` in full, or an OSError naming the file, the unit,
+        the bytes and the cause: a full or failing drive must stop the run, never leave
+        a block half-written (a short count is no error to the OS) to be read back."""
+        try:
+            done = call(self.fd, [view], offset)
+        except OSError as e:
+            code, cause = e.errno, e.strerror
+        else:
+            if done == len(view):
+                return
+            code, cause = errno.EIO, f"only {done:,} bytes went through"
+        raise OSError(code, f"offload('nvme'): {doing} {len(view):,} bytes of unit "
+                            f"'{unit.name}' at offset {offset:,} of {self.name} failed: "
+                            f"{cause}. Free space on that drive (or give offload's path= "
+                            f"another one) and resume from the last checkpoint.")
 
     def read_param(self, unit, buf: torch.Tensor) -> torch.Tensor:
         start = _state_bytes(unit)
