@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -70,9 +69,6 @@ REFUSALS = {"0-dim": "cannot shard the 0-dim parameter",
 UNUSED_GET_ZERO_GRADS = True
 # Problems explained by a known bug: {its test: (spec, every rank's report, problem) -> bool}.
 KNOWN_BUGS = {
-    "test_offload_counts_steps_on_ranks_without_rows":
-        lambda spec, reports, problem: spec["offload"] is not None
-        and re.search(r": state \S+\.step: 0\.0, expected [1-9]", problem) is not None,
     # Seen as it happens: a gather still pending when the optimizer steps.
     "test_a_prefetch_left_over_from_backward_is_not_used_after_the_step":
         lambda spec, reports, problem: any(r.get("stale_gathers") for r in reports)
@@ -539,11 +535,13 @@ CASES = {
     # Fixed: ZeRO-3 exported a DTensor for all but one name of a shared module's
     # parameters (state_dict.py).
     "shared state dict": [case(**SHARED, stage=3)],
+    # Fixed: CPU Adam did not count the step of a parameter this rank holds no rows of
+    # (offload.py).
+    "offload steps": [case(one=True, offload="cpu"), case(one=True, offload="nvme", stage=3)],
     # Open bugs in files these tests do not own: the xfail tests below.
     "unused": [case(({"branch": [2, 1, "dense"]},), workarounds=False),
                case(({"spare": 2},), optimizer="sgd", workarounds=False)],
     "nested units": [case(({"kind": "stack", "children": [LEAF], "gain": True},), stage=3)],
-    "offload steps": [case(one=True, offload="cpu"), case(one=True, offload="nvme", stage=3)],
 }
 # Run apart, at two ranks: it crashes the step, and beyond two ranks a rank without rows of
 # the float64 unit does not crash but goes on to the next collective, where it hangs.
@@ -625,10 +623,9 @@ def test_a_prefetch_left_over_from_backward_is_not_used_after_the_step(cases):
     assert_clean(cases["nested units"])
 
 
-@pytest.mark.xfail(strict=True, reason="offload.py _adam_slots skips a parameter this rank "
-                   "holds no rows of, so its step count stays 0 there (and everywhere for "
-                   "a zero-size parameter), unlike torch.optim's")
 def test_offload_counts_steps_on_ranks_without_rows(cases):
+    """CPU Adam counts a step where this rank holds no rows of the parameter (offload.py
+    skipped it there: its count stayed 0 on that rank, and in that rank's checkpoint)."""
     assert_clean(cases["offload steps"])
 
 

@@ -167,10 +167,14 @@ def _adam_slots(optimizer, group_of, unit, grads, master, exp_avg, exp_avg_sq, a
                 lowp, grad_scale) -> None:
     for s in unit.trainable:
         g, group = grads.get(s), group_of.get(s.opt_param)
-        if g is None or group is None or not s.local_numel:
+        if g is None or group is None:
             continue
         state = optimizer.state[s.opt_param]
+        # Counted where this rank holds no rows too, as torch.optim counts an empty
+        # parameter's steps: every rank's count, and every checkpoint's, is the same.
         state["step"] += 1
+        if not s.local_numel:
+            continue
         beta1, beta2 = group["betas"]
         adam_step(s.shard_of(master).view(-1), g.reshape(-1), s.shard_of(exp_avg).view(-1),
                   s.shard_of(exp_avg_sq).view(-1), step=int(state["step"]), lr=float(group["lr"]),
