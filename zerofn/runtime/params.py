@@ -178,9 +178,21 @@ class ParamGatherer:
     def end_backward(self) -> None:
         for unit in list(self.full):
             self.free(unit)
+        self.discard_pending()
         if self.reader is not None:
             # The next forward's first shards: read now, or again after a step rewrites them.
             self.reader.read_ahead(iter(self.order))
+
+    def discard_pending(self) -> None:
+        """Wait for and drop the gathers nothing used: a prefetch of a unit that backward
+        had already done (nested units) or skipped, or one a forward started for a unit
+        that did not run. They hold the shards as they were, which the optimizer step (or
+        a load) is about to rewrite: the next forward must gather again. (Normally no
+        gather is pending here; the next forward's own prefetches start afresh.)"""
+        for work, recv in self._pending.values():
+            work.wait()
+            self.pool.give(recv)
+        self._pending.clear()
 
     # -- saved tensors ---------------------------------------------------------------
     def _pack(self, t: torch.Tensor):

@@ -520,6 +520,8 @@ class Runtime:
         """Bring NVMe-resident state into memory (until the next step), so the optimizer's
         tensors hold values. Every state dict access starts here."""
         self._settle_copies()   # a load may write host rows a copy to the device still reads
+        if self.gatherer is not None:   # nor may a gather started before the load be used
+            self.gatherer.discard_pending()
         if isinstance(self.offload, NvmeOffload):
             self.offload.materialize(self.optimizer)
 
