@@ -61,12 +61,6 @@ REFUSALS = {"0-dim": "cannot shard the 0-dim parameter",
 # Each has a minimal xfail(strict=True) test at the end of this file. When its fix lands
 # that test XPASSes (a failure): then drop its mark and its workaround here. A spec with
 # "workarounds": False runs without them (the xfail tests do).
-#
-# A trainable parameter without a gradient in a step gets a zero gradient from zerofn, so
-# Adam decays its moments and counts the step, where plain PyTorch skips it; meanwhile the
-# reference does the same, so the rest of each example is still compared exactly
-# (test_a_parameter_without_a_gradient_is_not_stepped).
-UNUSED_GET_ZERO_GRADS = True
 # Problems explained by a known bug: {its test: (spec, every rank's report, problem) -> bool}.
 KNOWN_BUGS = {
 }
@@ -257,9 +251,9 @@ def data(spec: dict, world: int):
              for _ in range(spec["accum"])] for _ in range(STEPS)]
 
 
-def train_reference(model, opt, batches, zeros_for_unused: bool) -> list[str]:
+def train_reference(model, opt, batches) -> list[str]:
     """Plain PyTorch on the global batches; returns the trainable parameters some step left
-    without a gradient (given zeros with ``zeros_for_unused``: UNUSED_GET_ZERO_GRADS)."""
+    without a gradient (which the optimizer then skips)."""
     unused = set()
     names = {p: n for n, p in model.named_parameters()}
     for step, micro in enumerate(batches):
@@ -267,8 +261,6 @@ def train_reference(model, opt, batches, zeros_for_unused: bool) -> list[str]:
         for p in names:
             if p.requires_grad and p.grad is None:
                 unused.add(names[p])
-                if zeros_for_unused:
-                    p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad()
     return sorted(unused)
@@ -321,7 +313,10 @@ def compare(ref, ref_opt, model, opt) -> list[str]:
         out += differ(f"buffer {k}", buffers.get(k), b, tol)
     names = {p: n for n, p in ref.named_parameters()}
     want_state = {names[p]: s for p, s in ref_opt.state.items()}
-    got_state = osd["state"]
+    # Offload registers Adam's state for every trainable parameter at set-up (views of its
+    # arena): one that never had a gradient keeps that initial state, where torch.optim
+    # has none yet. Both are "not stepped".
+    got_state = {n: s for n, s in osd["state"].items() if n in want_state or not _initial(s)}
     if want_state.keys() != got_state.keys():
         out.append(f"optimizer state held for {sorted(got_state)}, expected {sorted(want_state)}")
     for n in want_state.keys() & got_state.keys():
@@ -332,6 +327,11 @@ def compare(ref, ref_opt, model, opt) -> list[str]:
             elif got is None or float(got) != float(v):
                 out.append(f"state {n}.{k}: {got}, expected {float(v)}")
     return out
+
+
+def _initial(state: dict) -> bool:
+    """Optimizer state as torch.optim creates it, before any step: all zeros."""
+    return all(not (torch.as_tensor(v) != 0).any() for v in state.values())
 
 
 def unit_problems(model, expect: dict) -> list[str]:
@@ -390,8 +390,7 @@ def run_example(rank: int, world: int, spec: dict) -> dict:
         report["units"] = unit_problems(model, expect)
         report["meta"] = meta_problems(model, ref) if spec["meta"] else []
         batches = data(spec, world)
-        report["unused"] = train_reference(ref, ref_opt, batches,
-                                           workarounds and UNUSED_GET_ZERO_GRADS)
+        report["unused"] = train_reference(ref, ref_opt, batches)
         report["stale_gathers"] = train_sharded(model, opt, batches, rank, world)
         report["diffs"] = compare(ref, ref_opt, model, opt)
     return report
@@ -539,9 +538,13 @@ CASES = {
     # Fixed: a gather prefetched in backward and never used (a unit nested in another)
     # stayed pending across the step; the next forward used its pre-step parameters.
     "nested units": [case(({"kind": "stack", "children": [LEAF], "gain": True},), stage=3)],
-    # Open bugs in files these tests do not own: the xfail tests below.
-    "unused": [case(({"branch": [2, 1, "dense"]},), workarounds=False),
-               case(({"spare": 2},), optimizer="sgd", workarounds=False)],
+    # Fixed: a trainable parameter without a gradient got a zero one (Adam decayed its
+    # moments and counted the step) (grads.py, step.py).
+    "unused": [case(({"branch": [2, 1, "dense"]},)),
+               case(({"spare": 2},), optimizer="sgd"),
+               case(({"spare": 2}, {"branch": [3, 1, "dense"]}), offload="cpu"),
+               case(({"branch": [2, 0, "dense"]},), offload="nvme", stage=3)],
+    # Open bug in a file these tests do not own: the xfail test below.
 }
 # Run apart, at two ranks: it crashes the step, and beyond two ranks a rank without rows of
 # the float64 unit does not crash but goes on to the next collective, where it hangs.
@@ -602,11 +605,67 @@ def test_each_unit_may_have_its_own_dtype(cases):
     assert_clean(cases["per-unit dtypes"])
 
 
-@pytest.mark.xfail(strict=True, reason="grads.py/step.py: a trainable parameter with no "
-                   "gradient in a step gets a zero gradient (Adam decays its moments and "
-                   "counts the step); PyTorch, DDP and FSDP2 leave it None and skip it")
 def test_a_parameter_without_a_gradient_is_not_stepped(cases):
+    """torch.optim skips it (no decay of Adam's moments, no step counted), also under
+    offload; zerofn gave it a zero gradient."""
     assert_clean(cases["unused"])
+
+
+class UsedOnSomeRanks(torch.nn.Module):
+    """``extra`` takes part in the forward of the ranks listed for the step."""
+
+    USERS = [[0], [], [1]]    # step -> the ranks whose batch uses ``extra``
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.3)
+        self.extra = torch.nn.Parameter(torch.randn(3, WIDTH) * 0.3)
+
+    def forward(self, x, y, uses: bool):
+        h = x @ self.w.T
+        if uses:
+            h = h + (x @ self.extra.T).sum(1, keepdim=True)
+        return ((h - y) ** 2).mean()
+
+
+def train_on_some_ranks(rank: int, world: int, options: list[dict]) -> list[list[str]]:
+    """Problems of each spec-like ``options`` entry against plain PyTorch, where that
+    runs each rank's slice of the global batch through the model as that rank does."""
+    out = []
+    for opt_spec in options:
+        torch.manual_seed(0)
+        ref = UsedOnSomeRanks()
+        model = UsedOnSomeRanks()
+        model.load_state_dict(ref.state_dict())
+        ref_opt, opt = make_optimizer(opt_spec, ref), make_optimizer(opt_spec, model)
+        with tempfile.TemporaryDirectory() as tmp:
+            model, opt = transform(opt_spec, model, tmp)(model, opt)
+            g = torch.Generator().manual_seed(1)
+            for step, users in enumerate(UsedOnSomeRanks.USERS):
+                x, y = torch.randn(2 * world, WIDTH, generator=g), torch.randn(2 * world, 1,
+                                                                               generator=g)
+                xs, ys = x.chunk(world), y.chunk(world)
+                sum(ref(xs[r], ys[r], r in users) for r in range(world)).div(world).backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                model(xs[rank], ys[rank], rank in users).backward()
+                opt.step()
+                opt.zero_grad()
+            out.append(compare(ref, ref_opt, model, opt))
+    return out
+
+
+def test_a_gradient_on_some_ranks_steps_the_parameter_on_every_rank():
+    """A parameter only some ranks' batches used has a gradient, reduced over every rank,
+    as plain PyTorch on the global batch has one; none used it: it is not stepped. Every
+    rank steps it alike (state and step counts agree)."""
+    options = [case(stage=s, offload=o, optimizer=k) for s, o, k in
+               [(1, None, "adamw"), (2, None, "adam"), (3, None, "sgd"), (2, "cpu", "adamw"),
+                (3, "nvme", "adam")]]
+    per_rank = run_ranks(2, train_on_some_ranks, options)
+    problems = [f"rank {r}, {describe([(spec, p)], 2)}" for r, reports in enumerate(per_rank)
+                for spec, p in zip(options, reports) if p]
+    assert not problems, "\n".join(problems)
 
 
 def test_every_name_of_a_shared_module_is_in_the_state_dict(cases):

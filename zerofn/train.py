@@ -658,8 +658,10 @@ def main(argv=None) -> None:
         raise SystemExit(f"--timeout {args.timeout:g}: give the seconds (> 0) a collective "
                          f"may wait for the slowest rank.")
     device = setup(args.timeout)
+    finished = False
     try:
         train(args, device)
+        finished = True
     except ValueError as e:
         # The same on every rank (raised before any collective could part them): one line.
         if dist.get_rank() == 0:
@@ -673,7 +675,13 @@ def main(argv=None) -> None:
         print(f"error: {failure}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
-        zf.wait_for_checkpoint()
+        try:
+            zf.wait_for_checkpoint()
+        except Exception:
+            if finished:
+                raise
+            # The run failed already; a background save that failure cut off (its
+            # peers gone) says nothing more, and the previous checkpoint stands.
         # zerofn's runtime and the model refer to each other; left to interpreter
         # shutdown, that cycle's collectives state is torn down after torch's and the
         # process sometimes aborts ("terminate called without an active exception").

@@ -65,6 +65,10 @@ def shard_optimizer(**options) -> Transform:
             applied like ``model.apply(init)`` (children first, the same order and RNG
             stream), e.g. Hugging Face's ``model._init_weights``. Parameters or buffers no
             init writes are an error naming them. Unused for a model not on meta.
+        timeout: seconds any collective may wait for the slowest rank (None: the process
+            group's own, from ``init_process_group(timeout=...)``). Past it, or as soon as
+            another rank raises or dies, every rank stops with ``zerofn.RankFailure``
+            naming that rank and its phase (docs/multinode.md).
 
     Example:
         >>> model, opt = zerofn.shard_optimizer()(model, opt)

@@ -65,6 +65,9 @@ class GradReducer:
         self.on_shard_ready = None
         self.no_sync = False
         self.grad_shard: dict[Unit, torch.Tensor | None] = {}   # made at the first reduction
+        # Slots that got a gradient on this rank since zero_grad (step.py's [Note:
+        # parameters without a gradient]).
+        self.got: set[ParamSlot] = set()
         self._kept: dict[Unit, torch.Tensor] = {}   # ZeRO-2/3 without offload: their memory
         self._fresh = {u: True for u in units}  # next reduction overwrites instead of adds
         self._send: dict[Unit, torch.Tensor] = {}
@@ -99,6 +102,7 @@ class GradReducer:
     # -- during backward -------------------------------------------------------------
     def _on_grad(self, unit: Unit, slot: ParamSlot, param) -> None:
         self._dirty = True
+        self.got.add(slot)
         if not self._in_backward:
             self._begin_backward()
         if not self._reducing:
@@ -377,6 +381,7 @@ class GradReducer:
         lent = self.stage == 1 or self.on_shard_ready is not None
         self._last_backwards, self._backwards = self._backwards, 0
         self._early = False
+        self.got.clear()
         for unit in self.units:
             self._fresh[unit] = True
             if lent and self.grad_shard.get(unit) is not None:

@@ -15,6 +15,16 @@ nothing rewrites them there: the unscale factor and the clip coefficient multipl
 check and the L2 norm come from one read of the host gradients (``grad_sumsq_and_finite``,
 summed in double). Elsewhere the gradients are unscaled and checked in place by one
 fused foreach kernel per device and dtype.
+
+[Note: parameters without a gradient] torch.optim skips a parameter whose ``.grad`` is
+None: Adam neither decays its moments nor counts the step, SGD's momentum stays. The
+reduced shard cannot tell (a parameter nobody gave a gradient reduces to zeros), so each
+rank records which parameters got one since ``zero_grad`` (grads.py's ``got``) and the
+ranks take the union: a parameter is stepped if any rank's micro-batches gave it a
+gradient. That is plain PyTorch on the global batch, which holds that rank's samples too
+(and DDP's rule for a parameter some ranks left unused); every rank then steps the same
+parameters, so state and step counts agree. The union rides on the overflow vote where
+the loss is scaled, else it is one small all-reduce of its own (none on one rank).
 """
 from __future__ import annotations
 
@@ -46,6 +56,7 @@ class StepGrads:
         self._stats: list[tuple[float, bool]] | None = None   # per present() grad, cached
         self._buffers: list[torch.Tensor] = []
         self._streamed: set = set()    # units whose shard is on its way to the host
+        self._trainable = [s for u in units for s in u.trainable]
 
     def shard_ready(self, unit, shard: torch.Tensor) -> None:
         """Offload: a backward's reduced shard of ``unit`` is final; copy it to the host now.
@@ -69,6 +80,8 @@ class StepGrads:
         if scaled:
             with self.timing.span(None, "overflow_check"):
                 self.overflow = self._vote(self._found_inf())
+        else:
+            self._vote(None)
         self.ready = True
 
     def _wait_copies(self, units) -> None:
@@ -117,14 +130,28 @@ class StepGrads:
         self.grad_scale = 1.0
         return found
 
-    def _vote(self, found: torch.Tensor) -> bool:
-        """One small all-reduce: if any rank saw inf or nan, every rank skips the step."""
-        flag = found.reshape(1).to(self.device, torch.float32)   # offload: from the host
-        with self.timing.collective("all_reduce"):
-            self.comm.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if self.replicas is not None:
-                self.replicas.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def _vote(self, found: torch.Tensor | None) -> bool:
+        """One small all-reduce of this rank's verdicts: whether it saw inf or nan (``found``,
+        where the loss is scaled) and which trainable parameters got a gradient. Drops the
+        gradients no rank got ([Note: parameters without a gradient]); returns whether any
+        rank saw inf or nan: then every rank skips the step."""
+        had = [s in self.reducer.got for s in self._trainable]
+        if found is None and self.comm.world == 1 and self.replicas is None:
+            votes = had     # no other rank to ask (a rank with every gradient still asks)
+        else:
+            flags = torch.tensor(had, dtype=torch.float32, device=self.device)
+            if found is not None:   # offload: found is on the host
+                flags = torch.cat([found.reshape(1).to(self.device, torch.float32), flags])
+            with self.timing.collective("all_reduce"):
+                self.comm.all_reduce(flags, op=dist.ReduceOp.MAX)
+                if self.replicas is not None:
+                    self.replicas.all_reduce(flags, op=dist.ReduceOp.MAX)
+            votes = flags.tolist()
+        overflow = found is not None and votes.pop(0) > 0
+        for s, got in zip(self._trainable, votes):
+            if not got:
+                self.grads[s] = None
+        return overflow
 
     def host_stats(self) -> list[tuple[float, bool]]:
         """Deferred scaling: ``(sum of squares, all finite)`` of each ``present()`` gradient
