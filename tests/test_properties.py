@@ -10,11 +10,12 @@ A failure prints the spec; re-run it alone with
 
 What is checked per example (fp32 and fp64 within 1e-5, bf16 blocks within their
 rounding, as tests/test_parity.py compares): the set-up outcome against what the spec
-predicts (refusals: 0-dim parameters, a unit mixing dtypes, NVMe without Adam, parameter
-offload below ZeRO-3); which unit every parameter lands in, against the documented rules
-(odd_models.expected_units); for meta-built models, the materialized state against eager
-construction + the same init, bit for bit; and after a few steps, parameters, buffers and
-optimizer state against plain single-process PyTorch on the same global batch.
+predicts (refusals: 0-dim parameters, a unit mixing dtypes, NVMe without Adam or with
+float64 parameters, parameter offload below ZeRO-3); which unit every parameter lands
+in, against the documented rules (odd_models.expected_units); for meta-built models, the
+materialized state against eager construction + the same init, bit for bit; and after a
+few steps, parameters, buffers and optimizer state against plain single-process PyTorch
+on the same global batch.
 """
 from __future__ import annotations
 
@@ -54,23 +55,8 @@ REFUSALS = {"0-dim": "cannot shard the 0-dim parameter",
             "dtype": "cast the model to one dtype",
             "nvme-sgd": "offload('nvme') steps Adam and AdamW only",
             "params-below-3": "which only ZeRO-3 has",
-            "container": "which has no forward and never runs"}
-
-
-# -- known bugs in files these tests do not own --------------------------------------------
-# Each has a minimal xfail(strict=True) test at the end of this file. When its fix lands
-# that test XPASSes (a failure): then drop its mark and its workaround here. A spec with
-# "workarounds": False runs without them (the xfail tests do).
-# Problems explained by a known bug: {its test: (spec, every rank's report, problem) -> bool}.
-KNOWN_BUGS = {
-}
-# Examples a known bug would crash mid-step (which ends the run on every rank): skipped.
-# {its test: (spec, model, expected units, world) -> bool}.
-KNOWN_CRASHES = {
-    "test_offload_with_units_of_several_dtypes":
-        lambda spec, model, expect, world: spec["offload"] is not None
-        and any(p.dtype != torch.float32 for p in model.parameters()),
-}
+            "container": "which has no forward and never runs",
+            "nvme-fp64": "offload('nvme') keeps fp32 masters"}
 
 
 # -- drawing specs -------------------------------------------------------------------------
@@ -240,6 +226,8 @@ def predicted_refusals(spec: dict, model, expect: dict) -> list[str]:
         out.append("dtype")
     if "nvme" in str(spec["offload"]) and spec["optimizer"] == "sgd":
         out.append("nvme-sgd")
+    if "nvme" in str(spec["offload"]) and any(p.dtype == torch.float64 for p in params.values()):
+        out.append("nvme-fp64")
     return out
 
 
@@ -374,11 +362,6 @@ def run_example(rank: int, world: int, spec: dict) -> dict:
     model = build(spec, meta=spec["meta"])
     expect = expected_units(model, unit_policy(spec, model), spec["persist_below"])
     report = {"predicted": predicted_refusals(spec, model, expect), "error": None}
-    workarounds = spec.get("workarounds", True)
-    crash = next((bug for bug, hits in KNOWN_CRASHES.items()
-                  if hits(spec, model, expect, world)), None)
-    if workarounds and crash and not report["predicted"]:
-        return dict(report, skipped=crash)
     ref_opt, opt = make_optimizer(spec, ref), make_optimizer(spec, model)
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(spec["seed"] + 1)     # a meta-built model is initialized from it
@@ -416,13 +399,11 @@ def run_examples(rank: int, world: int, specs: list[dict]) -> list[dict]:
 
 # -- judging in the parent -------------------------------------------------------------------
 def verdict(spec: dict, reports: list[dict]) -> list[str]:
-    """What is wrong with one example, from every rank's report (known bugs included)."""
+    """What is wrong with one example, from every rank's report."""
     crashes = [f"rank {r} raised after set-up:\n{rep['crash']}" for r, rep in enumerate(reports)
                if rep is not None and "crash" in rep]
     if crashes or any(rep is None for rep in reports):
         return crashes or ["a rank stopped before this example"]
-    if "skipped" in reports[0]:
-        return []
     errors = {rep["error"] for rep in reports}
     if len(errors) > 1:
         return [f"ranks disagree on set-up: {errors}"]
@@ -444,31 +425,20 @@ def run_specs(specs: list[dict], world: int) -> list[list[dict | None]]:
     return [[r[i] if i < len(r) else None for r in per_rank] for i in range(len(specs))]
 
 
-def unexplained(spec: dict, reports: list, problems: list[str], tally: dict) -> list[str]:
-    """``problems`` less those a known bug explains, each counted in ``tally``."""
-    for bug, explains in KNOWN_BUGS.items():
-        hit = [p for p in problems if explains(spec, reports, p)]
-        tally[bug] = tally.get(bug, 0) + bool(hit)
-        problems = [p for p in problems if p not in hit]
-    return problems
-
-
 def check_specs(specs: list[dict], world: int):
     """Run ``specs`` at ``world``. Returns ``(failures, tally)``: ``(spec, problems)`` for
-    each example with a problem no known bug explains, and counts of examples refused as
-    predicted, with parameters left without a gradient in some step, skipped and hitting
-    each known bug."""
+    each example with a problem, and counts of examples refused as predicted and with
+    parameters left without a gradient in some step."""
     failures, tally = [], {"refused": 0, "unused": 0}
     for spec, reports in zip(specs, run_specs(specs, world)):
-        problems = unexplained(spec, reports, verdict(spec, reports), tally)
+        problems = verdict(spec, reports)
         if problems:
             failures.append((spec, problems))
             continue
         first = reports[0]
-        key = "refused" if first["error"] else first.get("skipped") or \
-            ("unused" if first["unused"] else None)
+        key = "refused" if first["error"] else "unused" if first["unused"] else None
         if key:
-            tally[key] = tally.get(key, 0) + 1
+            tally[key] += 1
     return failures, tally
 
 
@@ -544,17 +514,22 @@ CASES = {
                case(({"spare": 2},), optimizer="sgd"),
                case(({"spare": 2}, {"branch": [3, 1, "dense"]}), offload="cpu"),
                case(({"branch": [2, 0, "dense"]},), offload="nvme", stage=3)],
-    # Open bug in a file these tests do not own: the xfail test below.
+    # Fixed: offload kept every unit's masters and state in the first unit's dtype: a
+    # float64 unit crashed the step, or hung on a rank without rows of it (offload.py).
+    # NVMe's swap file is fp32: a float64 parameter is refused.
+    "offload dtypes": [case(({}, {"dtype": "fp64"}), offload="cpu"),
+                       case(({}, {"dtype": "fp64"}), offload="cpu+params", stage=3,
+                            optimizer="adam"),
+                       case(({"dtype": "fp64"}, {}), offload="cpu", optimizer="sgd", stage=1),
+                       case(({}, {"dtype": "bf16"}), offload="cpu", stage=3),
+                       case(({}, {"dtype": "fp64"}), offload="nvme")],
 }
-# Run apart, at two ranks: it crashes the step, and beyond two ranks a rank without rows of
-# the float64 unit does not crash but goes on to the next collective, where it hangs.
-OFFLOAD_DTYPES = case(({}, {"dtype": "fp64"}), offload="cpu", workarounds=False)
 
 
 @pytest.fixture(scope="module")
 def cases() -> dict:
     """``{name: [(spec, problems, every rank's report)]}``, all run by one set of
-    CASES_WORLD ranks; problems are unfiltered by KNOWN_BUGS."""
+    CASES_WORLD ranks."""
     specs = [spec for group in CASES.values() for spec in group]
     runs = iter(zip(specs, run_specs(specs, CASES_WORLD)))
     return {name: [(spec, verdict(spec, reports), reports)
@@ -562,10 +537,8 @@ def cases() -> dict:
             for name, group in CASES.items()}
 
 
-def assert_clean(results, known: bool = False) -> None:
-    for spec, problems, reports in results:
-        if known:
-            problems = unexplained(spec, reports, problems, {})
+def assert_clean(results) -> None:
+    for spec, problems, _ in results:
         assert not problems, describe([(spec, problems)], CASES_WORLD)
 
 
@@ -574,7 +547,7 @@ def test_a_zero_size_parameter_trains(cases):
 
 
 def test_a_module_under_two_parents_is_one_unit(cases):
-    assert_clean(cases["shared"], known=True)
+    assert_clean(cases["shared"])
     assert_clean(cases["second name"])
 
 
@@ -589,7 +562,7 @@ def test_a_container_is_never_a_unit(cases):
 
 
 def test_meta_init_of_a_shared_module_follows_model_apply(cases):
-    assert_clean(cases["meta shared"], known=True)
+    assert_clean(cases["meta shared"])
 
 
 def test_refusals_name_the_parameter_and_the_way_out(cases):
@@ -687,20 +660,12 @@ def test_offload_counts_steps_on_ranks_without_rows(cases):
     assert_clean(cases["offload steps"])
 
 
-@pytest.mark.xfail(strict=True, reason="offload.py: one host arena in the first unit's dtype "
-                   "for every unit's masters and state: a float64 unit crashes the first "
-                   "step (CPU Adam takes fp32 masters; torch.optim gets a grad of another "
-                   "dtype) where a rank holds rows of it (beyond two ranks, one without "
-                   "rows hangs in the next collective), a bf16 unit gets fp32 masters; "
-                   "neither is refused at set-up")
-def test_offload_with_units_of_several_dtypes():
-    reports, = run_specs([OFFLOAD_DTYPES], 2)
-    error = reports[0] and reports[0].get("error")
-    if error:   # refusing it at set-up, clearly and on every rank, would do too
-        assert "dtype" in error and {r["error"] for r in reports} == {error}
-    else:
-        problems = verdict(OFFLOAD_DTYPES, reports)
-        assert not problems, describe([(OFFLOAD_DTYPES, problems)], 2)
+def test_offload_with_units_of_several_dtypes(cases):
+    """CPU offload keeps each unit's masters and state in its own dtype (float64 and bf16
+    units step as torch.optim steps them); NVMe refuses a float64 parameter on every rank."""
+    assert_clean(cases["offload dtypes"])
+    (_, _, nvme), = cases["offload dtypes"][-1:]
+    assert "'blocks.1.w1' is torch.float64" in nvme[0]["error"]
 
 
 if __name__ == "__main__":

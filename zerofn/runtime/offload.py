@@ -1,13 +1,14 @@
 """Optimizer offload: master params and optimizer state on the host, the step in C++.
 
 [Note: one arena] Every unit's host buffers are views of a few allocations made at
-set-up, page-locked at their exact size when the runtime's device is CUDA (page-locked
+set-up (one per dtype: a unit's masters and state keep its parameters' dtype), page-locked at their exact size when the runtime's device is CUDA (page-locked
 memory is what lets copies overlap; see [Note: exact pinning] in pinned.py for why not
 ``pin_memory()``). On a CPU device, GPU or not, the same code runs on plain host memory
 with synchronous copies.
 
 For Adam and AdamW the step runs in ``zerofn.optim.adam_step`` over each parameter's rows
-of the unit's flat buffers; their views are registered as the optimizer's own state
+of the unit's flat buffers (fp32 masters; a unit of another dtype steps as torch.optim's
+own Adam does, in its dtype); their views are registered as the optimizer's own state
 (``step``, ``exp_avg``, ``exp_avg_sq``), so state dicts see nothing different. Any other
 torch.optim optimizer steps the host masters itself.
 """
@@ -72,24 +73,29 @@ class HostOffload:
     def __init__(self, units: list[Unit], grad_dtype_of, optimizer, compute_dtype=None):
         self.adamw_mode = fused_adam_mode(optimizer)
         self.pin = pins(device_of(units))
-        states = 3 if self.adamw_mode is not None else 1
-        sizes = [u.shard_numel for u in units]
-        self.arena = HostArena(sizes * states, units[0].dtype if units else torch.float32,
-                               self.pin)
-        self.master = {u: self.arena.take(u.shard_numel) for u in units}
-        self.exp_avg, self.exp_avg_sq = {}, {}
-        if self.adamw_mode is not None:
-            self.exp_avg = {u: self.arena.take(u.shard_numel) for u in units}
-            self.exp_avg_sq = {u: self.arena.take(u.shard_numel) for u in units}
+        # (units without parameters have no dtype; they take no room either)
+        self.master_dtype = {u: u.dtype or torch.float32 for u in units}
+        self.compute_dtype = {u: compute_dtype or self.master_dtype[u] for u in units}
+        self.master, self.exp_avg, self.exp_avg_sq = {}, {}, {}
+        self._arenas = []
+        for dtype, mine in _by_dtype(self.master_dtype).items():
+            states = [self.master] + ([self.exp_avg, self.exp_avg_sq]
+                                      if self.adamw_mode is not None else [])
+            arena = HostArena([u.shard_numel for u in mine] * len(states), dtype, self.pin)
+            for state in states:
+                state.update({u: arena.take(u.shard_numel) for u in mine})
+            self._arenas.append(arena)
         self._units = units
-        self._param_arena = self._steps = None
+        self._param_arenas, self._steps = {}, None
         # Under mixed precision CPU Adam also writes the compute copy, in the same pass, into
         # this (pinned) arena: what goes back to the device is already in its dtype.
         self.lowp = {}
-        master_dtype = units[0].dtype if units else torch.float32
-        if self.adamw_mode is not None and compute_dtype not in (None, master_dtype):
-            self._lowp_arena = HostArena(sizes, compute_dtype, self.pin)
-            self.lowp = {u: self._lowp_arena.take(u.shard_numel) for u in units}
+        if self.adamw_mode is not None:
+            lowp = [u for u in units if self.compute_dtype[u] != self.master_dtype[u]]
+            for dtype, mine in _by_dtype({u: self.compute_dtype[u] for u in lowp}).items():
+                arena = HostArena([u.shard_numel for u in mine], dtype, self.pin)
+                self.lowp.update({u: arena.take(u.shard_numel) for u in mine})
+                self._arenas.append(arena)
         self.grad_arenas = {}
         self.grads = {}
         for u in units:
@@ -102,13 +108,15 @@ class HostOffload:
 
     def param_shard(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
         """ZeRO-3 parameter offload: the unit's compute shard, on the host."""
-        if self._param_arena is None:
-            self._param_arena = HostArena([u.shard_numel for u in self._units], dtype, self.pin)
-        return self._param_arena.take(unit.shard_numel).copy_(self.master[unit])
+        if dtype not in self._param_arenas:
+            mine = [u for u in self._units if self.compute_dtype[u] == dtype]
+            self._param_arenas[dtype] = HostArena([u.shard_numel for u in mine], dtype,
+                                                  self.pin)
+        return self._param_arenas[dtype].take(unit.shard_numel).copy_(self.master[unit])
 
     def arenas(self) -> list[HostArena]:
-        return [a for a in (self.arena, self._param_arena, self._steps,
-                            getattr(self, "_lowp_arena", None), *self.grad_arenas.values()) if a]
+        return [a for a in (*self._arenas, *self._param_arenas.values(), self._steps,
+                            *self.grad_arenas.values()) if a]
 
     def compute_rows(self, unit: Unit) -> torch.Tensor:
         """Where the updated compute rows of a unit are read from after a step."""
@@ -148,6 +156,14 @@ class HostOffload:
             after_unit(u, self.compute_rows(u))
 
 
+def _by_dtype(dtype_of: dict) -> dict:
+    """``{dtype: [units]}`` from ``{unit: dtype}``, in the units' order."""
+    out: dict = {}
+    for u, dtype in dtype_of.items():
+        out.setdefault(dtype, []).append(u)
+    return out
+
+
 def groups_by_param(optimizer) -> dict:
     return {p: g for g in optimizer.param_groups for p in g["params"]}
 
@@ -175,9 +191,33 @@ def _adam_slots(optimizer, group_of, unit, grads, master, exp_avg, exp_avg_sq, a
         state["step"] += 1
         if not s.local_numel:
             continue
+        kernel = adam_step if master.dtype == torch.float32 else _torch_adam_step
         beta1, beta2 = group["betas"]
-        adam_step(s.shard_of(master).view(-1), g.reshape(-1), s.shard_of(exp_avg).view(-1),
-                  s.shard_of(exp_avg_sq).view(-1), step=int(state["step"]), lr=float(group["lr"]),
-                  beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                  adamw_mode=adamw_mode, grad_scale=grad_scale,
-                  out=None if lowp is None else s.shard_of(lowp).view(-1))
+        kernel(s.shard_of(master).view(-1), g.reshape(-1), s.shard_of(exp_avg).view(-1),
+               s.shard_of(exp_avg_sq).view(-1), step=int(state["step"]), lr=float(group["lr"]),
+               beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+               adamw_mode=adamw_mode, grad_scale=grad_scale,
+               out=None if lowp is None else s.shard_of(lowp).view(-1))
+
+
+@torch.no_grad()
+def _torch_adam_step(params, grads, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float,
+                     beta2: float, eps: float, weight_decay: float, adamw_mode: bool,
+                     grad_scale: float = 1.0, out=None) -> None:
+    """``adam_step`` for masters the C++ kernel does not take (fp64, or bf16 without mixed
+    precision): torch.optim's single-tensor Adam/AdamW (what it runs on CPU tensors),
+    in the masters' dtype."""
+    g = grads.to(params.dtype)
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    if weight_decay:
+        if adamw_mode:
+            params.mul_(1 - lr * weight_decay)
+        else:
+            g = g.add(params, alpha=weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
+    params.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** step))
+    if out is not None:
+        out.copy_(params)

@@ -141,7 +141,8 @@ class Runtime:
                                      dist.get_world_size(self.group))
         if self.plan.option("offload") == "nvme":
             need = swap_bytes(units, self._offloaded_param_dtypes(units))
-            problems += nvme_problems(self.plan.option("offload_path"), need, self.optimizer)
+            problems += nvme_problems(self.plan.option("offload_path"), need, self.optimizer,
+                                      units)
         return units, problems
 
     def _signature(self) -> list[str]:
