@@ -1,8 +1,9 @@
 """Optimizer offload: master params and optimizer state on the host, the step in C++.
 
 [Note: one arena] Every unit's host buffers are views of a few allocations made at
-set-up (one per dtype: a unit's masters and state keep its parameters' dtype), page-locked at their exact size when the runtime's device is CUDA (page-locked
-memory is what lets copies overlap; see [Note: exact pinning] in pinned.py for why not
+set-up (one per dtype: a unit's masters and state keep its parameters' dtype),
+page-locked at their exact size when the runtime's device is CUDA (page-locked memory is
+what lets copies overlap; see [Note: exact pinning] in pinned.py for why not
 ``pin_memory()``). On a CPU device, GPU or not, the same code runs on plain host memory
 with synchronous copies.
 
