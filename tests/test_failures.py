@@ -207,3 +207,18 @@ def test_a_full_drive_during_a_swap_write_is_named(tmp_path):
         assert errno_ == code and str(tmp_path) in text and "bytes of unit" in text, text
     assert "No space left on device" in got["enospc"][1]
     assert "only 4,096 bytes went through" in got["short"][1]
+
+
+def test_zerofn_train_with_a_stalled_rank_ends_and_leaves_nothing_running(tmp_path):
+    """The main job under torchrun: rank 1 stalls in step 3's forward; rank 0 stops at
+    --timeout with the error naming it, torchrun ends rank 1 and exits non-zero."""
+    from tests.torchrun_jobs import run, survivors
+    save_dir = str(tmp_path / "stalled")
+    code, out, seconds = run(["--save-dir", save_dir, "--timeout", "5"], "stall:forward:3:1")
+    print(f"\n[zerofn train, stall in forward, --timeout 5] torchrun exit {code} after "
+          f"{seconds:.1f} s:\n" + "\n".join(line for line in out.splitlines()
+                                           if "stopped" in line or "stalled" in line))
+    assert code != 0
+    assert "error: rank 0 stopped in forward of step 3" in out and \
+        "waited past the timeout (5 s)" in out and "rank 1 is stalled in forward of step 3" in out
+    assert not survivors(save_dir)
