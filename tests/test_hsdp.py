@@ -125,6 +125,22 @@ def layout(rank, world, mesh):
     assert zf.model_state_bytes(model) == zf.model_state_bytes(flat)
 
 
+def on_a_slice(rank, world) -> None:
+    """HSDP on the (replicate, shard) slice of a 3-D mesh, two ranks of four: set-up and
+    state dicts agree over the slice's own ranks, and it matches PyTorch on their batch."""
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp",) + NAMES)["replicate",
+                                                                              "shard"]
+    ref, _ = make_models()
+    ref_opt = make_optimizer("adamw", ref.parameters())
+    data = batches(STEPS, 1, 2)
+    train_reference(ref, ref_opt, data)
+    model, opt = build(2, mesh)
+    train_sharded(model, opt, data, mesh.get_local_rank("shard"), 2)
+    msd = zf.get_state_dict(model, opt, full=True)[0]
+    err = max((msd[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    assert err < TOL, err
+
+
 def fsdp2_hsdp(mesh, seed: int):
     """The parity model under FSDP2's HSDP: each block, then the root, on the 2-D mesh."""
     _, model = make_models(seed=seed)
@@ -230,6 +246,7 @@ def bad_meshes(rank, world):
 def hsdp_2x2(rank, world, root):
     mesh = mesh_2d()
     layout(rank, world, mesh)
+    on_a_slice(rank, world)
     return (parity(rank, world, mesh, root), checkpoints(rank, world, mesh, root),
             bad_meshes(rank, world), overflow_vote(rank, world, mesh),
             pretrained_files(rank, world, mesh, root), tensorboard_dirs(rank, world, mesh, root))
