@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import zerofn as zf
@@ -150,6 +150,27 @@ def fsdp2_hsdp(mesh, seed: int):
     return model, make_optimizer("adamw", model.parameters())
 
 
+def bf16_vs_fsdp2(rank, world, mesh) -> dict[int, float]:
+    """bf16 compute with fp32 reduction, each stage against FSDP2's HSDP with the same
+    MixedPrecisionPolicy: the largest parameter difference (measured: none)."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _, fsdp2 = make_models()
+    for block in fsdp2.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(fsdp2, mesh=mesh, mp_policy=policy)
+    fsdp2_opt = make_optimizer("adamw", fsdp2.parameters())
+    data = batches(STEPS, 1, world)
+    train_sharded(fsdp2, fsdp2_opt, data, rank, world)
+    want = fsdp2_full(fsdp2, fsdp2_opt)[0]
+    out = {}
+    for stage in (1, 2, 3):
+        model, opt = build(stage, mesh, extra=("bf16",))
+        train_sharded(model, opt, data, rank, world)
+        got = zf.get_state_dict(model, opt, full=True)[0]
+        out[stage] = max((got[k] - want[k]).abs().max().item() for k in want)
+    return out
+
+
 def fsdp2_load(model, opt, path):
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
@@ -249,7 +270,8 @@ def hsdp_2x2(rank, world, root):
     on_a_slice(rank, world)
     return (parity(rank, world, mesh, root), checkpoints(rank, world, mesh, root),
             bad_meshes(rank, world), overflow_vote(rank, world, mesh),
-            pretrained_files(rank, world, mesh, root), tensorboard_dirs(rank, world, mesh, root))
+            pretrained_files(rank, world, mesh, root), tensorboard_dirs(rank, world, mesh, root),
+            bf16_vs_fsdp2(rank, world, mesh))
 
 
 def at_world_2(mesh, path, saved, later, expected) -> float:
@@ -263,7 +285,7 @@ def at_world_2(mesh, path, saved, later, expected) -> float:
 def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
     results = run_ranks(4, hsdp_2x2, str(tmp_path), timeout=400)
     check_parity([r[0] for r in results])
-    for rank, (_, errors, (messages, total), (same, scale, stats), pretrained, runs) in \
+    for rank, (_, errors, (messages, total), (same, scale, stats), pretrained, runs, bf16) in \
             enumerate(results):
         for (src, dst), err in errors.items():
             assert err < TOL, f"rank {rank}: {dst} continued {src}'s checkpoint {err} away"
@@ -277,6 +299,7 @@ def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
         assert stats["replicate.all_reduce"] == stats["reduce_scatter"] // 2 + stats["all_reduce"]
         assert pretrained, "save_pretrained / load_pretrained under HSDP changed the weights"
         assert runs == [f"rank{r}" for r in range(4)], runs
+        assert all(err == 0.0 for err in bf16.values()), f"bf16 HSDP vs FSDP2's: {bf16}"
 
 
 def overflow_vote(rank, world, mesh):
