@@ -231,7 +231,8 @@ def pretrained_files(rank, world, mesh, root) -> bool:
     zf.save_pretrained(model, os.path.join(root, "pretrained"))
     other, other_opt = build(1, mesh)
     zf.load_pretrained(other, os.path.join(root, "pretrained"))
-    a, b = zf.get_state_dict(model, opt, full=True)[0], zf.get_state_dict(other, other_opt, full=True)[0]
+    a = zf.get_state_dict(model, opt, full=True)[0]
+    b = zf.get_state_dict(other, other_opt, full=True)[0]
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -265,13 +266,16 @@ def bad_meshes(rank, world):
 
 
 def hsdp_2x2(rank, world, root):
+    """Every 2 x 2 check in one set of processes; checks that raise fail the rank."""
     mesh = mesh_2d()
     layout(rank, world, mesh)
     on_a_slice(rank, world)
-    return (parity(rank, world, mesh, root), checkpoints(rank, world, mesh, root),
-            bad_meshes(rank, world), overflow_vote(rank, world, mesh),
-            pretrained_files(rank, world, mesh, root), tensorboard_dirs(rank, world, mesh, root),
-            bf16_vs_fsdp2(rank, world, mesh))
+    return {"parity": parity(rank, world, mesh, root),
+            "checkpoints": checkpoints(rank, world, mesh, root),
+            "bad meshes": bad_meshes(rank, world), "overflow": overflow_vote(rank, world, mesh),
+            "pretrained": pretrained_files(rank, world, mesh, root),
+            "tensorboard": tensorboard_dirs(rank, world, mesh, root),
+            "bf16": bf16_vs_fsdp2(rank, world, mesh)}
 
 
 def at_world_2(mesh, path, saved, later, expected) -> float:
@@ -284,9 +288,10 @@ def at_world_2(mesh, path, saved, later, expected) -> float:
 
 def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
     results = run_ranks(4, hsdp_2x2, str(tmp_path), timeout=400)
-    check_parity([r[0] for r in results])
-    for rank, (_, errors, (messages, total), (same, scale, stats), pretrained, runs, bf16) in \
-            enumerate(results):
+    check_parity([r["parity"] for r in results])
+    for rank, r in enumerate(results):
+        errors, (messages, total), (same, scale, stats) = \
+            r["checkpoints"], r["bad meshes"], r["overflow"]
         for (src, dst), err in errors.items():
             assert err < TOL, f"rank {rank}: {dst} continued {src}'s checkpoint {err} away"
         assert len(errors) == 9
@@ -297,9 +302,9 @@ def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
         assert same and scale == 2.0 ** 7, "an inf on rank 3 must skip the step everywhere"
         # the reduced shards, and the vote (the shard dim's only all-reduce here)
         assert stats["replicate.all_reduce"] == stats["reduce_scatter"] // 2 + stats["all_reduce"]
-        assert pretrained, "save_pretrained / load_pretrained under HSDP changed the weights"
-        assert runs == [f"rank{r}" for r in range(4)], runs
-        assert all(err == 0.0 for err in bf16.values()), f"bf16 HSDP vs FSDP2's: {bf16}"
+        assert r["pretrained"], "save_pretrained / load_pretrained under HSDP changed the weights"
+        assert r["tensorboard"] == [f"rank{i}" for i in range(4)], r["tensorboard"]
+        assert all(e == 0.0 for e in r["bf16"].values()), f"bf16 vs FSDP2's: {r['bf16']}"
 
 
 def overflow_vote(rank, world, mesh):
