@@ -36,19 +36,20 @@ def _inject(kind: str, phase: str, model, opt):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(600)   # stall (the parent ends it)
 
-    calls = {"n": 0}
+    steps = {"n": 0}      # by the model's forwards, one a step (ZeRO-1/2 call the
+                          # optimizer's step, and its hooks, once per unit)
 
     def at_step(*_):
-        calls["n"] += 1
-        if calls["n"] == FAULT_STEP:
+        if steps["n"] == FAULT_STEP:
             fail()
 
+    model.register_forward_pre_hook(lambda m, a: steps.__setitem__("n", steps["n"] + 1))
     if phase == "forward":
-        model.blocks[0].register_forward_pre_hook(lambda m, a: at_step())
+        model.blocks[0].register_forward_pre_hook(at_step)
     elif phase == "backward":
-        model.blocks[0].register_full_backward_hook(lambda m, gi, go: at_step())
+        model.blocks[0].register_full_backward_hook(at_step)
     else:
-        opt.register_step_pre_hook(lambda o, a, k: at_step())
+        opt.register_step_pre_hook(at_step)
 
 
 def _rank(rank, world, init, stage, kind, phase, timeout, results):
@@ -118,7 +119,7 @@ def run_fault(stage: int, kind: str, phase: str, timeout: float = 60, bound: flo
 SLOW = os.environ.get("ZEROFN_SLOW") == "1"
 
 
-@pytest.mark.parametrize("stage,phase", [(3, "forward"), (1, "step")] + [(2, "forward")] * SLOW)
+@pytest.mark.parametrize("stage,phase", [(3, "forward")] + [(1, "step"), (2, "forward")] * SLOW)
 def test_a_raise_is_named_by_every_other_rank(stage, phase):
     message, seconds, other = run_fault(stage, "raise", phase)
     print(f"\n[raise in {phase}, ZeRO-{stage}] rank 0 stopped {seconds:.2f} s after its last "

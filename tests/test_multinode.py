@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import uuid
 
+import pytest
+
 import zerofn as zf
 from tests.multiproc import run_ranks
 from tests.torchrun_jobs import finish, free_port, losses, survivors, torchrun, uninterrupted
@@ -32,6 +34,8 @@ def test_two_nodes_train_like_one(tmp_path):
     assert not survivors(save_dir)
 
 
+@pytest.mark.skipif(os.environ.get("ZEROFN_SLOW") != "1", reason="ZEROFN_SLOW=1: "
+                    "test_failures.py covers RankFailure in zerofn train on one node")
 def test_a_raise_on_one_node_stops_the_other(tmp_path):
     save_dir = str(tmp_path / "raise")
     results = _two_nodes(["--save-dir", save_dir, "--timeout", "30"], "raise:step:3:1")
