@@ -44,7 +44,11 @@ def _inject(kind: str, phase: str, model, opt):
             fail()
 
     model.register_forward_pre_hook(lambda m, a: steps.__setitem__("n", steps["n"] + 1))
-    if phase == "forward":
+    if phase == "save":      # inside the save's collectives: a hung or lost filesystem
+        import zerofn.checkpoint as checkpoint
+        save = checkpoint.dcp.save
+        checkpoint.dcp.save = lambda *a, **k: (at_step(), save(*a, **k))[1]
+    elif phase == "forward":
         model.blocks[0].register_forward_pre_hook(at_step)
     elif phase == "backward":
         model.blocks[0].register_full_backward_hook(at_step)
@@ -63,11 +67,15 @@ def _rank(rank, world, init, stage, kind, phase, timeout, results):
         model, opt = zf.compose(*stages[:stage])(model, opt)
         if rank == 1:
             _inject(kind, phase, model, opt)
+        done, ckpt = [], os.path.join(os.path.dirname(init[len("file://"):]), "ckpt")
         for step in batches(4, 1, world):
             x, y = step[0]
             model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
             opt.step()
             opt.zero_grad()
+            if phase == "save":
+                zf.save_checkpoint(ckpt, model, opt, step=len(done) + 1)
+            done.append(1)
             if rank == 0:
                 results.put((rank, "step", time.monotonic()))
         results.put((rank, "done", None))
@@ -223,3 +231,14 @@ def test_zerofn_train_with_a_stalled_rank_ends_and_leaves_nothing_running(tmp_pa
     assert "error: rank 0 stopped in forward of step 3" in out and \
         "waited past the timeout (5 s)" in out and "rank 1 is stalled in forward of step 3" in out
     assert not survivors(save_dir)
+
+
+@pytest.mark.parametrize("kind", ["stall"] + ["kill"] * SLOW)
+def test_a_rank_failing_in_a_checkpoint_save_is_named(kind):
+    message, seconds, _ = run_fault(1, kind, "save", timeout=4)
+    print(f"\n[{kind} in checkpoint save, ZeRO-1] rank 0 stopped {seconds:.2f} s after its "
+          f"last step:\n{message}")
+    assert f"rank 0 stopped in checkpoint save after step {FAULT_STEP}" in message
+    verdict = "is stalled in" if kind == "stall" else "is gone: its process"
+    assert f"rank 1 {verdict}" in message and \
+        f"checkpoint save after step {FAULT_STEP}" in message

@@ -22,6 +22,7 @@ a mismatch raises the same error on every rank instead of leaving some in a coll
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import io
 import logging
@@ -81,6 +82,20 @@ class RNGState(PerRank):
 
 
 # -- save ------------------------------------------------------------------------------
+def _watched(phase: str):
+    """Record ``phase`` for zerofn/failures.py while the call runs, and let a collective
+    it fails (a rank gone or stalled) raise ``RankFailure`` naming that rank."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(path, model, *args, **kwargs):
+            watch = runtime_of(model).watch
+            watch.enter(phase)
+            return watch.guarded(fn)(path, model, *args, **kwargs)
+        return call
+    return wrap
+
+
+@_watched("checkpoint save")
 def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int,
                     keep: int | None = None, async_save: bool = False, **extra) -> str:
     """Save ``model``, ``optimizer`` and ``extra`` as ``path/step-<step>``; call on every rank.
@@ -374,6 +389,7 @@ atexit.register(_wait_at_exit)
 
 
 # -- load ------------------------------------------------------------------------------
+@_watched("checkpoint load")
 def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     **extra) -> dict | None:
     """Load a checkpoint into ``model``, ``optimizer`` and ``extra``; call on every rank.

@@ -116,8 +116,7 @@ class Watch:
     def attach(self, model: torch.nn.Module, optimizer, reducer, gatherer=None) -> list:
         """Record forward, backward and the step of ``model`` and ``optimizer``, and send
         what the step and backward's hooks (``reducer``'s, ZeRO-3 ``gatherer``'s) raise
-        through ``failed``. Returns
-        the hooks' handles; ``detach`` undoes the rest."""
+        through ``failed``. Returns the hooks' handles; ``detach`` undoes the rest."""
         def forward_begins(module, args):
             if torch._C._current_graph_task_id() == -1:   # (not a recompute in backward)
                 self.enter("forward")
@@ -178,13 +177,13 @@ class Watch:
             optimizer.step = own
 
     def where(self) -> str:
-        if self.between:    # (the job's own code: logging, saving, loading data)
-            return f"the gap between steps {self.step - 1} and {self.step}"
-        return f"{self.phase} of step {self.step}" + (f" (unit '{self.unit}')" if self.unit else "")
+        return _where(self.phase, self.step, self.unit, self.between)
 
     def enter(self, phase: str, unit: str | None = None) -> None:
-        """Record a new phase (a no-op if it is the current one)."""
-        self.between = False
+        """Record a new phase (a no-op if it is the current one). A checkpoint's phase
+        between steps is "after" the last step."""
+        if not phase.startswith("checkpoint"):
+            self.between = False
         if phase != self.phase and self.active:
             self.phase, self.unit, self.seq = phase, unit, self.seq + 1
             self._write()
@@ -269,7 +268,8 @@ class Watch:
         if self.store is None:
             return
         record = {"step": self.step, "phase": self.phase, "unit": self.unit, "seq": self.seq,
-                  "t": time.time(), "host": self.host, "pid": self.pid, **extra}
+                  "between": self.between, "t": time.time(), "host": self.host,
+                  "pid": self.pid, **extra}
         try:
             self.store.set(KEY + str(self.rank), json.dumps(record))
         except Exception:   # a store that is gone (its host died) must not hide the failure
@@ -292,8 +292,8 @@ def _verdict(rank: int, record: dict | None, my_seq: int, my_host: str) -> tuple
     in step with this rank, and silent: stalled, unless it reports within the grace)."""
     if record is None:
         return None, f"rank {rank} never reported (it may not have reached zerofn's set-up)"
-    rank_where = f"{record['phase']} of step {record['step']}" + \
-        (f" (unit '{record['unit']}')" if record.get("unit") else "")
+    rank_where = _where(record["phase"], record["step"], record.get("unit"),
+                        record.get("between", False))
     ago = f"{time.time() - record['t']:.1f} s ago"
     if record.get("raised"):
         return True, f"rank {rank} raised {record['raised']} in {rank_where}, {ago}"
@@ -305,6 +305,15 @@ def _verdict(rank: int, record: dict | None, my_seq: int, my_host: str) -> tuple
     if record["seq"] < my_seq:
         return True, f"rank {rank} is behind: last reported {rank_where}, {ago}"
     return None, f"rank {rank} is stalled in {rank_where} (since {ago})"
+
+
+def _where(phase: str, step: int, unit: str | None, between: bool) -> str:
+    """``forward of step 3 (unit 'blocks.1')``; between steps (the job's own code:
+    logging, loading data, a checkpoint) ``checkpoint save after step 2``."""
+    if between:
+        return f"{phase} after step {step - 1}" if phase.startswith("checkpoint") \
+            else f"the gap between steps {step - 1} and {step}"
+    return f"{phase} of step {step}" + (f" (unit '{unit}')" if unit else "")
 
 
 def _alive(pid: int) -> bool:
