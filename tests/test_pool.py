@@ -73,3 +73,14 @@ def test_a_buffer_freed_on_a_side_stream_is_waited_for_once_by_its_next_taker():
     pool.give(again)                         # its last use was on the taker's stream
     pool.take(1000, torch.float32, CPU)
     assert ready.waited_by == ["side"]
+
+
+def test_expected_sizes_make_a_smaller_request_s_buffer_fit_the_larger_one():
+    pool = BufferPool()
+    pool.expect([1000, 5000])               # 5000 is beyond MAX_WASTE of an 800 request
+    root = pool.take(800, torch.float32, CPU)
+    assert root.numel() == 800 and pool.nbytes() == 4000
+    pool.give(root)
+    block = pool.take(1000, torch.float32, CPU)
+    assert block.data_ptr() == root.data_ptr() and pool.nbytes() == 4000
+    assert pool.take(100, torch.float32, CPU).numel() == 100 and pool.nbytes() == 4400

@@ -29,7 +29,7 @@ def in_flight_order(rank, world):
     for i in range(4):                           # each far over the bound
         comm.enqueue(Work(i, waited), 10_000, lambda i=i: done.append(i))
     big = list(waited)
-    comm.make_room(10_000)                       # two in flight: no wait for room
+    comm.make_room(10_000)                       # host collectives: waited for room
     after_room = list(waited)
     for i in range(4, 7):                        # small ones: the bytes decide
         comm.enqueue(Work(i, waited), 1000, lambda i=i: done.append(i))
@@ -37,13 +37,28 @@ def in_flight_order(rank, world):
     comm.enqueue(None, 3000, lambda: done.append("no work"))
     over = list(waited)
     comm.drain()
-    return big, after_room, small, over, waited, done
+    return big, after_room, small, over, waited, done, side_stream_order()
+
+
+def side_stream_order():
+    """Reductions on a device's side stream (no work to wait): two stay in flight."""
+    comm = Comm(dist.group.WORLD, 1000)
+    done = []
+    for i in range(3):
+        comm.enqueue(None, 10_000, lambda i=i: done.append(i))
+    after_enqueue = list(done)
+    comm.make_room(10_000)
+    after_room = list(done)
+    comm.drain()
+    return after_enqueue, after_room, done
 
 
 def test_two_collectives_stay_in_flight_and_the_rest_is_bounded_in_bytes():
-    big, after_room, small, over, waited, done = run_ranks(1, in_flight_order)[0]
-    assert big == [0, 1] and after_room == [0, 1]
-    # 2 and 3 go as small ones arrive; three small ones (3000 bytes) fit the bound
+    big, after_room, small, over, waited, done, side = run_ranks(1, in_flight_order)[0]
+    assert big == [0, 1]
+    assert after_room == [0, 1, 2, 3]             # [Note: host collectives]
+    assert side == ([0], [0], [0, 1, 2])          # on a side stream two stay for room too
+    # three small ones (3000 bytes) fit the bound
     assert small == [0, 1, 2, 3]
     # 3000 more bytes do not: the oldest go until the rest fits
     assert over == [0, 1, 2, 3, 4, 5]

@@ -54,6 +54,9 @@ class ParamGatherer:
         self._recording: list[Unit] = []
         self._placeholders: dict[tuple, torch.Tensor] = {}
         self._hooks_ctx = None
+        # Gathered buffers of every unit (and backward's send buffers, the same size) share
+        # the pool: its buffers are made to fit the largest ([Note: expected sizes]).
+        pool.expect(comm.world * u.shard_numel for u in units)
 
     # -- gathering -------------------------------------------------------------------
     def start_gather(self, unit: Unit) -> None:

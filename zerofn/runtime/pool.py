@@ -11,6 +11,13 @@ pool holds about as many buffers as are ever in use at once. A request is only s
 from a buffer at most ``MAX_WASTE`` times its size, so a small request (a shard is half
 a gathered unit at two ranks) never pins a large buffer.
 
+[Note: expected sizes] Best fit only shares a buffer that is large enough. A pool that
+grows in request order would make the root unit's buffers first, at its own size, and
+those are too small for any block: under ZeRO-3 at 112M parameters one root-sized buffer
+(24 MB) then sat free through every backward, beside the block-sized ones made later.
+Whoever knows the sizes to come says so with ``expect``, and a new buffer is made as large
+as the largest expected request it could serve (within ``MAX_WASTE``).
+
 [Note: buffers freed on a side stream] On CUDA a buffer may be given back while work on
 a side stream (a reduce-scatter) still uses it. It comes back with an event recorded
 after that work, and whoever takes it next makes its own stream wait for the event, so
@@ -30,6 +37,12 @@ class BufferPool:
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)   # (dtype, device)
         self._owned: dict[int, torch.Tensor] = {}                          # data_ptr -> buffer
         self._ready: dict[int, object] = {}     # data_ptr -> event its last use ends with
+        self._expected: set[int] = set()        # request sizes to come, in elements
+
+    def expect(self, numels) -> None:
+        """Request sizes (elements) to come: new buffers are made to fit the largest one
+        they could serve (see [Note: expected sizes])."""
+        self._expected.update(n for n in numels if n > 0)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device,
              stream=None) -> torch.Tensor:
@@ -44,9 +57,10 @@ class BufferPool:
             if ready is not None:
                 ready.wait(stream)
             return buf[:numel]
-        buf = torch.empty(numel, dtype=dtype, device=device)
+        size = max((n for n in self._expected if numel <= n <= MAX_WASTE * numel), default=numel)
+        buf = torch.empty(size, dtype=dtype, device=device)
         self._owned[buf.data_ptr()] = buf
-        return buf
+        return buf[:numel]
 
     def give(self, view: torch.Tensor, ready=None) -> None:
         """Take back the buffer ``view`` lies in; ``ready``: an event that its last use
