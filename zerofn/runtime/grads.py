@@ -88,10 +88,10 @@ class GradReducer:
             if self.device is not None and self.device.type == "cuda" else None
         for u in units:
             for s in u.trainable:
+                # (looked up per call: the runtime's failure watch wraps it)
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(
                     lambda p, u=u, s=s: self._on_grad(u, s, p)))
 
-                # (looked up per call: the runtime's failure watch wraps it)
     def _dtype(self, unit: Unit) -> torch.dtype:
         return self.reduce_dtype or unit.dtype
 

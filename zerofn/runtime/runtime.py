@@ -555,9 +555,9 @@ class Runtime:
         for h in self._hooks:
             h.remove()
         self.reducer.remove_hooks()
+        self.watch.detach()
         for unit in self.units:
             for s in unit.slots:
-        self.watch.detach()
                 s.param.data = self.full_tensor(s, s.opt_param.detach(), unit.device)
                 for module, name in s.owners:
                     module._parameters[name] = s.param
