@@ -35,13 +35,13 @@ import sys
 import time
 from collections import Counter
 
-CONFIGS = ("ddp", "zero1", "zero2", "fsdp2", "zero3")
-PEER = {"zero1": "ddp", "zero2": "ddp", "zero3": "fsdp2"}
+CONFIGS = ("ddp", "zero1", "zero2", "fsdp2", "zero3", "zero3-meta")
+PEER = {"zero1": "ddp", "zero2": "ddp", "zero3": "fsdp2", "zero3-meta": "fsdp2"}
 # Model-state bytes per rank for fp32 AdamW, as multiples of the parameter count (N ranks).
 FORMULA = {"ddp": lambda n: 16, "zero1": lambda n: 8 + 8 / n, "zero2": lambda n: 4 + 12 / n,
-           "zero3": lambda n: 16 / n, "fsdp2": lambda n: 16 / n}
+           "zero3": lambda n: 16 / n, "zero3-meta": lambda n: 16 / n, "fsdp2": lambda n: 16 / n}
 LABEL = {"ddp": "DDP", "fsdp2": "FSDP2", "zero1": "zerofn ZeRO-1", "zero2": "zerofn ZeRO-2",
-         "zero3": "zerofn ZeRO-3"}
+         "zero3": "zerofn ZeRO-3", "zero3-meta": "zerofn ZeRO-3, built on meta"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -118,11 +118,15 @@ def build(config: str, args):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     import zerofn as zf
-    from zerofn.nanogpt import GPT, GPTConfig
+    from zerofn.nanogpt import GPT, GPTConfig, init_weights
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab=args.vocab, width=args.width, heads=args.width // 64,
-                          ffn=4 * args.width, layers=args.layers, context=args.context))
+    cfg = GPTConfig(vocab=args.vocab, width=args.width, heads=args.width // 64,
+                    ffn=4 * args.width, layers=args.layers, context=args.context)
+    # zero3-meta: no full parameters ever exist on a rank (and none are freed at set-up,
+    # which would raise glibc's mmap threshold to the size of the largest)
+    with torch.device("meta" if config.endswith("-meta") else "cpu"):
+        model = GPT(cfg)
     if config == "ddp":
         # The causal masks are constant, so re-broadcasting them every forward is waste.
         model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
@@ -137,8 +141,9 @@ def build(config: str, args):
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if config.startswith("zero"):
-        stage = int(config[-1])
-        t = [zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()][:stage]
+        stage = int(config[4])
+        t = [zf.shard_optimizer(), zf.shard_grads(),
+             zf.shard_params(init=init_weights if config.endswith("-meta") else None)][:stage]
         model, opt = zf.compose(*t)(model, opt)
     return model, opt
 
