@@ -645,10 +645,14 @@ def restarted() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
 
 
-@record   # a rank's uncaught error reaches torchrun's failure summary
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+    # (parsed outside @record, which swallows SystemExit(0): --help must still exit)
+    run(parse_args(argv), argv)
+
+
+@record   # a rank's uncaught error reaches torchrun's failure summary
+def run(args: argparse.Namespace, argv: list[str]) -> None:
     if not under_launcher():
         launch(argv, args.nproc)
     if args.nproc is not None and args.nproc != int(os.environ.get("LOCAL_WORLD_SIZE", args.nproc)):
