@@ -3,7 +3,7 @@
     ZEROFN_TEST_FAULT=KIND:PHASE:STEP:RANK python -m torch.distributed.run ... \\
         tests/faulty_train.py [zerofn train's flags]
 
-KIND is raise, kill (SIGKILL) or stall; PHASE is forward, backward, step or save (kill
+KIND is raise (RuntimeError), valueerror, kill (SIGKILL) or stall; PHASE is forward, backward, step or save (kill
 only: right after the rank handed its checkpoint to the background writer, so the save is
 cut off mid-write); STEP counts optimizer steps from 1. The fault fires on the first
 attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), so a restarted job runs clean.
@@ -20,7 +20,9 @@ import zerofn.train as train
 def inject(kind: str, phase: str, step: int) -> None:
     def fail():
         if kind == "raise":
-            raise RuntimeError(f"injected failure in {phase}")   # (zerofn train reports a ValueError on rank 0 only)
+            raise RuntimeError(f"injected failure in {phase}")
+        if kind == "valueerror":   # what zerofn train reports as a bad-input error
+            raise ValueError(f"injected failure in {phase}")
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(3600)

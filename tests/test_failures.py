@@ -233,6 +233,18 @@ def test_zerofn_train_with_a_stalled_rank_ends_and_leaves_nothing_running(tmp_pa
     assert not survivors(save_dir)
 
 
+def test_zerofn_train_prints_a_value_error_raised_on_one_rank_only(tmp_path):
+    """zerofn train prints a ValueError every rank raised once, from rank 0; one that only
+    rank 1 raised is printed by rank 1, not lost."""
+    from tests.torchrun_jobs import run, survivors
+    save_dir = str(tmp_path / "value")
+    code, out, _ = run(["--save-dir", save_dir, "--timeout", "20"], "valueerror:forward:2:1")
+    assert code != 0
+    assert "error on rank 1: injected failure in forward" in out, out
+    assert "error: rank 0 stopped" in out, out
+    assert not survivors(save_dir)
+
+
 @pytest.mark.parametrize("kind", ["stall"] + ["kill"] * SLOW)
 def test_a_rank_failing_in_a_checkpoint_save_is_named(kind):
     message, seconds, _ = run_fault(1, kind, "save", timeout=4)

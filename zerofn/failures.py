@@ -97,7 +97,7 @@ class Watch:
                              f"timeout.")
         self.rank = dist.get_rank()
         self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        self.store = _store()
+        self.store = default_store()
         self.host, self.pid = socket.gethostname(), os.getpid()
         if timeout is not None:
             for g in {group, *also} - {None} or {None}:
@@ -328,7 +328,8 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _store():
+def default_store():
+    """The default process group's c10d Store, or None."""
     try:
         return c10d._get_default_store()
     except (RuntimeError, ValueError, AttributeError):

@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import zerofn as zf
 from zerofn.data import load_corpus, sample_batch, split
 from zerofn.estimate import ROLES, estimate_placement
-from zerofn.failures import DEFAULT_TIMEOUT, RankFailure, translate
+from zerofn.failures import DEFAULT_TIMEOUT, RankFailure, default_store, translate
 from zerofn.nanogpt import GPT, GPTConfig, init_weights
 from zerofn.runtime.runtime import runtime_of
 
@@ -45,6 +45,7 @@ MODELS = {
 }
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHAPE_FLAGS = ("width", "heads", "ffn", "layers", "context")
+SAID_KEY = "zerofn/train/error"   # rank 0's error message, in the rendezvous store
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -645,6 +646,25 @@ def restarted() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
 
 
+def say_once(message: str) -> None:
+    """Print an error that usually every rank raised alike (before any collective could
+    part them) once, from rank 0; a rank that raised something else, or raised where rank
+    0 did not, prints its own, so no rank's error goes unseen."""
+    store, rank = default_store(), dist.get_rank()
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        if store is not None:
+            store.set(SAID_KEY, message)
+        return
+    try:
+        store.wait([SAID_KEY], datetime.timedelta(seconds=3))
+        same = store.get(SAID_KEY).decode() == message
+    except Exception:   # (no store, or rank 0 raised nothing of the kind)
+        same = False
+    if not same:
+        print(f"error on rank {rank}: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     # (parsed outside @record, which swallows SystemExit(0): --help must still exit)
@@ -667,9 +687,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         train(args, device)
         finished = True
     except ValueError as e:
-        # The same on every rank (raised before any collective could part them): one line.
-        if dist.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        say_once(str(e))
         raise SystemExit(2) from None
     except RuntimeError as e:
         # Another rank failed (also in this job's own collectives): say which, and where.
