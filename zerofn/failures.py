@@ -221,8 +221,7 @@ class Watch:
             self.unit = unit
         kind = collective_failure(exc)
         if kind is None:
-            first = (str(exc).strip().splitlines() or [""])[0]
-            self._write(raised=f"{type(exc).__name__}: {first}"[:300])
+            self._write(raised=f"{type(exc).__name__}: {_first_line(exc)}"[:300])
             exc.add_note(f"zerofn: rank {self.rank} raised this in {self.where()}; the "
                          f"other ranks stop with a RankFailure naming it.")
             return exc
@@ -259,7 +258,7 @@ class Watch:
         if kind == "timeout":
             lines.append("A slow but healthy rank needs a longer timeout: zerofn's "
                          "timeout= option or zerofn train --timeout.")
-        first = re.sub(r"^\[[^\]]*\]\s*", "", (str(exc).strip().splitlines() or [""])[0])
+        first = re.sub(r"^\[[^\]]*\]\s*", "", _first_line(exc))
         lines.append(f"({type(exc).__name__}: {first[:160]})")   # less gloo's source path
         return "\n".join(lines)
 
@@ -326,6 +325,10 @@ def _alive(pid: int) -> bool:
         return False
     except OSError:
         return True
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0]
 
 
 def default_store():

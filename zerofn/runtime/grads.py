@@ -320,7 +320,7 @@ class GradReducer:
 
     def _write_back(self, unit: Unit, out: torch.Tensor) -> None:
         """ZeRO-1: the reduced shard goes into this rank's rows of the full gradients, so no
-        gradient memory beyond the full gradients (DESIGN.md §4) outlives the step's
+        gradient memory beyond the full gradients (docs/design.md §4) outlives the step's
         preparation; the shard goes back to the pool."""
         for s in unit.trainable:
             if s.param.grad is None:
