@@ -646,23 +646,41 @@ def restarted() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
 
 
-def say_once(message: str) -> None:
+def say_once(message: str) -> bool:
     """Print an error that usually every rank raised alike (before any collective could
     part them) once, from rank 0; a rank that raised something else, or raised where rank
-    0 did not, prints its own, so no rank's error goes unseen."""
+    0 did not, prints its own, so no rank's error goes unseen. True where this rank spoke
+    alone and rank 0 has said nothing yet (see ``hear_from_rank_0``)."""
     store, rank = default_store(), dist.get_rank()
     if rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        if store is not None:
-            store.set(SAID_KEY, message)
-        return
+        tell_the_others(message)
+        return False
     try:
         store.wait([SAID_KEY], datetime.timedelta(seconds=3))
-        same = store.get(SAID_KEY).decode() == message
+        said = store.get(SAID_KEY).decode()
     except Exception:   # (no store, or rank 0 raised nothing of the kind)
-        same = False
-    if not same:
+        said = None
+    if said != message:
         print(f"error on rank {rank}: {message}", file=sys.stderr, flush=True)
+    return said is None
+
+
+def tell_the_others(message: str) -> None:
+    """Rank 0 prints its error and leaves it in the rendezvous store for the others."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    store = default_store()
+    if store is not None and dist.get_rank() == 0:
+        store.set(SAID_KEY, message)
+
+
+def hear_from_rank_0(store, seconds: float = 10.0) -> None:
+    """Wait (bounded) for rank 0 to print why it stopped. Called once this rank's process
+    group is gone, which ends rank 0's pending collective: torchrun stops every rank as
+    soon as one exits, so leaving at once would cut rank 0's explanation off."""
+    try:
+        store.wait([SAID_KEY], datetime.timedelta(seconds=seconds))
+    except Exception:   # rank 0 is busy elsewhere or gone: its own log says the rest
+        pass
 
 
 def main(argv=None) -> None:
@@ -682,19 +700,20 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         raise SystemExit(f"--timeout {args.timeout:g}: give the seconds (> 0) a collective "
                          f"may wait for the slowest rank.")
     device = setup(args.timeout)
-    finished = False
+    store = default_store()
+    finished = alone = False
     try:
         train(args, device)
         finished = True
     except ValueError as e:
-        say_once(str(e))
+        alone = say_once(str(e))
         raise SystemExit(2) from None
     except RuntimeError as e:
         # Another rank failed (also in this job's own collectives): say which, and where.
         failure = translate(e)
         if not isinstance(failure, RankFailure):
             raise
-        print(f"error: {failure}", file=sys.stderr, flush=True)
+        tell_the_others(str(failure))
         raise SystemExit(1) from None
     finally:
         try:
@@ -709,6 +728,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         # process sometimes aborts ("terminate called without an active exception").
         gc.collect()
         dist.destroy_process_group()
+        if alone and store is not None:
+            hear_from_rank_0(store)
 
 
 if __name__ == "__main__":
