@@ -19,6 +19,7 @@ from ..plan import Plan
 from .comm import Comm
 from .copies import CopyStreams
 from .grads import GradReducer
+from .host_malloc import return_large_frees
 from .materialize import Materializer, meta_state, rng_digest, target_device
 from .mesh import layout_of
 from .nvme import NvmeOffload, nvme_problems, swap_bytes
@@ -76,6 +77,8 @@ class Runtime:
     def __init__(self, model: nn.Module, optimizer, plan: Plan):
         self.model, self.optimizer, self.plan = model, optimizer, plan
         layout, self.device = _resolve_group(plan.option("group"), model)
+        if self.device.type == "cpu":
+            return_large_frees()     # [Note: mmap threshold] in host_malloc.py
         self.mesh, self.placements, self.group = layout.mesh, layout.placements, layout.everyone
         self.comm = Comm(layout.shard, plan.option("bucket_size"))
         self.watch = Watch(self.group, plan.option("timeout"), (layout.shard, layout.replicate))
