@@ -646,14 +646,15 @@ def restarted() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
 
 
-def say_once(message: str) -> bool:
+def say_once(store, message: str) -> bool:
     """Print an error that usually every rank raised alike (before any collective could
     part them) once, from rank 0; a rank that raised something else, or raised where rank
     0 did not, prints its own, so no rank's error goes unseen. True where this rank spoke
-    alone and rank 0 has said nothing yet (see ``hear_from_rank_0``)."""
-    store, rank = default_store(), dist.get_rank()
+    alone and rank 0 has said nothing yet (see ``hear_from_rank_0``). ``store``: the
+    rendezvous store, or None."""
+    rank = dist.get_rank()
     if rank == 0:
-        tell_the_others(message)
+        tell_the_others(store, message)
         return False
     try:
         store.wait([SAID_KEY], datetime.timedelta(seconds=3))
@@ -665,10 +666,10 @@ def say_once(message: str) -> bool:
     return said is None
 
 
-def tell_the_others(message: str) -> None:
-    """Rank 0 prints its error and leaves it in the rendezvous store for the others."""
+def tell_the_others(store, message: str) -> None:
+    """Print this rank's error; rank 0 also leaves it in the rendezvous store for the
+    others."""
     print(f"error: {message}", file=sys.stderr, flush=True)
-    store = default_store()
     if store is not None and dist.get_rank() == 0:
         store.set(SAID_KEY, message)
 
@@ -706,14 +707,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         train(args, device)
         finished = True
     except ValueError as e:
-        alone = say_once(str(e))
+        alone = say_once(store, str(e))
         raise SystemExit(2) from None
     except RuntimeError as e:
         # Another rank failed (also in this job's own collectives): say which, and where.
         failure = translate(e)
         if not isinstance(failure, RankFailure):
             raise
-        tell_the_others(str(failure))
+        tell_the_others(store, str(failure))
         raise SystemExit(1) from None
     finally:
         try:

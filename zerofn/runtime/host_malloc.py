@@ -13,26 +13,27 @@ difference between 1.50x and 1.36x of the ZeRO memory formula in peak RSS.
 Fixing the threshold (glibc's ``mallopt(M_MMAP_THRESHOLD, ...)``, which also stops it
 moving) at 8 MiB sends every block of 8 MiB and more to mmap, returned at once when freed;
 smaller blocks stay on the heap, where they are cheap to reuse. At 112M parameters that
-gives ZeRO-3 1.36x (ZeRO-1 1.37x, ZeRO-2 1.27x), as 4 MiB does, and steps within run-to-run noise of the
-moving threshold (tools/bench_zero.py; docs/benchmarks.md), where 4 MiB cost 5-10 % and
-64 KiB 15-50 %: every mmapped block's pages are faulted in afresh.
+gives ZeRO-3 1.36x (ZeRO-1 1.37x, ZeRO-2 1.27x), as 4 MiB does, with steps within
+run-to-run noise of the moving threshold (tools/bench_zero.py; docs/benchmarks.md),
+where 4 MiB cost 5-10 % and 64 KiB 15-50 %: every mmapped block's pages are faulted in
+afresh.
 
 This is a process-wide setting, made once, and only where nobody chose one: a process
 started with ``MALLOC_MMAP_THRESHOLD_`` or a ``glibc.malloc.mmap_threshold`` tunable set
-keeps it. On a CUDA device the host's large blocks are zerofn's pinned buffers, which
-never come from malloc, so nothing is changed there.
+keeps it. On a CUDA device gradients and activations live in device memory and the
+host's large buffers (offload arenas, staging) are made once and kept, so there is
+little for the heap to keep and nothing is changed.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import platform
 
 M_MMAP_THRESHOLD = -3         # glibc's malloc.h
 THRESHOLD = 8 << 20           # bytes
-
-_state = {"fixed": None}      # the threshold this module set, once per process
 
 
 def user_chose_threshold() -> bool:
@@ -41,15 +42,12 @@ def user_chose_threshold() -> bool:
         "glibc.malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "")
 
 
+@functools.cache      # once per process
 def return_large_frees() -> int | None:
     """Fix glibc's mmap threshold at ``THRESHOLD`` (see the note); the threshold this
     process now has from zerofn, or None where it leaves malloc alone (not glibc, or the
     user chose a threshold)."""
-    if _state["fixed"] is not None:
-        return _state["fixed"]
     if platform.libc_ver()[0] != "glibc" or user_chose_threshold():
         return None
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD) == 1:   # mallopt returns 1 on success
-        _state["fixed"] = THRESHOLD
-    return _state["fixed"]
+    return THRESHOLD if libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD) == 1 else None   # 1: success
