@@ -101,3 +101,29 @@ def test_parity_at_world_3_with_cpu_tensors():
     assert result["status"] == "ok", result["lines"]
     assert len(result["figures"]) == 2 and all(e < gc.TOL for v in result["figures"].values()
                                                for e in v)
+
+
+def test_pending_stands_for_the_parts_not_run_yet_in_order():
+    done = {"build": {}, "tests": {}, "compare": {}}
+    assert gc.expand_pending(["build", "pending"], done) == \
+        ["build", "race", "parity", "profile", "largest", "nvme", "deepspeed"]
+    assert gc.expand_pending(["pending", "race"], {n: {} for n in gc.PART_NAMES}) == ["race"]
+    assert gc.parse_args(["--parts", "build,pending"]).parts == ["build", "pending"]
+
+
+def test_a_budget_starts_only_the_parts_whose_whole_limit_fits(tmp_path, monkeypatch):
+    ran = []
+    for name in gc.PART_NAMES:
+        monkeypatch.setitem(gc.PART_RUNNERS, name, lambda args, name=name: (
+            ran.append(name), dict(status="ok", lines=[]))[1])
+    results = tmp_path / "r.json"
+    results.write_text(json.dumps({"parts": {"tests": {"status": "ok", "seconds": 1.0}}}))
+    budget = gc.LIMIT["race"] - 1     # the parts take no time here: those of 5 min
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--parts", "build,pending", "--budget",
+                                      str(budget), "--results", str(results),
+                                      "--report", str(tmp_path / "gpu.md")])
+    gc.main()
+    assert ran == ["build", "parity", "profile", "compare", "nvme", "deepspeed"]
+    parts = json.loads(results.read_text())["parts"]    # race and largest do not fit
+    assert set(parts) == {"tests"} | set(ran)
+    assert parts["parity"]["device"] == gc.environment()["device"]

@@ -2,6 +2,8 @@
 
     python tools/gpu_check.py                            # every part (~25 min of device time)
     python tools/gpu_check.py --parts build,tests,race   # some parts; results accumulate
+    python tools/gpu_check.py --parts build,pending --budget 570
+                                  # the parts not run yet that fit in 570 s, after a build
     python tools/gpu_check.py --plan                     # docs/gpu.md as "not yet run"
 
 It runs offline on a machine with a CUDA build of torch (2.11 or later) installed and no
@@ -73,8 +75,8 @@ PARTS = [
     Part("nvme", 4, "`bench_offload.py --find-largest --nvme DIR`: the largest of "
          f"{', '.join(NVME_LADDER)} whose swap file fits the disk (13.2B needs ~150 GB)."),
     Part("deepspeed", 3, f"DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU, bf16) on "
-         f"the {COMPARE_SIZE} model, when a DeepSpeed wheel is carried along "
-         "(`--deepspeed-wheel`, or a `deepspeed-*.whl` under `shared/` or `wheels/`)."),
+         f"the {COMPARE_SIZE} model, when DeepSpeed is installed or its wheels are carried along "
+         "(`--deepspeed-wheel`, or `wheels/` as `tools/deepspeed_wheels.sh` fills it)."),
 ]
 PART_NAMES = [p.name for p in PARTS]
 LIMIT = {p.name: 60 * p.minutes for p in PARTS}     # seconds
@@ -83,7 +85,11 @@ LIMIT = {p.name: 60 * p.minutes for p in PARTS}     # seconds
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default=",".join(PART_NAMES),
-                   help=f"comma-separated parts to run, in order: {', '.join(PART_NAMES)}")
+                   help=f"comma-separated parts to run, in order: {', '.join(PART_NAMES)}; "
+                   "'pending' stands for every part the results do not hold yet")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="start a part only while its whole time limit fits in what is left "
+                   "of SECONDS, so that a command under a time limit is never cut mid-part")
     p.add_argument("--plan", action="store_true",
                    help="write the report as 'not yet run', listing what the check runs")
     p.add_argument("--results", default=RESULTS, help="JSON the results accumulate in")
@@ -96,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker", choices=("profile", "deepspeed"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.parts = [s.strip() for s in args.parts.split(",") if s.strip()]
-    unknown = [s for s in args.parts if s not in PART_NAMES]
+    unknown = [s for s in args.parts if s not in PART_NAMES + ["pending"]]
     if unknown:
         p.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PART_NAMES)}")
     return args
@@ -352,10 +358,7 @@ def _deepspeed_available(args) -> bool | str:
     if run([sys.executable, "-c", "import deepspeed"], 300)[0] == 0:
         return True
     wheel = args.deepspeed_wheel or os.environ.get("ZEROFN_DEEPSPEED_WHEEL") or next(
-        iter(sorted(glob.glob(os.path.join(ROOT, "shared", "**", "deepspeed-*.whl"),
-                              recursive=True) + glob.glob(os.path.join(ROOT, "wheels",
-                                                                       "deepspeed-*.whl")))),
-        None)
+        iter(sorted(glob.glob(os.path.join(ROOT, "wheels", "deepspeed-*.whl")))), None)
     if wheel is None:
         return "no DeepSpeed installed and no wheel carried along: not run"
     rc, out = run([sys.executable, "-m", "pip", "install", "--no-index", "--find-links",
@@ -511,6 +514,17 @@ def deepspeed_worker(args) -> None:
 
 
 # -- results and the report ---------------------------------------------------------------
+def expand_pending(names: list[str], done: dict) -> list[str]:
+    """``names`` with 'pending' replaced by the parts ``done`` lacks, in the parts' order,
+    each part once."""
+    out = []
+    for name in names:
+        for n in ([p for p in PART_NAMES if p not in done] if name == "pending" else [name]):
+            if n not in out:
+                out.append(n)
+    return out
+
+
 def load_results(path: str, fresh: bool) -> dict:
     if fresh or not os.path.exists(path):
         return {"parts": {}}
@@ -577,7 +591,9 @@ def render(results: dict) -> str:
         if r is None:
             out += [f"### {i}. {part.name}: not run yet", "", part.what, ""]
             continue
-        out += [f"### {i}. {part.name}: {r['status']} ({r['seconds']:.0f} s)", "", part.what, ""]
+        where = "" if r.get("device", env["device"]) == env["device"] else f", on {r['device']}"
+        out += [f"### {i}. {part.name}: {r['status']} ({r['seconds']:.0f} s{where})", "",
+                part.what, ""]
         out += _blocks(r.get("lines", []))
         if r.get("detail"):
             out += ["", "```", r["detail"], "```"]
@@ -599,14 +615,16 @@ def _blocks(lines: list[str]) -> list[str]:
 
 def render_plan() -> str:
     out = ["# zerofn on a GPU: `tools/gpu_check.py`", "",
-           "**Not yet run.** No GPU has been lent to a session since the check was written, so "
-           "this page holds no measurements. On a GPU machine with a CUDA build of torch "
+           "**Not yet run.** zerofn has not yet run on a GPU, so this page holds no "
+           "measurements. On a GPU machine with a CUDA build of torch "
            "(2.11 or later) and no package index:", "", "```bash",
            f"python tools/gpu_check.py                               # all parts (limits: "
            f"{sum(p.minutes for p in PARTS):g} min)",
-           "python tools/gpu_check.py --parts build,tests,race      # or a few at a time:",
-           "python tools/gpu_check.py --parts parity,profile,compare  # results accumulate",
-           "python tools/gpu_check.py --parts largest,nvme,deepspeed", "```", "",
+           "python tools/gpu_check.py --parts build,tests,race    # or a few at a time",
+           "python tools/gpu_check.py --parts build,pending --budget 570",
+           "    # under a 10-minute limit per command: the parts not run yet that fit, after a",
+           "    # build; results accumulate in build/gpu_check/results.json, so repeat it",
+           "    # (carrying that file to a fresh machine) until every part has run", "```", "",
            "It rewrites this page with every figure, the device and the torch version. The "
            "goals it reports against:", ""] + goals({}) + ["", "## What it runs", ""]
     for i, part in enumerate(PARTS, 1):
@@ -639,7 +657,13 @@ def main() -> None:
         write_report(args, results)
         return
     results["env"] = environment()
-    for name in args.parts:
+    deadline = None if args.budget is None else time.perf_counter() + args.budget
+    for name in expand_pending(args.parts, results["parts"]):
+        left = math.inf if deadline is None else deadline - time.perf_counter()
+        if left < LIMIT[name]:
+            print(f"# {name}: not started, its limit ({LIMIT[name]:.0f} s) is more than the "
+                  f"{left:.0f} s of budget left", file=sys.stderr, flush=True)
+            continue
         print(f"# {name} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
@@ -649,6 +673,7 @@ def main() -> None:
             r = dict(status="failed", lines=[f"{type(e).__name__}: {first}"[:300]],
                      detail=tail(traceback.format_exc(), 30))
         r["seconds"] = time.perf_counter() - start
+        r["device"] = results["env"]["device"]
         results["parts"][name] = r
         write_report(args, results)
         print(f"# {name}: {r['status']} ({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
