@@ -44,7 +44,9 @@ def assert_trained(cells: list[str]) -> None:
 
 
 def test_compare_prints_a_zerofn_row():
-    out = run("--sizes", "64x2", "--steps", "2", "--warmup", "1")
+    # Two micro-batches a step: the last reduces, the first runs under no_sync.
+    out = run("--sizes", "64x2", "--steps", "2", "--warmup", "1", "--accum", "2")
+    assert "2x2x32 tokens/step" in out
     table = rows(out)
     assert_trained(table[("64x2", "zerofn offload")])
     fsdp2 = table[("64x2", "FSDP2 CPUOffload")]

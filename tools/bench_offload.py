@@ -4,6 +4,8 @@
     python tools/bench_offload.py --sizes 2048x24 --steps 5
     python tools/bench_offload.py --find-largest           # grow the model until it fails
     python tools/bench_offload.py --device cpu             # the CPU smoke run (< 1 minute)
+    python tools/bench_offload.py --sizes 4096x34 --contenders zerofn --checkpoint on \
+        --batch 8 --accum 16                               # throughput: 131k tokens/step
 
 The model is zerofn.nanogpt.GPT (width W, L blocks, W/64 heads, FFN 4W; a size is written
 ``WxL``), bf16 compute, AdamW, on one device with a world-1 process group (nccl on cuda,
@@ -16,7 +18,11 @@ gloo on cpu). Contenders, each built fresh in its own process on the same seed a
            across PCIe), CPUOffloadPolicy(), torch AdamW(fused=True) on the host (torch's
            fastest CPU AdamW, so the peer is not handicapped).
 
-Each run takes ``--warmup`` untimed steps, then ``--steps`` timed ones, each fenced by
+A step is ``--accum`` micro-batches of ``--batch`` sequences; gradients are reduced (and
+offloaded) only on a step's last, as DDP's ``no_sync`` does (zerofn's ``model.no_sync()``,
+FSDP2's ``set_requires_gradient_sync(False)``). The host's optimizer step does not shrink
+with the batch, so throughput figures need many tokens per step; the comparison uses few,
+where the offload machinery weighs most. Each run takes ``--warmup`` untimed steps, then ``--steps`` timed ones, each fenced by
 ``torch.cuda.synchronize``; the step time is their median. tokens/s = batch*context / step
 time. TFLOP/s is the model-FLOPs convention for training, 6*N*tokens/s with N every
 parameter (the tied embedding once): attention scores and checkpoint recompute are not
@@ -29,6 +35,7 @@ for host memory is reported as such instead of ending the benchmark.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -57,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sizes", help="comma-separated WIDTHxLAYERS (with --find-largest: the ladder)")
     p.add_argument("--steps", type=int, help="timed steps per run")
     p.add_argument("--warmup", type=int, help="untimed steps per run")
-    p.add_argument("--batch", type=int, help="sequences per step")
+    p.add_argument("--batch", type=int, help="sequences per micro-batch")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--context", type=int, help="tokens per sequence")
     p.add_argument("--vocab", type=int, help="vocabulary size")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset")
@@ -154,20 +162,32 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def reducing(model, last: bool):
+    """The context of one micro-batch's backward: gradient reduction only on a step's last."""
+    if hasattr(model, "set_requires_gradient_sync"):    # FSDP2
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if last else model.no_sync()
+
+
 def timed_steps(model, opt, cfg, args) -> tuple[list[float], list[float]]:
     """Seconds of each timed step, and the loss of every step (warm-up included)."""
     import torch
     g = torch.Generator().manual_seed(1)
     n = args.warmup + args.steps
-    tokens = torch.randint(cfg.vocab, (n, args.batch, cfg.context + 1), generator=g)
+    tokens = torch.randint(cfg.vocab, (n, args.accum, args.batch, cfg.context + 1), generator=g)
     tokens = tokens.to(args.device)
     times, losses = [], []
     for i in range(n):
-        x, y = tokens[i, :, :-1].contiguous(), tokens[i, :, 1:].contiguous()
         sync(args.device)
         start = time.perf_counter()
-        loss = model(x, y)
-        loss.backward()
+        loss = 0.0
+        for j in range(args.accum):
+            x, y = tokens[i, j, :, :-1].contiguous(), tokens[i, j, :, 1:].contiguous()
+            with reducing(model, last=j == args.accum - 1):
+                micro = model(x, y) / args.accum
+                micro.backward()
+            loss = loss + micro.detach()
         opt.step()
         opt.zero_grad()
         sync(args.device)
@@ -190,7 +210,7 @@ def run_one(contender: str, size: str, args) -> dict:
         torch.cuda.reset_peak_memory_stats()   # the training peak, not the fp32 build
     times, losses = timed_steps(model, opt, cfg, args)
     step = statistics.median(times)
-    tok = args.batch * cfg.context / step
+    tok = args.batch * args.accum * cfg.context / step
     out = dict(status="ok", params=cfg.params(), step_s=step, tokens_per_s=tok,
                tflops=6 * cfg.params() * tok / 1e12, loss_first=losses[0], loss_last=losses[-1],
                peak_host=peak_host_bytes(),
@@ -235,7 +255,7 @@ def worker(args) -> None:
 
 # -- launcher ----------------------------------------------------------------------------
 def forwarded(args) -> list[str]:
-    keys = ("device", "vocab", "context", "batch", "warmup", "steps", "checkpoint")
+    keys = ("device", "vocab", "context", "batch", "accum", "warmup", "steps", "checkpoint")
     flags = [a for k in keys for a in (f"--{k}", str(getattr(args, k)))]
     return flags + (["--offload-params"] if args.offload_params else []) + \
         (["--nvme", args.nvme] if args.nvme else [])
@@ -353,7 +373,7 @@ def table(rows: list[dict]) -> str:
 def header(rows: list[dict], args) -> str:
     env = next((r["env"] for r in rows if "env" in r), f"{args.device} (no run finished)")
     return (f"{env}, world 1; bf16 compute, AdamW; "
-            f"{args.batch}x{args.context} tokens/step, vocab {args.vocab}, activation "
+            f"{args.accum}x{args.batch}x{args.context} tokens/step, vocab {args.vocab}, activation "
             f"checkpointing {args.checkpoint}; zerofn offload("
             f"{repr('nvme') + ', path=...' if args.nvme else repr('cpu')}"
             f"{', params=True' if args.offload_params else ''}); median of {args.steps} timed "
