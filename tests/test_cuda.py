@@ -122,3 +122,11 @@ def staging_runs(rank, world, root):
 def test_async_checkpoints_stage_device_tensors_through_one_pinned_buffer(tmp_path):
     pinned_staging, reused, same = run_ranks(1, staging_runs, str(tmp_path))[0]
     assert pinned_staging and reused and same
+
+
+def test_a_rank_with_every_gradient_votes_without_waiting_for_the_device():
+    """Unscaled steps at world > 1 without offload: the vote reads nothing back where the
+    verdict is known, so the host goes on queueing the step (a lacking rank must read)."""
+    from test_step_vote import vote
+    assert vote({"a", "b"}, [0.0, 0.0], "cuda", strict=True)[:2] == (False, {"a", "b"})
+    assert vote({"a"}, [1.0, 0.0], "cuda")[:2] == (False, {"a"})

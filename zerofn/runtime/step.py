@@ -137,16 +137,22 @@ class StepGrads:
         rank saw inf or nan: then every rank skips the step."""
         had = [s in self.reducer.got for s in self._trainable]
         if found is None and self.comm.world == 1 and self.replicas is None:
-            votes = had     # no other rank to ask (a rank with every gradient still asks)
+            votes = had     # no other rank to ask
         else:
-            flags = torch.tensor(had, dtype=torch.float32, device=self.device)
+            # A rank that got every gradient and has no overflow to learn knows the verdict
+            # (all ones): it takes part for the others' sake only, and neither sends its
+            # flags up from the host nor reads the result, either of which would hold the
+            # host until the device's queue drains (on CUDA).
+            known = found is None and all(had)
+            flags = torch.ones(len(had), device=self.device) if known else \
+                torch.tensor(had, dtype=torch.float32, device=self.device)
             if found is not None:   # offload: found is on the host
                 flags = torch.cat([found.reshape(1).to(self.device, torch.float32), flags])
             with self.timing.collective("all_reduce"):
                 self.comm.all_reduce(flags, op=dist.ReduceOp.MAX)
                 if self.replicas is not None:
                     self.replicas.all_reduce(flags, op=dist.ReduceOp.MAX)
-            votes = flags.tolist()
+            votes = had if known else flags.tolist()
         overflow = found is not None and votes.pop(0) > 0
         for s, got in zip(self._trainable, votes):
             if not got:
