@@ -24,7 +24,9 @@ ranks take the union: a parameter is stepped if any rank's micro-batches gave it
 gradient. That is plain PyTorch on the global batch, which holds that rank's samples too
 (and DDP's rule for a parameter some ranks left unused); every rank then steps the same
 parameters, so state and step counts agree. The union rides on the overflow vote where
-the loss is scaled, else it is one small all-reduce of its own (none on one rank).
+the loss is scaled, else it is one small all-reduce of its own (none on one rank), which
+a rank that got every gradient joins without reading: it knows the union already, so the
+usual step does not wait for the device.
 """
 from __future__ import annotations
 
