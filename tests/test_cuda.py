@@ -125,8 +125,11 @@ def test_async_checkpoints_stage_device_tensors_through_one_pinned_buffer(tmp_pa
 
 
 def test_a_rank_with_every_gradient_votes_without_waiting_for_the_device():
-    """Unscaled steps at world > 1 without offload: the vote reads nothing back where the
-    verdict is known, so the host goes on queueing the step (a lacking rank must read)."""
+    """The step's vote at world > 1: a rank that got every gradient waits for the device
+    only to read an overflow verdict (fp16); one lacking a gradient must read the union."""
     from test_step_vote import vote
-    assert vote({"a", "b"}, [0.0, 0.0], "cuda", strict=True)[:2] == (False, {"a", "b"})
+    assert vote({"a", "b"}, [0.0, 0.0], "cuda") == (False, {"a", "b"}, [1.0, 1.0], 0)
+    found = torch.zeros((), device="cuda")
+    assert vote({"a", "b"}, [1.0, 0.0, 0.0], "cuda", found) == \
+        (True, {"a", "b"}, [0.0, 1.0, 1.0], 1)
     assert vote({"a"}, [1.0, 0.0], "cuda")[:2] == (False, {"a"})

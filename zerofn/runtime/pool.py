@@ -54,8 +54,8 @@ class BufferPool:
         if fits:
             buf = free.pop(min(fits, key=lambda i: free[i].numel()))
             ready = self._ready.pop(buf.data_ptr(), None)
-            if ready is not None:
-                ready.wait(stream)
+            if ready is not None:   # (the buffer's own device: not always the current one)
+                ready.wait(stream if stream is not None else torch.cuda.current_stream(buf.device))
             return buf[:numel]
         size = max((n for n in self._expected if numel <= n <= MAX_WASTE * numel), default=numel)
         buf = torch.empty(size, dtype=dtype, device=device)

@@ -141,12 +141,12 @@ class StepGrads:
         if found is None and self.comm.world == 1 and self.replicas is None:
             votes = had     # no other rank to ask
         else:
-            # A rank that got every gradient and has no overflow to learn knows the verdict
-            # (all ones): it takes part for the others' sake only, and neither sends its
-            # flags up from the host nor reads the result, either of which would hold the
-            # host until the device's queue drains (on CUDA).
+            # A rank that got every gradient makes its flags on the device (a copy up from
+            # the host would wait for the device's queue, on CUDA) and, with no overflow
+            # verdict to learn, knows the result (all ones): it takes part for the others'
+            # sake and does not read it back, which would wait too.
             known = found is None and all(had)
-            flags = torch.ones(len(had), device=self.device) if known else \
+            flags = torch.ones(len(had), device=self.device) if all(had) else \
                 torch.tensor(had, dtype=torch.float32, device=self.device)
             if found is not None:   # offload: found is on the host
                 flags = torch.cat([found.reshape(1).to(self.device, torch.float32), flags])

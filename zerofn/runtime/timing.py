@@ -199,7 +199,7 @@ class CudaClock:
 
     def mark(self):
         event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def add(self, series: str, start, end) -> None:
