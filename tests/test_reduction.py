@@ -24,7 +24,7 @@ class Work:
 
 
 def in_flight_order(rank, world):
-    comm = Comm(dist.group.WORLD, 1000)         # 1000 fp32 elements: 4000 bytes
+    comm = Comm(dist.group.WORLD, 1000, torch.device("cpu"))         # 1000 fp32 elements: 4000 bytes
     waited, done = [], []
     for i in range(4):                           # each far over the bound
         comm.enqueue(Work(i, waited), 10_000, lambda i=i: done.append(i))
@@ -42,7 +42,7 @@ def in_flight_order(rank, world):
 
 def side_stream_order():
     """Reductions on a device's side stream (no work to wait): two stay in flight."""
-    comm = Comm(dist.group.WORLD, 1000)
+    comm = Comm(dist.group.WORLD, 1000, torch.device("cpu"))
     done = []
     for i in range(3):
         comm.enqueue(None, 10_000, lambda i=i: done.append(i))

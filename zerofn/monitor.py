@@ -501,7 +501,7 @@ def environment(rt) -> dict[str, str]:
     device = rt.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     env = {"zerofn": zerofn_version, "torch": torch.__version__,
-           "python": platform.python_version(), "backend": dist.get_backend(rt.comm.group),
+           "python": platform.python_version(), "backend": rt.comm.backend,
            "world": str(dist.get_world_size(rt.group)), "rank": str(dist.get_rank(rt.group)),
            "device": f"{device} {name}".strip(),
            "threads": str(torch.get_num_threads()), "host": platform.node()}

@@ -33,8 +33,44 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def backend_for(group, device: torch.device) -> str:
+    """The backend that runs ``group``'s collectives on ``device``'s tensors, "" if none: a
+    group made without naming a backend reports "undefined" for itself and serves each
+    device type with its own (cpu:gloo, cuda:nccl)."""
+    return serving(dist.get_backend_config(group), device.type)
+
+
+def serving(config: str, device_type: str) -> str:
+    """``device_type``'s backend in a backend config such as "cpu:gloo,cuda:nccl"."""
+    for part in config.split(","):
+        kind, sep, name = part.partition(":")
+        if not sep:
+            return kind    # (a bare name serves every device)
+        if kind == device_type:
+            return name
+    return ""
+
+
+def device_problems(device: torch.device, backend: str, current: int | None) -> list[str]:
+    """What stops collectives on ``device``: no backend of the group serves it (``backend``
+    is ""), or it is a CUDA device other than the current one (``current``), on whose
+    streams NCCL's collectives and their waits are queued."""
+    problems = []
+    if not backend:
+        problems.append(f"the process group has no backend for {device.type} tensors (the "
+                        f"model is on {device}): initialize it with backend 'nccl' for GPUs "
+                        f"or 'gloo' for the CPU, or name none (cpu:gloo,cuda:nccl).")
+    if device.type == "cuda" and current is not None and device.index != current:
+        problems.append(f"the model is on {device} but the current CUDA device is "
+                        f"cuda:{current}, whose streams NCCL's collectives would run and wait "
+                        f"on: call torch.cuda.set_device({device.index}) before the "
+                        f"transforms (under torchrun: "
+                        f"torch.cuda.set_device(int(os.environ['LOCAL_RANK']))).")
+    return problems
+
+
 class Comm:
-    def __init__(self, group, max_inflight_numel: int):
+    def __init__(self, group, max_inflight_numel: int, device: torch.device):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -46,7 +82,8 @@ class Comm:
         # NCCL averages inside the reduce-scatter (a pre-multiplied sum for floats), so fp16
         # gradients of many ranks cannot overflow in the sum; gloo's AVG is unreliable, so
         # there the caller divides the sum.
-        self.averages = dist.get_backend(group) == "nccl"
+        self.backend = backend_for(group, device)
+        self.averages = self.backend == "nccl"
         # [Note: gloo collectives] gloo's all-gather and reduce-scatter allocate a flat copy
         # of the whole buffer in its worker thread on every call (measured with torch 2.13:
         # +23 MB of peak memory for a 23 MB all-gather, and glibc keeps such blocks), and
@@ -60,7 +97,7 @@ class Comm:
         # that GPT, 75 shuffled steps against DDP in the same processes) the split
         # all-to-all beat an all-to-all into scratch by 4 % and isend/irecv pairs by 9 %.
         # NCCL's own collectives are in place already.
-        self._in_place = dist.get_backend(group) == "gloo"
+        self._in_place = self.backend == "gloo"
         self._global = [dist.get_global_rank(group, r) for r in range(self.world)] \
             if group is not None else list(range(self.world))
 

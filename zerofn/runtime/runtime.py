@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ..failures import Watch
 from ..plan import Plan
-from .comm import Comm
+from .comm import Comm, backend_for, device_problems
 from .copies import CopyStreams
 from .grads import GradReducer
 from .host_malloc import return_large_frees
@@ -77,14 +77,20 @@ class Runtime:
     def __init__(self, model: nn.Module, optimizer, plan: Plan):
         self.model, self.optimizer, self.plan = model, optimizer, plan
         layout, self.device = _resolve_group(plan.option("group"), model)
+        # Raised here, before any collective: on a device the group does not serve, the
+        # first one would fail or hang.
+        current = torch.cuda.current_device() if self.device.type == "cuda" else None
+        problems = device_problems(self.device, backend_for(layout.shard, self.device), current)
+        if problems:
+            raise ValueError("zerofn set-up: " + " ".join(problems))
         if self.device.type == "cpu":
             return_large_frees()     # [Note: mmap threshold] in host_malloc.py
         self.mesh, self.placements, self.group = layout.mesh, layout.placements, layout.everyone
-        self.comm = Comm(layout.shard, plan.option("bucket_size"))
+        self.comm = Comm(layout.shard, plan.option("bucket_size"), self.device)
         self.watch = Watch(self.group, plan.option("timeout"), (layout.shard, layout.replicate))
         # HSDP: the replicate dimension, over which the reduced shards are averaged.
         self.replicas = None if layout.replicate is None \
-            else Comm(layout.replicate, plan.option("bucket_size"))
+            else Comm(layout.replicate, plan.option("bucket_size"), self.device)
         self.rank, self.world = self.comm.rank, self.comm.world
         self.meta = meta_state(model) is True      # built on the meta device: materialize
         units, problems = self._build_units()
