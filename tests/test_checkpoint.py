@@ -23,7 +23,7 @@ except ImportError:
     StatefulDataLoader = None
 
 import zerofn as zf
-from models import CONFIG, ParityGPT, batches, make_models, make_optimizer
+from models import CONFIG, ParityGPT, batches, make_models, make_optimizer, worst
 from multiproc import run_ranks
 from test_parity import TOL, train_sharded, transform
 from test_state_dict import assert_same_state
@@ -48,10 +48,10 @@ def max_error(a, b) -> float:
     """Largest difference between two full (model, optimizer) states of the same layout."""
     (ma, oa), (mb, ob) = a, b
     assert ma.keys() == mb.keys() and oa["state"].keys() == ob["state"].keys()
-    err = max((ma[k] - mb[k]).abs().max().item() for k in ma)
+    err = max(worst(ma[k] - mb[k]) for k in ma)
     for fqn, st in oa["state"].items():
         for k, v in st.items():
-            err = max(err, (torch.as_tensor(v) - torch.as_tensor(ob["state"][fqn][k])).abs().max().item())
+            err = max(err, worst(torch.as_tensor(v) - torch.as_tensor(ob["state"][fqn][k])))
     return err
 
 

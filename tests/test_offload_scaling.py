@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer
+from models import batches, make_models, make_optimizer, worst
 from multiproc import run_ranks
 from test_parity import STAGES
 from zerofn.runtime.runtime import runtime_of
@@ -41,8 +41,8 @@ def train(model, opt, data, rank, world, inf_on=None):
 
 def state_errors(a, b) -> tuple[float, float]:
     """Largest differences of params and of Adam state between two full state dicts."""
-    p_err = max((a[0][k].float() - b[0][k].float()).abs().max().item() for k in a[0])
-    s_err = max((v - b[1]["state"][f][k]).abs().max().item()
+    p_err = max(worst(a[0][k].float() - b[0][k].float()) for k in a[0])
+    s_err = max(worst(v - b[1]["state"][f][k])
                 for f, st in a[1]["state"].items() for k, v in st.items()
                 if torch.is_tensor(v) and v.dim())
     return p_err, s_err

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import zerofn as zf
 import zerofn.pretrained as pretrained
-from models import ParityGPT, batches, make_models, make_optimizer
+from models import ParityGPT, batches, make_models, make_optimizer, worst
 from multiproc import run_ranks
 from test_parity import STAGES, train_sharded, transform
 
@@ -169,9 +169,9 @@ def round_trips(rank, world, src, out_root):
             wrong = rows_read_wrongly(log, {k: tuple(v.shape) for k, v in full.items()
                                             if k != "lm_head.weight"}, rank, world)
             msd, _ = zf.get_state_dict(model, opt, full=True)
-            state_err = max((msd[k] - v).abs().max().item() for k, v in full.items())
+            state_err = max(worst(msd[k] - v) for k, v in full.items())
             expect = (ref_bf16 if bf16 else ref)(x).logits
-            logits_err = (model(x).logits.float() - expect.float()).abs().max().item()
+            logits_err = worst(model(x).logits.float() - expect.float())
             for _ in range(2):
                 loss = model(x.chunk(world)[rank], labels=x.chunk(world)[rank]).loss
                 loss.backward()
@@ -215,7 +215,7 @@ def check_saved(out: str, shard_size: str, dtype, trained: dict, logits, bf16: b
     for k, v in back.state_dict().items():
         assert torch.equal(v, trained[k].to(want)), k
     if not bf16 or dtype == torch.bfloat16:   # transformers computes as zerofn did
-        err = (back(x).logits.float() - logits).abs().max().item()
+        err = worst(back(x).logits.float() - logits)
         assert err <= LOGITS_TOL[want], (out, err)
 
 
@@ -269,7 +269,7 @@ def plain_files(rank, world, root):
     fresh, fresh_opt = transform(3, persist_below=200)(*_parity(seed=9))   # whole small params
     zf.load_pretrained(fresh, full)
     got, _ = zf.get_state_dict(fresh, fresh_opt, full=True)
-    out["consolidated_err"] = max((got[k] - v).abs().max().item() for k, v in want.items())
+    out["consolidated_err"] = max(worst(got[k] - v) for k, v in want.items())
 
     # save_pretrained of a plain model, read back with rename
     saved = os.path.join(root, "saved")
@@ -277,14 +277,14 @@ def plain_files(rank, world, root):
     renamed, renamed_opt = transform(2)(*_parity(seed=11))
     keys = zf.load_pretrained(renamed, saved, rename=lambda k: k)
     got, _ = zf.get_state_dict(renamed, renamed_opt, full=True)
-    out["saved_err"] = max((got[k] - v).abs().max().item() for k, v in want.items())
+    out["saved_err"] = max(worst(got[k] - v) for k, v in want.items())
     out["saved_keys"] = keys
     # a bf16 file into fp32 masters: converted on the way in
     half = os.path.join(root, "half")
     zf.save_pretrained(model, half, dtype=torch.bfloat16)
     zf.load_pretrained(renamed, half)
     got, _ = zf.get_state_dict(renamed, renamed_opt, full=True)
-    out["bf16_err"] = max((got[k] - v.to(torch.bfloat16).to(v.dtype)).abs().max().item()
+    out["bf16_err"] = max(worst(got[k] - v.to(torch.bfloat16).to(v.dtype))
                           for k, v in want.items())
 
     # errors: missing, unexpected and shape mismatches, in one message on every rank

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
 
 import zerofn as zf
+from models import worst
 from multiproc import run_ranks
 from odd_models import WIDTH, OddNet, block_paths, expected_units, odd_init, runs
 from zerofn.runtime.runtime import runtime_of
@@ -283,7 +284,7 @@ def differ(name: str, got, want: torch.Tensor, tol=TOL) -> list[str]:
     if not want.numel():
         return []
     atol, rtol = tol
-    err = (got.double() - want.double()).abs().max().item()
+    err = worst(got.double() - want.double())
     bound = atol + rtol * want.double().abs().max().item()
     return [f"{name}: max error {err:.2e} > {bound:.1e}"] if not err <= bound else []
 
