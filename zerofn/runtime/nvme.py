@@ -12,6 +12,14 @@ file: ``unit.shard`` and the registered DTensors' local tensors point at a one-e
 stand-in. ``ParamReads`` reads each shard into the same staging ring (idle outside the
 step) just before its gather, ahead of use in the gatherer's order.
 
+[Note: compute rows in the ring] Where the compute dtype is not the masters' fp32 (mixed
+precision), the kernel writes each unit's updated rows in that dtype too, past the state
+in its staging buffer (where a parameter-offloaded unit's compute shard lies in its
+block), and they go to the device from there: a copy that also casts would cast on the
+host into pageable memory, holding the step until it is done, and move fp32 across PCIe.
+Rows the kernel does not write (parameters without a gradient, frozen ones, padding) are
+cast from the master after it.
+
 O_DIRECT is used where the filesystem accepts it (no page-cache copy of what is read
 once per step); buffers and file offsets are aligned for it. Elsewhere I/O is buffered.
 
@@ -104,7 +112,7 @@ class NvmeOffload:
     timing = UNTIMED     # runtime/timing.py (I/O threads use its host clock)
 
     def __init__(self, units, optimizer, path: str, rank: int, in_flight: int, grad_dtype_of,
-                 param_dtypes: dict | None = None):
+                 param_dtypes: dict | None = None, compute_dtype: torch.dtype | None = None):
         self.adamw_mode = fused_adam_mode(optimizer)
         pin = pins(device_of(units))     # what the device reads and writes is page-locked
         self.grads, self._arenas = {}, []
@@ -126,7 +134,11 @@ class NvmeOffload:
         os.posix_fallocate(self.fd, 0, max(size, BLOCK))
         self._cleanup = weakref.finalize(self, _close_and_remove, self.fd, self.name)
         atexit.register(self._cleanup)
-        biggest = max(self.block.values(), default=0)
+        # [Note: compute rows in the ring]: past the state, as a parameter shard lies.
+        dtypes = {u: compute_dtype or u.dtype for u in units if u.slots and u not in self.params}
+        self.lowp = {u: dt for u, dt in dtypes.items() if dt != torch.float32}
+        biggest = max([*self.block.values(), *(_state_bytes(u) + _round(
+            u.shard_numel * dt.itemsize) for u, dt in self.lowp.items())], default=0)
         # Page-aligned and a multiple of BLOCK long, for O_DIRECT; pinned for the device.
         self.staging = [host_buffer(biggest // FLOAT, torch.float32, pin)
                         for _ in range(in_flight)]
@@ -190,16 +202,21 @@ class NvmeOffload:
                       self.offset[unit] + start)
         return buf.view(self.params[unit])[:unit.shard_numel]
 
-    def _param_part(self, unit, buf: torch.Tensor) -> torch.Tensor:
-        """Where the compute shard lies in a buffer laid out like the unit's block."""
-        return buf[_state_bytes(unit) // FLOAT:].view(self.params[unit])[:unit.shard_numel]
+    def _compute_part(self, unit, buf: torch.Tensor) -> torch.Tensor | None:
+        """Where the compute shard lies in a buffer laid out like the unit's block (for
+        units without one in the file, where the step writes its compute rows); None
+        where the masters are the compute rows."""
+        dtype = self.params.get(unit) or self.lowp.get(unit)
+        if dtype is None:
+            return None
+        return buf[_state_bytes(unit) // FLOAT:].view(dtype)[:unit.shard_numel]
 
     def write_initial(self, unit, master: torch.Tensor) -> None:
         buf = self.staging[0]
         buf.zero_()
         buf[:unit.shard_numel].copy_(master)
         if unit in self.params:
-            self._param_part(unit, buf).copy_(master)
+            self._compute_part(unit, buf).copy_(master)
         self._write(unit, buf)
 
     def param_shard(self, unit, dtype: torch.dtype) -> torch.Tensor:
@@ -244,21 +261,27 @@ class NvmeOffload:
             if ring > 1 and i + 1 < len(units):
                 start_read(i + 1)              # read ahead while this unit steps
             master, m, v = flat.view(3, unit.shard_numel)
-            adam_unit(optimizer, group_of, unit, grads, master, m, v, self.adamw_mode,
-                      grad_scale=grad_scale, timing=self.timing)
-            self._refresh(unit, self.staging[i % ring], master, after_unit)
+            rows = self._compute_part(unit, self.staging[i % ring])
+            lowp = rows if rows is not None and rows.dtype != master.dtype else None
+            written = adam_unit(optimizer, group_of, unit, grads, master, m, v,
+                                self.adamw_mode, lowp=lowp, grad_scale=grad_scale,
+                                timing=self.timing)
+            if rows is not None:       # (an fp32 compute shard: all of it)
+                _cast_the_rest(rows, master, written if lowp is not None else [])
+            self._refresh(unit, master if rows is None else rows, after_unit)
             writes[i % ring] = self.io.submit(self._write, unit, self.staging[i % ring])
         for i in range(len(units), len(units) + ring):   # the ring is idle again after
             release(i)
         if self.param_reads is not None:
             self.param_reads.resume()
 
-    def _refresh(self, unit, buf: torch.Tensor, master: torch.Tensor, after_unit) -> None:
+    def _refresh(self, unit, rows: torch.Tensor, after_unit) -> None:
         """Under parameter offload the compute shard ``after_unit`` refreshes is the block's
-        own part of the staging buffer, written back to the file with the state."""
+        own part of the staging buffer (``rows``), written back to the file with the
+        state."""
         if unit in self.params:
-            unit.shard = self._param_part(unit, buf)
-        after_unit(unit, master)
+            unit.shard = rows
+        after_unit(unit, rows)
         if unit in self.params:
             unit.shard = self.param_shard(unit, self.params[unit])
 
@@ -284,7 +307,7 @@ class NvmeOffload:
             self._resident_blocks[u] = buf
             self.resident[u] = buf[:3 * u.shard_numel].view(3, u.shard_numel)
             if u in self.params:
-                self._show_params(u, self._param_part(u, buf))
+                self._show_params(u, self._compute_part(u, buf))
         self._point(optimizer, self.resident)
         self._optimizer = optimizer
 
@@ -423,6 +446,16 @@ def _open(name: str):
         return fd, bool(getattr(os, "O_DIRECT", 0))
     except OSError:
         return os.open(name, flags), False
+
+
+def _cast_the_rest(rows: torch.Tensor, master: torch.Tensor, written: list) -> None:
+    """Cast ``master`` into ``rows`` (flat, of one unit) outside the ``written`` slots."""
+    at = 0
+    for start, end in sorted((s.offset, s.offset + s.local_numel) for s in written) + \
+            [(rows.numel(), rows.numel())]:
+        if start > at:
+            rows[at:start].copy_(master[at:start])
+        at = max(at, end)
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

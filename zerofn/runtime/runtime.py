@@ -296,7 +296,8 @@ class Runtime:
             return NvmeOffload(units, self.optimizer, self.plan.option("offload_path"),
                                dist.get_rank(),
                                self.plan.option("units_in_flight"), self._host_grad_dtype,
-                               self._offloaded_param_dtypes(units))
+                               self._offloaded_param_dtypes(units),
+                               self.plan.option("param_dtype"))
         return HostOffload(units, self._host_grad_dtype, self.optimizer,
                            self.plan.option("param_dtype")) if where else None
 
