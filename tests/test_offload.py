@@ -189,23 +189,24 @@ def test_state_dicts_move_between_offload_modes(tmp_path):
 
 def bf16_offload_runs(rank, world, path):
     """bf16 + offload: CPU Adam writes the bf16 compute copy in its pass (NVMe: into the
-    staging ring, the frozen embedding and padding cast after it); the run follows the
-    same bf16 run without offload (CPU Adam and torch's AdamW differ by an ulp at most)."""
+    staging ring, the frozen embedding and padding cast after it), and SGD's updated
+    masters are cast into it; the run follows the same bf16 run without offload (CPU Adam
+    and torch's AdamW differ by an ulp at most)."""
     out = {}
     data = batches(5, 1, world)
     nvme = {"nvme": True, "path": path}
-    for stage in (1, 2, 3):
+    for kind, stage in [("adamw", 1), ("adamw", 2), ("adamw", 3), ("sgd", 2), ("sgd", 3)]:
         runs = []
-        for opts in (None, {}, {"params": True} if stage == 3 else {}, nvme,
-                     dict(nvme, params=True) if stage == 3 else nvme):
-            model, opt = build(stage, "adamw", opts, precision=torch.bfloat16)
+        params = {"params": True} if stage == 3 else {}
+        for opts in (None, {}, params) + ((nvme, dict(nvme, **params)) if kind == "adamw" else ()):
+            model, opt = build(stage, kind, opts, precision=torch.bfloat16)
             train_sharded(model, opt, data, rank, world)
             runs.append(zf.get_state_dict(model, opt, full=True)[0])
-        out[stage] = max(max(worst(runs[0][k] - r[k]) for k in r) for r in runs[1:])
+        out[(kind, stage)] = max(max(worst(runs[0][k] - r[k]) for k in r) for r in runs[1:])
     return out
 
 
 def test_bf16_offload_follows_bf16_without_offload(tmp_path):
     for by_stage in run_ranks(2, bf16_offload_runs, str(tmp_path)):
-        for stage, err in by_stage.items():
-            assert err < 1e-6, (stage, err)
+        for config, err in by_stage.items():
+            assert err < 1e-6, (config, err)

@@ -88,15 +88,16 @@ class HostOffload:
             self._arenas.append(arena)
         self._units = units
         self._param_arenas, self._steps = {}, None
-        # Under mixed precision CPU Adam also writes the compute copy, in the same pass, into
-        # this (pinned) arena: what goes back to the device is already in its dtype.
+        # Under mixed precision the compute copy is kept in this (pinned) arena, where CPU
+        # Adam writes it in its pass (another optimizer's rows are cast into it): what goes
+        # back to the device is already in its dtype, and page-locked. A copy that also
+        # casts would cast on the host into pageable memory and hold the step meanwhile.
         self.lowp = {}
-        if self.adamw_mode is not None:
-            lowp = [u for u in units if self.compute_dtype[u] != self.master_dtype[u]]
-            for dtype, mine in _by_dtype({u: self.compute_dtype[u] for u in lowp}).items():
-                arena = HostArena([u.shard_numel for u in mine], dtype, self.pin)
-                self.lowp.update({u: arena.take(u.shard_numel) for u in mine})
-                self._arenas.append(arena)
+        lowp = [u for u in units if self.compute_dtype[u] != self.master_dtype[u]]
+        for dtype, mine in _by_dtype({u: self.compute_dtype[u] for u in lowp}).items():
+            arena = HostArena([u.shard_numel for u in mine], dtype, self.pin)
+            self.lowp.update({u: arena.take(u.shard_numel) for u in mine})
+            self._arenas.append(arena)
         self.grad_arenas = {}
         self.grads = {}
         for u in units:
@@ -119,9 +120,16 @@ class HostOffload:
         return [a for a in (*self._arenas, *self._param_arenas.values(), self._steps,
                             *self.grad_arenas.values()) if a]
 
-    def compute_rows(self, unit: Unit) -> torch.Tensor:
-        """Where the updated compute rows of a unit are read from after a step."""
-        return self.lowp.get(unit, self.master[unit])
+    def compute_rows(self, unit: Unit, cast: bool = False) -> torch.Tensor:
+        """Where the updated compute rows of a unit are read from after a step; ``cast``:
+        the masters changed since CPU Adam last wrote the compute copy (a torch
+        optimizer's step), so cast them into it first."""
+        lowp = self.lowp.get(unit)
+        if lowp is None:
+            return self.master[unit]
+        if cast:
+            lowp.copy_(self.master[unit])
+        return lowp
 
     def recast(self) -> None:
         """After masters changed outside a step (a load): the compute copies follow."""

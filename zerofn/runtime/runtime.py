@@ -461,7 +461,7 @@ class Runtime:
         """This rank's updated rows of ``unit`` in the compute dtype where one exists; None
         where the compute params' own rows are the ones the optimizer updated."""
         if isinstance(self.offload, HostOffload):
-            return self.offload.compute_rows(unit)
+            return self.offload.compute_rows(unit, cast=self.offload.adamw_mode is None)
         if isinstance(self.offload, NvmeOffload):    # materialized for a load, else current
             return self.offload.resident[unit][0] if unit in self.offload.resident else None
         return unit.master
