@@ -73,8 +73,19 @@ def _local_norm(grads, norm_type: float, device: torch.device) -> torch.Tensor:
     shards = grads.present()
     if not shards:
         return torch.zeros((), device=device)
-    norms = torch.stack([n.to(device) for n in
-                         torch._foreach_norm(shards, norm_type, dtype=torch.float32)])
-    if norm_type == math.inf:
-        return norms.max()
-    return (norms ** norm_type).sum()
+    inf = norm_type == math.inf
+    parts = []
+    for where, norms in _by_device(torch._foreach_norm(shards, norm_type, dtype=torch.float32)):
+        norms = torch.stack(norms)
+        part = norms.max() if inf else (norms ** norm_type).sum()
+        # A host figure is filled in on the device: a copy up from pageable memory blocks.
+        parts.append(part if where == device else torch.full((), part.item(), device=device))
+    parts = torch.stack(parts)
+    return parts.max() if inf else parts.sum()
+
+
+def _by_device(tensors) -> list[tuple[torch.device, list[torch.Tensor]]]:
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return list(groups.items())
