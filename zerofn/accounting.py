@@ -59,6 +59,9 @@ def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
     slots = rt.slot_of.values()
     arenas = list(rt.offload.arenas() if rt.offload is not None else ()) + rt.flats
     params = _storages((s.sharded if s.sharded is not None else s.param for s in slots), arenas)
+    # offload("cpu") under mixed precision: the host's compute-dtype copy of the rows, which
+    # the step writes and sends to the device.
+    params.update(_storages(getattr(rt.offload, "lowp", {}).values(), arenas))
     grads = _storages([s.param.grad for s in slots] + [s.opt_param.grad for s in slots]
                       + list(rt.reducer.grad_shard.values())
                       + (list(rt.offload.grads.values()) if rt.offload is not None else []),

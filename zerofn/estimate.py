@@ -59,7 +59,9 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
 
     Without offload everything is on the device. ``offload("cpu")`` moves the fp32
     masters and optimizer state to host memory (masters there even in fp32: the device
-    keeps its own compute copy) and adds a host landing buffer for the gradient shard;
+    keeps its own compute copy) and adds a host landing buffer for the gradient shard and,
+    under mixed precision, a host copy of the rows in the compute dtype (the step writes
+    it, and it goes to the device from there);
     ``params=True`` (ZeRO-3) moves the compute shards to the host too. ``offload("nvme")``
     keeps masters and optimizer state (and with ``params=True`` the compute shards) in the
     swap file; host memory then holds the gradient landing buffer plus a staging ring of
@@ -83,7 +85,7 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
     Example (7B, 8 ranks, bf16, ZeRO-3 with the optimizer offloaded to the host, in GB):
         >>> p = estimate_placement(7e9, 8, 3, offload="cpu")
         >>> {place: p[place]["total"] / 1e9 for place in p}
-        {'device': 3.5, 'host': 12.25, 'nvme': 0.0}
+        {'device': 3.5, 'host': 14.0, 'nvme': 0.0}
     """
     _check(stage, offload, offload_params)
     n = sum(p.numel() for p in params.parameters()) if isinstance(params, nn.Module) else params
@@ -104,6 +106,8 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
             (m + optimizer_states * m) * share
         landing = r if optimizer_states == 2 else m
         out["host"]["grads"] = landing * share
+        if offload == "cpu" and c != m:   # the compute-dtype copy the step sends up
+            out["host"]["params"] += c * share
     for place in out.values():
         place["total"] = sum(place[role] for role in ROLES)
     return out
