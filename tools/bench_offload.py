@@ -5,7 +5,7 @@
     python tools/bench_offload.py --find-largest           # grow the model until it fails
     python tools/bench_offload.py --device cpu             # the CPU smoke run (< 1 minute)
     python tools/bench_offload.py --sizes 4096x34 --contenders zerofn --checkpoint on \
-        --batch 8 --accum 16                               # throughput: 131k tokens/step
+        --batch 4 --accum 32                               # throughput: 131k tokens/step
 
 The model is zerofn.nanogpt.GPT (width W, L blocks, W/64 heads, FFN 4W; a size is written
 ``WxL``), bf16 compute, AdamW, on one device with a world-1 process group (nccl on cuda,
@@ -22,10 +22,13 @@ A step is ``--accum`` micro-batches of ``--batch`` sequences; gradients are redu
 offloaded) only on a step's last, as DDP's ``no_sync`` does (zerofn's ``model.no_sync()``,
 FSDP2's ``set_requires_gradient_sync(False)``). The host's optimizer step does not shrink
 with the batch, so throughput figures need many tokens per step; the comparison uses few,
-where the offload machinery weighs most. Each run takes ``--warmup`` untimed steps, then ``--steps`` timed ones, each fenced by
-``torch.cuda.synchronize``; the step time is their median. tokens/s = batch*context / step
-time. TFLOP/s is the model-FLOPs convention for training, 6*N*tokens/s with N every
-parameter (the tied embedding once): attention scores and checkpoint recompute are not
+where the offload machinery weighs most.
+
+Each run takes ``--warmup`` untimed steps, then ``--steps`` timed ones, each fenced by
+``torch.cuda.synchronize``; the step time is their median. tokens/s =
+accum*batch*context / step time. TFLOP/s is the model-FLOPs convention for training,
+6*N*tokens/s with N every parameter (the tied embedding once): attention scores and
+checkpoint recompute are not
 counted, so it is comparable across contenders but below the hardware's real rate.
 
 Each run is a separate process: a CUDA OOM leaves the allocator fragmented and glibc keeps

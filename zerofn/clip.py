@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from .runtime.runtime import runtime_of
+from .runtime.step import by_device_and_dtype
 
 
 @torch.no_grad()
@@ -75,17 +76,11 @@ def _local_norm(grads, norm_type: float, device: torch.device) -> torch.Tensor:
         return torch.zeros((), device=device)
     inf = norm_type == math.inf
     parts = []
-    for where, norms in _by_device(torch._foreach_norm(shards, norm_type, dtype=torch.float32)):
+    for (where, _), norms in by_device_and_dtype(
+            torch._foreach_norm(shards, norm_type, dtype=torch.float32)).items():
         norms = torch.stack(norms)
         part = norms.max() if inf else (norms ** norm_type).sum()
         # A host figure is filled in on the device: a copy up from pageable memory blocks.
         parts.append(part if where == device else torch.full((), part.item(), device=device))
     parts = torch.stack(parts)
     return parts.max() if inf else parts.sum()
-
-
-def _by_device(tensors) -> list[tuple[torch.device, list[torch.Tensor]]]:
-    groups: dict = {}
-    for t in tensors:
-        groups.setdefault(t.device, []).append(t)
-    return list(groups.items())

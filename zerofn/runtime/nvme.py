@@ -137,8 +137,8 @@ class NvmeOffload:
         # [Note: compute rows in the ring]: past the state, as a parameter shard lies.
         dtypes = {u: compute_dtype or u.dtype for u in units if u.slots and u not in self.params}
         self.lowp = {u: dt for u, dt in dtypes.items() if dt != torch.float32}
-        biggest = max([*self.block.values(), *(_state_bytes(u) + _round(
-            u.shard_numel * dt.itemsize) for u, dt in self.lowp.items())], default=0)
+        biggest = max([*self.block.values(),
+                       *(block_bytes(u, dt) for u, dt in self.lowp.items())], default=0)
         # Page-aligned and a multiple of BLOCK long, for O_DIRECT; pinned for the device.
         self.staging = [host_buffer(biggest // FLOAT, torch.float32, pin)
                         for _ in range(in_flight)]

@@ -120,14 +120,14 @@ class HostOffload:
         return [a for a in (*self._arenas, *self._param_arenas.values(), self._steps,
                             *self.grad_arenas.values()) if a]
 
-    def compute_rows(self, unit: Unit, cast: bool = False) -> torch.Tensor:
-        """Where the updated compute rows of a unit are read from after a step; ``cast``:
-        the masters changed since CPU Adam last wrote the compute copy (a torch
-        optimizer's step), so cast them into it first."""
+    def compute_rows(self, unit: Unit) -> torch.Tensor:
+        """Where the updated compute rows of a unit are read from after a step. CPU Adam
+        writes the compute copy in its pass; a torch optimizer stepped the masters only,
+        so they are cast into it first."""
         lowp = self.lowp.get(unit)
         if lowp is None:
             return self.master[unit]
-        if cast:
+        if self.adamw_mode is None:
             lowp.copy_(self.master[unit])
         return lowp
 

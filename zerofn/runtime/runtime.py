@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ..failures import Watch
 from ..plan import Plan
-from .comm import Comm, backend_for, device_problems
+from .comm import Comm, device_problems
 from .copies import CopyStreams
 from .grads import GradReducer
 from .host_malloc import return_large_frees
@@ -77,16 +77,16 @@ class Runtime:
     def __init__(self, model: nn.Module, optimizer, plan: Plan):
         self.model, self.optimizer, self.plan = model, optimizer, plan
         layout, self.device = _resolve_group(plan.option("group"), model)
+        self.comm = Comm(layout.shard, plan.option("bucket_size"), self.device)
         # Raised here, before any collective: on a device the group does not serve, the
         # first one would fail or hang.
         current = torch.cuda.current_device() if self.device.type == "cuda" else None
-        problems = device_problems(self.device, backend_for(layout.shard, self.device), current)
+        problems = device_problems(self.device, self.comm.backend, current)
         if problems:
             raise ValueError("zerofn set-up: " + " ".join(problems))
         if self.device.type == "cpu":
             return_large_frees()     # [Note: mmap threshold] in host_malloc.py
         self.mesh, self.placements, self.group = layout.mesh, layout.placements, layout.everyone
-        self.comm = Comm(layout.shard, plan.option("bucket_size"), self.device)
         self.watch = Watch(self.group, plan.option("timeout"), (layout.shard, layout.replicate))
         # HSDP: the replicate dimension, over which the reduced shards are averaged.
         self.replicas = None if layout.replicate is None \
@@ -461,7 +461,7 @@ class Runtime:
         """This rank's updated rows of ``unit`` in the compute dtype where one exists; None
         where the compute params' own rows are the ones the optimizer updated."""
         if isinstance(self.offload, HostOffload):
-            return self.offload.compute_rows(unit, cast=self.offload.adamw_mode is None)
+            return self.offload.compute_rows(unit)
         if isinstance(self.offload, NvmeOffload):    # materialized for a load, else current
             return self.offload.resident[unit][0] if unit in self.offload.resident else None
         return unit.master

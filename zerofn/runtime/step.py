@@ -124,7 +124,7 @@ class StepGrads:
             return torch.full((), float(not all(ok for _, ok in self.host_stats())),
                               device=self.device)
         found = torch.zeros((), device=self.device)
-        for (device, _), group in _by_device_and_dtype(grads).items():
+        for (device, _), group in by_device_and_dtype(grads).items():
             flag = torch.zeros(1, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(
                 group, flag, torch.full((), self.grad_scale, device=device))
@@ -145,8 +145,9 @@ class StepGrads:
             # the host would wait for the device's queue, on CUDA) and, with no overflow
             # verdict to learn, knows the result (all ones): it takes part for the others'
             # sake and does not read it back, which would wait too.
-            known = found is None and all(had)
-            flags = torch.ones(len(had), device=self.device) if all(had) else \
+            every = all(had)
+            known = found is None and every
+            flags = torch.ones(len(had), device=self.device) if every else \
                 torch.tensor(had, dtype=torch.float32, device=self.device)
             if found is not None:   # offload: found is on the host
                 flags = torch.cat([found.reshape(1).to(self.device, torch.float32), flags])
@@ -179,7 +180,7 @@ class StepGrads:
             # A non-finite norm (training diverged, with no loss scaling to skip the step):
             # torch's clip writes it into every gradient, so the step does the same.
             factor, self.grad_scale = torch.tensor(scale), 1.0
-        for (device, dtype), group in _by_device_and_dtype(self.present()).items():
+        for (device, dtype), group in by_device_and_dtype(self.present()).items():
             torch._foreach_mul_(group, factor.to(device, dtype))
 
     def present(self) -> list[torch.Tensor]:
@@ -199,7 +200,7 @@ class StepGrads:
         self.ready = False
 
 
-def _by_device_and_dtype(tensors) -> dict[tuple, list[torch.Tensor]]:
+def by_device_and_dtype(tensors) -> dict[tuple, list[torch.Tensor]]:
     groups = defaultdict(list)
     for t in tensors:
         groups[(t.device, t.dtype)].append(t)
