@@ -28,7 +28,8 @@ Each run takes ``--warmup`` untimed steps, then ``--steps`` timed ones, each fen
 ``torch.cuda.synchronize``; the step time is their median. tokens/s =
 accum*batch*context / step time. TFLOP/s is the model-FLOPs convention for training,
 6*N*tokens/s with N every parameter (the tied embedding once): attention scores and
-checkpoint recompute are not counted, so it is comparable across contenders but below the hardware's real rate.
+checkpoint recompute are not counted, so it is comparable across contenders but below
+the hardware's real rate.
 
 Each run is a separate process: a CUDA OOM leaves the allocator fragmented and glibc keeps
 freed heap, so nothing leaks from one contender into the next, and a run the kernel kills
