@@ -15,7 +15,7 @@ from multiproc import run_ranks
 from test_parity import STAGES, max_errors, train_reference, train_sharded
 
 CONFIGS = [(1, "adamw", {}), (2, "adamw", {}), (3, "adamw", {}), (3, "adamw", {"params": True}),
-           (2, "sgd", {}), (3, "adam", {"params": True}),
+           (2, "sgd", {}), (3, "sgd", {"params": True}), (3, "adam", {"params": True}),
            (1, "adamw", {"nvme": True}), (2, "adamw", {"nvme": True}), (3, "adam", {"nvme": True}),
            (3, "adamw", {"nvme": True, "units_in_flight": 1})]
 

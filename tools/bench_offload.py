@@ -290,14 +290,13 @@ def mem_available() -> int:
 
 def host_need(params: int, args) -> int:
     """Host bytes zerofn offload needs, with a margin: fp32 master + Adam m, v (12 B/param),
-    the bf16 gradient landing buffer (2), the bf16 rows the step writes for the device (2),
-    bf16 param shards with --offload-params (2); with --nvme only the landing buffer (the
-    rest is in the swap file, the staging ring is a few units); on a CPU device the
+    the bf16 gradient landing buffer (2), the bf16 rows the step writes for the device (2;
+    with --offload-params they are the param shards); with --nvme only the landing buffer
+    (the rest is in the swap file, the staging ring is a few units); on a CPU device the
     "device" bf16 shard and gradient shard (4) are host memory too. The margin is small on
     CUDA, where those are page-locked arenas made once at their exact size, and larger on
     the CPU, where the allocator keeps freed blocks of the training itself."""
-    per = (2 if args.nvme else 16) + 2 * args.offload_params * (not args.nvme) \
-        + 4 * (args.device == "cpu")
+    per = (2 if args.nvme else 16) + 4 * (args.device == "cpu")
     if args.device == "cuda":
         return int(1.05 * per * params) + 3 * 2**30      # + libraries, CUDA context
     return int(1.15 * per * params) + 2**29

@@ -62,7 +62,9 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
     keeps its own compute copy) and adds a host landing buffer for the gradient shard and,
     under mixed precision, a host copy of the rows in the compute dtype (the step writes
     it, and it goes to the device from there);
-    ``params=True`` (ZeRO-3) moves the compute shards to the host too. ``offload("nvme")``
+    ``params=True`` (ZeRO-3) moves the compute shards to the host too, where for
+    ``offload("cpu")`` they are those rows (the masters themselves when the compute
+    dtype is theirs), no further copy. ``offload("nvme")``
     keeps masters and optimizer state (and with ``params=True`` the compute shards) in the
     swap file; host memory then holds the gradient landing buffer plus a staging ring of
     ``units_in_flight`` units, which depends on unit sizes and is not counted here.
@@ -102,11 +104,16 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
         master = 0 if master_dtype == param_dtype else m
         out["device"]["optimizer"] = (master + optimizer_states * m) * (share if stage else n)
     else:
+        # offload("cpu", params=True) computes on the rows the step writes: the masters
+        # themselves in the compute dtype (counted as params, as without offload), else
+        # the compute-dtype copy below, which offload("cpu") keeps in any case.
+        shard_is_rows = offload == "cpu" and offload_params
+        master = 0 if shard_is_rows and c == m else m
         out["nvme" if offload == "nvme" else "host"]["optimizer"] = \
-            (m + optimizer_states * m) * share
+            (master + optimizer_states * m) * share
         landing = r if optimizer_states == 2 else m
         out["host"]["grads"] = landing * share
-        if offload == "cpu" and c != m:   # the compute-dtype copy the step sends up
+        if offload == "cpu" and c != m and not shard_is_rows:   # the copy the step sends up
             out["host"]["params"] += c * share
     for place in out.values():
         place["total"] = sum(place[role] for role in ROLES)

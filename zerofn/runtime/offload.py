@@ -87,11 +87,12 @@ class HostOffload:
                 state.update({u: arena.take(u.shard_numel) for u in mine})
             self._arenas.append(arena)
         self._units = units
-        self._param_arenas, self._steps = {}, None
+        self._steps = None
         # Under mixed precision the compute copy is kept in this (pinned) arena, where CPU
         # Adam writes it in its pass (another optimizer's rows are cast into it): what goes
         # back to the device is already in its dtype, and page-locked. A copy that also
         # casts would cast on the host into pageable memory and hold the step meanwhile.
+        # Under parameter offload this copy is the parameter shard (``param_shard``).
         self.lowp = {}
         lowp = [u for u in units if self.compute_dtype[u] != self.master_dtype[u]]
         for dtype, mine in _by_dtype({u: self.compute_dtype[u] for u in lowp}).items():
@@ -109,16 +110,15 @@ class HostOffload:
             self.grads.update({u: arena.take(u.shard_numel) for u in us})
 
     def param_shard(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
-        """ZeRO-3 parameter offload: the unit's compute shard, on the host."""
-        if dtype not in self._param_arenas:
-            mine = [u for u in self._units if self.compute_dtype[u] == dtype]
-            self._param_arenas[dtype] = HostArena([u.shard_numel for u in mine], dtype,
-                                                  self.pin)
-        return self._param_arenas[dtype].take(unit.shard_numel).copy_(self.master[unit])
+        """ZeRO-3 parameter offload: the unit's compute shard on the host is the copy the
+        step writes, the compute-dtype rows (or the masters themselves, in their dtype):
+        no second host copy of the rows, and no copy into it after each step."""
+        assert dtype == self.compute_dtype[unit], (unit.name, dtype)   # one plan made both
+        lowp = self.lowp.get(unit)
+        return self.master[unit] if lowp is None else lowp.copy_(self.master[unit])
 
     def arenas(self) -> list[HostArena]:
-        return [a for a in (*self._arenas, *self._param_arenas.values(), self._steps,
-                            *self.grad_arenas.values()) if a]
+        return [a for a in (*self._arenas, self._steps, *self.grad_arenas.values()) if a]
 
     def compute_rows(self, unit: Unit) -> torch.Tensor:
         """Where the updated compute rows of a unit are read from after a step. CPU Adam
@@ -132,7 +132,10 @@ class HostOffload:
         return lowp
 
     def recast(self) -> None:
-        """After masters changed outside a step (a load): the compute copies follow."""
+        """After masters changed outside a step (a load): the compute copies follow. (A
+        torch optimizer's are cast whenever they are read, by ``compute_rows``.)"""
+        if self.adamw_mode is None:
+            return
         for u, lowp in self.lowp.items():
             lowp.copy_(self.master[u])
 

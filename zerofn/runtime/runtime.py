@@ -584,7 +584,7 @@ class Runtime:
 class FlatBuffers:
     """``{key: (dtype, numel)}`` as zeroed views of one buffer per dtype (``views``), each
     starting ``align`` elements apart (256 bytes for fp32), as vector kernels like.
-    ``holds`` tells accounting which storage they share (see ``accounting._storages``)."""
+    ``holds`` tells accounting which storage they share (see ``accounting._extents``)."""
 
     def __init__(self, sizes: dict, device: torch.device, align: int = 64):
         self.views: dict = {}
