@@ -25,14 +25,16 @@ def free_port() -> int:
 
 
 def torchrun(launcher: list[str], flags: list[str], fault: str | None = None,
-             timeout: float = 120) -> subprocess.Popen:
-    """Start ``torchrun LAUNCHER tests/faulty_train.py JOB FLAGS`` (no fault unless given)."""
+             script: str = FAULTY) -> subprocess.Popen:
+    """Start ``torchrun LAUNCHER tests/faulty_train.py JOB FLAGS`` (no fault unless given),
+    or ``torchrun LAUNCHER SCRIPT FLAGS``."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     env.pop("ZEROFN_TEST_FAULT", None)
     if fault:
         env["ZEROFN_TEST_FAULT"] = fault
+    job = JOB if script == FAULTY else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.2",
-           *launcher, FAULTY, *JOB, *flags]
+           *launcher, script, *job, *flags]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 

@@ -110,6 +110,7 @@ class Watch:
         self.between = False   # the last optimizer step is done, the next forward not begun
         self.active = True
         Watch.latest = self
+        _hook_uncaught()
         self._step = None      # (optimizer, its own step) while ``attach`` wraps it
         self._write()
 
@@ -325,6 +326,26 @@ def _alive(pid: int) -> bool:
         return False
     except OSError:
         return True
+
+
+def _hook_uncaught() -> None:
+    """Record what ends the process uncaught (once per process, before the hook Python
+    had). An error raised where zerofn has no hook of its own (the model's own backward
+    code, the job's data loading or logging) is then named by the other ranks, where
+    they would otherwise only find this rank gone; a failed collective of the job's own
+    is explained as ``translate`` explains it."""
+    if getattr(sys.excepthook, "_zerofn", False):
+        return
+    previous = sys.excepthook
+
+    def record_and_print(kind, exc, tb):
+        failure = translate(exc) if isinstance(exc, Exception) else exc
+        previous(kind, exc, tb)
+        if failure is not exc:
+            print(f"\n{type(failure).__name__}: {failure}", file=sys.stderr)
+
+    record_and_print._zerofn = True
+    sys.excepthook = record_and_print
 
 
 def _first_line(exc: BaseException) -> str:
