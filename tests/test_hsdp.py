@@ -236,9 +236,11 @@ def pretrained_files(rank, world, mesh, root) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-def tensorboard_dirs(rank, world, mesh, root) -> list[str]:
+def tensorboard_dirs(rank, world, mesh, root) -> tuple[list[str], dict, dict]:
     """zf.tensorboard(ranks="all") at 2 x 2: one directory per rank of the mesh (replicas
-    share shard ranks, and must not write over each other)."""
+    share shard ranks, and must not write over each other); this rank's comm/ series of
+    step 1, and zf.comm_stats."""
+    from test_tensorboard import read, scalars
     _, model = make_models()
     logdir = os.path.join(root, "runs")
     board = zf.tensorboard(logdir, every=1, ranks="all")
@@ -247,7 +249,10 @@ def tensorboard_dirs(rank, world, mesh, root) -> list[str]:
     train_sharded(model, opt, batches(1, 1, world), rank, world)
     runtime_of(model).monitor.close()
     dist.barrier()
-    return sorted(os.listdir(logdir))
+    acc = read(os.path.join(logdir, f"rank{rank}"))
+    series = {tag: scalars(acc, tag)[1] for tag in acc.Tags()["scalars"]
+              if tag.startswith("comm/")}
+    return sorted(os.listdir(logdir)), series, zf.comm_stats(model)
 
 
 def bad_meshes(rank, world):
@@ -303,7 +308,15 @@ def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
         # the reduced shards, and the vote (the shard dim's only all-reduce here)
         assert stats["replicate.all_reduce"] == stats["reduce_scatter"] // 2 + stats["all_reduce"]
         assert r["pretrained"], "save_pretrained / load_pretrained under HSDP changed the weights"
-        assert r["tensorboard"] == [f"rank{i}" for i in range(4)], r["tensorboard"]
+        dirs, series, stats = r["tensorboard"]
+        assert dirs == [f"rank{i}" for i in range(4)], dirs
+        # The replicate dimension's traffic has its own series: each unit's reduced shard,
+        # and the step's vote.
+        assert series["comm/replicate.all_reduce/bytes"] == stats["replicate.all_reduce_bytes"]
+        assert series["comm/replicate.all_reduce/count"] == \
+            series["comm/reduce_scatter/count"] + 1
+        assert series["comm/replicate.all_reduce/busbw_gbps"] > 0
+        assert series["comm/all_reduce/bytes"] == stats["all_reduce_bytes"]
         assert all(e == 0.0 for e in r["bf16"].values()), f"bf16 vs FSDP2's: {r['bf16']}"
 
 

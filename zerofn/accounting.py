@@ -117,8 +117,4 @@ def comm_stats(model: nn.Module) -> dict[str, int]:
         >>> stats = zf.comm_stats(model)
         >>> stats["reduce_scatter_bytes"], stats.get("replicate.all_reduce_bytes", 0)
     """
-    rt = runtime_of(model)
-    out = dict(rt.comm.last_step)
-    if rt.replicas is not None:
-        out.update({f"replicate.{k}": v for k, v in rt.replicas.last_step.items()})
-    return out
+    return dict(runtime_of(model).last_step_traffic())

@@ -259,7 +259,7 @@ class Monitor:
             self._pending.append((self.step, "train/grad_norm", self._grad_norm))
             self._grad_norm = None
         self._skipped += bool(rt.step_grads.overflow)
-        self._comm.update(rt.comm.last_step)
+        self._comm.update(rt.last_step_traffic())
         if self.step % self.every == 0:
             with self._logging():
                 self._write(collective=True)
@@ -309,7 +309,8 @@ class Monitor:
         if stragglers is not None:
             scalars["time/step_max"], scalars["time/step_min"] = stragglers
         scalars["train/skipped_steps"] = self._skipped
-        scalars.update(comm_series(comm, calls, ms, steps, self.rt.world))
+        replicas = self.rt.replicas.world if self.rt.replicas is not None else 1
+        scalars.update(comm_series(comm, calls, ms, steps, self.rt.world, replicas))
         scalars.update(self._memory())
         for tag, value in scalars.items():
             self._scalar(tag, value, self.step)
@@ -478,16 +479,21 @@ def bus_bandwidth(kind: str, nbytes: float, ms: float, world: int) -> float:
     return nbytes / (ms / 1e3) * factor / 1e9
 
 
-def comm_series(comm: Counter, calls: Counter, ms: dict, steps: int, world: int) -> dict:
-    """``comm/<kind>/{bytes,count,time_ms,busbw_gbps}``, means per step of the interval."""
+def comm_series(comm: Counter, calls: Counter, ms: dict, steps: int, world: int,
+                replicas: int = 1) -> dict:
+    """``comm/<kind>/{bytes,count,time_ms,busbw_gbps}``, means per step of the interval;
+    HSDP's ``replicate.<kind>`` collectives run over the ``replicas`` ranks of the other
+    mesh dimension."""
     out = {}
     kinds = {k for k in comm if not k.endswith("_bytes")} | set(calls)
     for kind in sorted(kinds):
         nbytes, t = comm[kind + "_bytes"], ms.get("comm/" + kind, 0.0)
+        dim, _, base = kind.rpartition(".")
         out[f"comm/{kind}/bytes"] = nbytes / steps
         out[f"comm/{kind}/count"] = calls[kind] / steps
         out[f"comm/{kind}/time_ms"] = t / steps
-        out[f"comm/{kind}/busbw_gbps"] = bus_bandwidth(kind, nbytes, t, world)
+        out[f"comm/{kind}/busbw_gbps"] = bus_bandwidth(
+            base, nbytes, t, replicas if dim == "replicate" else world)
     return out
 
 

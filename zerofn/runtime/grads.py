@@ -221,7 +221,7 @@ class GradReducer:
                     lambda: self.comm.reduce_scatter(out, send, True, scratch), "reduce_wait",
                     stall=False).wait()
                 if self.replicas is not None:   # (a fixed point in order: on the stream)
-                    self.replicas.all_reduce(out, op=self._replica_op())
+                    self._average_over_replicas(unit, out, stall=False).wait()
                 spent = self._post_reduce(unit, out)
                 ready = self.stream.record_event()
             self.comm.enqueue(None, nbytes, functools.partial(self._give, buffers + spent, ready))
@@ -236,12 +236,17 @@ class GradReducer:
         unit, work, buffers, out = self._to_average
         self._to_average = None
         work.wait()
-        self.comm.enqueue(self.replicas.all_reduce(out, self._replica_op(), async_op=True),
-                          sum(b.nbytes for b in buffers),
+        self.comm.enqueue(self._average_over_replicas(unit, out), sum(b.nbytes for b in buffers),
                           functools.partial(self._reduced, unit, buffers, out))
 
-    def _replica_op(self):
-        return dist.ReduceOp.AVG if self.replicas.averages else dist.ReduceOp.SUM
+    def _average_over_replicas(self, unit: Unit, out: torch.Tensor, stall: bool = True):
+        """Start the all-reduce of a reduced shard over the replicas, timed as the
+        ``replicate.all_reduce`` kind (its own TensorBoard series: another group of ranks,
+        usually another network)."""
+        op = dist.ReduceOp.AVG if self.replicas.averages else dist.ReduceOp.SUM
+        return self.timing.issue("replicate.all_reduce", "average", unit.name,
+                                 lambda: self.replicas.all_reduce(out, op, async_op=True),
+                                 "reduce_wait", stall)
 
     def _reduction_target(self, unit: Unit) -> torch.Tensor:
         """Where this reduction lands: the unit's gradient shard when it starts afresh, else

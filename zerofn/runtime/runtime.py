@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import types
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -436,6 +437,14 @@ class Runtime:
         if self.monitor is not None:
             self.monitor.step_done()
         self.watch.step_done()
+
+    def last_step_traffic(self) -> Counter:
+        """``zf.comm_stats``: the shard dimension's counts, HSDP's replicate dimension's
+        as ``replicate.<kind>``."""
+        out = Counter(self.comm.last_step)
+        if self.replicas is not None:
+            out.update({f"replicate.{k}": v for k, v in self.replicas.last_step.items()})
+        return out
 
     def _host_grad_dtype(self, unit) -> torch.dtype:
         """Gradients land on the host in the reduce dtype when CPU Adam reads them (scaled

@@ -153,7 +153,8 @@ class StepGrads:
                 flags = torch.cat([found.reshape(1).to(self.device, torch.float32), flags])
             with self.timing.collective("all_reduce"):
                 self.comm.all_reduce(flags, op=dist.ReduceOp.MAX)
-                if self.replicas is not None:
+            if self.replicas is not None:
+                with self.timing.collective("replicate.all_reduce"):
                     self.replicas.all_reduce(flags, op=dist.ReduceOp.MAX)
             votes = had if known else flags.tolist()
         overflow = found is not None and votes.pop(0) > 0
