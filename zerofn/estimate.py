@@ -54,7 +54,8 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
                        param_dtype: torch.dtype = torch.bfloat16,
                        master_dtype: torch.dtype = torch.float32, optimizer_states: int = 2,
                        *, reduce_dtype: torch.dtype | None = None, offload: str | None = None,
-                       offload_params: bool = False) -> dict[str, dict[str, float]]:
+                       offload_params: bool = False, units_in_flight: int = 2,
+                       largest_unit: int | None = None) -> dict[str, dict[str, float]]:
     """Model-state bytes one rank holds, by place and role, as zerofn lays them out.
 
     Without offload everything is on the device. ``offload("cpu")`` moves the fp32
@@ -67,7 +68,10 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
     dtype is theirs), no further copy. ``offload("nvme")``
     keeps masters and optimizer state (and with ``params=True`` the compute shards) in the
     swap file; host memory then holds the gradient landing buffer plus a staging ring of
-    ``units_in_flight`` units, which depends on unit sizes and is not counted here.
+    ``units_in_flight`` buffers, each a rank's share of the largest unit's swap block
+    (master, two moments and, under mixed precision or ``params=True``, the compute rows):
+    its compute-shard part counts as ``params``, the rest as ``optimizer``, as
+    ``zf.model_state_bytes`` counts them. It is left out where the largest unit is unknown.
 
     Adam/AdamW (``optimizer_states=2``) steps in zerofn's C++ kernel, which reads the
     gradients in the reduce dtype; other optimizers step fp32 gradients on the host.
@@ -79,6 +83,11 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
         reduce_dtype: dtype gradients are reduced and held in (default ``param_dtype``).
         offload: None, "cpu" or "nvme".
         offload_params: ZeRO-3 only: offload the parameter shards too.
+        units_in_flight: NVMe staging buffers, as ``offload`` takes it.
+        largest_unit: parameters of the largest unit (e.g. one transformer block, or the
+            root's embeddings and head), for NVMe's staging ring; by default found from
+            ``params`` when it is a module (zerofn's default units: each module of a
+            ``ModuleList``, and the root for the rest), else the ring is not counted.
 
     Returns:
         ``{place: {"params", "grads", "optimizer", "total"}}`` in bytes for every place in
@@ -115,9 +124,26 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
         out["host"]["grads"] = landing * share
         if offload == "cpu" and c != m and not shard_is_rows:   # the copy the step sends up
             out["host"]["params"] += c * share
+        if offload == "nvme":
+            ring = units_in_flight * _largest_share(params, world, largest_unit)
+            shard = c if offload_params else 0
+            rows = c if c != m and not offload_params else 0
+            out["host"]["params"] += ring * shard
+            out["host"]["optimizer"] += ring * ((1 + optimizer_states) * m + rows)
     for place in out.values():
         place["total"] = sum(place[role] for role in ROLES)
     return out
+
+
+def _largest_share(params, world: int, largest_unit: int | None) -> float:
+    """A rank's rows of the largest unit: from ``largest_unit``, else from the module's
+    units as zerofn forms them by default (0 where neither is known)."""
+    if largest_unit is not None:
+        return largest_unit / world
+    if not isinstance(params, nn.Module):
+        return 0
+    from .runtime.units import build_units
+    return max(u.shard_numel for u in build_units(params, None, world, 0))
 
 
 def _check(stage: int, offload: str | None, offload_params: bool) -> None:
@@ -153,15 +179,17 @@ def parse_count(text: str) -> int:
     return round(value)
 
 
-def table(n: int, world: int, stages, param_dtype: torch.dtype, optimizer_states: int = 2,
-          offload: str | None = None, offload_params: bool = False) -> str:
-    """The estimate as a text table: one row per stage and place that holds bytes, in GB."""
+def table(params: int | nn.Module, world: int, stages, param_dtype: torch.dtype,
+          optimizer_states: int = 2, offload: str | None = None, offload_params: bool = False,
+          **ring) -> str:
+    """The estimate as a text table: one row per stage and place that holds bytes, in GB.
+    ``ring``: ``units_in_flight`` and ``largest_unit`` for NVMe's staging ring."""
     header = f"{'stage':<8}{'place':<8}" + "".join(f"{h:>11}" for h in ROLES + ("total",))
     rows = [header, "-" * len(header)]
     for stage in stages:
-        placed = estimate_placement(n, world, stage, param_dtype,
+        placed = estimate_placement(params, world, stage, param_dtype,
                                     optimizer_states=optimizer_states, offload=offload,
-                                    offload_params=offload_params)
+                                    offload_params=offload_params, **ring)
         for place in PLACES:
             if place == "device" or placed[place]["total"]:
                 rows.append(f"{'ZeRO-' + str(stage):<8}{place:<8}" + "".join(
@@ -180,7 +208,7 @@ def _description(n: int, world: int, precision: str, optimizer_states: int,
             f"activations come on top.")
 
 
-def main(argv=None, prog: str = "python -m zerofn.estimate") -> int:
+def main(argv=None, prog: str = "python -m zerofn estimate") -> int:
     """The command line (``zerofn estimate``); ``prog`` names it in the help."""
     p = argparse.ArgumentParser(prog=prog, description="Model-state bytes per rank by place "
                                 "(device, host, NVMe) and role, before building anything.")
@@ -197,36 +225,48 @@ def main(argv=None, prog: str = "python -m zerofn.estimate") -> int:
     p.add_argument("--offload", choices=("cpu", "nvme"), help="offload the optimizer")
     p.add_argument("--offload-params", action="store_true",
                    help="ZeRO-3: offload the parameter shards too")
+    p.add_argument("--units-in-flight", type=int, default=2,
+                   help="NVMe staging buffers in host memory (default 2, as offload's)")
+    p.add_argument("--largest-unit",
+                   help="NVMe: parameters of the largest unit (one block, or the embeddings "
+                        "and head), which sizes the staging buffers; --model knows it")
     args = p.parse_args(argv)
     try:
-        n = _count(args)
-        if args.world < 1:
-            raise ValueError(f"--world {args.world}: at least one rank.")
+        model = _model(args)
+        largest = parse_count(args.largest_unit) if args.largest_unit else None
+        if args.world < 1 or args.units_in_flight < 1:
+            raise ValueError(f"--world {args.world}, --units-in-flight "
+                             f"{args.units_in_flight}: at least 1 of each.")
         stages = [args.stage] if args.stage is not None else \
             [3] if args.offload_params else [1, 2, 3] if args.offload else [0, 1, 2, 3]
-        text = table(n, args.world, stages, DTYPES[args.precision], args.optimizer_states,
-                     args.offload, args.offload_params)
+        text = table(model, args.world, stages, DTYPES[args.precision], args.optimizer_states,
+                     args.offload, args.offload_params, units_in_flight=args.units_in_flight,
+                     largest_unit=largest)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    n = sum(p.numel() for p in model.parameters()) if isinstance(model, nn.Module) else model
     print(_description(n, args.world, args.precision, args.optimizer_states, args.offload,
                        args.offload_params))
     print(text)
     if args.offload == "nvme":
-        print("NVMe offload also stages units_in_flight units in host memory (not counted).")
+        counted = largest is not None or isinstance(model, nn.Module)
+        print(f"NVMe offload stages {args.units_in_flight} units in host memory: "
+              + ("counted under host." if counted else
+                 "not counted (give --largest-unit, or --model)."))
     return 0
 
 
-def _count(args) -> int:
+def _model(args) -> int | nn.Module:
+    """The parameter count given, or the preset GPT, built on the meta device (no memory)."""
     if (args.size is None) == (args.model is None):
         raise ValueError("give a parameter count (e.g. 7B) or --model PRESET, one of them.")
     if args.model is None:
         return parse_count(args.size)
+    from .nanogpt import GPT
     from .train import MODELS
     if args.model not in MODELS:
         raise ValueError(f"--model {args.model!r}: the presets are {', '.join(MODELS)}.")
-    return MODELS[args.model].params()
+    with torch.device("meta"):
+        return GPT(MODELS[args.model])
 
-
-if __name__ == "__main__":
-    sys.exit(main())

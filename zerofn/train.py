@@ -431,7 +431,8 @@ def banner(job: Job, model, opt, args) -> str:
     offload = "none" if job.offload is None else job.offload + \
         (" (params too)" if job.offload_params else "") + \
         (f" at {job.nvme_path}" if job.offload == "nvme" else "")
-    units = len(runtime_of(model).units)
+    rt = runtime_of(model)
+    units = len(rt.units)
     lines = [
         f"zerofn train: GPT '{args.model}' {n:,} parameters (width {job.cfg.width}, "
         f"{job.cfg.layers} layers, context {job.cfg.context}), {_ranks(world)} on "
@@ -447,7 +448,9 @@ def banner(job: Job, model, opt, args) -> str:
         reduce_dtype = job.options.get("mixed_precision", {}).get("reduce_dtype")
         est = estimate_placement(n, world, job.stage, PRECISIONS[job.precision],
                                  reduce_dtype=reduce_dtype, offload=job.offload,
-                                 offload_params=job.offload_params)
+                                 offload_params=job.offload_params,
+                                 units_in_flight=rt.plan.option("units_in_flight"),
+                                 largest_unit=world * max(u.shard_numel for u in rt.units))
         lines.append("model state per rank, estimated: " + _places(est))
     return "\n".join(lines)
 
