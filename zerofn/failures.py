@@ -151,8 +151,9 @@ class Watch:
         stepping = types.MethodType(stepping, optimizer)
         optimizer.step = stepping
         self._step = (optimizer, own, stepping)
-        return [model.register_forward_pre_hook(forward_begins, prepend=True),
-                model.register_forward_hook(forward_ends, always_call=True)]
+        eager = torch.compiler.disable   # runtime/params.py's [Note: hooks under torch.compile]
+        return [model.register_forward_pre_hook(eager(forward_begins), prepend=True),
+                model.register_forward_hook(eager(forward_ends), always_call=True)]
 
     def _guard_per_unit(self, obj, name: str) -> None:
         """``obj.name(unit, ...)`` through ``failed``, naming the unit."""

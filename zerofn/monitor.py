@@ -167,12 +167,13 @@ class Monitor:
         self._grad_norm = None
         self._comm: Counter = Counter()  # comm_stats summed over the interval's steps
         self._series = self._time_series()
+        eager = torch.compiler.disable   # runtime/params.py's [Note: hooks under torch.compile]
         self._hooks = [
-            rt.model.register_forward_pre_hook(self._forward_begins, prepend=True),
+            rt.model.register_forward_pre_hook(eager(self._forward_begins), prepend=True),
             # First among the post-hooks, so its tensor hooks run before the runtime's
             # (ZeRO-3 gathers the root unit again there): backward's time includes them.
-            rt.model.register_forward_hook(self._watch_backward, prepend=True),
-            rt.model.register_forward_hook(self._forward_ends, always_call=True)]
+            rt.model.register_forward_hook(eager(self._watch_backward), prepend=True),
+            rt.model.register_forward_hook(eager(self._forward_ends), always_call=True)]
         self.writer = self._csv = None
         if self.writes:
             from torch.utils.tensorboard import SummaryWriter   # only where logs are written

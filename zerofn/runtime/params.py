@@ -18,6 +18,11 @@ from torch.utils._pytree import tree_leaves
 from .timing import UNTIMED
 from .units import Unit
 
+# [Note: hooks under torch.compile] zerofn's hooks run eagerly in a compiled model, as
+# FSDP2's do (torch.compiler.disable): they gather, free and lend buffers, and record
+# progress, Python state that dynamo cannot trace; the model's graphs break around them.
+eager = torch.compiler.disable
+
 
 def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
@@ -137,7 +142,8 @@ class ParamGatherer:
         if is_root and not in_backward():
             self._recording = []
             if torch.is_grad_enabled():
-                self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(eager(self._pack),
+                                                                           eager(self._unpack))
                 self._hooks_ctx.__enter__()
         if not in_backward() and unit not in self._recording:
             self._recording.append(unit)
@@ -153,7 +159,7 @@ class ParamGatherer:
         if torch.is_grad_enabled():
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, u=unit: self.pre_backward(u))
+                    t.register_hook(eager(lambda grad, u=unit: self.pre_backward(u)))
         if self.reshard_after_forward:
             self.free(unit)
         if is_root:

@@ -26,7 +26,7 @@ from .mesh import layout_of
 from .nvme import NvmeOffload, nvme_problems, swap_bytes
 from .offload import HostOffload, fused_adam_mode
 from .optimizer import OptimizerWiring, check_optimizer
-from .params import ParamGatherer
+from .params import ParamGatherer, eager
 from .pool import BufferPool
 from .precision import LossScaler
 from .step import StepGrads
@@ -353,10 +353,11 @@ class Runtime:
             is_root = unit is self.root
             pre = self.watch.guarded(self._pre_forward, unit.name)
             post = self.watch.guarded(self._post_forward, unit.name)
+            # [Note: hooks under torch.compile]
             handles.append(unit.module.register_forward_pre_hook(
-                lambda m, a, u=unit, r=is_root: pre(u, r), prepend=True))
+                eager(lambda m, a, u=unit, r=is_root: pre(u, r)), prepend=True))
             handles.append(unit.module.register_forward_hook(
-                lambda m, a, o, u=unit, r=is_root: post(u, r, o), always_call=True))
+                eager(lambda m, a, o, u=unit, r=is_root: post(u, r, o)), always_call=True))
         return handles
 
     # -- forward ---------------------------------------------------------------------
