@@ -106,7 +106,7 @@ def test_parity_at_world_3_with_cpu_tensors():
 def test_pending_stands_for_the_parts_not_run_yet_in_order():
     done = {"build": {}, "tests": {}, "compare": {}}
     assert gc.expand_pending(["build", "pending"], done) == \
-        ["build", "race", "parity", "profile", "largest", "nvme", "deepspeed"]
+        ["build", "race", "parity", "profile", "largest", "nvme", "deepspeed", "compile"]
     assert gc.expand_pending(["pending", "race"], {n: {} for n in gc.PART_NAMES}) == ["race"]
     assert gc.parse_args(["--parts", "build,pending"]).parts == ["build", "pending"]
 
@@ -123,7 +123,7 @@ def test_a_budget_starts_only_the_parts_whose_whole_limit_fits(tmp_path, monkeyp
                                       str(budget), "--results", str(results),
                                       "--report", str(tmp_path / "gpu.md")])
     gc.main()
-    assert ran == ["build", "parity", "profile", "compare", "nvme", "deepspeed"]
+    assert ran == ["build", "parity", "profile", "compare", "nvme", "deepspeed", "compile"]
     parts = json.loads(results.read_text())["parts"]    # race and largest do not fit
     assert set(parts) == {"tests"} | set(ran)
     assert parts["parity"]["device"] == gc.environment()["device"]

@@ -82,6 +82,9 @@ PARTS = [
     Part("deepspeed", 3, f"DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU, bf16) on "
          f"the {COMPARE_SIZE} model, when DeepSpeed is installed or its wheels are carried along "
          "(`--deepspeed-wheel`, or `wheels/` as `tools/deepspeed_wheels.sh` fills it)."),
+    Part("compile", 3, "`torch.compile` with inductor (Triton kernels) over ZeRO-2 and ZeRO-3 + "
+         "offload('cpu', params=True), bf16: each step's loss and gradient norm against the "
+         "uncompiled run (`tests/test_cuda.py::test_inductor_compiled_models_train_as_eager_ones`)."),
 ]
 PART_NAMES = [p.name for p in PARTS]
 LIMIT = {p.name: 60 * p.minutes for p in PARTS}     # seconds
@@ -165,10 +168,15 @@ def part_build(args) -> dict:
 CUDA_TESTS = ["tests/test_cuda.py",
               "tests/test_offload_copies.py::test_cuda_copy_streams_train_like_blocking_copies[False]"]
 SLEEPY_TEST = "tests/test_offload_copies.py::test_cuda_copy_streams_train_like_blocking_copies[True]"
+COMPILE_TEST = "tests/test_cuda.py::test_inductor_compiled_models_train_as_eager_ones"
 
 
 def part_tests(args) -> dict:
-    return pytest(CUDA_TESTS, LIMIT["tests"])
+    return pytest(CUDA_TESTS + ["--deselect", COMPILE_TEST], LIMIT["tests"])
+
+
+def part_compile(args) -> dict:
+    return pytest([COMPILE_TEST], LIMIT["compile"])
 
 
 def part_race(args) -> dict:
@@ -376,7 +384,8 @@ def _deepspeed_available(args) -> bool | str:
 
 PART_RUNNERS = {"build": part_build, "tests": part_tests, "race": part_race,
                 "parity": part_parity, "profile": part_profile, "compare": part_compare,
-                "largest": part_largest, "nvme": part_nvme, "deepspeed": part_deepspeed}
+                "largest": part_largest, "nvme": part_nvme, "deepspeed": part_deepspeed,
+                "compile": part_compile}
 
 
 # -- workers (their own processes: CUDA and NCCL state start fresh) ----------------------
