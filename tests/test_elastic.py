@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import re
 
+from tests.multiproc import run_ranks
 from tests.torchrun_jobs import STEPS, finish, losses, run, survivors, torchrun, uninterrupted
 
 
-def _restarted(tmp_path, fault: str) -> tuple[str, dict]:
+def _restarted(tmp_path, fault: str, env: dict | None = None) -> tuple[str, dict]:
     save_dir = str(tmp_path / "restarted")
-    code, out, seconds = run(["--save-dir", save_dir], fault=fault, restarts=1)
+    code, out, seconds = run(["--save-dir", save_dir], fault=fault, restarts=1, env=env)
     assert code == 0, out
     assert not survivors(save_dir), "a rank outlived the job"
     print(f"\n[{fault}] job with one restart: {seconds:.1f} s")
@@ -39,3 +40,25 @@ def test_a_save_cut_off_leaves_the_last_complete_checkpoint(tmp_path):
     looks complete, so the restarted job resumes from step 2's."""
     out, got = _restarted(tmp_path, "kill:save:4:1")
     assert _compare(tmp_path, out, got) == 2
+
+
+def test_a_restart_with_a_fresh_store_per_attempt(tmp_path):
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (what docs/multinode.md asks of multi-node
+    elastic jobs): the ranks host a fresh store each attempt, which zerofn train joins
+    without an attempt prefix."""
+    out, got = _restarted(tmp_path, "kill:forward:5:1", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert _compare(tmp_path, out, got) in (2, 4)
+
+
+def _restart_counts_differ(rank, world):
+    import os
+
+    import torch
+
+    from zerofn.train import restarted
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(rank)   # node 0 restarted uncounted
+    return restarted(torch.device("cpu"))
+
+
+def test_every_rank_resumes_where_any_node_counted_a_restart():
+    assert run_ranks(2, _restart_counts_differ) == [True, True]

@@ -25,10 +25,10 @@ def free_port() -> int:
 
 
 def torchrun(launcher: list[str], flags: list[str], fault: str | None = None,
-             script: str = FAULTY) -> subprocess.Popen:
+             script: str = FAULTY, env: dict | None = None) -> subprocess.Popen:
     """Start ``torchrun LAUNCHER tests/faulty_train.py JOB FLAGS`` (no fault unless given),
-    or ``torchrun LAUNCHER SCRIPT FLAGS``."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    or ``torchrun LAUNCHER SCRIPT FLAGS``; ``env`` adds to the environment."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **(env or {}))
     env.pop("ZEROFN_TEST_FAULT", None)
     if fault:
         env["ZEROFN_TEST_FAULT"] = fault
@@ -51,9 +51,9 @@ def finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str, floa
     return proc.returncode, out, time.monotonic() - start
 
 
-def run(flags: list[str], fault: str | None = None, restarts: int = 0):
+def run(flags: list[str], fault: str | None = None, restarts: int = 0, env: dict | None = None):
     return finish(torchrun(["--standalone", "--nproc-per-node", "2",
-                            "--max-restarts", str(restarts)], flags, fault))
+                            "--max-restarts", str(restarts)], flags, fault, env=env))
 
 
 def losses(output: str) -> dict[int, str]:

@@ -173,13 +173,26 @@ def setup(timeout: float = DEFAULT_TIMEOUT) -> torch.device:
 
 
 def attempt_store(wait: datetime.timedelta) -> dict:
-    """The rendezvous store under a prefix of torchrun's attempt: after a restart the
-    launcher's store still holds the first attempt's addresses (torch 2.13), which the
-    new ranks would otherwise try to connect to."""
+    """The rendezvous store, under a prefix of torchrun's attempt where the ranks share
+    the launcher's own store (``TORCHELASTIC_USE_AGENT_STORE``, torchrun's default).
+
+    That store outlives the ranks, and a process group's keys are named alike in every
+    attempt (groups "0", "1", ... of a per-process counter): after a restart a rank can
+    read a dead rank's address, and gloo then fails to connect or waits forever (torch
+    2.13; pytorch/pytorch#135712 for NCCL). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    each attempt gets a fresh store and needs no prefix. The restart count is per node,
+    so across nodes only that setting keeps attempts apart (docs/multinode.md)."""
     store, rank, world = next(dist.rendezvous("env://", timeout=wait))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"zerofn-attempt-{attempt}", store), "rank": rank,
-            "world_size": world}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"zerofn-attempt-{attempt}", store)
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+        if rank == 0 and restarts and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:
+            print("zerofn train: torchrun may restart this multi-node job, and its ranks "
+                  "share each launcher's store, whose restart count differs by node: set "
+                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node "
+                  "(docs/multinode.md).", file=sys.stderr, flush=True)
+    return {"store": store, "rank": rank, "world_size": world}
 
 
 # -- what to run: flags over the config over defaults -------------------------------------
@@ -620,7 +633,7 @@ def save(args, model, opt, sched, data: Batches, step: int) -> None:
 def resume(args, model, opt, sched, data: Batches) -> int:
     """The step to start from: the checkpoint's under --resume or after torchrun restarted
     the job (a rank failed: ``--max-restarts``), else 0."""
-    if not (args.resume or restarted() and args.save_dir):
+    if not (args.resume or args.save_dir and restarted(runtime_of(model).device)):
         return 0
     extras = {"sched": sched, "data": data, "rng": zf.RNGState()}
     try:
@@ -644,9 +657,15 @@ def resume(args, model, opt, sched, data: Batches) -> int:
     return state["step"]
 
 
-def restarted() -> bool:
-    """Whether torchrun restarted this job after a failure."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+def restarted(device: torch.device) -> bool:
+    """Whether torchrun restarted this job after a failure, on any node: each node's
+    launcher counts its own restarts, and one whose ranks were healthy restarts them
+    uncounted when another node's fail, so the ranks agree here (one all-reduce) rather
+    than some resuming while others start afresh."""
+    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))],
+                         device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return count.item() > 0
 
 
 def say_once(store, message: str) -> bool:
