@@ -1,5 +1,6 @@
 """torch.compile over a zerofn model: the whole model compiled after the transforms, or
-each block before them (FSDP2's way), trains exactly as the same model uncompiled.
+each block before them (FSDP2's way), trains exactly as the same model uncompiled; so do
+compiled transformers models (Llama, GPT-2).
 
 The backend is ``aot_eager``: dynamo captures the graphs and AOTAutograd builds their
 backward, the two parts that meet zerofn's hooks (module hooks, tensor hooks, the saved
@@ -9,6 +10,7 @@ whose C++ compile takes a minute here. zerofn's hooks run outside the graphs
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 
@@ -59,3 +61,30 @@ def test_compiled_models_train_as_eager_ones(tmp_path):
         for config, (p_err, s_err, graphs) in zip(CONFIGS, results):
             assert graphs > 0, (rank, config, "nothing was compiled")
             assert p_err <= TOL and s_err <= TOL, (rank, config, p_err, s_err)
+
+
+def hugging_face(rank, world, name: str):
+    """A transformers model (Llama with activation checkpointing, or GPT-2) under ZeRO-3 +
+    bf16, compiled and not: full weights after three steps, and the graphs compiled."""
+    from test_hf_models import adamw, build, global_batches, train
+    out = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = build(name)
+        opt = adamw(model)
+        model, opt = zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(),
+                                zf.mixed_precision(torch.bfloat16))(model, opt)
+        if compiled:
+            model.compile(backend="aot_eager")
+        train(model, opt, global_batches(name)[:3], rank, world)
+        out.append((zf.get_state_dict(model, opt, full=True)[0],
+                    torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+    (eager, _), (compiled, graphs) = out
+    return max(worst(compiled[k] - v) for k, v in eager.items()), graphs
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_compiled_hugging_face_models_train_as_eager_ones(name):
+    pytest.importorskip("transformers")
+    for err, graphs in run_ranks(2, hugging_face, name, timeout=300):
+        assert graphs > 0 and err <= TOL, (name, err, graphs)
