@@ -4,7 +4,7 @@ ZeRO-3 on 2 gloo ranks follows a single-process Trainer on the same global batch
 per step, gradient norms, final weights, evaluation loss), with accumulation, clipping, a
 decaying learning rate and activation checkpointing; resuming from its checkpoint (into
 a model built on the meta device) continues exactly like the uninterrupted run; fp16 loss scaling is zerofn's, and a
-skipped step leaves the LR scheduler alone.
+skipped step leaves the LR scheduler alone; torch_compile=True compiles the sharded model.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+import torch._dynamo
 
 import zerofn as zf
 from multiproc import run_ranks
@@ -170,6 +171,33 @@ def test_fp16_loss_scaling_is_zerofns(tmp_path):
     assert steps == 8 and 0 < skipped < steps, (steps, lr_steps)
     assert scale == 2.0 ** (20 - skipped), (scale, skipped)
     assert adamw_mode is True and moved
+
+
+def compiled_trainer(rank, world, root):
+    """ZeroTrainer (ZeRO-3) with and without torch_compile=True: per-step losses, and
+    the graphs dynamo compiled."""
+    launched_like_torchrun(rank, world)
+    out = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        extra = dict(torch_compile=True, torch_compile_backend="aot_eager") if compiled else {}
+        trainer = ZeroTrainer(
+            model=build("llama"), args=arguments(os.path.join(root, str(compiled)), world,
+                                                 **extra),
+            train_dataset=Rows(),
+            zerofn=zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()))
+        trainer.train()
+        out.append((history(trainer, "loss"),
+                    torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+    return out
+
+
+def test_torch_compile_is_honoured_and_trains_as_uncompiled(tmp_path):
+    """Trainer's torch_compile=True compiles the sharded model (accelerate compiles only a
+    model it prepares, which ZeroTrainer's is not)."""
+    for (eager, _), (compiled, graphs) in run_ranks(2, compiled_trainer, str(tmp_path),
+                                                    timeout=300):
+        assert graphs > 0 and compiled == eager, (graphs, eager, compiled)
 
 
 def test_refuses_what_would_bypass_zerofn(tmp_path):

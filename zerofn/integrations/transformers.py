@@ -13,6 +13,8 @@ Trainer drives the loop; zerofn owns sharding, gradient reduction, precision and
 - accelerate does not prepare the model (it would wrap it in DDP, which cannot hold
   DTensor parameters): ``_wrap_model`` hands Trainer a thin ``_Unprepared`` module, and
   Trainer prepares only what it gets back as ``self.model``.
+- ``torch_compile=True``: accelerate compiles only a model it prepares, so the sharded
+  model is compiled in place (``model.compile``, zerofn's hooks outside the graphs).
 - Accumulation: accelerate's ``no_sync(model)`` calls the model's ``no_sync()``, zerofn's.
 - Clipping and the reported norm come from ``zerofn.clip_grad_norm_``.
 - fp16 loss scaling is zerofn's (``mixed_precision(torch.float16)``): every backward
@@ -87,6 +89,9 @@ class ZeroTrainer(transformers.Trainer):
             _ensure_process_group(self.args.device)
             self.zerofn(self.model, optimizer)
             optimizer.register_step_post_hook(lambda *_: self._report_skipped_step())
+            if self.args.torch_compile:
+                self.model.compile(backend=self.args.torch_compile_backend or "inductor",
+                                   mode=self.args.torch_compile_mode)
             if self._pending_weights is not None:
                 self._load_weights(self._pending_weights)
                 self._pending_weights = None
