@@ -330,11 +330,11 @@ def _alive(pid: int) -> bool:
 
 
 def _hook_uncaught() -> None:
-    """Record what ends the process uncaught (once per process, before the hook Python
-    had). An error raised where zerofn has no hook of its own (the model's own backward
-    code, the job's data loading or logging) is then named by the other ranks, where
-    they would otherwise only find this rank gone; a failed collective of the job's own
-    is explained as ``translate`` explains it."""
+    """Record what ends the process uncaught (installed once per process, then calling
+    the hook that was there). An error raised where zerofn has no hook of its own (the
+    model's own backward code, the job's data loading or logging) is then named by the
+    other ranks, where they would otherwise only find this rank gone; a failed
+    collective of the job's own is explained as ``translate`` explains it."""
     if getattr(sys.excepthook, "_zerofn", False):
         return
     previous = sys.excepthook
