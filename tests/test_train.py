@@ -106,6 +106,15 @@ def test_config_file_with_offload_and_bf16_and_flags_over_it(tmp_path):
     assert re.search(r"device \(cpu\) \S+ MiB \(params 0.0 MiB", measured), measured
 
 
+def test_compiled_job_prints_the_uncompiled_curve():
+    """--compile BACKEND: torch.compile over the sharded model (aot_eager here: inductor's
+    kernels round differently), the same losses, rates and norms step for step."""
+    compiled = run_job("--compile", "aot_eager", "--log-every", "1", steps=4)
+    assert "activation checkpointing off, torch.compile (aot_eager)" in compiled, compiled
+    assert sorted(curve(compiled)) == [1, 2, 3, 4], compiled
+    assert curve(compiled) == curve(run_job("--log-every", "1", steps=4))
+
+
 def test_nvme_offload_with_fp16_loss_scaling_on_cpu(tmp_path):
     out = run_job("--stage", "1", "--precision", "fp16", "--offload", "nvme",
                   "--nvme-path", str(tmp_path))

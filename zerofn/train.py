@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="micro-batches per optimizer step (default 1)")
     zero.add_argument("--activation-checkpointing", action="store_true",
                       help="recompute each block's activations in backward")
+    zero.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+                      help="torch.compile the sharded model (backend default inductor; "
+                           "zerofn's hooks stay outside the graphs)")
     zero.add_argument("--clip", type=float, help="global gradient-norm clip, 0 for none "
                       "(config: gradient_clipping; default 1.0)")
 
@@ -112,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "(default 3)")
     ckpt.add_argument("--resume", action="store_true", help="continue from --save-dir's "
                       "latest checkpoint, if it has one (else start afresh); implied when "
-                      "torchrun restarts the job (TORCHELASTIC_RESTART_COUNT > 0)")
+                      "torchrun restarts the job (TORCHELASTIC_RESTART_COUNT > 0 on any node)")
 
     failing = p.add_argument_group("failures")
     failing.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
@@ -212,6 +215,7 @@ class Job:
     log_every: int
     steps: int
     eval_batches: int
+    compile: str | None = None                     # torch.compile's backend
     tensorboard: dict | None = None                # zf.tensorboard's options
     options: dict = field(default_factory=dict)   # from the config: per transform
     optimizer: object = None                       # the config's factories, or None
@@ -247,7 +251,7 @@ def resolve(args) -> Job:
         clip=_first(args.clip, settings and settings.gradient_clipping, 1.0),
         lr=_first(args.lr, None if settings and settings.optimizer else 2e-3),
         log_every=_first(args.log_every, settings and settings.steps_per_print, 10),
-        steps=args.steps, eval_batches=args.eval_batches,
+        steps=args.steps, eval_batches=args.eval_batches, compile=args.compile,
         options=opts, optimizer=settings and settings.optimizer,
         scheduler=settings and settings.scheduler)
     if job.offload == "none":
@@ -338,6 +342,8 @@ def build(job: Job, seed: int):
                                 betas=(0.9, 0.95))
     torch.manual_seed(seed)            # the same on every rank: one model, not several
     model, opt = zf.compose(*transforms(job))(model, opt)
+    if job.compile:
+        model.compile(backend=job.compile)
     sched = job.scheduler(opt) if job.scheduler is not None else \
         torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(job.steps))
     return model, opt, sched
@@ -452,7 +458,8 @@ def banner(job: Job, model, opt, args) -> str:
         f"{dist.get_backend()}",
         f"plan: ZeRO-{job.stage}, {job.precision} compute" +
         ("" if job.precision == "fp32" else ", fp32 masters") + f", offload {offload}, "
-        f"{units} units, activation checkpointing {'on' if job.cfg.checkpoint else 'off'}",
+        f"{units} units, activation checkpointing {'on' if job.cfg.checkpoint else 'off'}"
+        + (f", torch.compile ({job.compile})" if job.compile else ""),
         f"batch: {job.batch} sequences of {job.cfg.context} bytes per step ({job.grad_accum} "
         f"x {job.micro} on each of {_ranks(world)}); clip {job.clip or 'off'}; "
         f"{_optimizer_name(job, opt)}",
