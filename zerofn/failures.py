@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.utils._pytree import tree_leaves
 
+from .runtime.params import eager   # [Note: hooks under torch.compile]
+
 KEY = "zerofn/progress/"       # + the global rank
 DEFAULT_TIMEOUT = 300.0        # seconds; zerofn train's --timeout
 # How a failed collective reads, by backend: a peer gone, or a wait that ran out.
@@ -151,7 +153,6 @@ class Watch:
         stepping = types.MethodType(stepping, optimizer)
         optimizer.step = stepping
         self._step = (optimizer, own, stepping)
-        eager = torch.compiler.disable   # runtime/params.py's [Note: hooks under torch.compile]
         return [model.register_forward_pre_hook(eager(forward_begins), prepend=True),
                 model.register_forward_hook(eager(forward_ends), always_call=True)]
 

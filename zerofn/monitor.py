@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from .runtime.params import eager   # [Note: hooks under torch.compile]
 from .runtime.runtime import runtime_of
 from .runtime.timing import Timing
 
@@ -167,7 +168,6 @@ class Monitor:
         self._grad_norm = None
         self._comm: Counter = Counter()  # comm_stats summed over the interval's steps
         self._series = self._time_series()
-        eager = torch.compiler.disable   # runtime/params.py's [Note: hooks under torch.compile]
         self._hooks = [
             rt.model.register_forward_pre_hook(eager(self._forward_begins), prepend=True),
             # First among the post-hooks, so its tensor hooks run before the runtime's
