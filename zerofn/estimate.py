@@ -99,7 +99,7 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
         {'device': 3.5, 'host': 14.0, 'nvme': 0.0}
     """
     _check(stage, offload, offload_params)
-    n = sum(p.numel() for p in params.parameters()) if isinstance(params, nn.Module) else params
+    n = _count(params)
     c, m = param_dtype.itemsize, master_dtype.itemsize
     r = (reduce_dtype or param_dtype).itemsize
     share = n / world
@@ -133,6 +133,11 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
     for place in out.values():
         place["total"] = sum(place[role] for role in ROLES)
     return out
+
+
+def _count(params: int | nn.Module) -> int:
+    return sum(p.numel() for p in params.parameters()) if isinstance(params, nn.Module) \
+        else params
 
 
 def _largest_share(params, world: int, largest_unit: int | None) -> float:
@@ -245,7 +250,7 @@ def main(argv=None, prog: str = "python -m zerofn estimate") -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    n = sum(p.numel() for p in model.parameters()) if isinstance(model, nn.Module) else model
+    n = _count(model)
     print(_description(n, args.world, args.precision, args.optimizer_states, args.offload,
                        args.offload_params))
     print(text)
