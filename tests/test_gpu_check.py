@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import pytest
 
@@ -127,3 +128,39 @@ def test_a_budget_starts_only_the_parts_whose_whole_limit_fits(tmp_path, monkeyp
     parts = json.loads(results.read_text())["parts"]    # race and largest do not fit
     assert set(parts) == {"tests"} | set(ran)
     assert parts["parity"]["device"] == gc.environment()["device"]
+
+
+def test_a_timed_out_command_takes_its_children_with_it(tmp_path):
+    """The ranks a timed-out test spawned must not outlive it (they would hold the GPU)."""
+    pid_file = tmp_path / "child"
+    script = f"sleep 60 & echo $! > {pid_file}; wait"
+    rc, out = gc.run(["bash", "-c", script], timeout=2)
+    assert rc == 124 and "timed out" in out
+    stat = f"/proc/{int(pid_file.read_text())}/stat"
+    for _ in range(50):
+        if not os.path.exists(stat) or open(stat).read().split()[2] == "Z":   # gone or dead
+            return
+        time.sleep(0.1)
+    raise AssertionError("the command's child outlived its timeout")
+
+
+def test_a_command_that_cannot_start_is_a_result_not_a_crash():
+    rc, out = gc.run(["/nonexistent/git", "rev-parse"], timeout=5)
+    assert rc == 127 and "nonexistent" in out
+
+
+def test_the_cpu_adam_spans_are_found_by_their_unit_labels():
+    """timing.label names each span ``zerofn::cpu_adam <unit>``: an exact-name match found
+    none, and the H2D-over-Adam overlap always read 0 %."""
+    class Range:
+        def __init__(self, start, end):
+            self.start, self.end = start, end
+
+    class Event:
+        def __init__(self, name, device, start, end):
+            self.name, self.time_range = name, Range(start, end)
+            self.device_type = type("D", (), {"name": device})()
+
+    events = [Event("zerofn::cpu_adam blocks.0", "CPU", 0, 10),
+              Event("Memcpy HtoD (Pinned -> Device)", "CUDA", 5, 15)]
+    assert gc.overlaps(events)["h2d_overlap_adam"] == pytest.approx(0.5)
