@@ -252,12 +252,13 @@ def _state_errors(ref, ref_opt, msd, osd) -> tuple[float, float]:
     return p_err, s_err
 
 
-def parity(worlds, device: str, configs=PARITY_CONFIGS) -> dict:
+def parity(worlds, device: str, configs=PARITY_CONFIGS, timeout: float = 600) -> dict:
+    """Each world's ranks (killed after ``timeout`` seconds) against plain PyTorch."""
     sys.path[:0] = [p for p in (TESTS, TOOLS) if p not in sys.path]
     from multiproc import run_ranks
     figures, lines, ok = {}, [], True
     for world in worlds:
-        per_rank = run_ranks(world, parity_rank, device, configs, timeout=600)
+        per_rank = run_ranks(world, parity_rank, device, configs, timeout=timeout)
         worst = [tuple(map(max, zip(*errs))) for errs in zip(*per_rank)]
         for config, (p_err, s_err) in zip(configs, worst):
             good = p_err < TOL and s_err < TOL
@@ -271,7 +272,7 @@ def parity(worlds, device: str, configs=PARITY_CONFIGS) -> dict:
 
 
 def part_parity(args) -> dict:
-    return parity((2, 3), "cuda")
+    return parity((2, 3), "cuda", timeout=LIMIT["parity"] / 2)
 
 
 def part_profile(args) -> dict:
@@ -287,6 +288,8 @@ def part_profile(args) -> dict:
     for r in runs:
         lines.append(f"{r['name']}: step {r['step_ms']:.0f} ms; host synchronizations in "
                      f"forward+backward {r['syncs_fwd_bwd']}, in the step {r['syncs_step']}; "
+                     f"host waits on copy events in forward+backward "
+                     f"{r['event_waits_fwd_bwd']}, in the step {r['event_waits_step']}; "
                      f"device-to-host copy time overlapping compute kernels "
                      f"{100 * r['d2h_overlap']:.0f} % ({r['d2h_ms']:.1f} ms of copies); "
                      f"host-to-device copy time overlapping CPU Adam "
@@ -441,9 +444,13 @@ def profile_worker(args) -> None:
         torch.cuda.synchronize()
         counts = {}
         torch.cuda.set_sync_debug_mode("warn")
+        # Sync-debug mode does not see an event's synchronize: count those host waits apart.
+        waits, event_sync = [], torch.cuda.Event.synchronize
+        torch.cuda.Event.synchronize = lambda e: waits.append(1) or event_sync(e)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            step(2, lambda: counts.setdefault("fwd_bwd", len(caught)))
+            step(2, lambda: counts.update(fwd_bwd=len(caught), waits_fwd_bwd=len(waits)))
+        torch.cuda.Event.synchronize = event_sync
         torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -456,7 +463,10 @@ def profile_worker(args) -> None:
             prof.export_chrome_trace(os.path.join(os.path.dirname(args.results),
                                                   "profile_trace.json"))
         runs.append(dict(name=name, step_ms=1e3 * seconds, syncs_fwd_bwd=counts["fwd_bwd"],
-                         syncs_step=len(caught) - counts["fwd_bwd"], **overlaps(prof.events())))
+                         syncs_step=len(caught) - counts["fwd_bwd"],
+                         event_waits_fwd_bwd=counts["waits_fwd_bwd"],
+                         event_waits_step=len(waits) - counts["waits_fwd_bwd"],
+                         **overlaps(prof.events())))
         del model, opt
     print("RESULT " + json.dumps(runs), flush=True)
 
