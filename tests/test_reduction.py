@@ -169,3 +169,68 @@ def test_zero1_reduces_in_backward_when_it_is_the_steps_only_one():
         assert (early_ns, late_ns) == (3 * u, 0)
         for p_err, s_err in (e1, e3, e_ns):
             assert p_err < TOL and s_err < TOL, rank_out
+
+
+class GatedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.gate = torch.nn.Parameter(torch.randn(8) * 0.3)
+
+    def forward(self, x, gated: bool):
+        h = torch.tanh(self.lin(x))
+        return x + (h * self.gate if gated else h)
+
+
+class GatedNet(torch.nn.Module):
+    """Equal-sized blocks, each with a gate its caller may leave out: a unit whose gate a
+    rank leaves out is complete on that rank only at the end of backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(GatedBlock() for _ in range(3))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x, ungated=()):
+        for i, block in enumerate(self.blocks):
+            x = block(x, i not in ungated)
+        return self.head(x).pow(2).mean()
+
+
+# step -> rank -> the blocks whose gate that rank leaves out. Step 0 runs on the first
+# backward's order, the others on the learned one. ZeRO-3 gathers during backward too, so
+# it needs each unit's parameters to get gradients alike on every rank (as FSDP2 does):
+# there the gates differ by step, not by rank.
+UNGATED = {1: [{0: (1,), 1: ()}, {0: (), 1: (2,)}, {0: (0, 2), 1: (1,)}],
+           3: [{0: (1,), 1: (1,)}, {0: (), 1: ()}, {0: (0, 2), 1: (0, 2)}]}
+UNGATED[2] = UNGATED[1]
+
+
+def gated_runs(rank, world):
+    out = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        ref, model = GatedNet(), GatedNet()
+        model.load_state_dict(ref.state_dict())
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]))(model, opt)
+        g = torch.Generator().manual_seed(1)
+        for ungated in UNGATED[stage]:
+            xs = torch.randn(2 * world, 8, generator=g).chunk(world)
+            sum(ref(xs[r], ungated[r]) for r in range(world)).div(world).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            model(xs[rank], ungated[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        out[stage] = max_errors(ref, ref_opt, model, opt)
+    return out
+
+
+def test_ranks_reduce_units_in_one_order_when_their_gradients_complete_in_another():
+    """[Note: one reduction order]: reducing each unit as it completes paired one rank's
+    block with another's (0.04 off plain PyTorch after one step)."""
+    for by_stage in run_ranks(2, gated_runs):
+        for stage, (p_err, s_err) in by_stage.items():
+            assert p_err < TOL and s_err < TOL, (stage, p_err, s_err)

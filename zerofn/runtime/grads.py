@@ -1,8 +1,9 @@
 """Gradient reduction: reduce-scatter each unit's gradients into this rank's shard.
 
 ZeRO-2/3 reduce a unit as soon as all its gradients have been accumulated during
-backward (counted by post-accumulate-grad hooks), overlapping the rest of backward; an
-end-of-backward callback reduces units some of whose parameters got no gradient. ZeRO-1
+backward (counted by post-accumulate-grad hooks) and every unit before it in the ranks'
+common order is reduced, overlapping the rest of backward; an end-of-backward callback
+reduces units some of whose parameters got no gradient. ZeRO-1
 keeps full gradients on the parameters and reduces them once per step. Reduction averages
 over ranks: NCCL's reduce-scatter averages itself, elsewhere the sum
 is divided by the world size. Under HSDP (runtime/mesh.py) each reduced shard is then
@@ -25,6 +26,22 @@ does, but leaving the full gradients in place. The step then writes the shards i
 rank's rows. Should another backward come after all (accumulation without ``no_sync``),
 the shards are stale: they are dropped and the step reduces the accumulated gradients as
 before, and from then on while steps keep taking several backwards.
+
+[Note: one reduction order] Every rank must issue its reduce-scatters in the same order,
+or collectives pair different units: gradients averaged with another unit's of equal
+size, a size mismatch (gloo raises, NCCL hangs or corrupts) otherwise. Completion order
+is not enough: a parameter some ranks leave without a gradient (a conditional branch, an
+expert no token chose, a dropped layer) completes its unit on those ranks only at the end
+of backward. So units are reduced in one order known to all ranks, a completed unit
+waiting for those before it. The first backward uses the reverse of the order the forward
+ran the units in under ZeRO-3 (the same on every rank: their gathers must match), else
+the reverse of the units' order with the root last (its embedding's gradient comes at
+the end of backward). At its end the ranks adopt rank 0's completion order (one
+broadcast, as DDP rebuilds its buckets after its first iteration), units rank 0 left
+incomplete going last, where they hold back nothing. ZeRO-3 frees a unit's gathered
+parameters as soon as its gradients are packed, waiting or not. ZeRO-3 still needs each
+unit's parameters to get gradients alike on every rank (as FSDP2 does): its backward
+gathers too, and a reduction held back on one rank would meet another rank's gather.
 
 [Note: the reduce stream] On CUDA each reduce-scatter is issued on a side stream, after
 the compute stream's work so far (the packed gradients), and everything after it (the
@@ -53,13 +70,15 @@ from .units import ParamSlot, Unit, scatter_to_ranks
 class GradReducer:
     timing = UNTIMED     # runtime/timing.py
 
-    def __init__(self, comm, pool, units: list[Unit], stage: int, on_reduced=None,
+    def __init__(self, comm, pool, units: list[Unit], stage: int, on_packed=None,
                  reduce_dtype: torch.dtype | None = None, replicas=None):
         self.comm, self.pool, self.units, self.stage = comm, pool, units, stage
         self.replicas = replicas               # HSDP: the replicate dimension's Comm
         self._to_average = None                # [Note: HSDP's average] (unit, work, ...)
         self.reduce_dtype = reduce_dtype       # None: the compute dtype
-        self.on_reduced = on_reduced           # ZeRO-3 frees a unit's params once reduced
+        # ZeRO-3 frees a unit's params once its gradients are packed (unit), or at the end
+        # of backward (None).
+        self.on_packed = on_packed
         # Offload (ZeRO-2/3): on_shard_ready(unit, shard) starts the shard's copy to the
         # host once a backward's reduction of it is final (runtime/copies.py).
         self.on_shard_ready = None
@@ -75,6 +94,13 @@ class GradReducer:
         self._remaining: dict[Unit, int] = {}
         self._held: dict[Unit, list] = {}       # slots whose gradient waits on the parameter
         self._in_backward = False
+        # [Note: one reduction order]
+        trainable = [u for u in units if u.trainable]
+        self._order = trainable[-2::-1] + trainable[-1:]
+        self._learned = False                   # _order is still the first backward's
+        self.forward_order = None               # ZeRO-3: the units as the last forward ran
+        self._completed: list[Unit] = []        # this backward's, in completion order
+        self._next = 0                          # _order's first unit not reduced yet
         self._reducing = False                  # this backward reduces
         self._dirty = False                     # ZeRO-1: a backward ran since the last reduce
         # [Note: ZeRO-1 reduces in backward]
@@ -113,12 +139,27 @@ class GradReducer:
             for s in self._held.pop(unit):
                 self._pack(unit, s)
         if self._remaining[unit] == 0:
-            self._reduce(unit)
+            self._complete(unit)
+
+    def _complete(self, unit: Unit) -> None:
+        """[Note: one reduction order] Reduce the units now complete from the first not
+        reduced yet in the common order."""
+        self._completed.append(unit)
+        if self.on_packed is not None:
+            self.on_packed(unit)
+        done = set(self._completed)
+        while self._next < len(self._order) and self._order[self._next] in done:
+            self._reduce(self._order[self._next])
+            self._next += 1
 
     def _begin_backward(self) -> None:
         self._in_backward = True
         self._remaining = {u: len(u.trainable) for u in self.units}
         self._held = {}
+        self._completed, self._next = [], 0
+        if not self._learned and self.forward_order:
+            ran = [u for u in reversed(self.forward_order()) if u in self._order]
+            self._order = ran + [u for u in self._order if u not in ran]
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self.stage == 1:
             self._drop_early()   # gradients accumulate again: an earlier reduction is stale
@@ -142,20 +183,35 @@ class GradReducer:
         return 2 * held >= self.comm.world * unit.shard_numel
 
     def _end_backward(self) -> None:
-        for unit in self.units if self._reducing else ():
-            if self._remaining.get(unit, 0) > 0:
+        for unit in self._order[self._next:] if self._reducing else ():
+            if self._remaining[unit] > 0:
                 self._held.pop(unit, None)
                 for s in unit.trainable:
                     if s.param.grad is not None:
                         self._pack(unit, s)
-                self._reduce(unit)
+            self._reduce(unit)
         self._average()
         self.comm.drain()
         self._join()
+        if self._reducing and not self._learned:
+            self._learn_order()
         self._early = self.stage == 1 and self._reducing
         self._in_backward = self._reducing = False
-        if self.on_reduced is not None:
-            self.on_reduced(None)
+        if self.on_packed is not None:
+            self.on_packed(None)
+
+    def _learn_order(self) -> None:
+        """[Note: one reduction order] Adopt rank 0's completion order of this backward."""
+        self._learned = True
+        mine = self._completed + [u for u in self._order if u not in self._completed]
+        groups = [c for c in (self.comm, self.replicas) if c is not None and c.world > 1]
+        if groups:
+            index = {u: i for i, u in enumerate(self._order)}
+            order = torch.tensor([index[u] for u in mine], device=self.device or "cpu")
+            for comm in groups:     # HSDP: rank 0 of each shard group, then of replicas
+                comm.broadcast(order, 0)
+            mine = [self._order[i] for i in order.tolist()]
+        self._order = mine
 
     # -- packing and reducing ------------------------------------------------------------
     def _send_buffer(self, unit: Unit) -> torch.Tensor:
@@ -225,8 +281,6 @@ class GradReducer:
                 spent = self._post_reduce(unit, out)
                 ready = self.stream.record_event()
             self.comm.enqueue(None, nbytes, functools.partial(self._give, buffers + spent, ready))
-        if self.on_reduced is not None:
-            self.on_reduced(unit)
 
     def _average(self) -> None:
         """HSDP: wait for the last unit's reduce-scatter and start its all-reduce over the
@@ -393,3 +447,4 @@ class GradReducer:
                 self.pool.give(self.grad_shard.pop(unit))
             for s in unit.slots:
                 s.param.grad = None
+

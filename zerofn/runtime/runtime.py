@@ -112,13 +112,15 @@ class Runtime:
         self._lay_out_shards()
         self.slot_of = {s.param: s for u in units for s in u.slots}
         self.reducer = GradReducer(self.comm, self.pool, units, self.stage,
-                                   self._on_reduced if self.stage == 3 else None,
+                                   self._on_packed if self.stage == 3 else None,
                                    plan.option("reduce_dtype"), self.replicas)
         self.scaler = _loss_scaler(plan)
         self.step_grads = StepGrads(self.comm, self.pool, units, self.reducer, self.scaler,
                                     self.device, self.copies, self.offload, self.replicas)
         if self.offload is not None:
             self.reducer.on_shard_ready = self.step_grads.shard_ready
+        if self.gatherer is not None:
+            self.reducer.forward_order = lambda g=self.gatherer: g.order
         self.opt = OptimizerWiring(optimizer, self.slot_of, self.before_step, self.after_step,
                                    self.zero_grad, self.scaler)
         if self.offload is not None:
@@ -367,7 +369,7 @@ class Runtime:
     def _post_forward(self, unit, is_root: bool, output) -> None:
         self.gatherer.post_forward(unit, is_root, output)
 
-    def _on_reduced(self, unit) -> None:
+    def _on_packed(self, unit) -> None:
         if unit is None:
             self.gatherer.end_backward()
         else:
