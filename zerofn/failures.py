@@ -28,6 +28,7 @@ import socket
 import sys
 import time
 import types
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ def collective_failure(exc: BaseException) -> str | None:
 def translate(exc: Exception) -> Exception:
     """``exc`` as the newest active ``Watch`` of this process sees it: a ``RankFailure``
     for a failed collective of the job's own (outside zerofn's hooks), else ``exc``."""
-    watch = Watch.latest
+    watch = Watch.latest()
     return exc if watch is None or not watch.active else watch.failed(exc)
 
 
@@ -90,7 +91,9 @@ class Watch:
             timeout, which ``init_process_group(timeout=...)`` set.
     """
 
-    latest = None      # the newest of this process: ``translate``'s
+    # The newest of this process, for ``translate``; weak, so that it does not keep a
+    # finished model and its memory.
+    latest = staticmethod(lambda: None)
 
     def __init__(self, group=None, timeout: float | None = None, also=()):
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
@@ -111,7 +114,7 @@ class Watch:
         self.unit = None
         self.between = False   # the last optimizer step is done, the next forward not begun
         self.active = True
-        Watch.latest = self
+        Watch.latest = weakref.ref(self)
         _hook_uncaught()
         self._step = None      # (optimizer, its own step) while ``attach`` wraps it
         self._write()

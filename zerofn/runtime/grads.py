@@ -59,6 +59,7 @@ the device holds no gradient memory (the pool reuses it for forward's gathers).
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -112,11 +113,11 @@ class GradReducer:
         self.device = next((u.device for u in units if u.device is not None), None)
         self.stream = torch.cuda.Stream(self.device) \
             if self.device is not None and self.device.type == "cuda" else None
-        for u in units:
-            for s in u.trainable:
-                # (looked up per call: the runtime's failure watch wraps it)
+        mine = weakref.ref(self)
+        for ui, u in enumerate(units):
+            for si, s in enumerate(u.trainable):
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(
-                    lambda p, u=u, s=s: self._on_grad(u, s, p)))
+                    functools.partial(_on_grad, mine, ui, si)))
 
     def _dtype(self, unit: Unit) -> torch.dtype:
         return self.reduce_dtype or unit.dtype
@@ -448,3 +449,14 @@ class GradReducer:
             for s in unit.slots:
                 s.param.grad = None
 
+
+def _on_grad(reducer, ui: int, si: int, param) -> None:
+    """The post-accumulate-grad hook. It holds neither the reducer nor the parameter: the
+    hook lives in C++, where the garbage collector cannot see a cycle through it, and such
+    a cycle would keep the model and all its memory (device, pinned host) after its last
+    use."""
+    reducer = reducer()
+    if reducer is not None:
+        unit = reducer.units[ui]
+        # (looked up per call: the runtime's failure watch wraps it)
+        reducer._on_grad(unit, unit.trainable[si], param)
