@@ -53,8 +53,9 @@ class Part:
 
 
 PARTS = [
-    Part("build", 3, "`pip install --no-build-isolation --no-deps -e .` builds the C++ CPU Adam; "
-         "the kernel's instruction set and threads are recorded."),
+    Part("build", 3, "`pip install --no-build-isolation --no-deps -e .` builds the C++ CPU Adam "
+         "(`setup.py build_ext --inplace` where pip cannot install); the kernel's instruction "
+         "set and threads are recorded."),
     Part("tests", 3, "The CUDA tests: `tests/test_cuda.py` (offload arenas page-locked at "
          "their exact size; forward and backward under `torch.cuda.set_sync_debug_mode('error')`"
          " and the synchronizations of a step; async checkpoints staged through one pinned "
@@ -68,7 +69,8 @@ PARTS = [
          "the one GPU over gloo with CUDA tensors (rows not divisible by the world): ZeRO-1/2/3, "
          "accumulation, clipping, SGD, and offload('cpu') with params=True."),
     Part("profile", 2, "One ZeRO-3 + bf16 + offload('cpu') step of a 1024x8 GPT (and params="
-         "True): host synchronizations per step (sync debug mode), and from a torch.profiler "
+         "True): host synchronizations per step (sync debug mode) and host waits on copy "
+         "events (which that mode does not see), and from a torch.profiler "
          "trace the share of device-to-host copy time overlapping compute kernels (backward) "
          "and of host-to-device copy time overlapping CPU Adam."),
     Part("compare", 4, f"`tools/bench_offload.py --sizes {COMPARE_SIZE}`: zerofn offload('cpu') "
@@ -79,7 +81,8 @@ PARTS = [
          "checkpointing): it trains, and at 32 micro-batches of 4x1024 tokens a step (131k "
          "tokens, reduced and offloaded once) it gives the TFLOP/s at 7B."),
     Part("nvme", 4, "`bench_offload.py --find-largest --nvme DIR`: the largest of "
-         f"{', '.join(NVME_LADDER)} whose swap file fits the disk (13.2B needs ~150 GB)."),
+         f"{', '.join(NVME_LADDER)} whose swap file fits the disk (13.2B needs ~150 GB), "
+         "1 warm-up and 2 timed steps (each reads and writes the whole swap file)."),
     Part("deepspeed", 3, f"DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU, bf16) on "
          f"the {COMPARE_SIZE} model, when DeepSpeed is installed or its wheels are carried along "
          "(`--deepspeed-wheel`, or `wheels/` as `tools/deepspeed_wheels.sh` fills it)."),
