@@ -125,6 +125,26 @@ def test_async_checkpoints_stage_device_tensors_through_one_pinned_buffer(tmp_pa
     assert pinned_staging and reused and same
 
 
+def host_state_runs(rank, world, path):
+    from test_offload import sharded_state_locals
+    out = {}
+    for opts in ({}, {"params": True}):
+        model, opt = on_nccl(path, 3, opts, torch.bfloat16)
+        (x, y), = batches(1, 1, 1)[0]
+        model(x.cuda(), y.cuda()).backward()
+        opt.step()
+        out[str(opts)] = sharded_state_locals(model, opt)
+    return out
+
+
+def test_sharded_state_dicts_under_offload_keep_their_shards_on_the_host(tmp_path):
+    """DTensor.from_local would move a host shard onto the CUDA mesh's device: 12 B a
+    parameter copied to the GPU for a state dict, exactly where offload is used."""
+    for opts, locals_ in run_ranks(1, host_state_runs, str(tmp_path))[0].items():
+        wanted = [k for k in locals_ if k.startswith("optim.") or "params" in opts]
+        assert wanted and all(locals_[k] == ("cpu", True) for k in wanted), (opts, locals_)
+
+
 def test_a_rank_with_every_gradient_votes_without_waiting_for_the_device():
     """The step's vote at world > 1: a rank that got every gradient waits for the device
     only to read an overflow verdict (fp16); one lacking a gradient must read the union."""

@@ -210,3 +210,47 @@ def test_bf16_offload_follows_bf16_without_offload(tmp_path):
     for by_stage in run_ranks(2, bf16_offload_runs, str(tmp_path)):
         for config, err in by_stage.items():
             assert err < 1e-6, (config, err)
+
+
+def sharded_state_locals(model, opt) -> dict[str, tuple[str, bool]]:
+    """Each sharded state-dict tensor's local shard: its device type, and whether it is a
+    view of the offload's host arenas (no copy made)."""
+    from torch.distributed.tensor import DTensor
+    from zerofn.runtime.runtime import runtime_of
+    spans = [(a.buffer.data_ptr(), a.buffer.data_ptr() + a.buffer.nbytes)
+             for a in runtime_of(model).offload.arenas()]
+    msd, osd = zf.get_state_dict(model, opt)
+    entries = {f"model.{k}": v for k, v in msd.items()}
+    entries.update({f"optim.{name}.{k}": v for name, st in osd["state"].items()
+                    for k, v in st.items()})
+    out = {}
+    for key, value in entries.items():
+        if isinstance(value, DTensor) and value.to_local().numel():
+            local = value.to_local()
+            out[key] = (local.device.type,
+                        any(lo <= local.data_ptr() < hi for lo, hi in spans))
+    return out
+
+
+def state_locals_runs(rank, world):
+    out = {}
+    for name, params in (("offload", False), ("offload params", True)):
+        _, model = make_models()
+        opt = make_optimizer("adamw", model.parameters())
+        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[3]),
+                                zf.offload("cpu", params=params))(model, opt)
+        train_sharded(model, opt, batches(1, 1, world), rank, world)
+        out[name] = sharded_state_locals(model, opt)
+    return out
+
+
+def test_sharded_state_dicts_under_offload_are_views_of_the_host_arenas():
+    """Sharded state dicts hand out the host rows themselves (DCP saves and loads through
+    them): no copy, and on a GPU no copy to the device (tests/test_cuda.py)."""
+    for by_config in run_ranks(2, state_locals_runs):
+        for name, locals_ in by_config.items():
+            optim = {k: v for k, v in locals_.items() if k.startswith("optim.")}
+            assert optim and all(v == ("cpu", True) for v in optim.values()), (name, optim)
+            model = {k: v for k, v in locals_.items() if k.startswith("model.")}
+            if name == "offload params":
+                assert model and all(v == ("cpu", True) for v in model.values()), model
