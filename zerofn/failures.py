@@ -76,7 +76,7 @@ def collective_failure(exc: BaseException) -> str | None:
 def translate(exc: Exception) -> Exception:
     """``exc`` as the newest active ``Watch`` of this process sees it: a ``RankFailure``
     for a failed collective of the job's own (outside zerofn's hooks), else ``exc``."""
-    watch = Watch.latest()
+    watch = Watch.latest and Watch.latest()
     return exc if watch is None or not watch.active else watch.failed(exc)
 
 
@@ -91,9 +91,9 @@ class Watch:
             timeout, which ``init_process_group(timeout=...)`` set.
     """
 
-    # The newest of this process, for ``translate``; weak, so that it does not keep a
-    # finished model and its memory.
-    latest = staticmethod(lambda: None)
+    # A weak reference to the newest of this process, for ``translate``: weak, so that
+    # it does not keep a finished model and its memory.
+    latest: weakref.ref | None = None
 
     def __init__(self, group=None, timeout: float | None = None, also=()):
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):

@@ -100,7 +100,7 @@ class GradReducer:
         self._order = trainable[-2::-1] + trainable[-1:]
         self._learned = False                   # _order is still the first backward's
         self.forward_order = None               # ZeRO-3: the units as the last forward ran
-        self._completed: list[Unit] = []        # this backward's, in completion order
+        self._completed: list[Unit] = []        # the first backward's, as they completed
         self._next = 0                          # _order's first unit not reduced yet
         self._reducing = False                  # this backward reduces
         self._dirty = False                     # ZeRO-1: a backward ran since the last reduce
@@ -143,13 +143,13 @@ class GradReducer:
             self._complete(unit)
 
     def _complete(self, unit: Unit) -> None:
-        """[Note: one reduction order] Reduce the units now complete from the first not
-        reduced yet in the common order."""
-        self._completed.append(unit)
+        """[Note: one reduction order] Reduce the units now complete (none of their
+        gradients remaining) from the first not reduced yet in the common order."""
+        if not self._learned:
+            self._completed.append(unit)
         if self.on_packed is not None:
             self.on_packed(unit)
-        done = set(self._completed)
-        while self._next < len(self._order) and self._order[self._next] in done:
+        while self._next < len(self._order) and self._remaining[self._order[self._next]] == 0:
             self._reduce(self._order[self._next])
             self._next += 1
 
