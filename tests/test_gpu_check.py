@@ -152,15 +152,17 @@ def test_a_command_that_cannot_start_is_a_result_not_a_crash():
 def test_the_cpu_adam_spans_are_found_by_their_unit_labels():
     """timing.label names each span ``zerofn::cpu_adam <unit>``: an exact-name match found
     none, and the H2D-over-Adam overlap always read 0 %."""
-    class Range:
-        def __init__(self, start, end):
-            self.start, self.end = start, end
+    from types import SimpleNamespace
 
-    class Event:
-        def __init__(self, name, device, start, end):
-            self.name, self.time_range = name, Range(start, end)
-            self.device_type = type("D", (), {"name": device})()
+    from torch.profiler import ProfilerActivity, profile
 
-    events = [Event("zerofn::cpu_adam blocks.0", "CPU", 0, 10),
-              Event("Memcpy HtoD (Pinned -> Device)", "CUDA", 5, 15)]
-    assert gc.overlaps(events)["h2d_overlap_adam"] == pytest.approx(0.5)
+    from zerofn.runtime.timing import label
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with label("cpu_adam", "blocks.0"):
+            time.sleep(0.01)
+    adam = next(e for e in prof.events() if e.name.startswith("zerofn::cpu_adam"))
+    start, end = adam.time_range.start, adam.time_range.end
+    copy = SimpleNamespace(name="Memcpy HtoD (Pinned -> Device)",
+                           device_type=SimpleNamespace(name="CUDA"),
+                           time_range=SimpleNamespace(start=start, end=2 * end - start))
+    assert gc.overlaps([*prof.events(), copy])["h2d_overlap_adam"] == pytest.approx(0.5)
