@@ -1,18 +1,24 @@
 """The one command for a lent GPU: what zerofn's CUDA path does that a CPU cannot show.
 
-    python tools/gpu_check.py                            # every part (~25 min of device time)
+    python tools/gpu_check.py                            # every part (limits: 31 min)
     python tools/gpu_check.py --parts build,tests,race   # some parts; results accumulate
-    python tools/gpu_check.py --parts build,pending --budget 570
-                                  # the parts not run yet that fit in 570 s, after a build
+    python tools/gpu_check.py --parts build,pending --budget 540
+                                  # the parts not passed yet that fit in 540 s, after a build
     python tools/gpu_check.py --plan                     # docs/gpu.md as "not yet run"
 
 It runs offline on a machine with a CUDA build of torch (2.11 or later) installed and no
 package index. Each part is recorded whether it passes or fails, and a failure does not
 stop the parts after it; docs/gpu.md is rewritten from every result so far after each
-part, so a run cut short still leaves a report. Results accumulate in ``--results`` (JSON,
-kept between invocations), so the parts can be run a few at a time under a per-command
-time limit. ``--copy-to DIR`` also copies the report, the results and the profiler trace
+part, so a run cut short still leaves a report. Results accumulate in ``--results``
+(docs/gpu_results.json, committed beside the report, so a later session on another
+machine goes on with the parts still pending), each with the device, torch and commit it
+ran on. ``--copy-to DIR`` also copies the report, the results and the profiler trace
 there. Nothing in the report is written by hand: every figure comes from a run.
+
+The parts come in the order of what a short lease should show first: that zerofn builds
+and trains correctly on CUDA, then the goals, then the stress and peer runs. A lease of
+15 minutes of device time (a start of a minute or two included) fits one command of
+``--parts build,pending --budget 540`` and a second, shorter one of what is left.
 """
 from __future__ import annotations
 
@@ -34,7 +40,8 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS, TESTS = os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests")
 REPORT = os.path.join(ROOT, "docs", "gpu.md")
-RESULTS = os.path.join(ROOT, "build", "gpu_check", "results.json")
+RESULTS = os.path.join(ROOT, "docs", "gpu_results.json")
+TRACE_DIR = os.path.join(ROOT, "build", "gpu_check")   # the profiler trace: too big for docs/
 TOL = 1e-5                     # parity, as tests/test_parity.py
 COMPARE_SIZE = "2048x24"       # zerofn against FSDP2 (and DeepSpeed)
 LARGE_CPU = "4096x34"          # 7.05B parameters: the >= 7B goal with Adam on the host
@@ -53,7 +60,7 @@ class Part:
 
 
 PARTS = [
-    Part("build", 3, "`pip install --no-build-isolation --no-deps -e .` builds the C++ CPU Adam "
+    Part("build", 2, "`pip install --no-build-isolation --no-deps -e .` builds the C++ CPU Adam "
          "(`setup.py build_ext --inplace` where pip cannot install); the kernel's instruction "
          "set and threads are recorded."),
     Part("tests", 3, "The CUDA tests: `tests/test_cuda.py` (offload arenas page-locked at "
@@ -61,34 +68,34 @@ PARTS = [
          " and the synchronizations of a step; async checkpoints staged through one pinned "
          "buffer) and `tests/test_offload_copies.py`'s copy streams against blocking copies, "
          "bit for bit, in every offload configuration."),
-    Part("race", 5, "Race stress: the same comparison with every copy on the side streams and "
-         "every collective held back by a ~1 ms spin (`torch.cuda._sleep`), which a missing "
-         "wait turns into stale data; then once without spins under "
-         "`TORCH_CUDA_SANITIZER=1`."),
     Part("parity", 2, "Parity with plain PyTorch on the same device, worlds 2 and 3 sharing "
          "the one GPU over gloo with CUDA tensors (rows not divisible by the world): ZeRO-1/2/3, "
          "accumulation, clipping, SGD, and offload('cpu') with params=True."),
+    Part("largest", 5, f"`bench_offload.py --find-largest --sizes {LARGE_CPU} {THROUGHPUT}` "
+         "(7.05B parameters, fp32 master and Adam state on the host, activation "
+         "checkpointing): it trains, and at 32 micro-batches of 4x1024 tokens a step (131k "
+         "tokens, reduced and offloaded once) it gives the TFLOP/s at 7B."),
+    Part("compare", 3, f"`tools/bench_offload.py --sizes {COMPARE_SIZE}`: zerofn offload('cpu') "
+         "against FSDP2 CPUOffloadPolicy, both bf16 compute and bf16 reduction, tokens/s and "
+         "TFLOP/s."),
     Part("profile", 2, "One ZeRO-3 + bf16 + offload('cpu') step of a 1024x8 GPT (and params="
          "True): host synchronizations per step (sync debug mode) and host waits on copy "
          "events (which that mode does not see), and from a torch.profiler "
          "trace the share of device-to-host copy time overlapping compute kernels (backward) "
          "and of host-to-device copy time overlapping CPU Adam."),
-    Part("compare", 4, f"`tools/bench_offload.py --sizes {COMPARE_SIZE}`: zerofn offload('cpu') "
-         "against FSDP2 CPUOffloadPolicy, both bf16 compute and bf16 reduction, tokens/s and "
-         "TFLOP/s."),
-    Part("largest", 5, f"`bench_offload.py --find-largest --sizes {LARGE_CPU} {THROUGHPUT}` "
-         "(7.05B parameters, fp32 master and Adam state on the host, activation "
-         "checkpointing): it trains, and at 32 micro-batches of 4x1024 tokens a step (131k "
-         "tokens, reduced and offloaded once) it gives the TFLOP/s at 7B."),
+    Part("race", 4, "Race stress: the same comparison with every copy on the side streams and "
+         "every collective held back by a ~1 ms spin (`torch.cuda._sleep`), which a missing "
+         "wait turns into stale data; then once without spins under "
+         "`TORCH_CUDA_SANITIZER=1`."),
+    Part("compile", 3, "`torch.compile` with inductor (Triton kernels) over ZeRO-2 and ZeRO-3 + "
+         "offload('cpu', params=True), bf16: each step's loss and gradient norm against the "
+         "uncompiled run (`tests/test_cuda.py::test_inductor_compiled_models_train_as_eager_ones`)."),
     Part("nvme", 4, "`bench_offload.py --find-largest --nvme DIR`: the largest of "
          f"{', '.join(NVME_LADDER)} whose swap file fits the disk (13.2B needs ~150 GB), "
          "1 warm-up and 2 timed steps (each reads and writes the whole swap file)."),
     Part("deepspeed", 3, f"DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU, bf16) on "
          f"the {COMPARE_SIZE} model, when DeepSpeed is installed or its wheels are carried along "
          "(`--deepspeed-wheel`, or `wheels/` as `tools/deepspeed_wheels.sh` fills it)."),
-    Part("compile", 3, "`torch.compile` with inductor (Triton kernels) over ZeRO-2 and ZeRO-3 + "
-         "offload('cpu', params=True), bf16: each step's loss and gradient norm against the "
-         "uncompiled run (`tests/test_cuda.py::test_inductor_compiled_models_train_as_eager_ones`)."),
 ]
 PART_NAMES = [p.name for p in PARTS]
 LIMIT = {p.name: 60 * p.minutes for p in PARTS}     # seconds
@@ -98,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", default=",".join(PART_NAMES),
                    help=f"comma-separated parts to run, in order: {', '.join(PART_NAMES)}; "
-                   "'pending' stands for every part the results do not hold yet")
+                   "'pending' stands for every part the results do not hold as passed")
     p.add_argument("--budget", type=float, metavar="SECONDS",
                    help="start a part only while its whole time limit fits in what is left "
                    "of SECONDS, so that a command under a time limit is never cut mid-part")
@@ -279,7 +286,6 @@ def part_parity(args) -> dict:
 
 
 def part_profile(args) -> dict:
-    trace_dir = os.path.dirname(args.results)
     rc, out = run([sys.executable, os.path.abspath(__file__), "--worker", "profile",
                    "--results", args.results], LIMIT["profile"])
     line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
@@ -297,7 +303,7 @@ def part_profile(args) -> dict:
                      f"{100 * r['d2h_overlap']:.0f} % ({r['d2h_ms']:.1f} ms of copies); "
                      f"host-to-device copy time overlapping CPU Adam "
                      f"{100 * r['h2d_overlap_adam']:.0f} % ({r['h2d_ms']:.1f} ms)")
-    lines.append(f"trace: `{os.path.relpath(os.path.join(trace_dir, 'profile_trace.json'), ROOT)}`")
+    lines.append(f"trace: `{os.path.relpath(os.path.join(TRACE_DIR, 'profile_trace.json'), ROOT)}`")
     return dict(status="ok", figures={r["name"]: r for r in runs}, lines=lines)
 
 
@@ -463,8 +469,8 @@ def profile_worker(args) -> None:
             seconds = time.perf_counter() - start
         name = f"1024x8 bf16 offload('cpu'{', params=True' if params else ''})"
         if not params:
-            prof.export_chrome_trace(os.path.join(os.path.dirname(args.results),
-                                                  "profile_trace.json"))
+            os.makedirs(TRACE_DIR, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(TRACE_DIR, "profile_trace.json"))
         runs.append(dict(name=name, step_ms=1e3 * seconds, syncs_fwd_bwd=counts["fwd_bwd"],
                          syncs_step=len(caught) - counts["fwd_bwd"],
                          event_waits_fwd_bwd=counts["waits_fwd_bwd"],
@@ -559,11 +565,13 @@ def deepspeed_worker(args) -> None:
 
 # -- results and the report ---------------------------------------------------------------
 def expand_pending(names: list[str], done: dict) -> list[str]:
-    """``names`` with 'pending' replaced by the parts ``done`` lacks, in the parts' order,
-    each part once."""
+    """``names`` with 'pending' replaced by the parts ``done`` does not hold as passed (not
+    run, failed or skipped: a fix or a carried wheel may have changed that since), in the
+    parts' order, each part once."""
+    pending = [p for p in PART_NAMES if done.get(p, {}).get("status") != "ok"]
     out = []
     for name in names:
-        for n in ([p for p in PART_NAMES if p not in done] if name == "pending" else [name]):
+        for n in (pending if name == "pending" else [name]):
             if n not in out:
                 out.append(n)
     return out
@@ -626,6 +634,10 @@ def goals(parts: dict) -> list[str]:
         [f"| {g} | {t} | {m or '—'} | {v} |" for g, t, m, v in rows]
 
 
+# What each part records of where it ran: results gather over sessions, machines and commits.
+RUN_KEYS = {"device": "on", "torch": "torch", "commit": "at"}
+
+
 def render(results: dict) -> str:
     """docs/gpu.md: the environment, the goals, then each part run so far."""
     parts, env = results["parts"], results.get("env")
@@ -635,14 +647,16 @@ def render(results: dict) -> str:
            f"Run on {env['device']} ({env['device_gb']:.0f} GB), {env['cpus']} CPU cores, "
            f"{env['host_gb']:.0f} GB host memory; torch {env['torch']} (CUDA {env['cuda']}), "
            f"Python {env['python']}; zerofn {env['commit']}; last part run {env['date']}. "
-           "Every figure below comes from this run (`python tools/gpu_check.py`); parts not "
-           "run yet say so.", "", "## Goals", ""] + goals(parts) + ["", "## Parts", ""]
+           "Every figure below comes from a run of `python tools/gpu_check.py`; a part run on "
+           "another device, torch or commit names it, and parts not run yet say so.", "",
+           "## Goals", ""] + goals(parts) + ["", "## Parts", ""]
     for i, part in enumerate(PARTS, 1):
         r = parts.get(part.name)
         if r is None:
             out += [f"### {i}. {part.name}: not run yet", "", part.what, ""]
             continue
-        where = "" if r.get("device", env["device"]) == env["device"] else f", on {r['device']}"
+        where = "".join(f", {label} {r[k]}" for k, label in RUN_KEYS.items()
+                        if r.get(k, env[k]) != env[k])
         out += [f"### {i}. {part.name}: {r['status']} ({r['seconds']:.0f} s{where})", "",
                 part.what, ""]
         out += _blocks(r.get("lines", []))
@@ -671,28 +685,33 @@ def render_plan() -> str:
            "(2.11 or later) and no package index:", "", "```bash",
            f"python tools/gpu_check.py                               # all parts (limits: "
            f"{sum(p.minutes for p in PARTS):g} min)",
-           "python tools/gpu_check.py --parts build,tests,race    # or a few at a time",
-           "python tools/gpu_check.py --parts build,pending --budget 570",
-           "    # under a 10-minute limit per command: the parts not run yet that fit, after a",
-           "    # build; results accumulate in build/gpu_check/results.json, so repeat it",
-           "    # (carrying that file to a fresh machine) until every part has run", "```", "",
-           "It rewrites this page with every figure, the device and the torch version. The "
-           "goals it reports against:", ""] + goals({}) + ["", "## What it runs", ""]
+           "python tools/gpu_check.py --parts build,tests,parity    # or a few at a time",
+           "python tools/gpu_check.py --parts build,pending --budget 540 --copy-to OUT",
+           "    # under a time limit per command: after a build, the parts not passed yet",
+           "    # whose whole limit fits in 540 s; the report and results are copied to OUT",
+           "    # after each part, so a command cut short still hands them back", "```", "",
+           "It rewrites this page with every figure, the device, the torch version and the "
+           "commit. Results accumulate in `docs/gpu_results.json`, committed with this page, so "
+           "a later run on another machine goes on with the parts still pending. The parts "
+           "come in the order of what a short time on a GPU should show first: that zerofn "
+           "builds and trains correctly on CUDA, then the goals, then the stress and peer runs. "
+           "The goals it reports against:", ""] + goals({}) + ["", "## What it runs", ""]
     for i, part in enumerate(PARTS, 1):
         out.append(f"{i}. **{part.name}** (limit {part.minutes:g} min): {part.what}")
     return "\n".join(out) + "\n"
 
 
 def write_report(args, results: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
-    with open(args.results, "w") as f:
-        json.dump(results, f, indent=1)
+    if not args.plan:
+        os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+        with open(args.results, "w") as f:
+            json.dump(results, f, indent=1)
     with open(args.report, "w") as f:
         f.write(render(results) if not args.plan else render_plan())
     if args.copy_to:
         os.makedirs(args.copy_to, exist_ok=True)
         for path in (args.report, args.results,
-                     os.path.join(os.path.dirname(args.results), "profile_trace.json")):
+                     os.path.join(TRACE_DIR, "profile_trace.json")):
             if os.path.exists(path):
                 shutil.copy(path, args.copy_to)
 
@@ -703,12 +722,12 @@ def main() -> None:
         return profile_worker(args)
     if args.worker == "deepspeed":
         return deepspeed_worker(args)
+    deadline = None if args.budget is None else time.perf_counter() + args.budget
     results = load_results(args.results, args.fresh)
     if args.plan:
         write_report(args, results)
         return
     results["env"] = environment()
-    deadline = None if args.budget is None else time.perf_counter() + args.budget
     for name in expand_pending(args.parts, results["parts"]):
         left = math.inf if deadline is None else deadline - time.perf_counter()
         if left < LIMIT[name]:
@@ -724,7 +743,7 @@ def main() -> None:
             r = dict(status="failed", lines=[f"{type(e).__name__}: {first}"[:300]],
                      detail=tail(traceback.format_exc(), 30))
         r["seconds"] = time.perf_counter() - start
-        r["device"] = results["env"]["device"]
+        r.update({k: results["env"][k] for k in RUN_KEYS})
         results["parts"][name] = r
         write_report(args, results)
         print(f"# {name}: {r['status']} ({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
