@@ -9,11 +9,14 @@ import zerofn as zf
 from models import batches, make_models, make_optimizer
 from multiproc import run_ranks
 from test_parity import transform
+from zerofn.runtime.units import SLOT_ALIGN
 
 
 def padding_bound(model, world: int) -> int:
-    """Elements torch.chunk padding may add across ranks: under ``world - 1`` rows per param."""
-    return sum((world - 1) * (p.numel() // p.shape[0]) for p in model.parameters())
+    """Elements the layout may add across ranks: torch.chunk's padding (under ``world - 1``
+    rows per param) and each rank's slot alignment (under ``SLOT_ALIGN`` elements)."""
+    return sum((world - 1) * (p.numel() // p.shape[0]) + world * (SLOT_ALIGN - 1)
+               for p in model.parameters())
 
 
 def step_once(model, opt, rank, world):

@@ -3,9 +3,19 @@
 [Note: layout] Every parameter is split along dim 0 the way ``torch.chunk(world)`` splits
 it: ``chunk = ceil(rows / world)`` rows per rank, trailing ranks shorter or empty. The
 local pieces of one unit lie back to back in one flat buffer of ``shard_numel`` elements
-(each piece padded to ``chunk`` rows), so one all-gather or reduce-scatter moves a whole
-unit. Gathered (rank-major) buffers are viewed as ``(world, shard_numel)``; a parameter's
-columns in that view are ``[offset, offset + chunk * inner)``.
+(each piece padded to ``chunk`` rows, then to a multiple of ``SLOT_ALIGN`` elements), so one
+all-gather or reduce-scatter moves a whole unit. Gathered (rank-major) buffers are viewed
+as ``(world, shard_numel)``; a parameter's columns in that view are
+``[offset, offset + chunk * inner)``.
+
+[Note: aligned slots] A gathered parameter is a view at ``world * offset`` of its unit's
+buffer, and a shard one at ``offset``. Packed tightly, one parameter of odd size would
+leave every later one in the unit at an odd address: CUDA's grouped GEMM
+(``torch._grouped_mm``, transformers' mixture-of-experts layers) refuses a weight whose
+address is not a multiple of 16 bytes, and vectorized kernels fall back to scalar loads.
+FSDP2 gives each gathered parameter an allocation of its own; here each slot starts at a
+multiple of 16 elements, 16 bytes or more in any dtype, at the cost of at most 15 padding
+elements a parameter.
 """
 from __future__ import annotations
 
@@ -16,6 +26,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+
+SLOT_ALIGN = 16     # elements: [Note: aligned slots]
 
 
 def chunk_rows(rows: int, world: int) -> int:
@@ -202,7 +215,7 @@ def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: i
     slot = ParamSlot(fqn, p, owners, p.shape, unit.shard_numel, chunk,
                      local_rows(p.shape[0], world, rank), rank)
     unit.slots.append(slot)
-    unit.shard_numel += chunk * slot.inner
+    unit.shard_numel += -(-chunk * slot.inner // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def _innermost(model: nn.Module, module_at: dict, mod_name: str, units: dict) -> Unit:
