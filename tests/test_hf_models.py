@@ -1,9 +1,10 @@
 """Hugging Face transformers models in a plain loop: every stage, world 1 and 2, fp32 and bf16.
 
-Two tiny configs with awkward sizes: a Llama with grouped-query attention (2 key/value
-heads for 6 query heads), tied embeddings, left padding and gradient checkpointing, and a
-GPT-2 (Conv1D weights stored transposed, learned positions, tied embeddings) with right
-padding. Both are built with ``AutoModelForCausalLM.from_config`` (no hub access).
+Three tiny configs with awkward sizes: a Llama with grouped-query attention (2 key/value
+heads for 6 query heads), tied embeddings, left padding and gradient checkpointing; a
+Qwen3 mixture of experts (left padding; see ``qwen3_moe_config``); and a GPT-2 (Conv1D
+weights stored transposed, learned positions, tied embeddings) with right padding. All are
+built with ``AutoModelForCausalLM.from_config`` (no hub access).
 
 fp32 is compared with plain single-process PyTorch on the same global batch, as
 test_parity.py does. bf16 is compared bit for bit with FSDP2 under the same policy (bf16
@@ -29,18 +30,33 @@ PAD = 0
 # step, up to 2 * lr * STEPS = 8e-3 apart (measured: up to 3.5e-3). The check that matters
 # is FSDP2's, bit for bit.
 TOL_BF16_VS_FP32 = 1e-2
+VOCAB = {"llama": 101, "qwen3_moe": 89, "gpt2": 97}
+MODELS = tuple(VOCAB)
+
+
+def qwen3_moe_config(vocab: int = 89):
+    """A mixture of experts: 5 experts, 2 per token, stacked into 3-D parameters (sharded
+    along the experts), a router, and per-head q/k norms of 6 elements placed before the
+    experts in each layer's unit. Widths are multiples of 8: transformers' grouped GEMM
+    wants 16-byte strides."""
+    return transformers.Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=24, intermediate_size=40, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=6,
+        num_experts=5, num_experts_per_tok=2, max_position_embeddings=32, pad_token_id=PAD)
 
 
 def build(name: str, seed: int = 0):
     torch.manual_seed(seed)
     if name == "llama":
         config = transformers.LlamaConfig(
-            vocab_size=101, hidden_size=36, intermediate_size=70, num_hidden_layers=2,
+            vocab_size=VOCAB[name], hidden_size=36, intermediate_size=70, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
             max_position_embeddings=32, pad_token_id=PAD)
+    elif name == "qwen3_moe":
+        config = qwen3_moe_config(VOCAB[name])
     else:
         config = transformers.GPT2Config(
-            vocab_size=97, n_embd=30, n_head=3, n_layer=2, n_inner=50, n_positions=16,
+            vocab_size=VOCAB[name], n_embd=30, n_head=3, n_layer=2, n_inner=50, n_positions=16,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=PAD,
             bos_token_id=1, eos_token_id=2)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -55,14 +71,14 @@ def build(name: str, seed: int = 0):
 def global_batches(name: str):
     """Per step: token ids, attention mask and labels (-100 on padding) of the global batch.
     Llama is padded on the left, GPT-2 on the right; every row has its own length."""
-    vocab = 101 if name == "llama" else 97
+    vocab = VOCAB[name]
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(STEPS):
         ids = torch.randint(3, vocab, (ROWS, SEQ), generator=g)
         lengths = torch.randint(4, SEQ + 1, (ROWS,), generator=g)
         pos = torch.arange(SEQ).expand(ROWS, SEQ)
-        mask = (pos >= SEQ - lengths[:, None]) if name == "llama" else (pos < lengths[:, None])
+        mask = (pos >= SEQ - lengths[:, None]) if name != "gpt2" else (pos < lengths[:, None])
         ids = ids.masked_fill(~mask, PAD)
         out.append((ids, mask.long(), ids.masked_fill(~mask, -100)))
     return out
@@ -106,7 +122,7 @@ def fsdp2_bf16(name: str, data, rank: int, world: int) -> dict:
     model = build(name)
     mesh = init_device_mesh("cpu", (world,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in (model.model.layers if name == "llama" else model.transformer.h):
+    for layer in (model.transformer.h if name == "gpt2" else model.model.layers):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = adamw(model)
@@ -121,7 +137,7 @@ def max_err(a: dict, b: dict) -> float:
 def every_config(rank, world):
     """Both models x every stage x fp32/bf16, in one process per rank."""
     out = {}
-    for name in ("llama", "gpt2"):
+    for name in MODELS:
         data = global_batches(name)
         fp32 = reference(name, data)
         fsdp2 = fsdp2_bf16(name, data, rank, world)
