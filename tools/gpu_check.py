@@ -66,7 +66,8 @@ PARTS = [
     Part("tests", 3, "The CUDA tests: `tests/test_cuda.py` (offload arenas page-locked at "
          "their exact size; forward and backward under `torch.cuda.set_sync_debug_mode('error')`"
          " and the synchronizations of a step; async checkpoints staged through one pinned "
-         "buffer) and `tests/test_offload_copies.py`'s copy streams against blocking copies, "
+         "buffer; a transformers mixture of experts under ZeRO-3 + bf16, whose grouped GEMM "
+         "needs 16-byte-aligned weights) and `tests/test_offload_copies.py`'s copy streams against blocking copies, "
          "bit for bit, in every offload configuration."),
     Part("parity", 2, "Parity with plain PyTorch on the same device, worlds 2 and 3 sharing "
          "the one GPU over gloo with CUDA tensors (rows not divisible by the world): ZeRO-1/2/3, "
