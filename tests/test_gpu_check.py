@@ -64,7 +64,7 @@ def test_the_report_holds_the_device_each_part_and_the_goal_verdicts():
            "1.62× | meets |" in text
     assert "| ≥ 7B | 7.05B | meets |" in text and "| ≥ 300 | 173 | misses |" in text
     assert "| ≥ 13B | — | not measured |" in text
-    assert "### 7. race: failed (40 s)" in text and "AssertionError: ((3" in text
+    assert "### 8. race: failed (40 s)" in text and "AssertionError: ((3" in text
     assert "### 3. parity: ok (50 s, on NVIDIA H200, at 0ld0ne)" in text
     assert "### 1. build: not run yet" in text
     assert "| 2048x24 (1.3B) | zerofn offload | 9,000 | 70.1 |" in text   # tables as they are
@@ -115,7 +115,7 @@ def test_pending_stands_for_the_parts_not_passed_yet_in_order():
     done = {"build": {"status": "ok"}, "tests": {"status": "ok"}, "compare": {"status": "ok"},
             "race": {"status": "failed"}, "deepspeed": {"status": "skipped"}}
     assert gc.expand_pending(["build", "pending"], done) == \
-        ["build", "parity", "largest", "profile", "race", "compile", "nvme", "deepspeed"]
+        ["build", "parity", "job", "largest", "profile", "race", "compile", "nvme", "deepspeed"]
     passed = {n: {"status": "ok"} for n in gc.PART_NAMES}
     assert gc.expand_pending(["pending", "race"], passed) == ["race"]
     assert gc.parse_args(["--parts", "build,pending"]).parts == ["build", "pending"]
@@ -133,7 +133,7 @@ def test_a_budget_starts_only_the_parts_whose_whole_limit_fits(tmp_path, monkeyp
                                       str(budget), "--results", str(results),
                                       "--report", str(tmp_path / "gpu.md")])
     gc.main()
-    assert ran == ["build", "parity", "compare", "profile", "compile", "deepspeed"]
+    assert ran == ["build", "parity", "job", "compare", "profile", "compile", "deepspeed"]
     parts = json.loads(results.read_text())["parts"]    # largest, race and nvme do not fit
     assert set(parts) == {"tests"} | set(ran)
     env = gc.environment()

@@ -1,6 +1,6 @@
 """The one command for a lent GPU: what zerofn's CUDA path does that a CPU cannot show.
 
-    python tools/gpu_check.py                            # every part (limits: 31 min)
+    python tools/gpu_check.py                            # every part
     python tools/gpu_check.py --parts build,tests,race   # some parts; results accumulate
     python tools/gpu_check.py --parts build,pending --budget 540
                                   # the parts not passed yet that fit in 540 s, after a build
@@ -72,6 +72,9 @@ PARTS = [
     Part("parity", 2, "Parity with plain PyTorch on the same device, worlds 2 and 3 sharing "
          "the one GPU over gloo with CUDA tensors (rows not divisible by the world): ZeRO-1/2/3, "
          "accumulation, clipping, SGD, and offload('cpu') with params=True."),
+    Part("job", 2, "README's main job, `python -m zerofn train` (ZeRO-3 on the built-in corpus, "
+         "one rank on NCCL, with `--tensorboard`): stopped at step 100 of 200 with a checkpoint, "
+         "then resumed from it to the end; the losses, throughput and peak memory it prints."),
     Part("largest", 5, f"`bench_offload.py --find-largest --sizes {LARGE_CPU} {THROUGHPUT}` "
          "(7.05B parameters, fp32 master and Adam state on the host, activation "
          "checkpointing): it trains, and at 32 micro-batches of 4x1024 tokens a step (131k "
@@ -342,6 +345,25 @@ def _row_figures(table: list[str], label: str) -> dict:
     return {}
 
 
+JOB = [sys.executable, "-m", "zerofn", "train", "--nproc", "1", "--steps", "200",
+       "--log-every", "50", "--save-dir", os.path.join(TRACE_DIR, "job"),
+       "--tensorboard", os.path.join(TRACE_DIR, "job_tb")]
+
+
+def part_job(args) -> dict:
+    shutil.rmtree(os.path.join(TRACE_DIR, "job"), ignore_errors=True)
+    first_rc, first = run(JOB + ["--stop-at", "100"], LIMIT["job"] / 2)
+    rc, out = run(JOB + ["--resume"], LIMIT["job"] / 2)
+    keep = ("plan:", "step ", "first loss", "final loss")
+    lines = [ln.strip() for ln in (first + out).splitlines() if ln.startswith(keep)]
+    final = re.search(r"final loss ([\d.]+) after 200 steps", out)
+    start = re.search(r"first loss ([\d.]+)", first)
+    ok = first_rc == rc == 0 and final and start and float(final[1]) < float(start[1])
+    return dict(status="ok" if ok else "failed", lines=[f"`{ln}`" for ln in lines],
+                figures={"final_loss": float(final[1])} if final else {},
+                detail=None if ok else tail(first + out, 30))
+
+
 def part_largest(args) -> dict:
     return _largest(["--find-largest", "--sizes", LARGE_CPU, *THROUGHPUT.split()],
                     LIMIT["largest"])
@@ -412,7 +434,7 @@ def _deepspeed_available(args) -> bool | str:
 
 
 PART_RUNNERS = {"build": part_build, "tests": part_tests, "race": part_race,
-                "parity": part_parity, "profile": part_profile, "compare": part_compare,
+                "parity": part_parity, "job": part_job, "profile": part_profile, "compare": part_compare,
                 "largest": part_largest, "nvme": part_nvme, "deepspeed": part_deepspeed,
                 "compile": part_compile}
 
