@@ -67,8 +67,8 @@ PARTS = [
          "their exact size; forward and backward under `torch.cuda.set_sync_debug_mode('error')`"
          " and the synchronizations of a step; async checkpoints staged through one pinned "
          "buffer; a transformers mixture of experts under ZeRO-3 + bf16, whose grouped GEMM "
-         "needs 16-byte-aligned weights) and `tests/test_offload_copies.py`'s copy streams against blocking copies, "
-         "bit for bit, in every offload configuration."),
+         "needs 16-byte-aligned weights) and `tests/test_offload_copies.py`'s copy streams "
+         "against blocking copies, bit for bit, in every offload configuration."),
     Part("parity", 2, "Parity with plain PyTorch on the same device, worlds 2 and 3 sharing "
          "the one GPU over gloo with CUDA tensors (rows not divisible by the world): ZeRO-1/2/3, "
          "accumulation, clipping, SGD, and offload('cpu') with params=True."),
@@ -433,10 +433,10 @@ def _deepspeed_available(args) -> bool | str:
     return True
 
 
-PART_RUNNERS = {"build": part_build, "tests": part_tests, "race": part_race,
-                "parity": part_parity, "job": part_job, "profile": part_profile, "compare": part_compare,
-                "largest": part_largest, "nvme": part_nvme, "deepspeed": part_deepspeed,
-                "compile": part_compile}
+PART_RUNNERS = {"build": part_build, "tests": part_tests, "parity": part_parity,
+                "job": part_job, "largest": part_largest, "compare": part_compare,
+                "profile": part_profile, "race": part_race, "compile": part_compile,
+                "nvme": part_nvme, "deepspeed": part_deepspeed}
 
 
 # -- workers (their own processes: CUDA and NCCL state start fresh) ----------------------
