@@ -1,7 +1,9 @@
-"""Run a function on real gloo ranks (spawned processes), with a timeout so a hang fails."""
+"""Run a function on real gloo ranks (separate processes), with a timeout so a hang fails."""
 from __future__ import annotations
 
+import atexit
 import datetime
+import multiprocessing.forkserver as forkserver
 import os
 import queue
 import tempfile
@@ -11,9 +13,28 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# A spawned rank spends ~2.4 s of CPU importing torch and zerofn, most of the suite's time.
+# Ranks fork instead from a server that imported them once (importing them starts no thread
+# that outlives a fork: numpy's OpenBLAS pool stops itself at fork). A fork keeps the
+# server's environment, some of it (MALLOC_*) read only at start, so when os.environ has
+# changed (a test's monkeypatch, torch setting TORCHINDUCTOR_CACHE_DIR) the server restarts.
+PRELOAD = ["torch", "torch.distributed", "zerofn", "pytest", "models"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")   # one object, so one server, for both import names
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    if getattr(ctx, "server_env", None) != env:
+        forkserver._forkserver._stop()   # private, but the way to stop it; none: a no-op
+        ctx.set_forkserver_preload(PRELOAD)
+        forkserver.ensure_running()
+        ctx.server_env = env
+    return ctx
+
 
 def _worker(rank, world, init_method, fn, args, results):
     try:
+        torch.default_generator.seed()   # a fork copies the server's seed: draw one as spawn does
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=90))
@@ -23,6 +44,9 @@ def _worker(rank, world, init_method, fn, args, results):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # A forked rank ends in os._exit, a spawned one in exit: run its atexit handlers
+        # (zerofn's remove swap files, close monitors and wait for checkpoint saves).
+        atexit._run_exitfuncs()
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 180):
@@ -30,7 +54,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 180):
 
     Raises AssertionError with every failing rank's traceback, or on timeout.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = "file://" + os.path.join(tmp, "store")
