@@ -2,7 +2,7 @@
 import glob
 import platform
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
 # -ffp-contract=off: the kernels place every fma themselves, to round like torch.
@@ -10,6 +10,10 @@ from setuptools import setup
 # no -ffast-math, which would fold away the x - x non-finite test.
 compile_args = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 link_args = ["-fopenmp"]
+
+# One compiler process per core for the sources (ZEROFN_BUILD_JOBS overrides): the ISA
+# kernels are separate files, so a build on a 16-core GPU machine takes a few seconds.
+ParallelCompile("ZEROFN_BUILD_JOBS").install()
 
 ext = Pybind11Extension(
     "zerofn._C",
