@@ -34,7 +34,7 @@ VOCAB = {"llama": 101, "qwen3_moe": 89, "gpt2": 97}
 MODELS = tuple(VOCAB)
 
 
-def qwen3_moe_config(vocab: int = 89):
+def qwen3_moe_config(vocab: int):
     """A mixture of experts: 5 experts, 2 per token, stacked into 3-D parameters (sharded
     along the experts), a router, and per-head q/k norms of 6 elements placed before the
     experts in each layer's unit. Widths are multiples of 8: transformers' grouped GEMM
@@ -70,7 +70,8 @@ def build(name: str, seed: int = 0):
 
 def global_batches(name: str):
     """Per step: token ids, attention mask and labels (-100 on padding) of the global batch.
-    Llama is padded on the left, GPT-2 on the right; every row has its own length."""
+    Llama and the Qwen3 are padded on the left, GPT-2 on the right; every row has its own
+    length."""
     vocab = VOCAB[name]
     g = torch.Generator().manual_seed(1)
     out = []
@@ -135,7 +136,7 @@ def max_err(a: dict, b: dict) -> float:
 
 
 def every_config(rank, world):
-    """Both models x every stage x fp32/bf16, in one process per rank."""
+    """Every model x every stage x fp32/bf16, in one process per rank."""
     out = {}
     for name in MODELS:
         data = global_batches(name)
