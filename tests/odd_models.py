@@ -163,7 +163,7 @@ def block_paths(spec: dict) -> list[tuple[str, dict]]:
 
 def expected_units(model: nn.Module, policy, persist_below: int = 0) -> dict:
     """``{fqn: unit module, or "<persistent>"}`` from the documented rules alone: units are
-    every ModuleList child (``None``), the listed modules, or (an int) modules in post-order
+    every ModuleList child no other such child holds (``None``), the listed modules, or (an int) modules in post-order
     once they hold that many not-yet-claimed elements, never a container; a parameter
     belongs to the innermost unit holding it, to the root where two units hold it, and to
     the persistent unit (ZeRO-3) where it has fewer than ``persist_below`` elements."""
@@ -186,9 +186,17 @@ def runs(module: nn.Module) -> bool:
 
 
 def _policy_modules(model: nn.Module, policy) -> list[nn.Module]:
-    if policy is None:
-        return [c for m in model.modules() if isinstance(m, nn.ModuleList) for c in m.children()
-                if runs(c)]
+    if policy is None:     # ModuleList children reached through no other such child
+        def list_child(parts):
+            return len(parts) > 0 and runs(model.get_submodule(".".join(parts))) and \
+                isinstance(model.get_submodule(".".join(parts[:-1])), nn.ModuleList)
+        chosen = []
+        for path, m in model.named_modules(remove_duplicate=False):
+            parts = path.split(".") if path else []
+            if list_child(parts) and not any(list_child(parts[:i]) for i in range(len(parts))) \
+                    and not any(m is c for c in chosen):
+                chosen.append(m)
+        return chosen
     if isinstance(policy, int):
         claimed, chosen = set(), []
 

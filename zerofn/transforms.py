@@ -50,8 +50,9 @@ def shard_optimizer(**options) -> Transform:
             2-D DeviceMesh for hybrid sharding (HSDP): shard over its "shard" dim and
             average gradients over its "replicate" dim (dims named so, else dim 0
             replicates and dim 1 shards, as FSDP2 reads a mesh; see docs/multinode.md).
-        units: how parameters are grouped for collectives: None (one unit per child of
-            every ModuleList plus one for the rest), a list of submodules or their names
+        units: how parameters are grouped for collectives: None (one unit per child of a
+            ModuleList not inside another such child, e.g. a transformer's blocks but not
+            the experts inside one, plus one for the rest), a list of submodules or their names
             (modules that run: a ModuleList itself never does, so it is refused), or an
             int (a module becomes a unit once it holds that many parameters).
         bucket_size: elements of collective buffers allowed in flight at once (default
