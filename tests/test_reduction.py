@@ -3,6 +3,7 @@ flight), averaging inside the collective where the backend does it (NCCL), and g
 shards lent from the pool under offload."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -198,12 +199,8 @@ class GatedNet(torch.nn.Module):
 
 
 # step -> rank -> the blocks whose gate that rank leaves out. Step 0 runs on the first
-# backward's order, the others on the learned one. ZeRO-3 gathers during backward too, so
-# it needs each unit's parameters to get gradients alike on every rank (as FSDP2 does):
-# there the gates differ by step, not by rank.
-UNGATED = {1: [{0: (1,), 1: ()}, {0: (), 1: (2,)}, {0: (0, 2), 1: (1,)}],
-           3: [{0: (1,), 1: (1,)}, {0: (), 1: ()}, {0: (0, 2), 1: (0, 2)}]}
-UNGATED[2] = UNGATED[1]
+# backward's order, the others on the learned one.
+UNGATED = [{0: (1,), 1: ()}, {0: (), 1: (2,)}, {0: (0, 2), 1: (1,)}]
 
 
 def gated_runs(rank, world):
@@ -216,7 +213,7 @@ def gated_runs(rank, world):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]))(model, opt)
         g = torch.Generator().manual_seed(1)
-        for ungated in UNGATED[stage]:
+        for ungated in UNGATED:
             xs = torch.randn(2 * world, 8, generator=g).chunk(world)
             sum(ref(xs[r], ungated[r]) for r in range(world)).div(world).backward()
             ref_opt.step()
@@ -230,7 +227,106 @@ def gated_runs(rank, world):
 
 def test_ranks_reduce_units_in_one_order_when_their_gradients_complete_in_another():
     """[Note: one reduction order]: reducing each unit as it completes paired one rank's
-    block with another's (0.04 off plain PyTorch after one step)."""
+    block with another's (0.04 off plain PyTorch after one step). ZeRO-3 hung here until
+    each unit completed when its backward was done ([Note: a unit's backward is done])."""
     for by_stage in run_ranks(2, gated_runs):
         for stage, (p_err, s_err) in by_stage.items():
             assert p_err < TOL and s_err < TOL, (stage, p_err, s_err)
+
+
+class Experts(torch.nn.Module):
+    """A top-1 mixture of experts with the expert given per sample (hash routing) and a
+    learned gate; like Mixtral's loop it runs only the experts some sample chose, so on a
+    rank whose samples chose none, an expert gets no gradient."""
+
+    def __init__(self, n: int = 2):
+        super().__init__()
+        self.router = torch.nn.Linear(8, n, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(n))
+
+    def forward(self, x, choice):
+        gate = self.router(x).softmax(-1).gather(1, choice[:, None])
+        out = x
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().squeeze(1)
+            if rows.numel():
+                out = out.index_add(0, rows, gate[rows] * torch.tanh(expert(x[rows])))
+        return out
+
+
+class ExpertNet(torch.nn.Module):
+    def __init__(self, checkpoint: bool = False):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList(Experts() for _ in range(3))
+        self.head = torch.nn.Linear(8, 1)
+        self.checkpoint = checkpoint
+
+    def forward(self, x, choices):
+        x = self.inp(x)
+        for block, choice in zip(self.blocks, choices.unbind(1)):
+            x = torch.utils.checkpoint.checkpoint(block, x, choice, use_reentrant=False) \
+                if self.checkpoint else block(x, choice)
+        return self.head(x).pow(2).mean()
+
+
+EXPERT_CONFIGS = {"zero3": (3, {}, False, 1), "zero2": (2, {}, False, 1),
+                  "zero3+checkpoint": (3, {}, True, 1), "zero3+accumulation": (3, {}, False, 2),
+                  "zero3+offload(params)": (3, {"params": True}, False, 1)}
+
+
+def expert_choices(step: int, world: int) -> torch.Tensor:
+    """(2 * world, blocks) experts: each rank's two samples choose both experts, except
+    that in each step and block one rank's choose expert 0 only, a different rank for
+    each block: expert 1 sits out there, with its unit complete on the other ranks."""
+    choices = torch.tensor([0, 1]).repeat(world)[:, None].repeat(1, 3)
+    for b in range(3):
+        r = (step + b) % world
+        choices[2 * r:2 * r + 2, b] = 0
+    return choices
+
+
+def expert_runs(rank, world, names):
+    """Plain PyTorch on the global batch against each configuration on this rank's share."""
+    out = {}
+    for name in names:
+        stage, offload, checkpoint, accum = EXPERT_CONFIGS[name]
+        torch.manual_seed(0)
+        ref, model = ExpertNet(checkpoint), ExpertNet(checkpoint)
+        model.load_state_dict(ref.state_dict())
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        edits = [getattr(zf, n)() for n in STAGES[stage]]
+        if offload:
+            edits.append(zf.offload("cpu", **offload))
+        model, opt = zf.compose(*edits)(model, opt)
+        reducer = runtime_of(model).reducer
+        g = torch.Generator().manual_seed(1)
+        sat_out = 0      # parameters without a gradient on this rank, over the steps
+        for step in range(4):
+            micro = [(torch.randn(2 * world, 8, generator=g), expert_choices(step, world))
+                     for _ in range(accum)]
+            sum(ref(x, c) for x, c in micro).div(accum).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            for x, c in micro:
+                model(x.chunk(world)[rank], c.chunk(world)[rank]).div(accum).backward()
+            sat_out += sum(s not in reducer.got for u in reducer.units for s in u.trainable)
+            opt.step()
+            opt.zero_grad()
+        out[name] = (*max_errors(ref, ref_opt, model, opt), sat_out)
+    return out
+
+
+@pytest.mark.parametrize("world,names", [(2, list(EXPERT_CONFIGS)), (4, ["zero3"])])
+def test_experts_no_token_chose_on_some_ranks_train_as_plain_pytorch(world, names):
+    """[Note: a unit's backward is done]: under ZeRO-3 an expert without a gradient on one
+    rank held back its unit's reduction there, which met another rank's gather: a hang.
+    Each configuration matches plain PyTorch on the global batch."""
+    ranks = run_ranks(world, expert_runs, names)
+    for by_name in ranks:
+        for name, (p_err, s_err, _) in by_name.items():
+            assert p_err < TOL and s_err < TOL, (world, name, p_err, s_err)
+    for name in names:    # the case under test happened: experts sat out on some ranks
+        assert all(by_name[name][2] for by_name in ranks), name
+

@@ -142,6 +142,7 @@ class Watch:
         # Backward's hooks look these up per call (per gradient, per unit, when backward
         # queues its end), so the instance's wrapped ones run.
         self._guard_per_unit(reducer, "_on_grad")
+        self._guard_per_unit(reducer, "backward_done")
         reducer._end_backward = self.guarded(reducer._end_backward)
         if gatherer is not None:
             self._guard_per_unit(gatherer, "pre_backward")

@@ -39,9 +39,25 @@ the reverse of the units' order with the root last (its embedding's gradient com
 the end of backward). At its end the ranks adopt rank 0's completion order (one
 broadcast, as DDP rebuilds its buckets after its first iteration), units rank 0 left
 incomplete going last, where they hold back nothing. ZeRO-3 frees a unit's gathered
-parameters as soon as its gradients are packed, waiting or not. ZeRO-3 still needs each
-unit's parameters to get gradients alike on every rank (as FSDP2 does): its backward
-gathers too, and a reduction held back on one rank would meet another rank's gather.
+parameters as soon as its gradients are packed, waiting or not.
+
+[Note: a unit's backward is done] ZeRO-3's backward gathers too, on the same group, so a
+unit's reduction must come at one point in every rank's sequence of collectives: a
+reduction held back on one rank (a parameter its batch left without a gradient) would
+meet another rank's gather. Counting gradients cannot tell "not yet" from "not this
+time". So, as FSDP2 does, each forward of a unit passes its tensor inputs that need a
+gradient through an identity autograd function. Its backward runs once the unit's own
+backward is done, at the same place on every rank, and before the hooks on those inputs
+that gather the unit that produced them (a hook on the inputs themselves would run after
+those: registered later). Its parameters' gradients are all in by then: autograd runs the
+ready node created last first (gradient accumulation before any), so every node the
+unit's forward created has run before the identity, made before them, runs; and outside
+its forward a unit's parameters are sharded, unusable. After the last of the unit's
+forwards is done, the unit is complete: a parameter still without a gradient got none,
+and reduces as zeros. A unit whose inputs need no gradient completes by counting, or at
+the end of backward: held back on some ranks, it is safe only where backward gathers
+nothing after it (a first block fed data). As under FSDP2, a unit cannot modify its
+inputs in place.
 
 [Note: the reduce stream] On CUDA each reduce-scatter is issued on a side stream, after
 the compute stream's work so far (the packed gradients), and everything after it (the
@@ -63,6 +79,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .timing import UNTIMED
 from .units import ParamSlot, Unit, scatter_to_ranks
@@ -108,6 +125,8 @@ class GradReducer:
         self._backwards = self._last_backwards = 0   # outside no_sync, this step / the last
         self._early = False                     # the shards hold the last backward's reduction
         self._hooks = []
+        # [Note: a unit's backward is done] forwards of each unit whose backward is to come
+        self._forwards: dict[Unit, int] = {}
         # [Note: the reduce stream], for the reductions during backward (at the step there
         # is no compute to overlap).
         self.device = next((u.device for u in units if u.device is not None), None)
@@ -152,6 +171,34 @@ class GradReducer:
         while self._next < len(self._order) and self._remaining[self._order[self._next]] == 0:
             self._reduce(self._order[self._next])
             self._next += 1
+
+    def track_forward(self, unit: Unit, args: tuple, kwargs: dict):
+        """``(args, kwargs)`` of a forward of ``unit``, those that need a gradient passed
+        through the identity whose backward reports when the unit's backward is done
+        ([Note: a unit's backward is done]); None where none needs one."""
+        leaves, spec = tree_flatten((args, kwargs))
+        which = [i for i, t in enumerate(leaves)
+                 if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not which or not unit.trainable:
+            return None
+        self._forwards[unit] = self._forwards.get(unit, 0) + 1
+        done = functools.partial(_backward_done, weakref.ref(self), self.units.index(unit))
+        for i, t in zip(which, _BackwardDone.apply(done, *(leaves[i] for i in which))):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def backward_done(self, unit: Unit) -> None:
+        """The backward of one of ``unit``'s forwards is done; after the last, the unit is
+        complete ([Note: a unit's backward is done])."""
+        if not self._in_backward:
+            self._begin_backward()
+        left = self._forwards[unit] = self._forwards.get(unit, 0) - 1
+        if left != 0 or not self._reducing or self._remaining[unit] <= 0:
+            return
+        for s in self._held.pop(unit, ()):
+            self._pack(unit, s)
+        self._remaining[unit] = 0
+        self._complete(unit)
 
     def _begin_backward(self) -> None:
         self._in_backward = True
@@ -198,6 +245,7 @@ class GradReducer:
             self._learn_order()
         self._early = self.stage == 1 and self._reducing
         self._in_backward = self._reducing = False
+        self._forwards.clear()   # (also a forward whose output backward never reached)
         if self.on_packed is not None:
             self.on_packed(None)
 
@@ -448,6 +496,28 @@ class GradReducer:
                 self.pool.give(self.grad_shard.pop(unit))
             for s in unit.slots:
                 s.param.grad = None
+
+
+class _BackwardDone(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward reports that the unit's backward
+    is done ([Note: a unit's backward is done])."""
+
+    @staticmethod
+    def forward(ctx, done, *inputs):
+        ctx.done = done
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)
+
+
+def _backward_done(reducer, ui: int) -> None:
+    """Holds neither the reducer nor the unit (see _on_grad)."""
+    reducer = reducer()
+    if reducer is not None:
+        reducer.backward_done(reducer.units[ui])
 
 
 def _on_grad(reducer, ui: int, si: int, param) -> None:

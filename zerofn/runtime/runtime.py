@@ -26,7 +26,7 @@ from .mesh import layout_of
 from .nvme import NvmeOffload, nvme_problems, swap_bytes
 from .offload import HostOffload, fused_adam_mode
 from .optimizer import OptimizerWiring, check_optimizer
-from .params import ParamGatherer, eager
+from .params import ParamGatherer, eager, in_backward
 from .pool import BufferPool
 from .precision import LossScaler
 from .step import StepGrads
@@ -357,14 +357,20 @@ class Runtime:
             post = self.watch.guarded(self._post_forward, unit.name)
             # [Note: hooks under torch.compile]
             handles.append(unit.module.register_forward_pre_hook(
-                eager(lambda m, a, u=unit, r=is_root: pre(u, r)), prepend=True))
+                eager(lambda m, a, k, u=unit, r=is_root: pre(u, r, a, k)), prepend=True,
+                with_kwargs=True))
             handles.append(unit.module.register_forward_hook(
                 eager(lambda m, a, o, u=unit, r=is_root: post(u, r, o)), always_call=True))
         return handles
 
     # -- forward ---------------------------------------------------------------------
-    def _pre_forward(self, unit, is_root: bool) -> None:
+    def _pre_forward(self, unit, is_root: bool, args: tuple, kwargs: dict):
+        """Gather the unit; returns its inputs as the reducer tracks them (grads.py's
+        [Note: a unit's backward is done]), or None to leave them be."""
         self.gatherer.pre_forward(unit, is_root)
+        if torch.is_grad_enabled() and not in_backward():
+            return self.reducer.track_forward(unit, args, kwargs)
+        return None
 
     def _post_forward(self, unit, is_root: bool, output) -> None:
         self.gatherer.post_forward(unit, is_root, output)
