@@ -189,6 +189,16 @@ def test_hugging_face_mixture_of_experts_trains_under_zero3():
     assert err < hf.TOL_BF16_VS_FP32, (err, experts)
 
 
+def test_experts_some_ranks_leave_out_reduce_when_their_units_backward_is_done():
+    """grads.py's [Note: a unit's backward is done] where the reductions run on a side
+    stream: experts that sit out on one rank, ZeRO-3 with and without parameter offload,
+    two ranks sharing the GPU over gloo, against plain PyTorch on the same GPU."""
+    import test_reduction as red
+    for by_name in run_ranks(2, red.expert_runs, ["zero3", "zero3+offload(params)"], "cuda"):
+        for name, (p_err, s_err, sat_out) in by_name.items():
+            assert p_err < red.TOL and s_err < red.TOL and sat_out, (name, p_err, s_err)
+
+
 def inductor_runs(rank, world, path):
     """Each step's loss and gradient norm, with the model compiled by inductor (Triton
     kernels) after the transforms and not."""

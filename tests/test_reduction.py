@@ -286,13 +286,17 @@ def expert_choices(step: int, world: int) -> torch.Tensor:
     return choices
 
 
-def expert_runs(rank, world, names):
-    """Plain PyTorch on the global batch against each configuration on this rank's share."""
+def expert_runs(rank, world, names, device="cpu"):
+    """Plain PyTorch on the global batch against each configuration on this rank's share,
+    both on ``device`` (tests/test_cuda.py runs them on a GPU)."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = False
     out = {}
     for name in names:
         stage, offload, checkpoint, accum = EXPERT_CONFIGS[name]
         torch.manual_seed(0)
-        ref, model = ExpertNet(checkpoint), ExpertNet(checkpoint)
+        ref, model = ExpertNet(checkpoint).to(device), ExpertNet(checkpoint).to(device)
         model.load_state_dict(ref.state_dict())
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -304,8 +308,8 @@ def expert_runs(rank, world, names):
         g = torch.Generator().manual_seed(1)
         sat_out = 0      # parameters without a gradient on this rank, over the steps
         for step in range(4):
-            micro = [(torch.randn(2 * world, 8, generator=g), expert_choices(step, world))
-                     for _ in range(accum)]
+            micro = [(torch.randn(2 * world, 8, generator=g).to(device),
+                      expert_choices(step, world).to(device)) for _ in range(accum)]
             sum(ref(x, c) for x, c in micro).div(accum).backward()
             ref_opt.step()
             ref_opt.zero_grad()

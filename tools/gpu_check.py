@@ -67,7 +67,8 @@ PARTS = [
          "their exact size; forward and backward under `torch.cuda.set_sync_debug_mode('error')`"
          " and the synchronizations of a step; async checkpoints staged through one pinned "
          "buffer; a transformers mixture of experts under ZeRO-3 + bf16, whose grouped GEMM "
-         "needs 16-byte-aligned weights) and `tests/test_offload_copies.py`'s copy streams "
+         "needs 16-byte-aligned weights; experts that sit out on one rank under ZeRO-3, "
+         "reduced from the side stream) and `tests/test_offload_copies.py`'s copy streams "
          "against blocking copies, bit for bit, in every offload configuration."),
     Part("parity", 2, "Parity with plain PyTorch on the same device, worlds 2 and 3 sharing "
          "the one GPU over gloo with CUDA tensors (rows not divisible by the world): ZeRO-1/2/3, "
