@@ -334,3 +334,45 @@ def test_experts_no_token_chose_on_some_ranks_train_as_plain_pytorch(world, name
     for name in names:    # the case under test happened: experts sat out on some ranks
         assert all(by_name[name][2] for by_name in ranks), name
 
+
+
+class Doubles(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2)           # in place on its input
+        return self.lin(x)
+
+
+class DoublesNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 4)
+        self.blocks = torch.nn.ModuleList([Doubles()])
+
+    def forward(self, x):
+        return self.blocks[0](self.inp(x)).sum()
+
+
+def in_place_runs(rank, world):
+    out = {}
+    for stage in (2, 3):
+        model = DoublesNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]))(model, opt)
+        try:
+            model(torch.randn(2, 4)).backward()
+            out[stage] = None
+        except RuntimeError as e:
+            out[stage] = str(e)
+    return out
+
+
+def test_a_unit_that_modifies_its_inputs_in_place_gets_the_documented_error_under_zero3():
+    """README's wording: the identity on ZeRO-3 units' inputs returns views, as FSDP2's
+    does; ZeRO-2 has no such hook."""
+    out = run_ranks(1, in_place_runs)[0]
+    assert out[2] is None
+    assert "Output 0 of ZerofnUnitInputs is a view and is being modified inplace" in out[3]

@@ -183,7 +183,7 @@ class GradReducer:
             return None
         self._forwards[unit] = self._forwards.get(unit, 0) + 1
         done = functools.partial(_backward_done, weakref.ref(self), self.units.index(unit))
-        for i, t in zip(which, _BackwardDone.apply(done, *(leaves[i] for i in which))):
+        for i, t in zip(which, ZerofnUnitInputs.apply(done, *(leaves[i] for i in which))):
             leaves[i] = t
         return tree_unflatten(leaves, spec)
 
@@ -498,9 +498,11 @@ class GradReducer:
                 s.param.grad = None
 
 
-class _BackwardDone(torch.autograd.Function):
+class ZerofnUnitInputs(torch.autograd.Function):
     """Identity on a unit's forward inputs; its backward reports that the unit's backward
-    is done ([Note: a unit's backward is done])."""
+    is done ([Note: a unit's backward is done]). Named for the error a unit that modifies
+    its inputs in place meets: "Output 0 of ZerofnUnitInputs is a view and is being
+    modified inplace" (docs/design.md §3)."""
 
     @staticmethod
     def forward(ctx, done, *inputs):
