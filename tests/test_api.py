@@ -1,6 +1,9 @@
 """The transforms' contract: composition, what the returned objects keep, and clear errors."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -218,8 +221,6 @@ def test_zero12_gather_each_unit_while_the_next_steps(stage):
 def dropped_models_are_freed(rank, world, path):
     """Weak references to each trained model and its optimizer, after the last strong
     ones are gone and the collector has run."""
-    import gc
-    import weakref
     alive = []
     for stage, extra in ((1, []), (2, [zf.mixed_precision(torch.bfloat16)]),
                          (3, [zf.offload("cpu", params=True)]),
@@ -244,3 +245,29 @@ def test_a_dropped_model_frees_its_memory(tmp_path):
     kept every model, its device memory and its pinned arenas, for the process's life."""
     for alive in run_ranks(2, dropped_models_are_freed, str(tmp_path)):
         assert alive == [[False, False]] * 4, alive
+
+
+def forward_graphs_are_freed(rank, world):
+    """Weak references to the activations a block's forward saves (tanh saves its output),
+    after forwards with gradients enabled whose loss is dropped, and after a step."""
+    _, model = make_models()
+    opt = make_optimizer("adamw", model.parameters())
+    model, opt = transform(3)(model, opt)
+    saved = []
+    model.blocks[0].register_forward_hook(lambda m, a, out: saved.append(weakref.ref(out)))
+    x, y = batches(1, 1, world)[0][0]
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    for _ in range(2):
+        model(x, y)                  # an evaluation without torch.no_grad()
+    model(x, y).backward()           # and the training step that follows must not hang
+    opt.step()
+    gc.collect()
+    return [r() is not None for r in saved]
+
+
+def test_a_forward_backward_never_reaches_frees_its_graph_under_zero3():
+    """A saved-tensor hook that kept the tensors as given made each such forward's graph a
+    cycle through C++: never freed, and, counted as a forward whose backward was still to
+    come, it kept the units from completing when their backward was done."""
+    for alive in run_ranks(2, forward_graphs_are_freed):
+        assert alive == [False] * 3, alive

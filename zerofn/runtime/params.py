@@ -205,10 +205,15 @@ class ParamGatherer:
 
     # -- saved tensors ---------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
+        """[Note: saved tensors] A marker for a tensor in a gathered buffer; any other
+        tensor detached. Kept as given, a tensor the saving node output would hold that
+        node (its grad_fn), which holds it: a cycle through C++ that the collector cannot
+        see, leaking the graph of every forward backward never reaches (an evaluation with
+        gradients enabled). Autograd keeps the grad_fn and restores it at unpack."""
         if t.__class__ not in (torch.Tensor, nn.Parameter) or t.is_sparse:
             return t
         unit = self._by_storage.get(t.untyped_storage().data_ptr())
-        return t if unit is None else _SavedView(unit, t)
+        return t.detach() if unit is None else _SavedView(unit, t)
 
     def _unpack(self, saved):
         if not isinstance(saved, _SavedView):
