@@ -270,9 +270,15 @@ class ExpertNet(torch.nn.Module):
         return self.head(x).pow(2).mean()
 
 
-EXPERT_CONFIGS = {"zero3": (3, {}, False, 1), "zero2": (2, {}, False, 1),
-                  "zero3+checkpoint": (3, {}, True, 1), "zero3+accumulation": (3, {}, False, 2),
-                  "zero3+offload(params)": (3, {"params": True}, False, 1)}
+# name -> (stage, offload options, activation checkpointing, micro-batches, how a rank's
+# micro-batch runs: one forward; after a forward with gradients whose output is dropped
+# (an evaluation without no_grad); or as two forwards, each on half, and one backward).
+EXPERT_CONFIGS = {"zero3": (3, {}, False, 1, "one"), "zero2": (2, {}, False, 1, "one"),
+                  "zero3+checkpoint": (3, {}, True, 1, "one"),
+                  "zero3+accumulation": (3, {}, False, 2, "one"),
+                  "zero3+offload(params)": (3, {"params": True}, False, 1, "one"),
+                  "zero3+dropped forward": (3, {}, False, 1, "dropped"),
+                  "zero3+two forwards": (3, {}, False, 1, "halves")}
 
 
 def expert_choices(step: int, world: int) -> torch.Tensor:
@@ -294,7 +300,7 @@ def expert_runs(rank, world, names, device="cpu"):
         torch.backends.cuda.matmul.allow_tf32 = False
     out = {}
     for name in names:
-        stage, offload, checkpoint, accum = EXPERT_CONFIGS[name]
+        stage, offload, checkpoint, accum, how = EXPERT_CONFIGS[name]
         torch.manual_seed(0)
         ref, model = ExpertNet(checkpoint).to(device), ExpertNet(checkpoint).to(device)
         model.load_state_dict(ref.state_dict())
@@ -314,7 +320,14 @@ def expert_runs(rank, world, names, device="cpu"):
             ref_opt.step()
             ref_opt.zero_grad()
             for x, c in micro:
-                model(x.chunk(world)[rank], c.chunk(world)[rank]).div(accum).backward()
+                x, c = x.chunk(world)[rank], c.chunk(world)[rank]
+                if how == "dropped":
+                    model(x, c)
+                if how == "halves":
+                    loss = sum(model(*half) for half in zip(x.chunk(2), c.chunk(2))) / 2
+                else:
+                    loss = model(x, c)
+                loss.div(accum).backward()
             sat_out += sum(s not in reducer.got for u in reducer.units for s in u.trainable)
             opt.step()
             opt.zero_grad()

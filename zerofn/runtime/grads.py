@@ -53,7 +53,9 @@ those: registered later). Its parameters' gradients are all in by then: autograd
 ready node created last first (gradient accumulation before any), so every node the
 unit's forward created has run before the identity, made before them, runs; and outside
 its forward a unit's parameters are sharded, unusable. After the last of the unit's
-forwards is done, the unit is complete: a parameter still without a gradient got none,
+forwards whose graph still lives is done (a forward backward never reaches, say an
+evaluation with gradients enabled, stops counting once its output is dropped), the unit
+is complete: a parameter still without a gradient got none,
 and reduces as zeros. A unit whose inputs need no gradient completes by counting, or at
 the end of backward: held back on some ranks, it is safe only where backward gathers
 nothing after it (a first block fed data). As under FSDP2, a unit cannot modify its
@@ -125,8 +127,9 @@ class GradReducer:
         self._backwards = self._last_backwards = 0   # outside no_sync, this step / the last
         self._early = False                     # the shards hold the last backward's reduction
         self._hooks = []
-        # [Note: a unit's backward is done] forwards of each unit whose backward is to come
-        self._forwards: dict[Unit, int] = {}
+        # [Note: a unit's backward is done] each unit's forwards whose backward is to come:
+        # their identities' contexts, which die with a graph backward never reaches.
+        self._forwards: dict[Unit, weakref.WeakSet] = {u: weakref.WeakSet() for u in units}
         # [Note: the reduce stream], for the reductions during backward (at the step there
         # is no compute to overlap).
         self.device = next((u.device for u in units if u.device is not None), None)
@@ -181,19 +184,19 @@ class GradReducer:
                  if isinstance(t, torch.Tensor) and t.requires_grad]
         if not which or not unit.trainable:
             return None
-        self._forwards[unit] = self._forwards.get(unit, 0) + 1
         done = functools.partial(_backward_done, weakref.ref(self), self.units.index(unit))
-        for i, t in zip(which, ZerofnUnitInputs.apply(done, *(leaves[i] for i in which))):
+        tracked = ZerofnUnitInputs.apply(self._forwards[unit], done, *(leaves[i] for i in which))
+        for i, t in zip(which, tracked):
             leaves[i] = t
         return tree_unflatten(leaves, spec)
 
-    def backward_done(self, unit: Unit) -> None:
-        """The backward of one of ``unit``'s forwards is done; after the last, the unit is
-        complete ([Note: a unit's backward is done])."""
+    def backward_done(self, unit: Unit, forward) -> None:
+        """The backward of ``forward``, one of ``unit``'s, is done; after the last still to
+        come, the unit is complete ([Note: a unit's backward is done])."""
         if not self._in_backward:
             self._begin_backward()
-        left = self._forwards[unit] = self._forwards.get(unit, 0) - 1
-        if left != 0 or not self._reducing or self._remaining[unit] <= 0:
+        self._forwards[unit].discard(forward)
+        if self._forwards[unit] or not self._reducing or self._remaining[unit] <= 0:
             return
         for s in self._held.pop(unit, ()):
             self._pack(unit, s)
@@ -245,7 +248,6 @@ class GradReducer:
             self._learn_order()
         self._early = self.stage == 1 and self._reducing
         self._in_backward = self._reducing = False
-        self._forwards.clear()   # (also a forward whose output backward never reached)
         if self.on_packed is not None:
             self.on_packed(None)
 
@@ -505,21 +507,22 @@ class ZerofnUnitInputs(torch.autograd.Function):
     modified inplace" (docs/design.md §3)."""
 
     @staticmethod
-    def forward(ctx, done, *inputs):
+    def forward(ctx, forwards, done, *inputs):
+        forwards.add(ctx)   # (this context is the forward's mark: it lives as its graph does)
         ctx.done = done
         return inputs
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.done()
-        return (None, *grads)
+        ctx.done(ctx)
+        return (None, None, *grads)
 
 
-def _backward_done(reducer, ui: int) -> None:
+def _backward_done(reducer, ui: int, forward) -> None:
     """Holds neither the reducer nor the unit (see _on_grad)."""
     reducer = reducer()
     if reducer is not None:
-        reducer.backward_done(reducer.units[ui])
+        reducer.backward_done(reducer.units[ui], forward)
 
 
 def _on_grad(reducer, ui: int, si: int, param) -> None:
