@@ -5,6 +5,7 @@ import atexit
 import datetime
 import multiprocessing.forkserver as forkserver
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -38,7 +39,9 @@ def _worker(rank, world, init_method, fn, args, results):
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=90))
-        results.put((rank, None, fn(rank, world, *args)))
+        # Pickled here, by value: the queue's own pickler shares tensors through a
+        # descriptor the parent fetches from this process, which may have exited by then.
+        results.put((rank, None, pickle.dumps(fn(rank, world, *args))))
     except BaseException:  # report every failure, including assertion errors, to the parent
         results.put((rank, traceback.format_exc(), None))
     finally:
@@ -66,7 +69,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 180):
         try:
             for _ in range(world):
                 rank, err, value = results.get(timeout=timeout)
-                (errors if err else out)[rank] = err or value
+                (errors if err else out)[rank] = err or pickle.loads(value)
         except queue.Empty:
             raise AssertionError(f"ranks timed out after {timeout}s; finished: {sorted(out)}, "
                                  f"failed: {errors}") from None
