@@ -10,10 +10,10 @@ those who keep their own loop. See docs/deepspeed.md.
 """
 from torch import distributed as comm
 
-from . import checkpointing
+from . import checkpointing, utils
 from .config import DeepSpeedConfigWarning, DeepSpeedSettings, from_deepspeed_config
 from .engine import DeepSpeedEngine, add_config_arguments, init_distributed, initialize
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine",
            "from_deepspeed_config", "DeepSpeedSettings", "DeepSpeedConfigWarning",
-           "checkpointing", "comm"]
+           "checkpointing", "comm", "utils"]

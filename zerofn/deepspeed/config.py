@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .. import transforms as zt
 from . import keys as K
 from .schedulers import SCHEDULERS
+from .utils import leaf_units, mark_from_config
 
 AUTO = "auto"
 # Hugging Face's TrainingArguments defaults, which its integration writes over "auto".
@@ -158,7 +159,8 @@ def read_config(config_or_path, *, model=None, world_size: int | None = None,
     config, filled = resolve_auto(raw, model, stage)
     batch = batch_sizes(config, world)
     param_dtype, precision_opts = _precision(config)
-    transforms = _transforms(config, stage, param_dtype, precision_opts, group)
+    transforms = _transforms(config, stage, param_dtype, precision_opts, group,
+                             _leaf_units(_zero_section(config), stage, model))
     monitoring = _monitoring(config)
     ignored = tuple(_ignored(config, stage))
     _warn(filled, ignored, monitoring)
@@ -441,6 +443,26 @@ def _sharding_options(zero: dict, stage: int) -> tuple[dict, dict]:
     return shared, params
 
 
+def _leaf_units(zero: dict, stage: int, model) -> list | None:
+    """ZeRO-3: units that make each ZeRO-3 leaf module of ``model`` a unit of its own
+    (``zerofn.deepspeed.utils``), after marking those ``leaf_module`` names; None where
+    the model has none."""
+    section = zero.get("leaf_module")
+    if stage != 3:
+        return None      # (a section is reported: a ZeRO-3 setting)
+    if section and model is None:
+        raise ValueError("DeepSpeed config: zero_optimization.leaf_module names modules of "
+                         "a model, and none was given: pass model= to from_deepspeed_config "
+                         "(zerofn train's built-in GPT has no such modules: drop the section).")
+    if model is None:
+        return None
+    missing = mark_from_config(model, section) if section else []
+    if missing:
+        warnings.warn(f"DeepSpeed config: zero_optimization.leaf_module entries {missing} "
+                      "match no module of the model.", DeepSpeedConfigWarning, stacklevel=4)
+    return leaf_units(model)
+
+
 def _offload_section(zero: dict, name: str, legacy: str) -> dict:
     section = dict(zero.get(name) or {})
     if zero.get(legacy) and not section:     # DeepSpeed's deprecated booleans
@@ -493,12 +515,15 @@ def _nvme_path(opt: dict, par: dict) -> str:
     return str(next(iter(paths.values())))
 
 
-def _transforms(config: dict, stage: int, param_dtype, precision_opts: dict, group) -> dict:
+def _transforms(config: dict, stage: int, param_dtype, precision_opts: dict, group,
+                units=None) -> dict:
     """``{transform name: options}`` in the order they are composed."""
     zero = _zero_section(config)
     shared, param_opts = _sharding_options(zero, stage)
     if group is not None:
         shared["group"] = group
+    if units is not None:
+        shared["units"] = units
     out = {"shard_optimizer": shared}
     if stage >= 2:
         out["shard_grads"] = {}
@@ -684,6 +709,8 @@ def _stage_mismatches(zero: dict, stage: int) -> list[str]:
     for name in ("prefetch_bucket_size", "param_persistence_threshold"):
         if stage != 3 and zero_value(zero, name) is not None:
             out.append(f"zero_optimization.{name}: a ZeRO-3 setting, and the stage is {stage}")
+    if stage != 3 and zero.get("leaf_module"):
+        out.append(f"zero_optimization.leaf_module: a ZeRO-3 setting, and the stage is {stage}")
     if stage == 3 and "allgather_bucket_size" in zero:
         out.append("zero_optimization.allgather_bucket_size: ZeRO-1/2 only (ZeRO-3's gathers "
                    "follow stage3_prefetch_bucket_size)")

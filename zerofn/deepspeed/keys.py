@@ -81,7 +81,7 @@ STAGE3_ALIASED = ("prefetch_bucket_size", "param_persistence_threshold",
 ZERO_USED = frozenset((
     "stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "allgather_bucket_size",
     "prefetch_bucket_size", "param_persistence_threshold", "cpu_offload", "cpu_offload_param",
-    "cpu_offload_use_pin_memory",
+    "cpu_offload_use_pin_memory", "leaf_module",
     # the engine's save_16bit_model always gathers, whatever these say
     "gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
 ))
@@ -123,7 +123,6 @@ ZERO_IGNORED = {
     "enable_sanity_checks": Ignored("zerofn checks its set-up across ranks always", (False,)),
     "save_muon_momentum_buffer_in_memory": Ignored("zerofn refuses Muon (not elementwise)",
                                                    (False,)),
-    "leaf_module": Ignored("zerofn's units are chosen by `units`"),
     "zenflow": Ignored("zerofn has no ZenFlow"),
 }
 ZERO_KNOWN = (ZERO_USED | frozenset(ZERO_IGNORED)

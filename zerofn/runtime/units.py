@@ -235,7 +235,7 @@ def _runs(module: nn.Module) -> bool:
 
 def _unit_modules(model: nn.Module, policy) -> list[nn.Module]:
     if policy is None:
-        return _outer_list_children(model)
+        return default_unit_modules(model)
     if isinstance(policy, int):
         return _size_based(model, policy)
     modules = dict(model.named_modules(remove_duplicate=False))   # every name of a shared one
@@ -259,19 +259,20 @@ def _unit_modules(model: nn.Module, policy) -> list[nn.Module]:
     return chosen
 
 
-def _outer_list_children(module: nn.Module) -> list[nn.Module]:
-    """The children of the ModuleLists no chosen child holds: a transformer's blocks, not
-    the lists inside a block. A mixture's experts, a list inside its layer, run only where
-    some token chose them: as units of their own they would be gathered on some ranks only
-    (a collective the others never join), and each in a collective too small to pay."""
+def default_unit_modules(module: nn.Module) -> list[nn.Module]:
+    """The default units' modules (``units=None``): the children of the ModuleLists no
+    chosen child holds, a transformer's blocks but not the lists inside a block. A
+    mixture's experts, a list inside its layer, run only where some token chose them: as
+    units of their own they would be gathered on some ranks only (a collective the others
+    never join), and each in a collective too small to pay."""
     chosen = []
     for child in module.children():
         if isinstance(child, nn.ModuleList):
             runs = [c for c in child.children() if _runs(c)]
             chosen += runs + [m for c in child.children() if not _runs(c)
-                              for m in _outer_list_children(c)]
+                              for m in default_unit_modules(c)]
         else:
-            chosen += _outer_list_children(child)
+            chosen += default_unit_modules(child)
     return chosen
 
 
