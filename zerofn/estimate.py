@@ -86,8 +86,9 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
         units_in_flight: NVMe staging buffers, as ``offload`` takes it.
         largest_unit: parameters of the largest unit (e.g. one transformer block, or the
             root's embeddings and head), for NVMe's staging ring; by default found from
-            ``params`` when it is a module (zerofn's default units: each module of a
-            ``ModuleList``, and the root for the rest), else the ring is not counted.
+            ``params`` when it is a module (zerofn's default units: each module of an
+            outermost ``ModuleList``, and the root for the rest), else the ring is not
+            counted.
 
     Returns:
         ``{place: {"params", "grads", "optimizer", "total"}}`` in bytes for every place in
