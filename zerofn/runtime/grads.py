@@ -198,8 +198,7 @@ class GradReducer:
         self._forwards[unit].discard(forward)
         if self._forwards[unit] or not self._reducing or self._remaining[unit] <= 0:
             return
-        for s in self._held.pop(unit, ()):
-            self._pack(unit, s)
+        self._pack_the_rest(unit)
         self._remaining[unit] = 0
         self._complete(unit)
 
@@ -233,13 +232,18 @@ class GradReducer:
         held = sum(s.numel for s in self._held[unit])
         return 2 * held >= self.comm.world * unit.shard_numel
 
+    def _pack_the_rest(self, unit: Unit) -> None:
+        """Pack the gradients of an incomplete unit that are on its parameters: those held
+        back, and those accumulated under no_sync that this backward did not add to."""
+        self._held.pop(unit, None)
+        for s in unit.trainable:
+            if s.param.grad is not None:
+                self._pack(unit, s)
+
     def _end_backward(self) -> None:
         for unit in self._order[self._next:] if self._reducing else ():
             if self._remaining[unit] > 0:
-                self._held.pop(unit, None)
-                for s in unit.trainable:
-                    if s.param.grad is not None:
-                        self._pack(unit, s)
+                self._pack_the_rest(unit)
             self._reduce(unit)
         self._average()
         self.comm.drain()
