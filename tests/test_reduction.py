@@ -13,6 +13,7 @@ import zerofn as zf
 import zerofn.runtime.comm as comm_module
 from models import batches, make_models, make_optimizer
 from multiproc import run_ranks
+from test_offload import offload_transform
 from test_parity import STAGES, TOL, max_errors, train_reference, train_sharded
 from zerofn.runtime.comm import Comm
 from zerofn.runtime.runtime import runtime_of
@@ -280,6 +281,7 @@ EXPERT_CONFIGS = {"zero3": (3, {}, False, 1, "one"), "zero2": (2, {}, False, 1, 
                   "zero3+checkpoint": (3, {}, True, 1, "one"),
                   "zero3+accumulation": (3, {}, False, 2, "one"),
                   "zero3+offload(params)": (3, {"params": True}, False, 1, "one"),
+                  "zero3+nvme(params)": (3, {"nvme": True, "params": True}, False, 1, "one"),
                   "zero3+dropped forward": (3, {}, False, 1, "dropped"),
                   "zero3+two forwards": (3, {}, False, 1, "halves"),
                   "zero3+no_sync": (3, {}, False, 2, "no_sync")}
@@ -296,9 +298,10 @@ def expert_choices(step: int, world: int) -> torch.Tensor:
     return choices
 
 
-def expert_runs(rank, world, names, device="cpu"):
+def expert_runs(rank, world, names, device="cpu", path=None):
     """Plain PyTorch on the global batch against each configuration on this rank's share,
-    both on ``device`` (tests/test_cuda.py runs them on a GPU)."""
+    both on ``device`` (tests/test_cuda.py runs them on a GPU); NVMe swap files in
+    ``path``."""
     if device == "cuda":
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -312,7 +315,7 @@ def expert_runs(rank, world, names, device="cpu"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         edits = [getattr(zf, n)() for n in STAGES[stage]]
         if offload:
-            edits.append(zf.offload("cpu", **offload))
+            edits.append(offload_transform(dict(offload, path=path)))
         model, opt = zf.compose(*edits)(model, opt)
         reducer = runtime_of(model).reducer
         g = torch.Generator().manual_seed(1)
@@ -343,11 +346,11 @@ def expert_runs(rank, world, names, device="cpu"):
 
 
 @pytest.mark.parametrize("world,names", [(2, list(EXPERT_CONFIGS)), (4, ["zero3"])])
-def test_experts_no_token_chose_on_some_ranks_train_as_plain_pytorch(world, names):
+def test_experts_no_token_chose_on_some_ranks_train_as_plain_pytorch(world, names, tmp_path):
     """[Note: a unit's backward is done]: under ZeRO-3 an expert without a gradient on one
     rank held back its unit's reduction there, which met another rank's gather: a hang.
     Each configuration matches plain PyTorch on the global batch."""
-    ranks = run_ranks(world, expert_runs, names)
+    ranks = run_ranks(world, expert_runs, names, "cpu", str(tmp_path))
     for by_name in ranks:
         for name, (p_err, s_err, _) in by_name.items():
             assert p_err < TOL and s_err < TOL, (world, name, p_err, s_err)
