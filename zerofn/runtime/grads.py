@@ -49,15 +49,16 @@ time". So, as FSDP2 does, each forward of a unit passes its tensor inputs that n
 gradient through an identity autograd function. Its backward runs once the unit's own
 backward is done, at the same place on every rank, and before the hooks on those inputs
 that gather the unit that produced them (a hook on the inputs themselves would run after
-those: registered later). Its parameters' gradients are all in by then: autograd runs the
+those: registered later). The unit's gradients are all in by then: autograd runs the
 ready node created last first (gradient accumulation before any), so every node the
-unit's forward created has run before the identity, made before them, runs; and outside
-its forward a unit's parameters are sharded, unusable. After the last of the unit's
-forwards whose graph still lives is done (a forward backward never reaches, say an
-evaluation with gradients enabled, stops counting once its output is dropped), the unit
-is complete: a parameter still without a gradient got none,
+unit's forward created has run before the identity, made before them, does; and outside
+its forward a unit's parameters are sharded, unusable.
+
+The unit is complete once the last of its forwards whose graph still lives is done (a
+forward that backward never reaches, say an evaluation with gradients enabled, stops
+counting when its output is dropped). A parameter still without a gradient then got none
 and reduces as zeros. A unit whose inputs need no gradient completes by counting, or at
-the end of backward: held back on some ranks, it is safe only where backward gathers
+the end of backward: held back on some ranks, that is safe only where backward gathers
 nothing after it (a first block fed data). As under FSDP2, a unit cannot modify its
 inputs in place.
 
