@@ -4,6 +4,7 @@ shards lent from the pool under offload."""
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -389,7 +390,7 @@ def in_place_runs(rank, world):
             model(torch.randn(2, 4)).backward()
             out[stage] = None
         except RuntimeError as e:
-            out[stage] = str(e)
+            out[stage] = (str(e), getattr(e, "__notes__", []))
     return out
 
 
@@ -398,4 +399,9 @@ def test_a_unit_that_modifies_its_inputs_in_place_gets_the_documented_error_unde
     does; ZeRO-2 has no such hook."""
     out = run_ranks(1, in_place_runs)[0]
     assert out[2] is None
-    assert "Output 0 of ZerofnUnitInputs is a view and is being modified inplace" in out[3]
+    message, notes = out[3]
+    assert "Output 0 of ZerofnUnitInputs is a view and is being modified inplace" in message
+    if sys.version_info >= (3, 11):     # (exception notes)
+        assert notes[0] == ("zerofn: under ZeRO-3, as under FSDP2, a unit may not modify its "
+                            "inputs in place, and unit 'blocks.0' (or a module inside it) did: "
+                            "write `x = x * s`, not `x *= s` (docs/design.md §3).")

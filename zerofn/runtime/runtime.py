@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
 import types
 from collections import Counter
 
@@ -373,6 +374,9 @@ class Runtime:
         return None
 
     def _post_forward(self, unit, is_root: bool, output) -> None:
+        raised = sys.exc_info()[1]     # the forward raised: the hook runs anyway
+        if raised is not None:
+            _explain_in_place(raised, unit)
         self.gatherer.post_forward(unit, is_root, output)
 
     def _on_packed(self, unit) -> None:
@@ -621,6 +625,18 @@ class FlatBuffers:
     def holds(self, t: torch.Tensor) -> bool:
         ptr = t.untyped_storage().data_ptr()
         return any(s.data_ptr() == ptr for s in self._storages)
+
+
+def _explain_in_place(exc: BaseException, unit) -> None:
+    """Name the rule behind autograd's error when a ZeRO-3 unit modifies its inputs in
+    place (grads.py's [Note: a unit's backward is done]), once, at the innermost unit."""
+    lead = "zerofn: under ZeRO-3, as under FSDP2, a unit may not modify its inputs in place"
+    if not (isinstance(exc, RuntimeError) and "ZerofnUnitInputs" in str(exc)) \
+            or not hasattr(exc, "add_note") \
+            or any(n.startswith(lead) for n in getattr(exc, "__notes__", ())):
+        return
+    exc.add_note(f"{lead}, and unit {unit.name!r} (or a module inside it) did: write "
+                 f"`x = x * s`, not `x *= s` (docs/design.md §3).")
 
 
 def _stand_in(shape, dtype: torch.dtype) -> torch.Tensor:
