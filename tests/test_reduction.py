@@ -259,7 +259,10 @@ class Experts(torch.nn.Module):
 
 
 class ExpertNet(torch.nn.Module):
-    def __init__(self, checkpoint: bool = False):
+    """Three mixtures between an input and an output projection; ``checkpoint`` None, or
+    "reentrant" / "non-reentrant" activation checkpointing of each mixture."""
+
+    def __init__(self, checkpoint: str | None = None):
         super().__init__()
         self.inp = torch.nn.Linear(8, 8)
         self.blocks = torch.nn.ModuleList(Experts() for _ in range(3))
@@ -269,23 +272,24 @@ class ExpertNet(torch.nn.Module):
     def forward(self, x, choices):
         x = self.inp(x)
         for block, choice in zip(self.blocks, choices.unbind(1)):
-            x = torch.utils.checkpoint.checkpoint(block, x, choice, use_reentrant=False) \
-                if self.checkpoint else block(x, choice)
+            x = block(x, choice) if self.checkpoint is None else torch.utils.checkpoint.checkpoint(
+                block, x, choice, use_reentrant=self.checkpoint == "reentrant")
         return self.head(x).pow(2).mean()
 
 
-# name -> (stage, offload options, activation checkpointing, micro-batches, how a rank's
+# name -> (stage, offload options, checkpointing (ExpertNet's), micro-batches, how a rank's
 # micro-batch runs: one forward; after a forward with gradients whose output is dropped
 # (an evaluation without no_grad); as two forwards, each on half, and one backward; or
 # under no_sync but the last, each micro-batch's experts sitting out on another rank).
-EXPERT_CONFIGS = {"zero3": (3, {}, False, 1, "one"), "zero2": (2, {}, False, 1, "one"),
-                  "zero3+checkpoint": (3, {}, True, 1, "one"),
-                  "zero3+accumulation": (3, {}, False, 2, "one"),
-                  "zero3+offload(params)": (3, {"params": True}, False, 1, "one"),
-                  "zero3+nvme(params)": (3, {"nvme": True, "params": True}, False, 1, "one"),
-                  "zero3+dropped forward": (3, {}, False, 1, "dropped"),
-                  "zero3+two forwards": (3, {}, False, 1, "halves"),
-                  "zero3+no_sync": (3, {}, False, 2, "no_sync")}
+EXPERT_CONFIGS = {"zero3": (3, {}, None, 1, "one"), "zero2": (2, {}, None, 1, "one"),
+                  "zero3+checkpoint": (3, {}, "non-reentrant", 1, "one"),
+                  "zero3+reentrant checkpoint": (3, {}, "reentrant", 1, "one"),
+                  "zero3+accumulation": (3, {}, None, 2, "one"),
+                  "zero3+offload(params)": (3, {"params": True}, None, 1, "one"),
+                  "zero3+nvme(params)": (3, {"nvme": True, "params": True}, None, 1, "one"),
+                  "zero3+dropped forward": (3, {}, None, 1, "dropped"),
+                  "zero3+two forwards": (3, {}, None, 1, "halves"),
+                  "zero3+no_sync": (3, {}, None, 2, "no_sync")}
 
 
 def expert_choices(step: int, world: int) -> torch.Tensor:

@@ -56,7 +56,9 @@ its forward a unit's parameters are sharded, unusable.
 
 The unit is complete once the last of its forwards whose graph still lives is done (a
 forward that backward never reaches, say an evaluation with gradients enabled, stops
-counting when its output is dropped). A parameter still without a gradient then got none
+counting when its output is dropped). Under reentrant activation checkpointing the
+forward runs without gradients and its recompute in backward is the one tracked, as that
+is the graph backward runs through; a non-reentrant recompute's graph dies at once. A parameter still without a gradient then got none
 and reduces as zeros. A unit whose inputs need no gradient completes by counting, or at
 the end of backward: held back on some ranks, that is safe only where backward gathers
 nothing after it (a first block fed data). As under FSDP2, a unit cannot modify its

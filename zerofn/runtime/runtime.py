@@ -27,7 +27,7 @@ from .mesh import layout_of
 from .nvme import NvmeOffload, nvme_problems, swap_bytes
 from .offload import HostOffload, fused_adam_mode
 from .optimizer import OptimizerWiring, check_optimizer
-from .params import ParamGatherer, eager, in_backward
+from .params import ParamGatherer, eager
 from .pool import BufferPool
 from .precision import LossScaler
 from .step import StepGrads
@@ -369,7 +369,9 @@ class Runtime:
         """Gather the unit; returns its inputs as the reducer tracks them (grads.py's
         [Note: a unit's backward is done]), or None to leave them be."""
         self.gatherer.pre_forward(unit, is_root)
-        if torch.is_grad_enabled() and not in_backward():
+        # (also a recompute in backward: reentrant checkpointing ran the forward without
+        # gradients and backpropagates the recompute; a non-reentrant one drops its graph)
+        if torch.is_grad_enabled():
             return self.reducer.track_forward(unit, args, kwargs)
         return None
 
