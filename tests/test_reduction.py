@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import zerofn as zf
 import zerofn.runtime.comm as comm_module
@@ -289,7 +290,9 @@ EXPERT_CONFIGS = {"zero3": (3, {}, None, 1, "one"), "zero2": (2, {}, None, 1, "o
                   "zero3+nvme(params)": (3, {"nvme": True, "params": True}, None, 1, "one"),
                   "zero3+dropped forward": (3, {}, None, 1, "dropped"),
                   "zero3+two forwards": (3, {}, None, 1, "halves"),
-                  "zero3+no_sync": (3, {}, None, 2, "no_sync")}
+                  "zero3+no_sync": (3, {}, None, 2, "no_sync"),
+                  "zero3+hsdp 2x2": (3, {}, None, 1, "one")}
+HSDP = {"zero3+hsdp 2x2": (2, 2)}    # (replicas, shards): over a mesh, at world 4
 
 
 def expert_choices(step: int, world: int) -> torch.Tensor:
@@ -318,7 +321,9 @@ def expert_runs(rank, world, names, device="cpu", path=None):
         model.load_state_dict(ref.state_dict())
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        edits = [getattr(zf, n)() for n in STAGES[stage]]
+        mesh = None if name not in HSDP else init_device_mesh(
+            device, HSDP[name], mesh_dim_names=("replicate", "shard"))
+        edits = [getattr(zf, n)() for n in STAGES[stage][1:]] + [zf.shard_optimizer(group=mesh)]
         if offload:
             edits.append(offload_transform(dict(offload, path=path)))
         model, opt = zf.compose(*edits)(model, opt)
@@ -350,7 +355,8 @@ def expert_runs(rank, world, names, device="cpu", path=None):
     return out
 
 
-@pytest.mark.parametrize("world,names", [(2, list(EXPERT_CONFIGS)), (4, ["zero3"])])
+@pytest.mark.parametrize("world,names", [(2, [n for n in EXPERT_CONFIGS if n not in HSDP]),
+                                         (4, ["zero3", *HSDP])])
 def test_experts_no_token_chose_on_some_ranks_train_as_plain_pytorch(world, names, tmp_path):
     """[Note: a unit's backward is done]: under ZeRO-3 an expert without a gradient on one
     rank held back its unit's reduction there, which met another rank's gather: a hang.
