@@ -10,8 +10,10 @@ from torch import nn
 
 import zerofn as zf
 from models import batches, make_models, make_optimizer, worst
+from odd_models import expected_units
 from multiproc import run_ranks
 from test_parity import max_errors, train_reference, train_sharded, transform
+from zerofn.runtime.units import default_unit_modules
 
 
 def one_at_a_time(rank, world):
@@ -271,3 +273,32 @@ def test_a_forward_backward_never_reaches_frees_its_graph_under_zero3():
     come, it kept the units from completing when their backward was done."""
     for alive in run_ranks(2, forward_graphs_are_freed):
         assert alive == [False] * 3, alive
+
+
+class _ExpertBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.experts = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _Stages(nn.Module):
+    """Stages of blocks, a list of lists, each block holding a list of experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList(nn.ModuleList(_ExpertBlock() for _ in range(2))
+                                    for _ in range(2))
+
+
+def test_default_units_are_the_outermost_lists_modules_even_in_a_list_of_lists():
+    """A list that does not run (a list of lists) is looked through; a block's own lists
+    (experts) are not units."""
+    model = _Stages()
+    names = {m: n for n, m in model.named_modules()}
+    units = [names[m] for m in default_unit_modules(model)]
+    assert units == ["stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1"]
+    assert {names[m] for m in set(expected_units(model, None).values())} == set(units)

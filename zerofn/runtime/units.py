@@ -267,10 +267,8 @@ def default_unit_modules(module: nn.Module) -> list[nn.Module]:
     never join), and each in a collective too small to pay."""
     chosen = []
     for child in module.children():
-        if isinstance(child, nn.ModuleList):
-            runs = [c for c in child.children() if _runs(c)]
-            chosen += runs + [m for c in child.children() if not _runs(c)
-                              for m in default_unit_modules(c)]
+        if isinstance(module, nn.ModuleList) and _runs(child):
+            chosen.append(child)       # (not descended into)
         else:
             chosen += default_unit_modules(child)
     return chosen
