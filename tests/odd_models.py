@@ -163,10 +163,11 @@ def block_paths(spec: dict) -> list[tuple[str, dict]]:
 
 def expected_units(model: nn.Module, policy, persist_below: int = 0) -> dict:
     """``{fqn: unit module, or "<persistent>"}`` from the documented rules alone: units are
-    every ModuleList child no other such child holds (``None``), the listed modules, or (an int) modules in post-order
-    once they hold that many not-yet-claimed elements, never a container; a parameter
-    belongs to the innermost unit holding it, to the root where two units hold it, and to
-    the persistent unit (ZeRO-3) where it has fewer than ``persist_below`` elements."""
+    every ModuleList child no other such child holds (``None``), the listed modules, or (an
+    int) modules in post-order once they hold that many not-yet-claimed elements, never a
+    container; a parameter belongs to the innermost unit holding it, to the root where two
+    units hold it, and to the persistent unit (ZeRO-3) where it has fewer than
+    ``persist_below`` elements."""
     chosen = _policy_modules(model, policy)
     unit_of: dict[nn.Parameter, nn.Module] = {}
     for path, module in model.named_modules(remove_duplicate=False):

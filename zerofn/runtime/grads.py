@@ -58,11 +58,11 @@ The unit is complete once the last of its forwards whose graph still lives is do
 forward that backward never reaches, say an evaluation with gradients enabled, stops
 counting when its output is dropped). Under reentrant activation checkpointing the
 forward runs without gradients and its recompute in backward is the one tracked, as that
-is the graph backward runs through; a non-reentrant recompute's graph dies at once. A parameter still without a gradient then got none
-and reduces as zeros. A unit whose inputs need no gradient completes by counting, or at
-the end of backward: held back on some ranks, that is safe only where backward gathers
-nothing after it (a first block fed data). As under FSDP2, a unit cannot modify its
-inputs in place.
+is the graph backward runs through; a non-reentrant recompute's graph dies at once. A
+parameter still without a gradient then got none and reduces as zeros. A unit whose
+inputs need no gradient completes by counting, or at the end of backward: held back on
+some ranks, that is safe only where backward gathers nothing after it (a first block fed
+data). As under FSDP2, a unit cannot modify its inputs in place.
 
 [Note: the reduce stream] On CUDA each reduce-scatter is issued on a side stream, after
 the compute stream's work so far (the packed gradients), and everything after it (the
@@ -139,6 +139,8 @@ class GradReducer:
         self.stream = torch.cuda.Stream(self.device) \
             if self.device is not None and self.device.type == "cuda" else None
         mine = weakref.ref(self)
+        # What each unit's identity calls in backward (made once: forwards are a hot path).
+        self._done = {u: functools.partial(_backward_done, mine, ui) for ui, u in enumerate(units)}
         for ui, u in enumerate(units):
             for si, s in enumerate(u.trainable):
                 self._hooks.append(s.param.register_post_accumulate_grad_hook(
@@ -182,13 +184,15 @@ class GradReducer:
         """``(args, kwargs)`` of a forward of ``unit``, those that need a gradient passed
         through the identity whose backward reports when the unit's backward is done
         ([Note: a unit's backward is done]); None where none needs one."""
+        if not unit.trainable:
+            return None
         leaves, spec = tree_flatten((args, kwargs))
         which = [i for i, t in enumerate(leaves)
                  if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not which or not unit.trainable:
+        if not which:
             return None
-        done = functools.partial(_backward_done, weakref.ref(self), self.units.index(unit))
-        tracked = ZerofnUnitInputs.apply(self._forwards[unit], done, *(leaves[i] for i in which))
+        tracked = ZerofnUnitInputs.apply(self._forwards[unit], self._done[unit],
+                                         *(leaves[i] for i in which))
         for i, t in zip(which, tracked):
             leaves[i] = t
         return tree_unflatten(leaves, spec)
