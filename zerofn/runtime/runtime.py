@@ -20,7 +20,7 @@ from ..failures import Watch
 from ..plan import Plan
 from .comm import Comm, device_problems
 from .copies import CopyStreams
-from .grads import GradReducer
+from .grads import GradReducer, ZerofnUnitInputs
 from .host_malloc import return_large_frees
 from .materialize import Materializer, meta_state, rng_digest, target_device
 from .mesh import layout_of
@@ -633,7 +633,7 @@ def _explain_in_place(exc: BaseException, unit) -> None:
     """Name the rule behind autograd's error when a ZeRO-3 unit modifies its inputs in
     place (grads.py's [Note: a unit's backward is done]), once, at the innermost unit."""
     lead = "zerofn: under ZeRO-3, as under FSDP2, a unit may not modify its inputs in place"
-    if not (isinstance(exc, RuntimeError) and "ZerofnUnitInputs" in str(exc)) \
+    if not (isinstance(exc, RuntimeError) and ZerofnUnitInputs.__name__ in str(exc)) \
             or not hasattr(exc, "add_note") \
             or any(n.startswith(lead) for n in getattr(exc, "__notes__", ())):
         return
