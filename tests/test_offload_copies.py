@@ -21,6 +21,7 @@ from test_parity import STAGES
 import zerofn as zf
 import zerofn.runtime.runtime as runtime_module
 from zerofn.runtime.copies import CopyStreams
+from zerofn.runtime.pinned import page_locked
 from zerofn.runtime.runtime import runtime_of
 
 ACCUM, STEPS, CLIP = 3, 4, 0.05
@@ -297,7 +298,9 @@ def _streamed_against_synced(config, path, data, rank, world, group, sleepy):
     with sleepy_collectives() if sleepy else contextlib.nullcontext():
         streamed, rt = train(stage, kind, opts, dtype, data, rank, world,
                              SleepyCopies if sleepy else CopyStreams, group)
-    pinned = all(t.is_pinned() for t in device_facing(rt) if t.numel())
+    # Page-locked as the driver sees each view's data, and as is_pinned() reports it
+    # (runtime/pinned.py's [Note: what is page-locked]).
+    pinned = all(page_locked(t) and t.is_pinned() for t in device_facing(rt) if t.numel())
     return state_diff(synced, streamed), rt.copies.streaming, pinned
 
 

@@ -41,6 +41,16 @@ def test_a_buffer_is_registered_at_its_exact_size_until_its_last_view_dies(calls
     assert calls["unregister"] == [ptr] and pinned.registered_bytes() == before
 
 
+def test_the_registered_pages_are_the_storage_that_is_pinned_asks_about(calls):
+    """``Tensor.is_pinned()`` asks CUDA about the storage's first byte, not the data's: a
+    buffer page-aligned inside a larger storage was page-locked yet said it was not."""
+    buf = pinned.host_buffer(5000, torch.float32, pin=True)
+    storage = buf.untyped_storage()
+    assert calls["register"] == [(storage.data_ptr(), storage.nbytes())] == [(buf.data_ptr(),
+                                                                             5000 * 4)]
+    assert not pinned.page_locked(buf)   # no CUDA here: the driver is never asked
+
+
 def test_nothing_is_registered_without_pin(calls):
     buf = pinned.host_buffer(100, torch.float32, pin=False)
     assert calls["register"] == [] and not pinned.is_registered(buf)
