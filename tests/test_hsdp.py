@@ -62,15 +62,15 @@ def build(stage, group, opts=None, extra=(), path=None):
         model, make_optimizer("adamw", model.parameters()))
 
 
-def expected_traffic(model, stage: int, accum: int, no_sync: bool, clip: bool) -> dict:
+def expected_traffic(model, stage: int, accum: int, no_sync: bool) -> dict:
     """docs/design.md's per-dimension formula for the last step (fp32 reduction): the shard
     dim reduce-scatters the padded gradients of every reducing backward; the replicate dim
-    all-reduces each reduced shard, 1/shard_size of that, plus the step's small votes,
-    which the shard dim carries too (its all-reduces but the clip norm's one element)."""
+    all-reduces each reduced shard, 1/shard_size of that, plus the step's vote, which
+    the shard dim carries too (its only all-reduce, clipping's norm riding on it)."""
     rt = runtime_of(model)
     padded = sum(rt.world * u.shard_numel for u in rt.units if u.trainable)
     reductions = 1 if stage == 1 or no_sync else accum
-    votes = zf.comm_stats(model).get("all_reduce_bytes", 0) - 4 * clip
+    votes = zf.comm_stats(model).get("all_reduce_bytes", 0)
     return {"reduce_scatter_bytes": 4 * reductions * padded,
             "replicate.all_reduce_bytes": 4 * reductions * padded // rt.world + votes}
 
@@ -91,8 +91,7 @@ def parity(rank, world, mesh, root):
         s_err = max(worst(osd["state"][names[p]][k] - v)
                     for p, st in ref_opt.state.items() for k, v in st.items() if v.dim())
         stats = zf.comm_stats(model)
-        want = expected_traffic(model, stage, accum, train_opts.get("no_sync", False),
-                                "clip" in train_opts)
+        want = expected_traffic(model, stage, accum, train_opts.get("no_sync", False))
         out.append((p_err, s_err, {k: (stats.get(k), v) for k, v in want.items()}))
     return out
 

@@ -10,30 +10,35 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from zerofn.runtime.step import StepGrads
 
 
 class OtherRank:
-    """A world-2 group whose other rank's flags are ``theirs``; keeps what was sent."""
+    """A world-2 group whose other rank's ballot is ``theirs``; keeps what was sent."""
     world = 2
 
     def __init__(self, theirs: torch.Tensor):
-        self.theirs, self.sent = theirs, None
+        self.theirs, self.sent, self.calls = theirs, None, 0
 
     def all_reduce(self, t, op):
-        self.sent = t.clone()
-        torch.maximum(t, self.theirs, out=t)
+        self.sent, self.calls = t.clone(), self.calls + 1
+        if op == dist.ReduceOp.MAX:
+            torch.maximum(t, self.theirs, out=t)
+        else:
+            t.add_(self.theirs)
 
 
-def vote(mine: set, theirs: list[float], device="cpu", found=None):
+def vote(mine: set, theirs: list[float], device="cpu", found=None, rider=None):
     """Slots "a" and "b" trainable, this rank's gradients ``mine``; returns (overflow, the
-    slots keeping a gradient, what this rank sent, the host synchronizations the vote
-    made: counted by CUDA's sync-debug mode, 0 on the CPU)."""
+    slots keeping a gradient, what this rank sent, where the vote made the host wait for
+    the device: counted by CUDA's sync-debug mode, none on the CPU), and the rider's
+    reduction when there is one."""
     comm = OtherRank(torch.tensor(theirs, device=device))
     step = StepGrads(comm, None, [], types.SimpleNamespace(got=mine), None,
                      torch.device(device), None)
-    step._trainable = ["a", "b"]
+    step._trainable, step._found = ["a", "b"], found
     step.grads = {s: torch.ones(2, device=device) for s in "ab"}   # the reduced rows
     cuda = torch.device(device).type == "cuda"
     with warnings.catch_warnings(record=True) as caught:
@@ -41,13 +46,14 @@ def vote(mine: set, theirs: list[float], device="cpu", found=None):
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            overflow = step._vote(found)
+            reduced = step.vote(rider)
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return overflow, {s for s, g in step.grads.items() if g is not None}, \
-        comm.sent.tolist(), syncs
+    waits = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    out = (step.overflow, {s for s, g in step.grads.items() if g is not None},
+           comm.sent.tolist(), waits)
+    return out if rider is None else out + (reduced.item(),)
 
 
 @pytest.mark.parametrize("mine, theirs, kept", [
@@ -67,3 +73,17 @@ def test_an_overflow_on_another_rank_skips_the_step_on_a_rank_with_every_gradien
     assert overflow and got == {"a", "b"} and sent == [0.0, 1.0, 1.0]
     overflow, *_ = vote({"a", "b"}, [0.0, 1.0, 1.0], found=torch.zeros(()))
     assert not overflow
+
+
+def test_clipping_norm_rides_on_the_vote():
+    """One all-reduce carries the norm part, the overflow verdict and the gradients' union
+    (summed: any nonzero is "some rank"); a second vote in the step sends nothing."""
+    overflow, got, sent, _, norm = vote({"a"}, [2.5, 0.0, 0.0, 1.0], found=torch.zeros(()),
+                                       rider=torch.tensor(4.0))
+    assert sent == [4.0, 0.0, 1.0, 0.0] and norm == 6.5 and not overflow and got == {"a", "b"}
+    comm = OtherRank(torch.zeros(3))
+    step = StepGrads(comm, None, [], types.SimpleNamespace(got={"a", "b"}), None,
+                     torch.device("cpu"), None)
+    step._trainable, step._found = ["a", "b"], None
+    assert step.vote(torch.tensor(1.0)) is not None and step.vote(torch.tensor(1.0)) is None
+    assert comm.calls == 1

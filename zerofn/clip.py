@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .runtime.runtime import runtime_of
@@ -47,12 +48,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
 
 def _clip(rt, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool):
     """The global norm across ranks; the gradients scaled to ``max_norm`` where above it."""
-    total = _local_norm(grads, norm_type, rt.device)
-    with rt.timing.collective("all_reduce"):
-        if norm_type == math.inf:
-            rt.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
-        else:
-            rt.comm.all_reduce(total)
+    local = _local_norm(grads, norm_type, rt.device)
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    total = grads.vote(local, op)    # step.py's [Note: one collective for the verdicts]
+    if total is None:                # a second clip this step: the vote was taken
+        with rt.timing.collective("all_reduce"):
+            rt.comm.all_reduce(local, op=op)
+        total = local
     if norm_type != math.inf:
         total = total ** (1.0 / norm_type)
     total = total * grads.grad_scale     # the deferred unscale; 1 where already applied

@@ -260,8 +260,7 @@ class DeepSpeedEngine(nn.Module):
         clip = self.gradient_clipping()
         if clip > 0:
             self._global_grad_norm = float(clip_grad_norm_(self.module, clip))
-        runtime_of(self.module).step_grads.prepare()    # the overflow verdict the step uses
-        overflow = runtime_of(self.module).step_grads.overflow
+        overflow = runtime_of(self.module).step_grads.settle()   # the verdict the step uses
         self.optimizer.step()
         self.optimizer.zero_grad()
         self._step_applied = not overflow

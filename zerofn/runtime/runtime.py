@@ -389,11 +389,10 @@ class Runtime:
 
     # -- optimizer step ----------------------------------------------------------------
     def before_step(self) -> None:
-        self.step_grads.prepare()
+        skip = self.step_grads.settle()
         self._settle_copies()   # the step rewrites host rows the last step's copies read
         # Parameters without a gradient are left alone by torch.optim: that is how a
         # skipped step, and a step zerofn's CPU Adam already took, leave it nothing to do.
-        skip = self.step_grads.overflow
         on_host = self.offload is not None and self.offload.adamw_mode is not None
         self._refreshed = not skip and (on_host or self._steps_per_unit())
         if self._refreshed and on_host:

@@ -23,10 +23,11 @@ rank records which parameters got one since ``zero_grad`` (grads.py's ``got``) a
 ranks take the union: a parameter is stepped if any rank's micro-batches gave it a
 gradient. That is plain PyTorch on the global batch, which holds that rank's samples too
 (and DDP's rule for a parameter some ranks left unused); every rank then steps the same
-parameters, so state and step counts agree. The union rides on the overflow vote where
-the loss is scaled, else it is one small all-reduce of its own (none on one rank), which
-a rank that got every gradient joins without reading: it knows the union already, so the
-usual step does not wait for the device.
+parameters, so state and step counts agree. The union, the overflow verdict where the
+loss is scaled, and clipping's norm where the step clips travel in one small all-reduce
+(none on one rank without clipping or scaling), which a rank that got every gradient
+joins without reading: it knows the union already, so the usual step does not wait for
+the device ([Note: one collective for the verdicts]).
 """
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ class StepGrads:
         self.grads: dict[ParamSlot, torch.Tensor | None] = {}
         self.overflow = False
         self.ready = False
+        self._found: torch.Tensor | None = None    # this rank's inf/nan verdict, scaled loss
+        self._voted = False
         # [Note: deferred scaling]: the factor the step's gradients still need.
         self.deferred = offload is not None and offload.adamw_mode is not None
         self.grad_scale = 1.0
@@ -69,7 +72,9 @@ class StepGrads:
 
     @torch.no_grad()
     def prepare(self) -> None:
-        """Idempotent until ``release``: clipping and the step share one preparation."""
+        """The gradients reduced, landed and checked on this rank: no collective of its own
+        (``vote`` is the step's one). Idempotent until ``release``: clipping and the step
+        share one preparation."""
         self.timing.begin("optimizer")     # (clipping starts the optimizer's part of a step)
         if self.ready:
             return
@@ -81,10 +86,18 @@ class StepGrads:
         self.overflow = False
         if scaled:
             with self.timing.span(None, "overflow_check"):
-                self.overflow = self._vote(self._found_inf())
+                self._found = self._found_inf()
         else:
-            self._vote(None)
+            self._found = None
+        self._voted = False
         self.ready = True
+
+    def settle(self) -> bool:
+        """``prepare``, then the vote unless clipping carried it: whether every rank skips
+        this step (an inf or nan on any of them)."""
+        self.prepare()
+        self.vote()
+        return self.overflow
 
     def _wait_copies(self, units) -> None:
         for unit in units:
@@ -132,36 +145,51 @@ class StepGrads:
         self.grad_scale = 1.0
         return found
 
-    def _vote(self, found: torch.Tensor | None) -> bool:
-        """One small all-reduce of this rank's verdicts: whether it saw inf or nan (``found``,
-        where the loss is scaled) and which trainable parameters got a gradient. Drops the
-        gradients no rank got ([Note: parameters without a gradient]); returns whether any
-        rank saw inf or nan: then every rank skips the step."""
+    def vote(self, rider: torch.Tensor | None = None, op=dist.ReduceOp.SUM):
+        """The step's one small all-reduce, once a step: each rank's verdicts, whether it
+        saw inf or nan (where the loss is scaled) and which trainable parameters got a
+        gradient, summed (``op`` MAX serves as well: only "any rank" is read). Drops the
+        gradients no rank got ([Note: parameters without a gradient]) and sets
+        ``overflow``: then every rank skips the step.
+
+        [Note: one collective for the verdicts] ``rider``, a 0-d tensor of this rank's
+        (clipping's norm part, reduced by ``op``), travels in the same all-reduce, so a
+        clipped step makes one collective where it made two; its reduction is returned.
+        The vote stays on the device: a rank that got every gradient, with no overflow
+        verdict to learn, knows the result (all ones) and never reads it back, which on
+        CUDA would wait for the device's queue. Only a rank lacking some gradient, or one
+        that must learn an overflow, reads. Returns None where a rider was not carried:
+        the vote was already taken this step."""
+        if self._voted:
+            return None
+        self._voted = True
         had = [s in self.reducer.got for s in self._trainable]
-        if found is None and self.comm.world == 1 and self.replicas is None:
-            votes = had     # no other rank to ask
-        else:
-            # A rank that got every gradient makes its flags on the device (a copy up from
-            # the host would wait for the device's queue, on CUDA) and, with no overflow
-            # verdict to learn, knows the result (all ones): it takes part for the others'
-            # sake and does not read it back, which would wait too.
-            every = all(had)
-            known = found is None and every
-            flags = torch.ones(len(had), device=self.device) if every else \
-                torch.tensor(had, dtype=torch.float32, device=self.device)
-            if found is not None:   # offload: found is on the host
-                flags = torch.cat([found.reshape(1).to(self.device, torch.float32), flags])
-            with self.timing.collective("all_reduce"):
-                self.comm.all_reduce(flags, op=dist.ReduceOp.MAX)
-            if self.replicas is not None:
-                with self.timing.collective("replicate.all_reduce"):
-                    self.replicas.all_reduce(flags, op=dist.ReduceOp.MAX)
-            votes = had if known else flags.tolist()
-        overflow = found is not None and votes.pop(0) > 0
+        found = self._found
+        if rider is None and found is None and self.comm.world == 1 and self.replicas is None:
+            return self._drop_ungot(had)     # no other rank to ask
+        every = all(had)
+        # Made on the device: a copy up from the host would wait for the device's queue.
+        ballot = torch.ones(len(had), device=self.device) if every else \
+            torch.tensor(had, dtype=torch.float32, device=self.device)
+        head = [t.reshape(1).to(self.device, torch.float32) for t in (rider, found)
+                if t is not None]
+        if head:
+            ballot = torch.cat(head + [ballot])
+        with self.timing.collective("all_reduce"):
+            self.comm.all_reduce(ballot, op=op)
+        if self.replicas is not None:   # replicas hold the same rows: MAX keeps the rider
+            with self.timing.collective("replicate.all_reduce"):
+                self.replicas.all_reduce(ballot, op=dist.ReduceOp.MAX)
+        if found is not None or not every:
+            values = ballot.tolist()     # the one read, where there is something to learn
+            self.overflow = found is not None and values[len(head) - 1] > 0
+            self._drop_ungot([v > 0 for v in values[len(head):]])
+        return ballot[0] if rider is not None else None
+
+    def _drop_ungot(self, votes) -> None:
         for s, got in zip(self._trainable, votes):
             if not got:
                 self.grads[s] = None
-        return overflow
 
     def host_stats(self) -> list[tuple[float, bool]]:
         """Deferred scaling: ``(sum of squares, all finite)`` of each ``present()`` gradient
