@@ -48,8 +48,10 @@ def train_sharded(model, opt, data, rank, world, clip=None, no_sync=False, zero=
 
 
 def max_errors(ref, ref_opt, model, opt):
-    """Largest absolute differences of full params and of optimizer state."""
-    msd, osd = zf.get_state_dict(model, opt, full=True)
+    """Largest absolute differences of full params and of optimizer state, gathered onto
+    the reference's device (under offload they lie on the host)."""
+    device = next(ref.parameters()).device
+    msd, osd = zf.get_state_dict(model, opt, full=True, device=device)
     p_err = max(worst(msd[k] - v) for k, v in ref.state_dict().items())
     names = {p: n for n, p in ref.named_parameters()}
     s_err = 0.0

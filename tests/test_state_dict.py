@@ -95,3 +95,31 @@ def through_dcp(rank, world, path):
 
 def test_dcp_round_trip_between_stages(tmp_path):
     run_ranks(2, through_dcp, str(tmp_path / "ckpt"))
+
+
+def placed(rank, world):
+    """A ZeRO-3 + offload(params=True) model's full state dict placed on one device: the
+    meta device, which no tensor of zerofn's lies on by itself."""
+    _, model = make_models()
+    opt = make_optimizer("adamw", model.parameters())
+    model, opt = zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(),
+                            zf.offload("cpu", params=True))(model, opt)
+    train_sharded(model, opt, batches(1, 1, world), rank, world)
+    msd, osd = zf.get_state_dict(model, opt, full=True, device="meta")
+    state = {k: v.device.type for st in osd["state"].values() for k, v in st.items()}
+    try:
+        zf.get_state_dict(model, opt, device="meta")
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {v.device.type for v in msd.values()}, state, refused
+
+
+def test_a_full_state_dict_goes_to_the_device_asked_for():
+    """Under offload full tensors lie on the host; ``device=`` puts every parameter,
+    buffer and moment on one device, leaving Adam's step counter where torch.optim keeps
+    it. A sharded state dict cannot move (it is zerofn's own buffers) and says so."""
+    for model_devices, state, refused in run_ranks(2, placed):
+        assert model_devices == {"meta"}
+        assert state == {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
+        assert refused is not None and "full=True" in refused

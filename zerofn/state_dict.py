@@ -18,30 +18,58 @@ from .runtime.runtime import runtime_of
 from .runtime.units import ParamSlot
 
 
-def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False):
+def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False,
+                   device=None):
     """``(model_state_dict, optim_state_dict)``, sharded (default) or as full tensors.
 
     Call on every rank. ``full=True`` gathers plain full tensors on every rank: a
     snapshot, sharing no memory with the model or optimizer.
+
+    [Note: where state dict tensors lie] Each tensor lies where zerofn keeps it: parameters
+    and their optimizer state on the model's device, or on the host under offload (the
+    masters and Adam's moments live there); buffers on the model's device; step counters
+    where torch.optim keeps them. So under offload a full state dict mixes devices. Pass
+    ``device`` (with ``full=True``) to have every parameter, buffer and per-parameter state
+    tensor on one device, as to compare with a model of your own; scalar state (Adam's
+    ``step``) stays where torch.optim wants it.
+
+    Args:
+        model, optimizer: what a zerofn transform returned.
+        full: plain full tensors (a gather) rather than Shard(0) DTensors over zerofn's own
+            buffers.
+        device: where the full tensors go (None: where each lies).
+
+    Example:
+        >>> msd, osd = zf.get_state_dict(model, opt, full=True, device="cuda")
     """
     rt = runtime_of(model)
     _check_optimizer(rt, optimizer)
+    _check_device(full, device)
     rt.prepare_state_dict()
     rt.opt.init_state()
-    return get_model_state_dict(model, full=full), _optim_state(rt, optimizer, full)
+    return (get_model_state_dict(model, full=full, device=device),
+            _optim_state(rt, optimizer, full, device))
 
 
-def get_model_state_dict(model: nn.Module, *, full: bool = False) -> dict:
+def get_model_state_dict(model: nn.Module, *, full: bool = False, device=None) -> dict:
     """The model half of ``get_state_dict``; leaves the optimizer untouched."""
     rt = runtime_of(model)
+    _check_device(full, device)
     rt.prepare_state_dict()
     slot_by_name = _slots_by_name(rt)
     msd = {}
     for name, value in model.state_dict().items():
         slot = slot_by_name.get(name)
-        msd[name] = _snapshot(value, full) if slot is None \
-            else _export(rt, slot, slot.opt_param.detach(), full)
+        msd[name] = _snapshot(value, full, device) if slot is None \
+            else _export(rt, slot, slot.opt_param.detach(), full, device)
     return msd
+
+
+def _check_device(full: bool, device) -> None:
+    if device is not None and not full:
+        raise ValueError("device= places a full state dict's tensors; a sharded one is made "
+                         "of zerofn's own buffers where they lie. Pass full=True with device=, "
+                         "or leave device out.")
 
 
 def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_state_dict: dict,
@@ -76,18 +104,21 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict) -> None:
 
 
 # -- conversions -------------------------------------------------------------------------
-def _export(rt, slot: ParamSlot, local: torch.Tensor, full: bool):
-    """A full tensor where the caller keeps ``local`` (host under offload), or the Shard(0)
-    DTensor over ``local`` itself: no copy, so DCP writes and loads zerofn's own buffers."""
+def _export(rt, slot: ParamSlot, local: torch.Tensor, full: bool, device=None):
+    """A full tensor on ``device`` or where the caller keeps ``local`` (host under
+    offload), or the Shard(0) DTensor over ``local`` itself: no copy, so DCP writes and
+    loads zerofn's own buffers."""
     if full:
-        return rt.full_tensor(slot, local)
+        return rt.full_tensor(slot, local, device)
     return slot.as_dtensor(local, rt.mesh, rt.placements)
 
 
-def _snapshot(value, full: bool):
+def _snapshot(value, full: bool, device=None):
     """A full state dict is a snapshot: copy the tensors it would otherwise share with the
     live model (buffers, Adam's step counters), which training goes on changing in place."""
-    return value.clone() if full and torch.is_tensor(value) else value
+    if not (full and torch.is_tensor(value)):
+        return value
+    return value.to(device, copy=True) if device is not None else value.clone()
 
 
 def _full_value(value, shape=None, name=""):
@@ -133,7 +164,7 @@ def _is_sharded_state(slot: ParamSlot, value) -> bool:
         and not isinstance(value, DTensor)
 
 
-def _optim_state(rt, optimizer, full: bool) -> dict:
+def _optim_state(rt, optimizer, full: bool, device=None) -> dict:
     slot_of_opt = {s.opt_param: s for s in rt.slot_of.values()}
     state, groups = {}, []
     for group in optimizer.param_groups:
@@ -142,8 +173,9 @@ def _optim_state(rt, optimizer, full: bool) -> dict:
             slot = slot_of_opt[p]
             fqns.append(slot.fqn)
             if p in optimizer.state:
-                state[slot.fqn] = {k: _export(rt, slot, v, full) if _is_sharded_state(slot, v)
-                                   else _snapshot(v, full) for k, v in optimizer.state[p].items()}
+                state[slot.fqn] = {k: _export(rt, slot, v, full, device)
+                                   if _is_sharded_state(slot, v) else _snapshot(v, full)
+                                   for k, v in optimizer.state[p].items()}
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
     out = {"state": state, "param_groups": groups}
     if rt.scaler is not None:    # fp16 loss scaling: scale and counters ride along
