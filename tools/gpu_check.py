@@ -60,30 +60,30 @@ class Part:
 
 
 PARTS = [
-    Part("build", 2, "`pip install --no-build-isolation --no-deps -e .` builds the C++ CPU Adam "
+    Part("build", 1, "`pip install --no-build-isolation --no-deps -e .` builds the C++ CPU Adam "
          "(`setup.py build_ext --inplace` where pip cannot install); the kernel's instruction "
          "set and threads are recorded."),
-    Part("tests", 3, "The CUDA tests: `tests/test_cuda.py` (offload arenas page-locked at "
+    Part("tests", 2.5, "The CUDA tests: `tests/test_cuda.py` (offload arenas page-locked at "
          "their exact size; forward and backward under `torch.cuda.set_sync_debug_mode('error')`"
          " and the synchronizations of a step; async checkpoints staged through one pinned "
          "buffer; a transformers mixture of experts under ZeRO-3 + bf16, whose grouped GEMM "
          "needs 16-byte-aligned weights; experts that sit out on one rank under ZeRO-3, "
          "reduced from the side stream) and `tests/test_offload_copies.py`'s copy streams "
          "against blocking copies, bit for bit, in every offload configuration."),
-    Part("parity", 2, "Parity with plain PyTorch on the same device, worlds 2 and 3 sharing "
+    Part("parity", 1, "Parity with plain PyTorch on the same device, worlds 2 and 3 sharing "
          "the one GPU over gloo with CUDA tensors (rows not divisible by the world): ZeRO-1/2/3, "
          "accumulation, clipping, SGD, and offload('cpu') with params=True."),
-    Part("job", 2, "README's main job, `python -m zerofn train` (ZeRO-3 on the built-in corpus, "
+    Part("job", 1.5, "README's main job, `python -m zerofn train` (ZeRO-3 on the built-in corpus, "
          "one rank on NCCL, with `--tensorboard`): stopped at step 100 of 200 with a checkpoint, "
          "then resumed from it to the end; the losses, throughput and peak memory it prints."),
-    Part("largest", 5, f"`bench_offload.py --find-largest --sizes {LARGE_CPU} {THROUGHPUT}` "
+    Part("largest", 3, f"`bench_offload.py --find-largest --sizes {LARGE_CPU} {THROUGHPUT}` "
          "(7.05B parameters, fp32 master and Adam state on the host, activation "
          "checkpointing): it trains, and at 32 micro-batches of 4x1024 tokens a step (131k "
          "tokens, reduced and offloaded once) it gives the TFLOP/s at 7B."),
-    Part("compare", 3, f"`tools/bench_offload.py --sizes {COMPARE_SIZE}`: zerofn offload('cpu') "
+    Part("compare", 2, f"`tools/bench_offload.py --sizes {COMPARE_SIZE}`: zerofn offload('cpu') "
          "against FSDP2 CPUOffloadPolicy, both bf16 compute and bf16 reduction, tokens/s and "
          "TFLOP/s."),
-    Part("profile", 2, "One ZeRO-3 + bf16 + offload('cpu') step of a 1024x8 GPT (and params="
+    Part("profile", 1, "One ZeRO-3 + bf16 + offload('cpu') step of a 1024x8 GPT (and params="
          "True): host synchronizations per step (sync debug mode) and host waits on copy "
          "events (which that mode does not see), and from a torch.profiler "
          "trace the share of device-to-host copy time overlapping compute kernels (backward) "
@@ -92,13 +92,14 @@ PARTS = [
          "every collective held back by a ~1 ms spin (`torch.cuda._sleep`), which a missing "
          "wait turns into stale data; then once without spins under "
          "`TORCH_CUDA_SANITIZER=1`."),
-    Part("compile", 3, "`torch.compile` with inductor (Triton kernels) over ZeRO-2 and ZeRO-3 + "
+    Part("compile", 1.5, "`torch.compile` with inductor (Triton kernels) over ZeRO-2 and ZeRO-3 + "
          "offload('cpu', params=True), bf16: each step's loss and gradient norm against the "
          "uncompiled run (`tests/test_cuda.py::test_inductor_compiled_models_train_as_eager_ones`)."),
-    Part("nvme", 4, "`bench_offload.py --find-largest --nvme DIR`: the largest of "
-         f"{', '.join(NVME_LADDER)} whose swap file fits the disk (13.2B needs ~150 GB), "
+    Part("nvme", 3, "`bench_offload.py --find-largest --nvme DIR`: the largest of "
+         f"{', '.join(NVME_LADDER)} whose swap file fits the free disk (13.2B needs ~150 GB) "
+         "and whose I/O fits the part's time at the disk's measured O_DIRECT bandwidth, "
          "1 warm-up and 2 timed steps (each reads and writes the whole swap file)."),
-    Part("deepspeed", 3, f"DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU, bf16) on "
+    Part("deepspeed", 2.5, f"DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU, bf16) on "
          f"the {COMPARE_SIZE} model, when DeepSpeed is installed or its wheels are carried along "
          "(`--deepspeed-wheel`, or `wheels/` as `tools/deepspeed_wheels.sh` fills it)."),
 ]
@@ -210,8 +211,11 @@ def part_compile(args) -> dict:
 
 
 def part_race(args) -> dict:
+    start = time.perf_counter()
     held = pytest([SLEEPY_TEST], LIMIT["race"] / 2)
-    sanitized = pytest([CUDA_TESTS[1]], LIMIT["race"] / 2, {"TORCH_CUDA_SANITIZER": "1"})
+    # The sanitizer intercepts every kernel: it gets whatever the held-back run left.
+    sanitized = pytest([CUDA_TESTS[1]], LIMIT["race"] - (time.perf_counter() - start) - 5,
+                       {"TORCH_CUDA_SANITIZER": "1"})
     ok = held["status"] == sanitized["status"] == "ok"
     return dict(status="ok" if ok else "failed",
                 figures=dict(held_back=held["figures"], sanitizer=sanitized["figures"]),
@@ -370,23 +374,66 @@ def part_largest(args) -> dict:
                     LIMIT["largest"])
 
 
+# A run of the NVMe part writes the swap file once, then each of its 3 steps reads and
+# writes all of it; the rest (building the model, the first compute) takes about a minute.
+NVME_PASSES, NVME_SET_UP = 7, 60
+
+
 def part_nvme(args) -> dict:
     os.makedirs(args.nvme_dir, exist_ok=True)
     free = shutil.disk_usage(args.nvme_dir).free
+    bandwidth = disk_bandwidth(args.nvme_dir)
     sys.path.insert(0, TOOLS)
     import bench_offload as bo
     bargs = bo.parse_args(["--device", "cuda"])
-    need = {s: bo.nvme_need(bo.model_config(s, bargs).params(), bargs) for s in NVME_LADDER}
-    fits = [s for s in NVME_LADDER if need[s] <= free]
-    lines = [f"{free / 2**30:.0f} GB free at the NVMe directory; the swap file of "
-             f"{NVME_LADDER[0]} (13B) needs ~{need[NVME_LADDER[0]] / 2**30:.0f} GB"]
+    lines = [f"{free / 2**30:.0f} GB free at the NVMe directory; O_DIRECT "
+             f"{bandwidth / 1e9:.2f} GB/s (the slower of writing and reading 1 GiB)"]
+    fits = []
+    for size in NVME_LADDER:
+        params = bo.model_config(size, bargs).params()
+        need = bo.nvme_need(params, bargs)
+        io = NVME_PASSES * need / bandwidth
+        verdict = "does not fit the disk" if need > 0.95 * free else \
+            "too slow for the part's limit" if io > LIMIT["nvme"] - NVME_SET_UP else "fits"
+        lines.append(f"{size} ({params / 1e9:.2f}B): swap file {need / 2**30:.0f} GB, "
+                     f"~{io:.0f} s of I/O: {verdict}")
+        if verdict == "fits":
+            fits.append(size)
     if not fits:
-        return dict(status="failed", lines=lines + ["no size of the ladder fits the disk"])
-    # Each step reads and writes the whole swap file (~92 GB at 3.78B): 3 steps, not 7.
+        return dict(status="failed", lines=lines + ["no size of the ladder fits"])
     result = _largest(["--find-largest", "--nvme", args.nvme_dir, "--sizes", fits[0],
                        "--warmup", "1", "--steps", "2"], LIMIT["nvme"])
     result["lines"] = lines + result["lines"]
     return result
+
+
+def disk_bandwidth(directory: str, nbytes: int = 1 << 30) -> float:
+    """Bytes a second of writing then reading ``nbytes`` in ``directory`` past the page
+    cache (O_DIRECT, as the swap file is used, where the filesystem allows it): the slower
+    of the two."""
+    import mmap
+    path = os.path.join(directory, "bandwidth_probe")
+    chunk = mmap.mmap(-1, min(nbytes, 64 << 20))     # page-aligned, as O_DIRECT needs
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags | os.O_DIRECT)
+    except OSError:      # (tmpfs and some overlays refuse O_DIRECT)
+        fd = os.open(path, flags)
+    try:
+        start = time.perf_counter()
+        for _ in range(nbytes // len(chunk)):
+            os.write(fd, chunk)
+        os.fsync(fd)
+        write = time.perf_counter() - start
+        os.lseek(fd, 0, os.SEEK_SET)
+        start = time.perf_counter()
+        for _ in range(nbytes // len(chunk)):
+            os.readv(fd, [chunk])
+        read = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        os.remove(path)
+    return (nbytes // len(chunk)) * len(chunk) / max(write, read)
 
 
 def _largest(flags: list[str], seconds: float) -> dict:
@@ -601,6 +648,19 @@ def expand_pending(names: list[str], done: dict) -> list[str]:
     return out
 
 
+def with_build(names: list[str], built=None) -> list[str]:
+    """``names``, led by a build where a part needs ``zerofn._C`` and it does not load: a
+    freshly copied tree has sources only, and every part but the build imports it."""
+    if "build" in names or not names:
+        return names
+    built = _extension_loads() if built is None else built
+    return names if built else ["build"] + names
+
+
+def _extension_loads() -> bool:
+    return run([sys.executable, "-c", "import zerofn._C"], 120)[0] == 0
+
+
 def load_results(path: str, fresh: bool) -> dict:
     if fresh or not os.path.exists(path):
         return {"parts": {}}
@@ -609,10 +669,15 @@ def load_results(path: str, fresh: bool) -> dict:
 
 
 def _commit() -> str:
-    """The checked-out commit; a copy of the tree without git (a lent device machine)
-    takes it from ZEROFN_COMMIT."""
-    rc, out = run(["git", "rev-parse", "--short", "HEAD"], 30)
-    return out.strip() if rc == 0 else os.environ.get("ZEROFN_COMMIT", "unknown")
+    """The project's checked-out commit, taken only from a git repository whose top level
+    is the project root: a copy of the tree inside another repository would report that
+    one's. Elsewhere (a copy without git on a lent device machine) from ZEROFN_COMMIT."""
+    rc, top = run(["git", "rev-parse", "--show-toplevel"], 30)
+    if rc == 0 and os.path.realpath(top.strip()) == os.path.realpath(ROOT):
+        rc, out = run(["git", "rev-parse", "--short", "HEAD"], 30)
+        if rc == 0:
+            return out.strip()
+    return os.environ.get("ZEROFN_COMMIT", "unknown")
 
 
 def environment() -> dict:
@@ -658,6 +723,55 @@ def goals(parts: dict) -> list[str]:
         [f"| {g} | {t} | {m or '—'} | {v} |" for g, t, m, v in rows]
 
 
+# [What NCCL does that gloo does not] One GPU runs NCCL at world 1 only: each code path that
+# differs between the backends, and what covers it.
+BACKEND_PATHS = [
+    ("Averaging reduce-scatter", "`runtime/comm.py` `Comm.averages`: on NCCL one "
+     "reduce-scatter with `ReduceOp.AVG`; on gloo an all-to-all and a sum, the caller divides",
+     "NCCL at world 1 (tests, job; an average over one rank cannot show averaging); the "
+     "logic on the CPU with a stand-in backend that averages (`tests/test_reduction.py::"
+     "test_a_backend_that_averages_is_trusted_to`); NCCL's AVG over 2+ ranks: not at all"),
+    ("HSDP's replicate all-reduce", "`runtime/grads.py` `_average_over_replicas`: `ReduceOp.AVG`"
+     " on NCCL, sum then divide on gloo", "gloo on the CPU (`tests/test_hsdp.py`, 2 x 2); "
+     "on NCCL: not at all (needs 2+ GPUs)"),
+    ("Flat collectives", "`Comm.all_gather`/`reduce_scatter`: NCCL's own in-place "
+     "`all_gather_into_tensor`/`reduce_scatter_tensor`; on gloo in-place broadcasts and an "
+     "all-to-all ([Note: gloo collectives])", "NCCL at world 1 (tests, job, profile, compile, "
+     "race); gloo with CUDA tensors at worlds 2 and 3 (parity, the experts test); NCCL at "
+     "2+ ranks: not at all"),
+    ("Waiting for a collective", "an NCCL work's `wait()` makes the current stream wait and "
+     "returns; gloo's blocks the host, so the in-flight queue waits host collectives at once "
+     "(comm.py's [Note: host collectives])", "NCCL at world 1 (tests: no host "
+     "synchronization in forward and backward); gloo on the CPU (the whole suite)"),
+    ("Side streams", "reductions (grads.py's [Note: the reduce stream]) and offload copies "
+     "(copies.py) run on side streams wherever the device is CUDA, whatever the backend",
+     "NCCL at world 1 (tests, race); gloo with CUDA tensors at worlds 2 and 3 (parity, the "
+     "experts test)"),
+    ("Object collectives", "`all_gather_object`/`broadcast_object_list` (set-up checks, "
+     "checkpoints' verdicts) travel as CUDA tensors on NCCL, host tensors on gloo",
+     "NCCL at world 1 (job: save and resume; tests: async checkpoint); gloo on the CPU"),
+    ("Async checkpoints", "`checkpoint.py` saves in the background over a gloo twin of the "
+     "model's group, so the save's collectives never share NCCL's stream with training",
+     "NCCL at world 1 (tests: async checkpoint staged through one pinned buffer)"),
+    ("Timeouts and asynchronous errors", "`timeout=` sets the group's timeout "
+     "(`_set_pg_timeout`); on NCCL a watchdog aborts a stuck communicator, whose errors "
+     "(`ncclRemoteError`, `NCCL communicator was aborted`) failures.py recognizes",
+     "setting the timeout: NCCL at world 1 (job); a timeout or a dead rank: gloo on the CPU "
+     "(`tests/test_failures.py`, `tests/test_elastic.py`); NCCL's watchdog and errors: not "
+     "at all (a failing peer needs 2+ GPUs)"),
+    ("Coalesced collectives", "none: zerofn issues one collective per unit on every backend "
+     "and never uses `_coalescing_manager`", "nothing to cover"),
+]
+
+
+def backend_section() -> list[str]:
+    return ["## What NCCL does that gloo does not", "",
+            "One GPU runs NCCL at world 1 only; worlds 2 and 3 share it over gloo. Each code "
+            "path that differs between the backends, and what covers it:", "",
+            "| path | what differs | covered by |", "|---|---|---|"] + \
+        [f"| {name} | {what} | {how} |" for name, what, how in BACKEND_PATHS] + [""]
+
+
 # What each part records of where it ran: results gather over sessions, machines and commits.
 RUN_KEYS = {"device": "on", "torch": "torch", "commit": "at"}
 
@@ -687,7 +801,7 @@ def render(results: dict) -> str:
         if r.get("detail"):
             out += ["", "```", r["detail"], "```"]
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out + backend_section())
 
 
 def _blocks(lines: list[str]) -> list[str]:
@@ -722,7 +836,7 @@ def render_plan() -> str:
            "The goals it reports against:", ""] + goals({}) + ["", "## What it runs", ""]
     for i, part in enumerate(PARTS, 1):
         out.append(f"{i}. **{part.name}** (limit {part.minutes:g} min): {part.what}")
-    return "\n".join(out) + "\n"
+    return "\n".join(out + [""] + backend_section())
 
 
 def write_report(args, results: dict) -> None:
@@ -752,7 +866,7 @@ def main() -> None:
         write_report(args, results)
         return
     results["env"] = environment()
-    for name in expand_pending(args.parts, results["parts"]):
+    for name in with_build(expand_pending(args.parts, results["parts"])):
         left = math.inf if deadline is None else deadline - time.perf_counter()
         if left < LIMIT[name]:
             print(f"# {name}: not started, its limit ({LIMIT[name]:.0f} s) is more than the "
