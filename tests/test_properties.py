@@ -522,7 +522,8 @@ CASES = {
     "meta shared": [case(({"gain": True, "lin": "bias"}, {}), reuse=["blocks.0"], meta=True,
                          units=["names", ["blocks.0"]], stage=s) for s in (1, 3)],
     "0-dim": [case(scalar=True)],
-    "mixed unit": [case(({"dtype": "fp64"},), units=["names", []])],
+    "mixed unit": [case(({"dtype": "fp64"},), units=["names", []]),
+                   case(({}, {"dtype": "fp64"}), stage=3, persist_below=10**6)],
     "per-unit dtypes": [case(({}, {"dtype": "fp64"}, {"dtype": "bf16"}), stage=s)
                         for s in (1, 2, 3)],
     # Fixed: ZeRO-3 exported a DTensor for all but one name of a shared module's
@@ -658,8 +659,11 @@ def test_refusals_name_the_parameter_and_the_way_out(cases):
     assert_clean(cases["0-dim"] + cases["mixed unit"])
     (_, _, zero_dim), = cases["0-dim"]
     assert "'scalar'" in zero_dim[0]["error"] and "shape (1,)" in zero_dim[0]["error"]
-    (_, _, mixed), = cases["mixed unit"]
+    (_, _, mixed), (_, _, persistent) = cases["mixed unit"]
     assert "'blocks.0.w1'" in mixed[0]["error"] and "units=" in mixed[0]["error"]
+    # The persistent unit takes small parameters from every module: its threshold decides.
+    assert "'blocks.1.w1'" in persistent[0]["error"] and \
+        "lower persist_below to 12 or less" in persistent[0]["error"]
 
 
 def test_each_unit_may_have_its_own_dtype(cases):
