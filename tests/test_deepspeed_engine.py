@@ -54,14 +54,17 @@ def zerofn_script(name: str, tmp) -> str:
 
 
 def _run_scripts(rank, world, runs):
-    """Run each script as torchrun would; returns the offload store each engine got."""
+    """Run each script as torchrun would; returns, per engine, the offload store it got and
+    whether it kept every parameter whole (ZeRO-3's persistence threshold)."""
     os.environ.update(CPU)
     sys.path.insert(0, SCRIPTS)     # the scripts import tiny.py, as torchrun would find it
     stores, initialize = [], deepspeed.initialize
 
     def watched(*args, **kwargs):
         out = initialize(*args, **kwargs)
-        stores.append(type(runtime_of(out[0].module).offload).__name__)
+        rt = runtime_of(out[0].module)
+        whole = rt.stage == 3 and all(u.replicated for u in rt.units if u.slots)
+        stores.append((type(rt.offload).__name__, whole))
         return out
 
     deepspeed.initialize = watched
@@ -86,7 +89,8 @@ def test_deepspeed_scripts_match_real_deepspeed(tmp_path):
         prefixes[name] = str(tmp_path / name)
         runs.append((zerofn_script(name, tmp_path), cases.script_args(str(config), prefixes[name])))
     stores = run_ranks(cases.WORLD, _run_scripts, runs, timeout=240)
-    assert stores == [["HostOffload", "NvmeOffload", "HostOffload"]] * cases.WORLD
+    assert stores == [[("HostOffload", False), ("NvmeOffload", False), ("HostOffload", False),
+                       ("HostOffload", True)]] * cases.WORLD
     for name, prefix in prefixes.items():
         with open(os.path.join(DATA, f"{name}.json")) as f:
             reference = json.load(f)["ranks"]

@@ -13,6 +13,7 @@ import zerofn as zf
 from models import batches, make_models, make_optimizer, worst
 from multiproc import run_ranks
 from test_parity import STAGES, max_errors, train_reference, train_sharded
+from zerofn.runtime.runtime import runtime_of
 
 CONFIGS = [(1, "adamw", {}), (2, "adamw", {}), (3, "adamw", {}), (3, "adamw", {"params": True}),
            (2, "sgd", {}), (3, "sgd", {"params": True}), (3, "adam", {"params": True}),
@@ -81,6 +82,54 @@ def offload_vs_pytorch(rank, world):
 def test_offload_matches_plain_pytorch():
     for p_err, s_err in run_ranks(2, offload_vs_pytorch):
         assert p_err < 1e-5 and s_err < 1e-5
+
+
+# persist_below under parameter offload: "all" keeps every parameter whole, which leaves
+# the root unit without any (DeepSpeed's ZeRO-3 example config, issue 23); "mixed" keeps
+# each block's norms and biases whole and shards its weights.
+PERSIST = {"all": 10**9, "mixed": 200}
+
+
+def persistent_offload_runs(rank, world, path):
+    """``{(where, case): (sharded units, units split with the persistent one, errors vs
+    plain PyTorch)}``, for cpu and nvme parameter offload."""
+    data = batches(3, 1, world)
+    ref, _ = make_models()
+    ref_opt = make_optimizer("adamw", ref.parameters())
+    train_reference(ref, ref_opt, data, clip=0.05)
+    out = {}
+    for where in ("cpu", "nvme"):
+        for case, below in PERSIST.items():
+            _, model = make_models()
+            opt = make_optimizer("adamw", model.parameters())
+            model, opt = zf.compose(zf.shard_optimizer(), zf.shard_grads(),
+                                    zf.shard_params(persist_below=below),
+                                    zf.offload(where, params=True,
+                                               path=path if where == "nvme" else None))(model, opt)
+            train_sharded(model, opt, data, rank, world, clip=0.05)
+            out[(where, case)] = (*unit_layout(model), max_errors(ref, ref_opt, model, opt))
+    return out
+
+
+def unit_layout(model) -> tuple[list[str], list[str]]:
+    """The units with sharded parameters, and those of them whose module also holds
+    persistent ones."""
+    units = runtime_of(model).units
+    persistent = {s.param for u in units if u.replicated for s in u.slots}
+    sharded = [u for u in units if u.slots and not u.replicated]
+    return ([u.name for u in sharded],
+            [u.name for u in sharded if any(p in persistent for p in u.module.parameters())])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_parameter_offload_with_persistent_parameters_matches_plain_pytorch(world, tmp_path):
+    for rank_out in run_ranks(world, persistent_offload_runs, str(tmp_path), timeout=300):
+        for (where, case), (sharded, split, (p_err, s_err)) in rank_out.items():
+            if case == "all":
+                assert sharded == [], (where, sharded)
+            else:
+                assert "blocks.0" in split, (where, split)
+            assert p_err < 1e-5 and s_err < 1e-5, (where, case, p_err, s_err)
 
 
 def where_state_lives(rank, world, path):
@@ -216,7 +265,6 @@ def sharded_state_locals(model, opt) -> dict[str, tuple[str, bool]]:
     """Each sharded state-dict tensor's local shard: its device type, and whether it is a
     view of the offload's host arenas (no copy made)."""
     from torch.distributed.tensor import DTensor
-    from zerofn.runtime.runtime import runtime_of
     spans = [(a.buffer.data_ptr(), a.buffer.data_ptr() + a.buffer.nbytes)
              for a in runtime_of(model).offload.arenas()]
     msd, osd = zf.get_state_dict(model, opt)

@@ -45,6 +45,10 @@ SLOW = os.environ.get("ZEROFN_SLOW") == "1"
 EXAMPLES = int(os.environ.get("ZEROFN_HYPOTHESIS_EXAMPLES", "32" if SLOW else "8"))
 SEED = int(os.environ.get("ZEROFN_HYPOTHESIS_SEED", "0"))
 STEPS = 3
+# Drawn persist_below (ZeRO-3): 7 keeps the smallest parameters whole; 37 also the root's
+# 6x6 projections, which leaves the root unit without parameters; 10**6 keeps every
+# parameter whole, as a DeepSpeed example's persistence threshold does to a small model.
+PERSIST_BELOW = [0, 0, 7, 37, 10**6]
 STAGES = {1: ("shard_optimizer",), 2: ("shard_optimizer", "shard_grads"),
           3: ("shard_optimizer", "shard_grads", "shard_params")}
 # (absolute, relative to the tensor's largest magnitude). A bf16 block reduces its
@@ -113,18 +117,32 @@ def model_specs(draw):
     spec["ties"] = draw(st.lists(st.sampled_from(pairs), max_size=2)) if pairs else []
     spec["stage"] = stage = draw(st.sampled_from([1, 2, 3]))
     spec["accum"] = draw(st.sampled_from([1, 3]))
+    # (ZeRO-3 draws parameter offload twice as often: it meets most of the other options)
     spec["offload"] = draw(st.sampled_from(
-        [None] * 6 + ["cpu", "cpu", "nvme"] + (["cpu+params", "nvme+params"] if stage == 3
+        [None] * 6 + ["cpu", "cpu", "nvme"] + (["cpu+params", "nvme+params"] * 2 if stage == 3
                                                else ["cpu+params"] * draw(_rarely(3)))))
     spec["optimizer"] = draw(st.sampled_from(
         ["adamw", "adam", "adam", "adamw", "sgd"] if "nvme" in str(spec["offload"])
         else ["adamw", "adam", "sgd"]))
-    spec["persist_below"] = draw(st.sampled_from([0, 0, 7])) if stage == 3 else 0
+    spec["persist_below"] = draw(st.sampled_from(PERSIST_BELOW)) if stage == 3 else 0
+    spec.update(draw(deepspeed_knobs(spec)))
     spec["meta"] = draw(_rarely(3))
     spec["frozen_in_opt"] = draw(st.booleans())
     spec["groups"] = draw(st.booleans())
     spec["units"] = draw(unit_policies(spec))
     return spec
+
+
+@st.composite
+def deepspeed_knobs(draw, spec):
+    """The other zerofn options DeepSpeed configs set (zerofn/deepspeed/config.py): the
+    reduce and prefetch bucket sizes as ``bucket_size`` (1: each collective waits for the
+    one before), stage3_prefetch_bucket_size 0 as ``prefetch=0``, and offload_param's
+    buffer_count as NVMe's ``units_in_flight``; None leaves the default."""
+    nvme = "nvme" in str(spec["offload"])
+    return {"bucket_size": draw(st.sampled_from([None, None, 1, 500])),
+            "prefetch": draw(st.sampled_from([None, None, 0, 2])) if spec["stage"] == 3 else None,
+            "units_in_flight": draw(st.sampled_from([None, 1])) if nvme else None}
 
 
 def unit_policies(spec):
@@ -199,15 +217,19 @@ def transform(spec: dict, model, tmp: str):
     extra = []
     if spec["offload"]:
         where, _, params = spec["offload"].partition("+")
+        in_flight = {"units_in_flight": spec["units_in_flight"]} \
+            if spec["units_in_flight"] else {}
         extra.append(zf.offload(where, params=bool(params),
-                                path=tmp if where == "nvme" else None))
+                                path=tmp if where == "nvme" else None, **in_flight))
     names = STAGES[spec["stage"]]
-    init = {"init": odd_init} if spec["meta"] else {}
+    options = {"units": unit_policy(spec, model)}
+    if spec["meta"]:
+        options["init"] = odd_init
+    if spec["stage"] == 3:
+        options["persist_below"] = spec["persist_below"]
+    options.update({k: spec[k] for k in ("bucket_size", "prefetch") if spec[k] is not None})
     return zf.compose(*(getattr(zf, n)() for n in names[:-1]),
-                      getattr(zf, names[-1])(units=unit_policy(spec, model),
-                                             **({"persist_below": spec["persist_below"]}
-                                                if spec["stage"] == 3 else {}), **init),
-                      *extra)
+                      getattr(zf, names[-1])(**options), *extra)
 
 
 def predicted_refusals(spec: dict, model, expect: dict) -> list[str]:
@@ -472,7 +494,8 @@ def case(leaves=({},), **options) -> dict:
     spec = {"seed": 3, "blocks": [dict(LEAF, **leaf) for leaf in leaves], "tie_io": False,
             "one": False, "empty": False, "scalar": False, "reuse": [], "ties": [], "stage": 2,
             "accum": 1, "offload": None, "optimizer": "adamw", "persist_below": 0,
-            "meta": False, "frozen_in_opt": False, "groups": False, "units": None}
+            "meta": False, "frozen_in_opt": False, "groups": False, "units": None,
+            "bucket_size": None, "prefetch": None, "units_in_flight": None}
     return dict(spec, **options)
 
 
@@ -499,7 +522,8 @@ CASES = {
     "meta shared": [case(({"gain": True, "lin": "bias"}, {}), reuse=["blocks.0"], meta=True,
                          units=["names", ["blocks.0"]], stage=s) for s in (1, 3)],
     "0-dim": [case(scalar=True)],
-    "mixed unit": [case(({"dtype": "fp64"},), units=["names", []])],
+    "mixed unit": [case(({"dtype": "fp64"},), units=["names", []]),
+                   case(({}, {"dtype": "fp64"}), stage=3, persist_below=10**6)],
     "per-unit dtypes": [case(({}, {"dtype": "fp64"}, {"dtype": "bf16"}), stage=s)
                         for s in (1, 2, 3)],
     # Fixed: ZeRO-3 exported a DTensor for all but one name of a shared module's
@@ -524,6 +548,12 @@ CASES = {
                             optimizer="adam"),
                        case(({}, {"dtype": "bf16"}), offload="cpu", stage=3),
                        case(({}, {"dtype": "fp64"}), offload="nvme")],
+    # Fixed: with the root's parameters all kept whole (persist_below), parameter offload
+    # laid out a compute shard for the empty root unit and asserted (runtime.py). At 37
+    # the block's 9x6 weights are sharded, its Linear kept whole; at 10**6 everything is.
+    "persistent offload": [case(({"rows": 9, "lin": "bias"},), stage=3, offload=o,
+                                persist_below=p)
+                           for o in ("cpu+params", "nvme+params") for p in (37, 10**6)],
 }
 
 
@@ -629,8 +659,11 @@ def test_refusals_name_the_parameter_and_the_way_out(cases):
     assert_clean(cases["0-dim"] + cases["mixed unit"])
     (_, _, zero_dim), = cases["0-dim"]
     assert "'scalar'" in zero_dim[0]["error"] and "shape (1,)" in zero_dim[0]["error"]
-    (_, _, mixed), = cases["mixed unit"]
+    (_, _, mixed), (_, _, persistent) = cases["mixed unit"]
     assert "'blocks.0.w1'" in mixed[0]["error"] and "units=" in mixed[0]["error"]
+    # The persistent unit takes small parameters from every module: its threshold decides.
+    assert "'blocks.1.w1'" in persistent[0]["error"] and \
+        "lower persist_below to 12 or less" in persistent[0]["error"]
 
 
 def test_each_unit_may_have_its_own_dtype(cases):
@@ -670,6 +703,10 @@ def test_offload_counts_steps_on_ranks_without_rows(cases):
     """CPU Adam counts a step where this rank holds no rows of the parameter (offload.py
     skipped it there: its count stayed 0 on that rank, and in that rank's checkpoint)."""
     assert_clean(cases["offload steps"])
+
+
+def test_parameter_offload_where_the_root_or_every_parameter_persists(cases):
+    assert_clean(cases["persistent offload"])
 
 
 def test_offload_with_units_of_several_dtypes(cases):

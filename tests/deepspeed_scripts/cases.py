@@ -22,6 +22,9 @@ CASES = {
     "zero2_offload_fp16": ("train_config_optimizer.py", "zero2_offload_fp16.json"),
     "zero2_nvme_accum": ("train_client_optimizer.py", "zero2_nvme_accum.json"),
     "zero3_offload": ("train_config_optimizer.py", "zero3_offload.json"),
+    # DeepSpeed's ZeRO-3 example settings: its persistence threshold keeps every parameter
+    # of a small model whole, so parameter offload has no sharded parameter at all.
+    "zero3_persistent_fp16": ("train_client_optimizer.py", "zero3_persistent_fp16.json"),
 }
 DEEPSPEED_IMPORT = "import deepspeed\n"
 ZEROFN_IMPORT = "import zerofn.deepspeed as deepspeed\n"

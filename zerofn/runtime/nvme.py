@@ -222,8 +222,6 @@ class NvmeOffload:
     def param_shard(self, unit, dtype: torch.dtype) -> torch.Tensor:
         """ZeRO-3 parameter offload: the shard is in the file (``write_initial``); what
         stands for it in memory is the stand-in, so the DTensors built on it hold no data."""
-        if unit not in self.params:
-            return torch.empty(0, dtype=dtype)   # a unit without parameters
         return self._param_stand_in[dtype].expand(unit.shard_numel)
 
     # -- the step --------------------------------------------------------------------

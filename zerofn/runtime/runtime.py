@@ -103,7 +103,10 @@ class Runtime:
         self.root = units[-1]
         self.pool = BufferPool()
         self.stage = plan.stage
-        self._sharded_params = [u for u in units if self.stage == 3 and not u.replicated]
+        # A unit without parameters (the root, when every parameter persists or lives in
+        # a block) has no rows to shard: it keeps its hooks, but gets no compute shard.
+        self._sharded_params = [u for u in units
+                                if self.stage == 3 and not u.replicated and u.slots]
         self.offload = self._make_offload(units)
         self.copies = CopyStreams(self.device, units)
         self.copies.offloaded = self.offload is not None

@@ -209,13 +209,22 @@ def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: i
         raise ValueError(
             f"Parameter {fqn!r} is {p.dtype} on {device} but unit {unit.name!r} holds "
             f"{unit.dtype} on {unit.device}, and a unit holds one dtype on one device: cast "
-            "the model to one dtype and device first, or give the odd parameters' modules "
-            "units of their own (units=[...]).")
+            "the model to one dtype and device first, or " + _way_out(unit, p))
     chunk = chunk_rows(p.shape[0], world)
     slot = ParamSlot(fqn, p, owners, p.shape, unit.shard_numel, chunk,
                      local_rows(p.shape[0], world, rank), rank)
     unit.slots.append(slot)
     unit.shard_numel += -(-chunk * slot.inner // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def _way_out(unit: Unit, p: nn.Parameter) -> str:
+    """How else to keep ``p`` out of ``unit``. The persistent unit takes every small
+    parameter of the model, whatever unit its module is: only its threshold decides."""
+    if unit.replicated:
+        return (f"lower persist_below to {p.numel()} or less (DeepSpeed's "
+                f"stage3_param_persistence_threshold to {p.numel() - 1} or less), so that this "
+                "parameter is sharded instead of kept whole with the others under it.")
+    return "give the odd parameters' modules units of their own (units=[...])."
 
 
 def _innermost(model: nn.Module, module_at: dict, mod_name: str, units: dict) -> Unit:
