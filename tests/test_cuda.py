@@ -46,16 +46,21 @@ def pinned_runs(rank, world, path):
     import zerofn.runtime.pinned as pinned
     out = []
     for stage, opts, dtype in OFFLOADS:
-        model = opt = None
         gc.collect()     # the last config's runtime (a cycle with its model) unpins now
         before = pinned.registered_bytes()
-        model, opt = on_nccl(path, stage, opts, dtype)
-        arenas = runtime_of(model).offload.arenas()
-        pinnable = [a for a in arenas if pinned.is_registered(a.buffer)]
-        out.append(([locked(a.buffer) for a in pinnable], len(pinnable),
-                    pinned.registered_bytes() - before,
-                    sum(a.buffer.nbytes for a in pinnable)))
+        out.append(_pinned_arenas(path, stage, opts, dtype, before))
     return out
+
+
+def _pinned_arenas(path, stage, opts, dtype, before):
+    """A config's arenas: their page-locking, count, the bytes registered since ``before``
+    and their size. Its own function: nothing of it outlives the return to skew the next
+    config's ``before``."""
+    import zerofn.runtime.pinned as pinned
+    model, opt = on_nccl(path, stage, opts, dtype)
+    pinnable = [a for a in runtime_of(model).offload.arenas() if pinned.is_registered(a.buffer)]
+    return ([locked(a.buffer) for a in pinnable], len(pinnable),
+            pinned.registered_bytes() - before, sum(a.buffer.nbytes for a in pinnable))
 
 
 def locked(t: torch.Tensor) -> tuple[bool, bool]:

@@ -137,11 +137,13 @@ def test_the_commit_is_the_projects_own_not_an_enclosing_repositorys(tmp_path, m
     gc.run(["git", "init", "-q", str(outer)], 30)
     gc.run(["git", "-C", str(outer), "-c", "user.name=t", "-c", "user.email=t@t", "commit",
             "-q", "--allow-empty", "-m", "outer"], 30)
+    monkeypatch.delenv("ZEROFN_COMMIT", raising=False)
     monkeypatch.setattr(gc, "ROOT", str(outer / "project"))
-    monkeypatch.setenv("ZEROFN_COMMIT", "f00d123")
-    assert gc._commit() == "f00d123"
+    assert gc._commit() == "unknown"
     monkeypatch.setattr(gc, "ROOT", str(outer))     # the project's own repository
-    assert gc._commit() not in ("f00d123", "unknown")
+    assert gc._commit() != "unknown"
+    monkeypatch.setenv("ZEROFN_COMMIT", "f00d123")  # said outright, it wins over any .git
+    assert gc._commit() == "f00d123"
 
 
 def test_the_nvme_probe_measures_the_disk(tmp_path):

@@ -47,10 +47,11 @@ def vote(mine: set, theirs: list[float], device="cpu", found=None, rider=None):
             torch.cuda.set_sync_debug_mode("warn")
         try:
             reduced = step.vote(rider)
+            seen = list(caught)   # (leaving the mode synchronizes too: torch 2.11 warns of it)
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    waits = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    waits = [f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
     out = (step.overflow, {s for s, g in step.grads.items() if g is not None},
            comm.sent.tolist(), waits)
     return out if rider is None else out + (reduced.item(),)

@@ -170,8 +170,14 @@ def pytest_result(rc: int, out: str) -> dict:
                 detail=None if ok else tail(out, 30))
 
 
-def pytest(targets: list[str], timeout: float, env: dict | None = None) -> dict:
+def pytest(targets: list[str], timeout: float, env: dict | None = None, log: str = "") -> dict:
+    """The tests' result; their whole output goes to ``LOGS/<log>.log`` where ``log`` is
+    given (the report keeps only its tail)."""
     rc, out = run([sys.executable, "-m", "pytest", "-q", "-rfEs", *targets], timeout, env)
+    if log:
+        os.makedirs(TRACE_DIR, exist_ok=True)
+        with open(os.path.join(TRACE_DIR, f"{log}.log"), "w") as f:
+            f.write(out)
     return pytest_result(rc, out)
 
 
@@ -203,19 +209,19 @@ COMPILE_TEST = "tests/test_cuda.py::test_inductor_compiled_models_train_as_eager
 
 
 def part_tests(args) -> dict:
-    return pytest(CUDA_TESTS + ["--deselect", COMPILE_TEST], LIMIT["tests"])
+    return pytest(CUDA_TESTS + ["--deselect", COMPILE_TEST], LIMIT["tests"], log="tests")
 
 
 def part_compile(args) -> dict:
-    return pytest([COMPILE_TEST], LIMIT["compile"])
+    return pytest([COMPILE_TEST], LIMIT["compile"], log="compile")
 
 
 def part_race(args) -> dict:
     start = time.perf_counter()
-    held = pytest([SLEEPY_TEST], LIMIT["race"] / 2)
+    held = pytest([SLEEPY_TEST], LIMIT["race"] / 2, log="race_held")
     # The sanitizer intercepts every kernel: it gets whatever the held-back run left.
     sanitized = pytest([CUDA_TESTS[1]], LIMIT["race"] - (time.perf_counter() - start) - 5,
-                       {"TORCH_CUDA_SANITIZER": "1"})
+                       {"TORCH_CUDA_SANITIZER": "1"}, log="race_sanitizer")
     ok = held["status"] == sanitized["status"] == "ok"
     return dict(status="ok" if ok else "failed",
                 figures=dict(held_back=held["figures"], sanitizer=sanitized["figures"]),
@@ -669,15 +675,17 @@ def load_results(path: str, fresh: bool) -> dict:
 
 
 def _commit() -> str:
-    """The project's checked-out commit, taken only from a git repository whose top level
-    is the project root: a copy of the tree inside another repository would report that
-    one's. Elsewhere (a copy without git on a lent device machine) from ZEROFN_COMMIT."""
+    """ZEROFN_COMMIT where it is set (a tree copied to a lent device machine), else the
+    checked-out commit of a git repository whose top level is the project root: a copy of
+    the tree inside another repository would report that one's."""
+    if os.environ.get("ZEROFN_COMMIT"):   # said outright: a copied tree may carry a stale .git
+        return os.environ["ZEROFN_COMMIT"]
     rc, top = run(["git", "rev-parse", "--show-toplevel"], 30)
     if rc == 0 and os.path.realpath(top.strip()) == os.path.realpath(ROOT):
         rc, out = run(["git", "rev-parse", "--short", "HEAD"], 30)
         if rc == 0:
             return out.strip()
-    return os.environ.get("ZEROFN_COMMIT", "unknown")
+    return "unknown"
 
 
 def environment() -> dict:
@@ -848,8 +856,8 @@ def write_report(args, results: dict) -> None:
         f.write(render(results) if not args.plan else render_plan())
     if args.copy_to:
         os.makedirs(args.copy_to, exist_ok=True)
-        for path in (args.report, args.results,
-                     os.path.join(TRACE_DIR, "profile_trace.json")):
+        for path in (args.report, args.results, os.path.join(TRACE_DIR, "profile_trace.json"),
+                     *glob.glob(os.path.join(TRACE_DIR, "*.log"))):
             if os.path.exists(path):
                 shutil.copy(path, args.copy_to)
 
