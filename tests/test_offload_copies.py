@@ -35,12 +35,15 @@ CONFIGS = [(1, "adamw", {}, None), (2, "adamw", {}, None), (3, "adamw", {}, None
 
 class DeferredCopies(CopyStreams):
     """Copies queued per (direction, unit) and performed only at a wait for that unit: the
-    destination is written, and the source read, as late as the ordering allows."""
+    destination is written, and the source read, as late as the ordering allows. A copy
+    whose source changed between its issue and its run read data it was not given (on a
+    GPU a race between the copy's stream and the writer's): ``stale`` counts those."""
 
     def __init__(self, device, units):
         super().__init__(device, units)
         self._pending = defaultdict(list)
         self.performed = 0
+        self.stale = 0
         self.most_pending = 0       # copies queued at once, across units
 
     def to_host(self, unit, dst, src):
@@ -50,11 +53,12 @@ class DeferredCopies(CopyStreams):
         self._defer("h2d", unit, dst, src)
 
     def _defer(self, direction, unit, dst, src):
-        self._pending[direction, unit].append((dst, src))
+        self._pending[direction, unit].append((dst, src, src.clone()))
         self.most_pending = max(self.most_pending, self.pending())
 
     def _run(self, direction, unit):
-        for dst, src in self._pending.pop((direction, unit), ()):
+        for dst, src, issued in self._pending.pop((direction, unit), ()):
+            self.stale += not _same(src, issued)
             dst.copy_(src)
             self.performed += 1
 
@@ -69,6 +73,14 @@ class DeferredCopies(CopyStreams):
 
     def before_host_write(self, unit):
         self._run("h2d", unit)
+
+    def before_device_write(self, unit):
+        self._run("d2h", unit)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, NaN to NaN (an fp16 overflow's gradients hold NaNs)."""
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def skipping(wait: str):
@@ -131,7 +143,8 @@ def deferred_runs(rank, world, path, configs):
         copies = rt.copies
         out.append({"vs_plain": state_diff(plain, deferred),
                     "vs_synced": state_diff(synced, deferred), "performed": copies.performed,
-                    "most_pending": copies.most_pending, "left": copies.pending()})
+                    "most_pending": copies.most_pending, "left": copies.pending(),
+                    "stale": copies.stale})
     return out
 
 
@@ -147,6 +160,7 @@ def test_deferred_copies_train_like_synchronous_ones(world, tmp_path):
             # Copies really waited: many at once (a unit's copy outlived other units' work)
             # and every one performed by its wait.
             assert r["most_pending"] > 1 and r["performed"] > 0 and r["left"] == 0, (config, r)
+            assert r["stale"] == 0, (config, r)     # no copy's source rewritten under it
 
 
 # Where leaving out each wait shows on CPU. ``before_host_write`` guards host rows that a
@@ -175,6 +189,21 @@ def test_a_missing_wait_shows(tmp_path):
     """The double has teeth: without any one of the waits, training differs."""
     for case, err in zip(MISSING, run_ranks(1, missing_wait_runs, str(tmp_path))[0]):
         assert not err < 1e-4, case   # nan too: a buffer the copy never filled
+
+
+def rewrite_runs(rank, world, path):
+    data = batches(STEPS, ACCUM, world)
+    _, rt = train(2, "adamw", {"path": path}, None, data, rank, world,
+                  skipping("before_device_write"))
+    return rt.copies.stale
+
+
+def test_a_reduction_adds_into_a_shard_only_after_its_copy_read_it(tmp_path):
+    """Under accumulation each backward's reduction adds into the shard the last one sent
+    to the host. Without ``before_device_write`` the addition overtakes the copy still
+    reading it: on a GPU, the race the CUDA sanitizer reported between the reduce stream
+    and the copy stream."""
+    assert run_ranks(1, rewrite_runs, str(tmp_path))[0] > 0
 
 
 def unpinned_runs(rank, world, path):

@@ -41,16 +41,15 @@ def vote(mine: set, theirs: list[float], device="cpu", found=None, rider=None):
     step._trainable, step._found = ["a", "b"], found
     step.grads = {s: torch.ones(2, device=device) for s in "ab"}   # the reduced rows
     cuda = torch.device(device).type == "cuda"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if cuda:
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
+    if cuda:   # (torch 2.11 synchronizes as the mode is set: outside what is recorded)
+        torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
             reduced = step.vote(rider)
-            seen = list(caught)   # (leaving the mode synchronizes too: torch 2.11 warns of it)
-        finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
     waits = [f"{w.filename}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
     out = (step.overflow, {s for s, g in step.grads.items() if g is not None},
            comm.sent.tolist(), waits)

@@ -10,6 +10,9 @@ unit's latest copy ends. Three waits order everything else against those events:
   stream waits; the host goes on).
 - ``before_host_write``: the host is about to rewrite ``to_device``'s source (blocks the
   host).
+- ``before_device_write``: device work is about to rewrite ``to_host``'s source (a
+  reduction adding into a gradient shard under accumulation): the current stream waits
+  for the copy to have read it; the host goes on.
 - ``after_to_device``: a collective about to read what ``to_device`` wrote (ZeRO-3's
   gather of an offloaded shard) is issued on the copy's own stream, so it follows the copy
   while the current stream, computing the unit before, is not held up.
@@ -17,9 +20,7 @@ unit's latest copy ends. Three waits order everything else against those events:
 The events are blocking: a host waiting on one sleeps instead of spinning a core.
 
 A copy itself first waits for the work already queued on the current stream, which
-produced (or still reads) what it touches. Device work may rewrite a ``to_host`` source
-while the copy runs: offload rewrites a gradient shard only in a reduction, which is
-followed by a new copy of the shard on the same stream, and the host waits for that one. Non-blocking copies overlap only from pinned
+produced (or still reads) what it touches. Non-blocking copies overlap only from pinned
 host memory: offload's arenas are pinned where CUDA exists (offload.py).
 
 Without CUDA the same calls run: copies are synchronous ``copy_``s and waits do nothing.
@@ -91,6 +92,11 @@ class CopyStreams:
     def before_host_write(self, unit) -> None:
         if self.streaming:
             self._done["h2d"][unit].synchronize()
+
+    def before_device_write(self, unit) -> None:
+        # (an event never recorded is no wait: the unit has not been copied yet)
+        if self.streaming:
+            torch.cuda.current_stream(self.device).wait_event(self._done["d2h"][unit])
 
     @contextlib.contextmanager
     def after_to_device(self, unit):

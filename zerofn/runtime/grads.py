@@ -105,6 +105,9 @@ class GradReducer:
         # Offload (ZeRO-2/3): on_shard_ready(unit, shard) starts the shard's copy to the
         # host once a backward's reduction of it is final (runtime/copies.py).
         self.on_shard_ready = None
+        # ... and before_shard_write(unit) orders a rewrite of the shard (accumulation)
+        # after that copy has read it: the copy runs on its own stream.
+        self.before_shard_write = None
         self.no_sync = False
         self.grad_shard: dict[Unit, torch.Tensor | None] = {}   # made at the first reduction
         # Slots that got a gradient on this rank since zero_grad (step.py's [Note:
@@ -433,6 +436,8 @@ class GradReducer:
         target = self.grad_shard[unit]
         spent = []
         if out is not target:
+            if self.before_shard_write is not None:
+                self.before_shard_write(unit)
             target.add_(out)
             spent.append(out)
         if self.on_shard_ready is not None:

@@ -123,6 +123,7 @@ class Runtime:
                                     self.device, self.copies, self.offload, self.replicas)
         if self.offload is not None:
             self.reducer.on_shard_ready = self.step_grads.shard_ready
+            self.reducer.before_shard_write = self.copies.before_device_write
         if self.gatherer is not None:
             self.reducer.forward_order = lambda g=self.gatherer: g.order
         self.opt = OptimizerWiring(optimizer, self.slot_of, self.before_step, self.after_step,
