@@ -57,6 +57,11 @@ def test_nothing_is_registered_without_pin(calls):
     assert not buf.any()                        # zeroed
 
 
+def test_a_buffer_the_host_has_no_room_for_is_a_memory_error_that_says_so():
+    with pytest.raises(MemoryError, match="GiB of host memory"):   # past any address space
+        pinned.host_buffer(2**60, torch.uint8, pin=False)
+
+
 def test_a_failed_registration_says_what_to_do(monkeypatch):
     monkeypatch.setattr(pinned, "_register", lambda ptr, n: 2)   # cudaErrorMemoryAllocation
     with pytest.raises(RuntimeError, match="ulimit -l"):

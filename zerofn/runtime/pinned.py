@@ -59,7 +59,14 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     nbytes = numel * dtype.itemsize
     # Private: a forked child gets its own copy, not shared memory. The tensor keeps the
     # mapping alive; it is unmapped when the tensor's storage is freed.
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:   # (as torch's own allocator fails: a MemoryError, said plainly)
+        raise MemoryError(
+            f"could not allocate {nbytes / 2**30:.2f} GiB of host memory ({e.strerror}): the "
+            "host, or the process's address-space limit, has no room for this offload buffer. "
+            "Free host memory, or offload less (NVMe offload, a smaller model, more ranks)."
+        ) from e
     buf = torch.frombuffer(mapping, dtype=dtype, count=numel)
     if pin:
         _pin(buf)
