@@ -65,17 +65,17 @@ def test_no_zero_section_is_stage_0():
 
 def test_bucket_sizes_map_to_bucket_size():
     s = read(zero(stage=2, reduce_bucket_size=3e5, allgather_bucket_size=7e5))
-    assert plan_of(s).option("bucket_size") == 700_000
+    assert plan_of(s).sharding.bucket_size == 700_000
     s = read(zero(stage=3, reduce_bucket_size=3e5, stage3_prefetch_bucket_size=9e5))
-    assert plan_of(s).option("bucket_size") == 900_000
+    assert plan_of(s).sharding.bucket_size == 900_000
     s = read(zero(stage=3, reduce_bucket_size=3e5, prefetch_bucket_size=1e5))
-    assert plan_of(s).option("bucket_size") == 300_000
+    assert plan_of(s).sharding.bucket_size == 300_000
     assert read(zero(stage=2)).transforms["shard_optimizer"] == {}   # zerofn's default
 
 
 def test_prefetch_bucket_size_zero_disables_prefetch():
-    assert plan_of(read(zero(stage=3, stage3_prefetch_bucket_size=0))).option("prefetch") == 0
-    assert plan_of(read(zero(stage=3))).option("prefetch") == 1
+    assert plan_of(read(zero(stage=3, stage3_prefetch_bucket_size=0))).sharding.prefetch == 0
+    assert plan_of(read(zero(stage=3))).sharding.prefetch == 1
 
 
 @pytest.mark.parametrize("key", ["stage3_param_persistence_threshold",
@@ -83,14 +83,14 @@ def test_prefetch_bucket_size_zero_disables_prefetch():
 def test_persistence_threshold_maps_to_persist_below(key):
     # DeepSpeed keeps params with numel <= threshold whole; zerofn those with numel < persist_below
     plan = plan_of(read(zero(stage=3, **{key: 1000})))
-    assert plan.option("persist_below") == 1001
+    assert plan.sharding.persist_below == 1001
 
 
 def test_persistent_params_are_those_deepspeed_keeps():
     from zerofn.runtime.units import build_units
     model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 9))   # 100, 10, 90, 9 elements
     persist = plan_of(read(zero(stage=3, stage3_param_persistence_threshold=90)))
-    units = build_units(model, None, 2, 0, persist.option("persist_below"))
+    units = build_units(model, None, 2, 0, persist.sharding.persist_below)
     whole = sorted(s.fqn for u in units if u.replicated for s in u.slots)
     assert whole == ["0.bias", "1.bias", "1.weight"]          # numel <= 90
 
@@ -99,10 +99,10 @@ def test_offload_optimizer():
     s = read(zero(stage=2, offload_optimizer={"device": "cpu", "pin_memory": True}))
     assert s.transforms["offload"] == {"device": "cpu", "params": False}
     plan = plan_of(s)
-    assert (plan.option("offload"), plan.option("offload_params")) == ("cpu", False)
+    assert (plan.offload.device, plan.offload.params) == ("cpu", False)
     s = read(zero(stage=1, offload_optimizer={"device": "nvme", "nvme_path": "/nvme"}))
-    assert plan_of(s).option("offload") == "nvme"
-    assert plan_of(s).option("offload_path") == "/nvme"
+    assert plan_of(s).offload.device == "nvme"
+    assert plan_of(s).offload.path == "/nvme"
     assert "offload" not in read(zero(stage=2, offload_optimizer={"device": "none"})).transforms
 
 
@@ -112,8 +112,8 @@ def test_offload_param():
     s = read(zero(stage=3, offload_param={"device": "nvme", "nvme_path": "/n", "buffer_count": 3},
                   offload_optimizer={"device": "nvme", "nvme_path": "/n"}))
     plan = plan_of(s)
-    assert (plan.option("offload"), plan.option("offload_params"), plan.option("offload_path"),
-            plan.option("units_in_flight")) == ("nvme", True, "/n", 3)
+    assert (plan.offload.device, plan.offload.params, plan.offload.path,
+            plan.offload.units_in_flight) == ("nvme", True, "/n", 3)
 
 
 def test_legacy_cpu_offload_booleans():
@@ -156,16 +156,16 @@ FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale
 def test_fp16_dynamic_loss_scaling_keys():
     s = read({**BATCH, "fp16": FP16, "zero_optimization": {"stage": 2}})
     plan = plan_of(s)
-    assert s.param_dtype == torch.float16 and plan.option("param_dtype") == torch.float16
-    assert plan.option("loss_scale") is None            # DeepSpeed's 0: dynamic
+    assert s.param_dtype == torch.float16 and plan.precision.param_dtype == torch.float16
+    assert plan.precision.loss_scale is None            # DeepSpeed's 0: dynamic
     for key in ("initial_scale_power", "loss_scale_window", "hysteresis",
                 "consecutive_hysteresis", "min_loss_scale"):
-        assert plan.option(key) == FP16[key], key
+        assert getattr(plan.precision, key) == FP16[key], key
 
 
 def test_fp16_static_loss_scale_and_auto_cast():
     s = read({**BATCH, "fp16": {"enabled": True, "loss_scale": 128, "auto_cast": True}})
-    assert plan_of(s).option("loss_scale") == 128 and s.fp16_auto_cast
+    assert plan_of(s).precision.loss_scale == 128 and s.fp16_auto_cast
     assert not read({**BATCH, "fp16": {"enabled": False, "auto_cast": True}}).fp16_auto_cast
 
 
@@ -173,15 +173,15 @@ def test_fp16_static_loss_scale_and_auto_cast():
 def test_bf16(key):
     s = read({**BATCH, key: {"enabled": True}})
     assert s.param_dtype == torch.bfloat16
-    assert plan_of(s).option("param_dtype") == torch.bfloat16
+    assert plan_of(s).precision.param_dtype == torch.bfloat16
 
 
 def test_communication_data_type_is_the_reduce_dtype():
     plan = plan_of(read({**BATCH, "bf16": {"enabled": True}, "communication_data_type": "fp32"}))
-    assert (plan.option("param_dtype"), plan.option("reduce_dtype")) == \
+    assert (plan.precision.param_dtype, plan.precision.reduce_dtype) == \
         (torch.bfloat16, torch.float32)
     plan = plan_of(read({**BATCH, "communication_data_type": "bf16"}))
-    assert (plan.option("param_dtype"), plan.option("reduce_dtype")) == \
+    assert (plan.precision.param_dtype, plan.precision.reduce_dtype) == \
         (torch.float32, torch.bfloat16)
 
 
@@ -301,8 +301,8 @@ def test_auto_hidden_size_keys(config, hidden):
     s = read(AUTO_ZERO3, model=model)
     assert {k: s.config["zero_optimization"][k] for k in hf_fills(hidden)} == hf_fills(hidden)
     plan = plan_of(s)
-    assert plan.option("bucket_size") == max(hidden * hidden, int(0.9 * hidden * hidden))
-    assert plan.option("persist_below") == 10 * hidden + 1
+    assert plan.sharding.bucket_size == max(hidden * hidden, int(0.9 * hidden * hidden))
+    assert plan.sharding.persist_below == 10 * hidden + 1
 
 
 def test_auto_hidden_size_without_a_model_config_names_the_key():

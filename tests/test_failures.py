@@ -186,7 +186,7 @@ def _full_drive(rank, world, path):
     short write (what a full drive may also give, with no error from the OS)."""
     import errno
 
-    import zerofn.runtime.nvme as nvme
+    import zerofn.runtime.offload.nvme_file as nvme
     from tests.models import make_optimizer
 
     real = nvme.os.pwritev

@@ -180,7 +180,7 @@ def test_nvme_path_faults_fail_at_set_up_on_every_rank(tmp_path):
 
 
 def test_nvme_too_small_drive_is_named():
-    from zerofn.runtime.nvme import nvme_problems
+    from zerofn.runtime.offload.nvme_file import nvme_problems
     _, model = make_models()
     problems = nvme_problems("/tmp", 2**60, make_optimizer("adamw", model.parameters()))
     assert problems and "GiB free" in problems[0]

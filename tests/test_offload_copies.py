@@ -339,7 +339,7 @@ def device_facing(rt) -> list[torch.Tensor]:
     store = rt.offload
     if hasattr(store, "staging"):
         return list(store.grads.values()) + list(store.staging)
-    return list(store.grads.values()) + [store.compute_rows(u) for u in rt.units]
+    return list(store.grads.values()) + [store.updated_rows(u) for u in rt.units]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import zerofn.runtime.pinned as pinned
-from zerofn.runtime.nvme import NvmeOffload
+from zerofn.runtime.offload import NvmeOffload
 from zerofn.runtime.offload import ALIGN, HostOffload
 from zerofn.runtime.units import Unit
 
@@ -96,7 +96,7 @@ def test_nvme_pins_its_staging_ring_and_gradients_for_a_cuda_device(calls, tmp_p
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
     units = units_on("cuda", [5000, 200])
     store = NvmeOffload(units, opt, str(tmp_path), 0, 2, lambda u: torch.bfloat16)
-    block = max(store.block.values())
+    block = max(store.file.block.values())
     assert all(b.data_ptr() % 4096 == 0 and b.nbytes == block for b in store.staging)   # O_DIRECT
     assert sorted(n for _, n in calls["register"]) == sorted(
         [block, block, -(-5000 // ALIGN) * ALIGN * 2 + -(-200 // ALIGN) * ALIGN * 2])

@@ -273,15 +273,15 @@ def test_deepspeed_monitoring_sections_become_tensorboard():
                                       "wall_clock_breakdown": True,
                                       "comms_logger": {"enabled": True}}, world_size=1)
     plan = plan_of(s.transform)
-    assert plan.option("tensorboard") == os.path.join("tb", "run")
-    assert plan.option("tensorboard_csv") == os.path.join("csv", "DeepSpeedJobName")
-    assert plan.option("tensorboard_every") == 5 and plan.option("tensorboard_ranks") == (0,)
+    assert plan.monitor.log_dir == os.path.join("tb", "run")
+    assert plan.monitor.csv == os.path.join("csv", "DeepSpeedJobName")
+    assert plan.monitor.every == 5 and plan.monitor.ranks == (0,)
     # csv_monitor alone: event files and CSV in its directory; no writer: nothing to map.
     alone = zf.from_deepspeed_config({**batch_size, "csv_monitor": {"enabled": True,
                                                                     "job_name": "j"}},
                                      world_size=1)
-    assert plan_of(alone.transform).option("tensorboard") == "j"
-    assert plan_of(alone.transform).option("tensorboard_every") == 10   # DeepSpeed's default
+    assert plan_of(alone.transform).monitor.log_dir == "j"
+    assert plan_of(alone.transform).monitor.every == 10   # DeepSpeed's default
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         s = zf.from_deepspeed_config({**batch_size, "wall_clock_breakdown": True,

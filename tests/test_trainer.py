@@ -162,15 +162,15 @@ def fp16_offload(rank, world, out):
     weights, _ = zf.get_state_dict(model, rt.optimizer, full=True)
     moved = any(not torch.equal(weights[k], v) for k, v in before.items())
     return (rt.scaler.scale, trainer.lr_scheduler.last_epoch, trainer.state.global_step,
-            rt.offload.adamw_mode, moved)
+            rt.offload.cpu_adam and rt.offload.decoupled, moved)
 
 
 def test_fp16_loss_scaling_is_zerofns(tmp_path):
-    scale, lr_steps, steps, adamw_mode, moved = run_ranks(1, fp16_offload, str(tmp_path))[0]
+    scale, lr_steps, steps, cpu_adamw, moved = run_ranks(1, fp16_offload, str(tmp_path))[0]
     skipped = steps - lr_steps
     assert steps == 8 and 0 < skipped < steps, (steps, lr_steps)
     assert scale == 2.0 ** (20 - skipped), (scale, skipped)
-    assert adamw_mode is True and moved
+    assert cpu_adamw is True and moved
 
 
 def compiled_trainer(rank, world, root):

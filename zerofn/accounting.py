@@ -85,7 +85,7 @@ def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
     # offload("cpu") under mixed precision: the host's compute-dtype copy of the rows, which
     # the step writes and sends to the device (under params=True, the shards themselves).
     params = [s.sharded if s.sharded is not None else s.param for s in slots] \
-        + list(getattr(rt.offload, "lowp", {}).values())
+        + (rt.offload.compute_copies() if rt.offload is not None else [])
     grads = [s.param.grad for s in slots] + [s.opt_param.grad for s in slots] \
         + list(rt.reducer.grad_shard.values()) \
         + (list(rt.offload.grads.values()) if rt.offload is not None else [])
@@ -94,11 +94,9 @@ def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
     out = _by_role({role: _extents(ts, arenas) for role, ts in
                     (("params", params), ("grads", grads), ("optimizer", opt))})
     out[rt.device.type]["buffers"] += rt.pool.nbytes()
-    if hasattr(rt.offload, "file_bytes"):     # offload("nvme")
-        out["nvme"]["optimizer"] += rt.offload.file_bytes - rt.offload.param_file_bytes
-        out["nvme"]["params"] += rt.offload.param_file_bytes
-        out["host"]["optimizer"] += rt.offload.host_state_bytes()
-        out["host"]["params"] += rt.offload.host_param_bytes()
+    for where, roles in (rt.offload.unseen_bytes() if rt.offload is not None else {}).items():
+        for role, n in roles.items():
+            out[where][role] += n
     return dict(out)
 
 

@@ -38,8 +38,6 @@ from .runtime.timing import Timing
 
 TIME_SERIES = ("step", "forward", "backward", "optimizer", "logging", "reduce_wait",
                "gather_wait")
-OFFLOAD_SERIES = ("d2h", "h2d")
-NVME_SERIES = ("nvme_read", "nvme_write")
 COUNTS = ("tokens", "samples")           # zf.log names that are summed, not averaged
 BUILT_IN = ("lr", "grad_norm", "loss_scale", "skipped_steps", "tokens_per_s")
 
@@ -122,19 +120,19 @@ def rank_dir(root: str, ranks, rank: int, world: int) -> str:
 
 def monitor_problems(plan, device: torch.device, rank: int, world: int) -> list[str]:
     """What stops the plan's monitor on this rank (raised on every rank at set-up)."""
-    root = plan.option("tensorboard")
+    root = plan.monitor.log_dir
     if root is None:
         return []
-    ranks = plan.option("tensorboard_ranks")
+    ranks = plan.monitor.ranks
     if ranks != "all" and max(ranks) >= world:
         return [f"zf.tensorboard(ranks={ranks}): there are only {world} ranks (0 to "
                 f"{world - 1})."]
-    if plan.option("memory_snapshot") and device.type != "cuda":
+    if plan.monitor.memory_snapshot and device.type != "cuda":
         return [f"zf.tensorboard(memory_snapshot=...) records the CUDA caching allocator, but "
                 f"this model computes on {device}; drop memory_snapshot."]
     if rank not in writing_ranks(ranks, world):
         return []
-    for path in filter(None, (root, plan.option("tensorboard_csv"))):
+    for path in filter(None, (root, plan.monitor.csv)):
         try:
             os.makedirs(rank_dir(path, ranks, rank, world), exist_ok=True)
         except OSError as e:
@@ -149,9 +147,9 @@ class Monitor:
     def __init__(self, rt):
         plan = rt.plan
         self.rt = rt
-        self.every = plan.option("tensorboard_every")
-        ranks = plan.option("tensorboard_ranks")
-        root = plan.option("tensorboard")
+        self.every = plan.monitor.every
+        ranks = plan.monitor.ranks
+        root = plan.monitor.log_dir
         # Ranks over every rank of the layout: HSDP's replicas share shard ranks.
         self.rank, self.world = dist.get_rank(rt.group), dist.get_world_size(rt.group)
         self.writes = self.rank in writing_ranks(ranks, self.world)
@@ -178,17 +176,17 @@ class Monitor:
         if self.writes:
             from torch.utils.tensorboard import SummaryWriter   # only where logs are written
             self.writer = SummaryWriter(rank_dir(root, ranks, self.rank, self.world))
-            csv_root = plan.option("tensorboard_csv")
+            csv_root = plan.monitor.csv
             if csv_root:
                 self._csv = CsvSeries(rank_dir(csv_root, ranks, self.rank, self.world))
             self._write_text()
         self.profiler = self._make_profiler(plan, root) if self.writes else None
         self._profiling = False
         self._snapshot = None
-        if self.writes and plan.option("memory_snapshot"):
+        if self.writes and plan.monitor.memory_snapshot:
             self._snapshot = os.path.join(root, "memory", f"rank{self.rank}.pickle")
             torch.cuda.memory._record_memory_history(
-                max_entries=plan.option("memory_snapshot"), stacks="python", device=rt.device)
+                max_entries=plan.monitor.memory_snapshot, stacks="python", device=rt.device)
         # Closed by close() (a rebuild, or exit), else when collected.
         self._closer = weakref.finalize(self, Monitor._close_refs, self.writer, self._csv)
         self._closer.atexit = False
@@ -196,14 +194,7 @@ class Monitor:
 
     def _time_series(self) -> tuple[str, ...]:
         offload = self.rt.offload
-        series = TIME_SERIES
-        if offload is not None:
-            series += OFFLOAD_SERIES
-            if offload.adamw_mode is not None:
-                series += ("cpu_adam",)
-            if hasattr(offload, "file_bytes"):
-                series += NVME_SERIES
-        return series
+        return TIME_SERIES + (offload.time_series if offload is not None else ())
 
     # -- step boundaries (hooks and the runtime) -------------------------------------------
     def _forward_begins(self, module, args) -> None:
@@ -373,8 +364,9 @@ class Monitor:
         out["memory/host/peak_rss"] = max(out["memory/host/rss"], float(
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
         out["memory/host/pinned"] = float(registered_bytes())
-        if hasattr(self.rt.offload, "file_bytes"):
-            out["memory/nvme/file_bytes"] = float(self.rt.offload.file_bytes)
+        unseen = self.rt.offload.unseen_bytes() if self.rt.offload is not None else {}
+        if "nvme" in unseen:
+            out["memory/nvme/file_bytes"] = float(sum(unseen["nvme"].values()))
         return out
 
     def _write_text(self) -> None:
@@ -389,7 +381,7 @@ class Monitor:
 
     # -- traces and memory snapshots --------------------------------------------------------
     def _make_profiler(self, plan, root: str):
-        options = plan.option("profile")
+        options = plan.monitor.profile
         if options is None:
             return None
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler

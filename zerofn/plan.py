@@ -10,44 +10,73 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-# Options shared by every stage: a transform that names one sets it for the whole plan.
+
+@dataclass(frozen=True)
+class ShardingPolicy:
+    """How parameters are grouped and sharded (every stage; ZeRO-3's own options last)."""
+    group: Any = None                  # ProcessGroup, 1-D or 2-D (HSDP) DeviceMesh, or None
+    units: Any = None                  # None, submodules or their names, or an int
+    bucket_size: int = 4_000_000       # elements of collective buffers in flight
+    sync_module_states: bool = True
+    init: Any = None                   # a meta-built model's initializer
+    timeout: float | None = None       # seconds a collective may wait
+    prefetch: int = 1                  # ZeRO-3: units gathered ahead
+    reshard_after_forward: bool = True
+    persist_below: int = 0             # ZeRO-3: parameters kept whole below this size
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Compute, all-gather and reduction dtypes, and fp16 loss scaling (DeepSpeed's)."""
+    param_dtype: Any = None            # None: the parameters' own
+    reduce_dtype: Any = None           # None: the compute dtype
+    loss_scale: float | None = None    # a static scale; None: dynamic for fp16
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Where master rows and optimizer state live off the device (None: on it)."""
+    device: str | None = None          # "cpu" or "nvme"
+    path: str | None = None            # NVMe: the swap file's directory
+    params: bool = False               # ZeRO-3: parameter shards too
+    units_in_flight: int = 2           # NVMe: the staging ring's buffers
+
+
+@dataclass(frozen=True)
+class MonitorPolicy:
+    """zf.tensorboard: where and how often the run is logged."""
+    log_dir: str | None = None         # None: no monitor
+    every: int = 10
+    ranks: Any = (0,)
+    csv: str | None = None
+    profile: Any = None
+    memory_snapshot: int = 0
+
+
+# Each option a transform takes: (the policy it sets, its field there).
+OPTION_FIELDS = {
+    **{f.name: ("sharding", f.name) for f in dataclasses.fields(ShardingPolicy)},
+    **{f.name: ("precision", f.name) for f in dataclasses.fields(PrecisionPolicy)},
+    "offload": ("offload", "device"), "offload_path": ("offload", "path"),
+    "offload_params": ("offload", "params"), "units_in_flight": ("offload", "units_in_flight"),
+    "tensorboard": ("monitor", "log_dir"), "tensorboard_every": ("monitor", "every"),
+    "tensorboard_ranks": ("monitor", "ranks"), "tensorboard_csv": ("monitor", "csv"),
+    "profile": ("monitor", "profile"), "memory_snapshot": ("monitor", "memory_snapshot"),
+}
+POLICIES = {"sharding": ShardingPolicy, "precision": PrecisionPolicy,
+            "offload": OffloadPolicy, "monitor": MonitorPolicy}
+# The options each transform accepts (shared ones set the whole plan: give each once).
 SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states", "init", "timeout")
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
 OFFLOAD_OPTIONS = ("offload", "offload_path", "offload_params", "units_in_flight")
 MONITOR_OPTIONS = ("tensorboard", "tensorboard_every", "tensorboard_ranks", "tensorboard_csv",
                    "profile", "memory_snapshot")
-PRECISION_OPTIONS = ("param_dtype", "reduce_dtype", "loss_scale", "initial_scale_power",
-                     "loss_scale_window", "hysteresis", "consecutive_hysteresis",
-                     "min_loss_scale")
-DEFAULTS = {
-    "group": None,
-    "units": None,
-    "bucket_size": 4_000_000,
-    "sync_module_states": True,
-    "init": None,
-    "timeout": None,
-    "prefetch": 1,
-    "reshard_after_forward": True,
-    "persist_below": 0,
-    "param_dtype": None,
-    "reduce_dtype": None,
-    "loss_scale": None,
-    "initial_scale_power": 16,
-    "loss_scale_window": 1000,
-    "hysteresis": 2,
-    "consecutive_hysteresis": False,
-    "min_loss_scale": 1.0,
-    "offload": None,
-    "offload_path": None,
-    "offload_params": False,
-    "units_in_flight": 2,
-    "tensorboard": None,
-    "tensorboard_every": 10,
-    "tensorboard_ranks": (0,),
-    "tensorboard_csv": None,
-    "profile": None,
-    "memory_snapshot": 0,
-}
+PRECISION_OPTIONS = tuple(f.name for f in dataclasses.fields(PrecisionPolicy))
 
 
 @dataclass(frozen=True)
@@ -56,15 +85,34 @@ class Plan:
 
     ``stage`` is 0 (nothing), 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters).
     ``applied`` names the transforms applied so far, so a second application is caught.
-    ``options`` holds the explicitly given options; ``option(name)`` falls back to defaults.
+    ``options`` holds the options given, by the transforms' names for them (checked for
+    conflicts, compared across ranks); the policies read them as frozen dataclasses.
     """
 
     stage: int = 0
     applied: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
 
-    def option(self, name: str) -> Any:
-        return self.options.get(name, DEFAULTS[name])
+    @property
+    def sharding(self) -> ShardingPolicy:
+        return self._policy("sharding")
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        return self._policy("precision")
+
+    @property
+    def offload(self) -> OffloadPolicy:
+        return self._policy("offload")
+
+    @property
+    def monitor(self) -> MonitorPolicy:
+        return self._policy("monitor")
+
+    def _policy(self, name: str):
+        given = {f: self.options[o] for o, (p, f) in OPTION_FIELDS.items()
+                 if p == name and o in self.options}
+        return POLICIES[name](**given)
 
     def with_transform(self, name: str, stage: int, options: dict[str, Any]) -> "Plan":
         if name in self.applied:
@@ -84,7 +132,9 @@ class Plan:
     def describe(self) -> list[str]:
         """The plan as lines compared across ranks at set-up, one per option, so a mismatch
         names the option. The group and the NVMe path may differ by rank (a local drive)."""
-        opts = {k: self.option(k) for k in DEFAULTS if k not in ("group", "offload_path")}
+        policies = {name: getattr(self, name) for name in POLICIES}
+        opts = {o: getattr(policies[p], f) for o, (p, f) in OPTION_FIELDS.items()
+                if o not in ("group", "offload_path")}
         opts["units"] = _describe_units(opts["units"])
         opts["init"] = _describe_init(opts["init"])
         return [f"stage={self.stage}"] + [f"{k}={opts[k]!r}" for k in sorted(opts)]

@@ -469,7 +469,7 @@ def banner(job: Job, model, opt, args) -> str:
         est = estimate_placement(n, world, job.stage, PRECISIONS[job.precision],
                                  reduce_dtype=reduce_dtype, offload=job.offload,
                                  offload_params=job.offload_params,
-                                 units_in_flight=rt.plan.option("units_in_flight"),
+                                 units_in_flight=rt.plan.offload.units_in_flight,
                                  largest_unit=world * max(u.shard_numel for u in rt.units))
         lines.append("model state per rank, estimated: " + _places(est))
     return "\n".join(lines)

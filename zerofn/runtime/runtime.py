@@ -24,8 +24,7 @@ from .grads import GradReducer, ZerofnUnitInputs
 from .host_malloc import return_large_frees
 from .materialize import Materializer, meta_state, rng_digest, target_device
 from .mesh import layout_of
-from .nvme import NvmeOffload, nvme_problems, swap_bytes
-from .offload import HostOffload, fused_adam_mode
+from .offload import cpu_adam_steps, make_offload, offload_problems
 from .optimizer import OptimizerWiring, check_optimizer
 from .params import ParamGatherer, eager
 from .pool import BufferPool
@@ -60,7 +59,7 @@ def apply_plan(model: nn.Module, optimizer, edits):
         raise ValueError(f"{plan.applied[-1]}() shards nothing by itself: compose it with a "
                          "sharding transform, e.g. zerofn.compose(zerofn.shard_optimizer(), "
                          f"zerofn.{plan.applied[-1]}(...)).")
-    if plan.option("offload_params") and plan.stage < 3:
+    if plan.offload.params and plan.stage < 3:
         raise ValueError("offload(params=True) offloads parameter shards, which only ZeRO-3 "
                          "has: add zerofn.shard_params(), or drop params=True.")
     if old is not None:
@@ -78,8 +77,9 @@ class Runtime:
 
     def __init__(self, model: nn.Module, optimizer, plan: Plan):
         self.model, self.optimizer, self.plan = model, optimizer, plan
-        layout, self.device = _resolve_group(plan.option("group"), model)
-        self.comm = Comm(layout.shard, plan.option("bucket_size"), self.device)
+        sharding = plan.sharding
+        layout, self.device = _resolve_group(sharding.group, model)
+        self.comm = Comm(layout.shard, sharding.bucket_size, self.device)
         # Raised here, before any collective: on a device the group does not serve, the
         # first one would fail or hang.
         current = torch.cuda.current_device() if self.device.type == "cuda" else None
@@ -89,15 +89,15 @@ class Runtime:
         if self.device.type == "cpu":
             return_large_frees()     # [Note: mmap threshold] in host_malloc.py
         self.mesh, self.placements, self.group = layout.mesh, layout.placements, layout.everyone
-        self.watch = Watch(self.group, plan.option("timeout"), (layout.shard, layout.replicate))
+        self.watch = Watch(self.group, sharding.timeout, (layout.shard, layout.replicate))
         # HSDP: the replicate dimension, over which the reduced shards are averaged.
         self.replicas = None if layout.replicate is None \
-            else Comm(layout.replicate, plan.option("bucket_size"), self.device)
+            else Comm(layout.replicate, sharding.bucket_size, self.device)
         self.rank, self.world = self.comm.rank, self.comm.world
         self.meta = meta_state(model) is True      # built on the meta device: materialize
         units, problems = self._build_units()
         self._agree_across_ranks(problems)
-        if plan.option("sync_module_states") and not self.meta:
+        if sharding.sync_module_states and not self.meta:
             self._broadcast_module_states()
         self.units = units
         self.root = units[-1]
@@ -117,7 +117,7 @@ class Runtime:
         self.slot_of = {s.param: s for u in units for s in u.slots}
         self.reducer = GradReducer(self.comm, self.pool, units, self.stage,
                                    self._on_packed if self.stage == 3 else None,
-                                   plan.option("reduce_dtype"), self.replicas)
+                                   plan.precision.reduce_dtype, self.replicas)
         self.scaler = _loss_scaler(plan)
         self.step_grads = StepGrads(self.comm, self.pool, units, self.reducer, self.scaler,
                                     self.device, self.copies, self.offload, self.replicas)
@@ -132,7 +132,7 @@ class Runtime:
             self.offload.register_state(optimizer)
         self._hooks = self._register_forward_hooks()
         self._hooks += self.watch.attach(model, optimizer, self.reducer, self.gatherer)
-        if plan.option("tensorboard") is not None:
+        if plan.monitor.log_dir is not None:
             self._attach_monitor()
         model.__dict__[ATTR] = self
         model.__dict__["no_sync"] = types.MethodType(_no_sync, model)
@@ -146,8 +146,8 @@ class Runtime:
                         "then materialize it), or none of it."]
         problems = []
         try:
-            persist = self.plan.option("persist_below") if self.plan.stage == 3 else 0
-            units = build_units(self.model, self.plan.option("units"), self.world, self.rank,
+            persist = self.plan.sharding.persist_below if self.plan.stage == 3 else 0
+            units = build_units(self.model, self.plan.sharding.units, self.world, self.rank,
                                 persist, self.device)
         except ValueError as e:
             return [], [str(e)]
@@ -156,10 +156,8 @@ class Runtime:
         from ..monitor import monitor_problems     # (it imports this module)
         problems += monitor_problems(self.plan, self.device, dist.get_rank(self.group),
                                      dist.get_world_size(self.group))
-        if self.plan.option("offload") == "nvme":
-            need = swap_bytes(units, self._offloaded_param_dtypes(units))
-            problems += nvme_problems(self.plan.option("offload_path"), need, self.optimizer,
-                                      units)
+        problems += offload_problems(self.plan.offload, self.optimizer, units,
+                                     self._offloaded_param_dtypes(units))
         return units, problems
 
     def _signature(self) -> list[str]:
@@ -176,7 +174,7 @@ class Runtime:
         digest = hashlib.sha256("\n".join(sig).encode()).hexdigest()
         # A meta-built model is initialized on every rank, not broadcast: the ranks' random
         # generators must agree, or each would keep rows of a different model.
-        rng = rng_digest(self.device) if self.meta and self.plan.option("sync_module_states") \
+        rng = rng_digest(self.device) if self.meta and self.plan.sharding.sync_module_states \
             else None
         gathered = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, (digest, problems, sig, rng), group=self.group)
@@ -218,7 +216,7 @@ class Runtime:
                 self._lay_out_unit(unit)
         self.flats = [f for f in self._flats.values() if f.views]
         del self._flats
-        if isinstance(self.offload, HostOffload):
+        if self.offload is not None:
             self.offload.recast()   # rows CPU Adam never steps (frozen) must be right too
 
     def _lay_out_unit(self, unit) -> None:
@@ -231,27 +229,16 @@ class Runtime:
         Shard(0) DTensor parameters; the full parameters are then let go.
         """
         sharded = unit in self._sharded_params
-        compute = self.plan.option("param_dtype") or unit.dtype
-        nvme = isinstance(self.offload, NvmeOffload)
-        if nvme:
-            unit.master = self._master_to_file(unit)
-        elif self.offload is not None:
-            unit.master = self.offload.master[unit]
-        else:
-            unit.master = self._flats["master"].views.get(unit)
-        for s in unit.slots if not nvme else ():
-            if unit.master is None:
-                s.opt_param = s.rows_of(s.param.detach())
-            else:
-                s.opt_param = s.shard_of(unit.master).copy_(s.rows_of(s.param.detach()))
+        compute = self.plan.precision.param_dtype or unit.dtype
+        master = self._place_masters(unit, sharded)
         if sharded:
-            unit.shard = self._compute_shard(unit, compute)
-            if nvme:
-                unit.master = None    # it lives in the file from here on
+            unit.shard = self._compute_shard(unit, compute, master)
         elif compute != unit.dtype:
             for s in unit.slots:
                 s.param.data = s.param.data.to(compute)
         unit.dtype = compute
+        # Under offload the masters are the offload's; its rows here are transient.
+        unit.master = master if self.offload is None else None
         for s in unit.slots if sharded else ():
             s.sharded = nn.Parameter(s.as_dtensor(s.shard_of(unit.shard), self.mesh,
                                                  self.placements),
@@ -264,7 +251,7 @@ class Runtime:
         """Meta construction: initialize and lay out unit by unit; any rank's problem (an
         uninitialized parameter or buffer, an init that raised) is raised on every rank,
         with the model's meta tensors put back."""
-        m = Materializer(self.model, self.units, self.plan.option("init"), self.device)
+        m = Materializer(self.model, self.units, self.plan.sharding.init, self.device)
         m.run(self._lay_out_unit)
         gathered = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, m.problems, group=self.group)
@@ -292,61 +279,55 @@ class Runtime:
     def _make_gatherer(self) -> ParamGatherer | None:
         if self.stage != 3:
             return None
-        return ParamGatherer(self.comm, self.pool, self.units, self.plan.option("prefetch"),
-                             self.plan.option("reshard_after_forward"), self.copies,
-                             staged=self.plan.option("offload_params"),
-                             reader=getattr(self.offload, "param_reads", None))
+        return ParamGatherer(self.comm, self.pool, self.units, self.plan.sharding.prefetch,
+                             self.plan.sharding.reshard_after_forward, self.copies,
+                             staged=self.plan.offload.params,
+                             reader=self.offload.param_reader if self.offload else None)
 
     def _make_offload(self, units):
-        where = self.plan.option("offload")
-        if where == "nvme":
-            # (the global rank names the swap file: HSDP's replicas share shard ranks)
-            return NvmeOffload(units, self.optimizer, self.plan.option("offload_path"),
-                               dist.get_rank(),
-                               self.plan.option("units_in_flight"), self._host_grad_dtype,
-                               self._offloaded_param_dtypes(units),
-                               self.plan.option("param_dtype"))
-        return HostOffload(units, self._host_grad_dtype, self.optimizer,
-                           self.plan.option("param_dtype")) if where else None
+        return make_offload(self.plan.offload, units, self.optimizer, self._host_grad_dtype,
+                            self._offloaded_param_dtypes(units), self.plan.precision.param_dtype,
+                            dist.get_rank())
 
     def _offloaded_param_dtypes(self, units) -> dict:
         """ZeRO-3 parameter offload: each sharded unit's compute dtype (what NVMe stores)."""
-        if not self.plan.option("offload_params"):
+        if not self.plan.offload.params:
             return {}
-        dtype = self.plan.option("param_dtype")
+        dtype = self.plan.precision.param_dtype
         return {u: dtype or u.dtype for u in units if u.slots and not u.replicated}
 
-    def _master_to_file(self, unit) -> torch.Tensor | None:
-        """NVMe: write the unit's initial master rows to the swap file. ZeRO-3 keeps them
-        for one more moment, to build its compute shard from."""
-        master = torch.zeros(unit.shard_numel, dtype=unit.dtype)
+    def _place_masters(self, unit, sharded: bool) -> torch.Tensor | None:
+        """The unit's master rows: the offload's, or the device's flat buffer, or (plain
+        ZeRO-1/2, fp32) this rank's rows of the full parameters themselves (None)."""
+        if self.offload is not None:
+            return self.offload.place_masters(unit, keep=sharded)
+        master = self._flats["master"].views.get(unit)
         for s in unit.slots:
-            s.shard_of(master).copy_(s.rows_of(s.param.detach()))
-            s.opt_param = _stand_in(s.local_shape, unit.dtype)   # re-pointed by the store
-        self.offload.write_initial(unit, master)
-        return master if unit in self._sharded_params else None
+            rows = s.rows_of(s.param.detach())
+            s.opt_param = rows if master is None else s.shard_of(master).copy_(rows)
+        return master
 
-    def _compute_shard(self, unit, compute: torch.dtype) -> torch.Tensor:
-        """ZeRO-3's flat compute shard: on the host under parameter offload (for NVMe, in the
-        swap file, with a stand-in here); else the master itself where it is on the device
-        in the compute dtype, or a cast copy of it."""
-        if self.plan.option("offload_params"):
+    def _compute_shard(self, unit, compute: torch.dtype, master) -> torch.Tensor:
+        """ZeRO-3's flat compute shard: held by the offload under parameter offload (for
+        NVMe, in the swap file, with a stand-in here); else the master itself where it is
+        on the device in the compute dtype, or a cast copy of it."""
+        if self.plan.offload.params:
             return self.offload.param_shard(unit, compute)
         if compute == unit.dtype and self.offload is None:
-            return unit.master
-        return self._flats["compute"].views[unit].copy_(unit.master)
+            return master
+        return self._flats["compute"].views[unit].copy_(master)
 
     def _allocate_flats(self) -> dict[str, dict]:
         """The device's master rows (where they are not the full parameters' own) and
         ZeRO-3's compute shards (where they are not the masters), one allocation per kind
         and dtype, handed out per unit: many small long-lived blocks made while a meta
         model's transient full units come and go would fragment the host heap."""
-        compute_of = {u: self.plan.option("param_dtype") or u.dtype for u in self.units}
+        compute_of = {u: self.plan.precision.param_dtype or u.dtype for u in self.units}
         sharded = set(self._sharded_params)
         masters = {u: (u.dtype, u.shard_numel) for u in self.units if self.offload is None
                    and (u in sharded or compute_of[u] != u.dtype)}
         shards = {u: (compute_of[u], u.shard_numel) for u in sharded
-                  if not self.plan.option("offload_params")
+                  if not self.plan.offload.params
                   and (compute_of[u] != u.dtype or self.offload is not None)}
         return {"master": FlatBuffers(masters, self.device),
                 "compute": FlatBuffers(shards, self.device)}
@@ -397,17 +378,15 @@ class Runtime:
         self._settle_copies()   # the step rewrites host rows the last step's copies read
         # Parameters without a gradient are left alone by torch.optim: that is how a
         # skipped step, and a step zerofn's CPU Adam already took, leave it nothing to do.
-        on_host = self.offload is not None and self.offload.adamw_mode is not None
+        on_host = self.offload is not None and self.offload.cpu_adam
         self._refreshed = not skip and (on_host or self._steps_per_unit())
         if self._refreshed and on_host:
             # Each unit's updated rows head back to the device as soon as CPU Adam is done
             # with the unit, overlapping the step of the next one; the kernel unscales and
-            # clips the gradients as it reads them. NVMe's rows lie in staging buffers,
-            # reused for later units once their copies are done.
-            nvme = {"copied": self.copies.before_host_write} \
-                if isinstance(self.offload, NvmeOffload) else {}
+            # clips the gradients as it reads them. Memory the offload reuses within the
+            # step (NVMe's staging ring) waits for those copies (``copied``).
             self.offload.step(self.optimizer, self.step_grads.grads, self._refresh_unit,
-                              self.step_grads.grad_scale, **nvme)
+                              self.step_grads.grad_scale, copied=self.copies.before_host_write)
             self._await_shards()
         elif self._refreshed:
             self._step_unit_by_unit()
@@ -468,9 +447,9 @@ class Runtime:
         """Gradients land on the host in the reduce dtype when CPU Adam reads them (scaled
         fp16 too: it unscales as it reads, step.py's [Note: deferred scaling]); in the
         master dtype when torch.optim steps them."""
-        plan = self.plan
-        if fused_adam_mode(self.optimizer) is not None:
-            return plan.option("reduce_dtype") or plan.option("param_dtype") or unit.dtype
+        precision = self.plan.precision
+        if cpu_adam_steps(self.optimizer):
+            return precision.reduce_dtype or precision.param_dtype or unit.dtype
         return unit.dtype
 
     def zero_grad(self) -> None:
@@ -487,10 +466,8 @@ class Runtime:
     def _updated_rows(self, unit) -> torch.Tensor | None:
         """This rank's updated rows of ``unit`` in the compute dtype where one exists; None
         where the compute params' own rows are the ones the optimizer updated."""
-        if isinstance(self.offload, HostOffload):
-            return self.offload.compute_rows(unit)
-        if isinstance(self.offload, NvmeOffload):    # materialized for a load, else current
-            return self.offload.resident[unit][0] if unit in self.offload.resident else None
+        if self.offload is not None:
+            return self.offload.updated_rows(unit)
         return unit.master
 
     @torch.no_grad()
@@ -548,7 +525,7 @@ class Runtime:
 
     def refresh_params(self) -> None:
         """Make the compute parameters equal the masters again (after a load). Collective."""
-        if isinstance(self.offload, HostOffload):
+        if self.offload is not None:
             self.offload.recast()
         self._refresh_compute()
         self.comm.drain()
@@ -560,7 +537,7 @@ class Runtime:
         self._settle_copies()   # a load may write host rows a copy to the device still reads
         if self.gatherer is not None:   # nor may a gather started before the load be used
             self.gatherer.discard_pending()
-        if isinstance(self.offload, NvmeOffload):
+        if self.offload is not None:
             self.offload.materialize(self.optimizer)
 
     def full_tensor(self, slot, local: torch.Tensor, device=None) -> torch.Tensor:
@@ -644,14 +621,6 @@ def _explain_in_place(exc: BaseException, unit) -> None:
                  f"`x = x * s`, not `x *= s` (docs/design.md §3).")
 
 
-def _stand_in(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``shape`` backed by one element (zero strides) that can later be pointed
-    at real memory with ``set_``: what NVMe's optimizer tensors are between state reads,
-    so set-up never holds a second copy of the rank's master rows."""
-    one = torch.zeros(1, dtype=dtype)
-    return torch.empty(0, dtype=dtype).set_(one.untyped_storage(), 0, shape, [0] * len(shape))
-
-
 def _zero_grad(model: nn.Module, set_to_none: bool = True) -> None:
     """``model.zero_grad()`` clears what ``optimizer.zero_grad()`` clears: the reduced
     gradient shards too, which torch's own would leave for the next backward to add to."""
@@ -673,16 +642,14 @@ def _no_sync(model: nn.Module):
 
 def _loss_scaler(plan: Plan) -> LossScaler | None:
     """DeepSpeed's rule: dynamic scaling for fp16 unless a static scale is given."""
-    static = plan.option("loss_scale")
-    if static is not None:
-        return LossScaler(dynamic=False, scale=static)
-    if plan.option("param_dtype") != torch.float16:
+    p = plan.precision
+    if p.loss_scale is not None:
+        return LossScaler(dynamic=False, scale=p.loss_scale)
+    if p.param_dtype != torch.float16:
         return None
-    return LossScaler(dynamic=True, scale=2.0 ** plan.option("initial_scale_power"),
-                      window=plan.option("loss_scale_window"),
-                      min_scale=plan.option("min_loss_scale"),
-                      hysteresis=plan.option("hysteresis"),
-                      consecutive_hysteresis=plan.option("consecutive_hysteresis"))
+    return LossScaler(dynamic=True, scale=2.0 ** p.initial_scale_power,
+                      window=p.loss_scale_window, min_scale=p.min_loss_scale,
+                      hysteresis=p.hysteresis, consecutive_hysteresis=p.consecutive_hysteresis)
 
 
 def _resolve_group(group, model: nn.Module):

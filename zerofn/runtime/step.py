@@ -56,7 +56,7 @@ class StepGrads:
         self._found: torch.Tensor | None = None    # this rank's inf/nan verdict, scaled loss
         self._voted = False
         # [Note: deferred scaling]: the factor the step's gradients still need.
-        self.deferred = offload is not None and offload.adamw_mode is not None
+        self.deferred = offload is not None and offload.cpu_adam
         self.grad_scale = 1.0
         self._stats: list[tuple[float, bool]] | None = None   # per present() grad, cached
         self._buffers: list[torch.Tensor] = []

@@ -1,0 +1,139 @@
+"""Optimizer offload: master params and optimizer state on the host, the step in C++.
+
+[Note: one arena] Every unit's host buffers are views of a few allocations made at
+set-up (one per dtype: a unit's masters and state keep its parameters' dtype),
+page-locked at their exact size when the runtime's device is CUDA (page-locked memory is
+what lets copies overlap; see [Note: exact pinning] in pinned.py for why not
+``pin_memory()``). On a CPU device, GPU or not, the same code runs on plain host memory
+with synchronous copies.
+
+For Adam and AdamW the step runs in ``zerofn.optim.adam_step`` over each parameter's rows
+of the unit's flat buffers (fp32 masters; a unit of another dtype steps as torch.optim's
+own Adam does, in its dtype); their views are registered as the optimizer's own state
+(``step``, ``exp_avg``, ``exp_avg_sq``), so state dicts see nothing different. Any other
+torch.optim optimizer steps the host masters itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..pinned import pins
+from ..units import Unit
+from .adam import adam_unit, groups_by_param
+from .base import HostArena, Offload, cpu_adam_steps, decoupled_weight_decay, device_of
+
+
+class HostOffload(Offload):
+    """Per unit on the host: master rows, a gradient landing buffer and, for Adam, its state."""
+
+    time_series = ("d2h", "h2d")
+
+    def __init__(self, units: list[Unit], grad_dtype_of, optimizer, compute_dtype=None):
+        self.cpu_adam = cpu_adam_steps(optimizer)
+        self.decoupled = decoupled_weight_decay(optimizer)
+        if self.cpu_adam:
+            self.time_series += ("cpu_adam",)
+        self.pin = pins(device_of(units))
+        # (units without parameters have no dtype; they take no room either)
+        self.master_dtype = {u: u.dtype or torch.float32 for u in units}
+        self.compute_dtype = {u: compute_dtype or self.master_dtype[u] for u in units}
+        self.master, self.exp_avg, self.exp_avg_sq = {}, {}, {}
+        self._arenas = []
+        for dtype, mine in _by_dtype(self.master_dtype).items():
+            states = [self.master] + ([self.exp_avg, self.exp_avg_sq] if self.cpu_adam else [])
+            arena = HostArena([u.shard_numel for u in mine] * len(states), dtype, self.pin)
+            for state in states:
+                state.update({u: arena.take(u.shard_numel) for u in mine})
+            self._arenas.append(arena)
+        self._units = units
+        self._steps = None
+        # Under mixed precision the compute copy is kept in this (pinned) arena, where CPU
+        # Adam writes it in its pass (another optimizer's rows are cast into it): what goes
+        # back to the device is already in its dtype, and page-locked. A copy that also
+        # casts would cast on the host into pageable memory and hold the step meanwhile.
+        # Under parameter offload this copy is the parameter shard (``param_shard``).
+        self.compute_copy = {}
+        lowp = [u for u in units if self.compute_dtype[u] != self.master_dtype[u]]
+        for dtype, mine in _by_dtype({u: self.compute_dtype[u] for u in lowp}).items():
+            arena = HostArena([u.shard_numel for u in mine], dtype, self.pin)
+            self.compute_copy.update({u: arena.take(u.shard_numel) for u in mine})
+            self._arenas.append(arena)
+        self.grads = {}
+        for dtype, mine in _by_dtype({u: grad_dtype_of(u) for u in units}).items():
+            arena = HostArena([u.shard_numel for u in mine], dtype, self.pin)
+            self.grads.update({u: arena.take(u.shard_numel) for u in mine})
+            self._arenas.append(arena)
+
+    def place_masters(self, unit: Unit, keep: bool) -> torch.Tensor:
+        master = self.master[unit]
+        for s in unit.slots:
+            s.opt_param = s.shard_of(master).copy_(s.rows_of(s.param.detach()))
+        return master
+
+    def param_shard(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
+        """ZeRO-3 parameter offload: the unit's compute shard on the host is the copy the
+        step writes, the compute-dtype rows (or the masters themselves, in their dtype):
+        no second host copy of the rows, and no copy into it after each step."""
+        assert dtype == self.compute_dtype[unit], (unit.name, dtype)   # one plan made both
+        copy = self.compute_copy.get(unit)
+        return self.master[unit] if copy is None else copy.copy_(self.master[unit])
+
+    def arenas(self) -> list[HostArena]:
+        return [a for a in (*self._arenas, self._steps) if a]
+
+    def updated_rows(self, unit: Unit) -> torch.Tensor:
+        """CPU Adam writes the compute copy in its pass; a torch optimizer stepped the
+        masters only, so they are cast into it first."""
+        copy = self.compute_copy.get(unit)
+        if copy is None:
+            return self.master[unit]
+        if not self.cpu_adam:
+            copy.copy_(self.master[unit])
+        return copy
+
+    def recast(self) -> None:
+        """(A torch optimizer's copies are cast whenever they are read, by
+        ``updated_rows``.)"""
+        if not self.cpu_adam:
+            return
+        for u, copy in self.compute_copy.items():
+            copy.copy_(self.master[u])
+
+    def compute_copies(self) -> list[torch.Tensor]:
+        return list(self.compute_copy.values())
+
+    def register_state(self, optimizer) -> None:
+        """Views of the flat Adam state; a torch optimizer keeps its own state."""
+        if not self.cpu_adam:
+            return
+        units = self._units
+        trainable = [s for u in units for s in u.trainable]
+        self._steps = HostArena([1] * len(trainable), torch.float32)
+        for u in units:
+            for s in u.trainable:
+                before = optimizer.state.get(s.opt_param, {})
+                state = {"step": self._steps.take(1).view(()),
+                         "exp_avg": s.shard_of(self.exp_avg[u]),
+                         "exp_avg_sq": s.shard_of(self.exp_avg_sq[u])}
+                for k, v in before.items():   # state the optimizer had (e.g. loaded) moves in
+                    state[k].copy_(v)
+                optimizer.state[s.opt_param] = state
+
+    def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
+             copied=None) -> None:
+        """Unit by unit. The rows each unit's ``after_unit`` copies out are rewritten only
+        by the next step, which settles those copies first: ``copied`` is not needed."""
+        group_of = groups_by_param(optimizer)
+        for u in self._units:
+            adam_unit(optimizer, group_of, u, grads, self.master[u], self.exp_avg[u],
+                      self.exp_avg_sq[u], self.decoupled, self.compute_copy.get(u),
+                      grad_scale, self.timing)
+            after_unit(u, self.updated_rows(u))
+
+
+def _by_dtype(dtype_of: dict) -> dict:
+    """``{dtype: [units]}`` from ``{unit: dtype}``, in the units' order."""
+    out: dict = {}
+    for u, dtype in dtype_of.items():
+        out.setdefault(dtype, []).append(u)
+    return out

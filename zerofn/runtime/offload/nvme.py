@@ -1,0 +1,279 @@
+"""offload("nvme"): master parameters and Adam state in a swap file per rank.
+
+[Note: bounded host memory] The file holds, per unit, master | exp_avg | exp_avg_sq and,
+under ZeRO-3 parameter offload, the unit's compute shard after them. The step streams
+units through ``units_in_flight`` staging buffers: while one unit steps, the next is read
+ahead and the previous one written back (with its refreshed compute shard), each by a
+worker thread (file I/O releases the GIL). Host memory for optimizer state and parameter
+shards is therefore ``units_in_flight`` times the largest unit, whatever the model's size.
+
+[Note: parameter shards on NVMe] Between steps ZeRO-3's compute shards exist only in the
+file: ``unit.shard`` and the registered DTensors' local tensors point at a one-element
+stand-in. ``ParamReads`` reads each shard into the same staging ring (idle outside the
+step) just before its gather, ahead of use in the gatherer's order.
+
+[Note: compute rows in the ring] Where the compute dtype is not the masters' fp32 (mixed
+precision), the kernel writes each unit's updated rows in that dtype too, past the state
+in its staging buffer (where a parameter-offloaded unit's compute shard lies in its
+block), and they go to the device from there: a copy that also casts would cast on the
+host into pageable memory, holding the step until it is done, and move fp32 across PCIe.
+Rows the kernel does not write (parameters without a gradient, frozen ones, padding) are
+cast from the master after it.
+
+The file itself, its block layout and checked I/O are nvme_file.py's.
+
+Outside the step, the optimizer's tensors for these units (its params and its
+``exp_avg``/``exp_avg_sq``) point at a one-element stand-in. ``materialize`` reads the
+state (and parameter shards) into memory and points them there, for state dicts; the next
+step writes it back.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..pinned import host_buffer, pins
+from .adam import adam_unit, groups_by_param
+from .base import HostArena, Offload, decoupled_weight_decay, device_of
+from .nvme_file import FLOAT, SwapFile, block_bytes, state_bytes
+from .param_reads import ParamReads
+
+
+class NvmeOffload(Offload):
+    """Adam/AdamW state and fp32 masters in a swap file, streamed through a staging ring;
+    gradients land in host buffers. See the module notes."""
+
+    cpu_adam = True      # (nvme_problems refuses other optimizers at set-up)
+    time_series = ("d2h", "h2d", "cpu_adam", "nvme_read", "nvme_write")
+
+    def __init__(self, units, optimizer, path: str, rank: int, in_flight: int, grad_dtype_of,
+                 param_dtypes: dict | None = None, compute_dtype: torch.dtype | None = None):
+        self.decoupled = decoupled_weight_decay(optimizer)
+        pin = pins(device_of(units))     # what the device reads and writes is page-locked
+        self.grads, self._arenas = {}, []
+        for dtype in {grad_dtype_of(u) for u in units}:
+            mine = [u for u in units if grad_dtype_of(u) == dtype]
+            arena = HostArena([u.shard_numel for u in mine], dtype, pin)
+            self.grads.update({u: arena.take(u.shard_numel) for u in mine})
+            self._arenas.append(arena)
+        self.units = units
+        self.params = dict(param_dtypes or {})   # unit -> compute dtype of its shard in the file
+        self.file = SwapFile(path, rank, units, self.params)
+        # [Note: compute rows in the ring]: past the state, as a parameter shard lies.
+        dtypes = {u: compute_dtype or u.dtype for u in units if u.slots and u not in self.params}
+        self.ring_rows = {u: dt for u, dt in dtypes.items() if dt != torch.float32}
+        biggest = max([*self.file.block.values(),
+                       *(block_bytes(u, dt) for u, dt in self.ring_rows.items())], default=0)
+        # Page-aligned and a multiple of BLOCK long, for O_DIRECT; pinned for the device.
+        self.staging = [host_buffer(biggest // FLOAT, torch.float32, pin)
+                        for _ in range(in_flight)]
+        self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerofn-nvme")
+        self.resident: dict = {}          # unit -> flat master|m|v while materialized
+        self._resident_blocks: dict = {}  # unit -> the aligned block buffer behind it
+        stand_ins = {dt: HostArena([1], dt) for dt in set(self.params.values())}
+        self._arenas += stand_ins.values()
+        self._param_stand_in = {dt: a.take(1) for dt, a in stand_ins.items()}
+        self.param_reader = ParamReads(self) if self.params else None
+
+    def arenas(self) -> list:
+        return self._arenas
+
+    def unseen_bytes(self) -> dict[str, dict[str, int]]:
+        """The file, and the part of the staging ring standing for each of its roles."""
+        ring = sum(b.numel() * FLOAT for b in self.staging)
+        param_part = max((self.file.block[u] - state_bytes(u) for u in self.params),
+                         default=0) * len(self.staging)
+        return {"nvme": {"optimizer": self.file.size - self.file.param_bytes,
+                         "params": self.file.param_bytes},
+                "host": {"optimizer": ring - param_part, "params": param_part}}
+
+    # -- I/O, timed --------------------------------------------------------------------
+    def _read(self, unit, buf: torch.Tensor) -> torch.Tensor:
+        with self.timing.span("nvme_read", "nvme_read", unit.name):
+            return self.file.read_state(unit, buf)
+
+    def _write(self, unit, buf: torch.Tensor) -> None:
+        with self.timing.span("nvme_write", "nvme_write", unit.name):
+            self.file.write_block(unit, buf)
+
+    def read_param(self, unit, buf: torch.Tensor) -> torch.Tensor:
+        with self.timing.span("nvme_read", "nvme_read", unit.name):
+            return self.file.read_param(unit, buf)
+
+    def _compute_part(self, unit, buf: torch.Tensor) -> torch.Tensor | None:
+        """Where the compute shard lies in a buffer laid out like the unit's block (for
+        units without one in the file, where the step writes its compute rows); None
+        where the masters are the compute rows."""
+        dtype = self.params.get(unit) or self.ring_rows.get(unit)
+        if dtype is None:
+            return None
+        return buf[state_bytes(unit) // FLOAT:].view(dtype)[:unit.shard_numel]
+
+    # -- set-up ------------------------------------------------------------------------
+    def place_masters(self, unit, keep: bool) -> torch.Tensor | None:
+        """The rows go to the file; the optimizer's tensors are stand-ins until read
+        (``_point``). The rows are returned only where ``keep`` asks for them."""
+        master = torch.zeros(unit.shard_numel, dtype=unit.dtype)
+        for s in unit.slots:
+            s.shard_of(master).copy_(s.rows_of(s.param.detach()))
+            s.opt_param = _stand_in(s.local_shape, unit.dtype)
+        buf = self.staging[0]
+        buf.zero_()
+        buf[:unit.shard_numel].copy_(master)
+        if unit in self.params:
+            self._compute_part(unit, buf).copy_(master)
+        self._write(unit, buf)
+        return master if keep else None
+
+    def param_shard(self, unit, dtype: torch.dtype) -> torch.Tensor:
+        """The shard is in the file (``place_masters``); what stands for it in memory is
+        the stand-in, so the DTensors built on it hold no data."""
+        return self._param_stand_in[dtype].expand(unit.shard_numel)
+
+    def updated_rows(self, unit) -> torch.Tensor | None:
+        """Materialized for a load: from memory; else the step refreshed them already."""
+        return self.resident[unit][0] if unit in self.resident else None
+
+    # -- the step --------------------------------------------------------------------
+    def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
+             copied=None) -> None:
+        """Adam over every unit, streamed; ``after_unit(unit, master)`` refreshes the compute
+        params from the updated master while it is in memory, and ``copied(unit)`` waits
+        for any asynchronous copy that refresh started, before its buffer is read into
+        again. Gradients are multiplied by ``grad_scale`` (unscale x clip) in the kernel."""
+        if self.param_reader is not None:
+            self.param_reader.forget()          # the ring is ours again; the file changes now
+        self.evict()
+        units = [u for u in self.units if u.slots]
+        group_of = groups_by_param(optimizer)
+        ring = len(self.staging)
+        writes = [None] * ring
+        reads = {}
+
+        def release(i: int) -> None:
+            """Buffer ``i % ring``'s last unit is written back and copied to the device."""
+            if writes[i % ring] is not None:
+                writes[i % ring].result()
+                writes[i % ring] = None
+                if copied is not None:
+                    copied(units[i - ring])
+
+        def start_read(i: int) -> None:
+            release(i)
+            reads[i] = self.io.submit(self._read, units[i], self.staging[i % ring])
+
+        for i, unit in enumerate(units):
+            if i not in reads:
+                start_read(i)
+            flat = reads.pop(i).result()
+            if ring > 1 and i + 1 < len(units):
+                start_read(i + 1)              # read ahead while this unit steps
+            master, m, v = flat.view(3, unit.shard_numel)
+            rows = self._compute_part(unit, self.staging[i % ring])
+            lowp = rows if rows is not None and rows.dtype != master.dtype else None
+            written = adam_unit(optimizer, group_of, unit, grads, master, m, v,
+                                self.decoupled, lowp=lowp, grad_scale=grad_scale,
+                                timing=self.timing)
+            if rows is not None:       # (an fp32 compute shard: all of it)
+                _cast_the_rest(rows, master, written if lowp is not None else [])
+            self._refresh(unit, master if rows is None else rows, after_unit)
+            writes[i % ring] = self.io.submit(self._write, unit, self.staging[i % ring])
+        for i in range(len(units), len(units) + ring):   # the ring is idle again after
+            release(i)
+        if self.param_reader is not None:
+            self.param_reader.resume()
+
+    def _refresh(self, unit, rows: torch.Tensor, after_unit) -> None:
+        """Under parameter offload the compute shard ``after_unit`` refreshes is the block's
+        own part of the staging buffer (``rows``), written back to the file with the
+        state."""
+        if unit in self.params:
+            unit.shard = rows
+        after_unit(unit, rows)
+        if unit in self.params:
+            unit.shard = self.param_shard(unit, self.params[unit])
+
+    # -- state dicts -------------------------------------------------------------------
+    def register_state(self, optimizer) -> None:
+        trainable = [s for u in self.units for s in u.trainable]
+        steps = HostArena([1] * (len(trainable) + 1), torch.float32)   # host, not device
+        self._arenas.append(steps)
+        self._stand_in = steps.take(1)
+        for s in trainable:
+            optimizer.state[s.opt_param] = {"step": steps.take(1).view(()),
+                                            "exp_avg": torch.empty(0), "exp_avg_sq": torch.empty(0)}
+        self._point(optimizer, None)
+
+    def materialize(self, optimizer) -> None:
+        """Read every unit into memory and point the optimizer's tensors (and the parameter
+        shards) at it."""
+        if self.resident:
+            return
+        for u in self.units:
+            buf = host_buffer(self.file.block[u] // FLOAT, torch.float32, pin=False)
+            self.file.read_block(u, buf)
+            self._resident_blocks[u] = buf
+            self.resident[u] = buf[:3 * u.shard_numel].view(3, u.shard_numel)
+            if u in self.params:
+                self._show_params(u, self._compute_part(u, buf))
+        self._point(optimizer, self.resident)
+        self._optimizer = optimizer
+
+    def evict(self) -> None:
+        """Write materialized state back (it may have been loaded into) and let it go."""
+        if not self.resident:
+            return
+        for u, buf in self._resident_blocks.items():
+            self._write(u, buf)
+            if u in self.params:
+                self._show_params(u, None)
+        self._point(self._optimizer, None)
+        self.resident, self._resident_blocks = {}, {}
+
+    def _show_params(self, unit, flat) -> None:
+        """Point the unit's compute shard and its registered DTensors at ``flat``, or back
+        at the stand-in."""
+        stand_in = self._param_stand_in[self.params[unit]]
+        unit.shard = self.param_shard(unit, self.params[unit]) if flat is None else flat
+        for s in unit.slots:
+            _set(s.sharded._local_tensor, None if flat is None else s.shard_of(flat),
+                 s.local_shape, stand_in)
+
+    def _point(self, optimizer, flats) -> None:
+        for u in self.units:
+            for s in u.slots:
+                views = [s.shard_of(f) for f in flats[u]] if flats else [None] * 3
+                _set(s.opt_param, views[0], s.local_shape, self._stand_in)
+                state = optimizer.state.get(s.opt_param)
+                if state:
+                    _set(state["exp_avg"], views[1], s.local_shape, self._stand_in)
+                    _set(state["exp_avg_sq"], views[2], s.local_shape, self._stand_in)
+
+
+def _set(t: torch.Tensor, view, shape, stand_in) -> None:
+    """Point ``t`` (keeping its identity, which the optimizer keys on) at ``view``'s memory,
+    or at a one-element stand-in with stride 0."""
+    with torch.no_grad():
+        if view is None:
+            t.set_(stand_in.untyped_storage(), 0, shape, [0] * len(shape))
+        else:
+            t.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+
+def _cast_the_rest(rows: torch.Tensor, master: torch.Tensor, written: list) -> None:
+    """Cast ``master`` into ``rows`` (flat, of one unit) outside the ``written`` slots."""
+    at = 0
+    for start, end in sorted((s.offset, s.offset + s.local_numel) for s in written) + \
+            [(rows.numel(), rows.numel())]:
+        if start > at:
+            rows[at:start].copy_(master[at:start])
+        at = max(at, end)
+
+
+def _stand_in(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` backed by one element (zero strides) that can later be pointed
+    at real memory with ``set_``: what NVMe's optimizer tensors are between state reads,
+    so set-up never holds a second copy of the rank's master rows."""
+    one = torch.zeros(1, dtype=dtype)
+    return torch.empty(0, dtype=dtype).set_(one.untyped_storage(), 0, shape, [0] * len(shape))

@@ -1,0 +1,172 @@
+"""The swap file of offload("nvme"): one per rank, a block per unit at a fixed offset.
+
+A unit's block holds master | exp_avg | exp_avg_sq (fp32) and, under ZeRO-3 parameter
+offload, the unit's compute shard after them; each part is aligned for O_DIRECT. O_DIRECT
+is used where the filesystem accepts it (no page-cache copy of what is read once per
+step); elsewhere I/O is buffered. Every read and write goes through in full or raises an
+error naming the file, the unit and the cause: a full or failing drive must stop the run,
+never leave a block half-written (a short count is no error to the OS) to be read back.
+"""
+from __future__ import annotations
+
+import atexit
+import errno
+import glob
+import os
+import shutil
+import weakref
+
+import torch
+
+from ..pinned import host_buffer
+from .base import cpu_adam_steps
+
+BLOCK = 4096                     # bytes: O_DIRECT alignment of buffers, offsets and sizes
+FLOAT = 4
+
+
+def _round(n: int, to: int = BLOCK) -> int:
+    return -(-n // to) * to
+
+
+def swap_name(path: str, rank: int) -> str:
+    return os.path.join(path, f"zerofn-rank{rank}-{os.getpid()}.swap")
+
+
+def state_bytes(unit) -> int:
+    """A block's master | exp_avg | exp_avg_sq."""
+    return _round(3 * unit.shard_numel * FLOAT)
+
+
+def block_bytes(unit, param_dtype: torch.dtype | None = None) -> int:
+    """A unit's block: its state, then its compute shard in ``param_dtype`` under
+    parameter offload."""
+    return state_bytes(unit) + (_round(unit.shard_numel * param_dtype.itemsize) if param_dtype else 0)
+
+
+def swap_bytes(units, param_dtypes: dict) -> int:
+    return sum(block_bytes(u, param_dtypes.get(u)) for u in units)
+
+
+def nvme_problems(path, need_bytes: int, optimizer, units=()) -> list[str]:
+    """What stops an NVMe store at ``path``: checked on every rank before any collective."""
+    if not cpu_adam_steps(optimizer):
+        return [(f"offload('nvme') steps Adam and AdamW only (got {type(optimizer).__name__}); "
+                 "use offload('cpu') for other optimizers.")]
+    # The swap file's masters and Adam state are fp32, stepped by the C++ kernel: a wider
+    # dtype would be rounded (and its gradients are no kernel input).
+    wide = next((s for u in units for s in u.slots if s.param.dtype.itemsize > 4), None)
+    if wide is not None:
+        return [(f"offload('nvme') keeps fp32 masters, but parameter {wide.fqn!r} is "
+                 f"{wide.param.dtype}: cast the model to float32 (bf16 or fp16 compute with "
+                 "mixed_precision), or use offload('cpu'), which keeps each unit's dtype.")]
+    if not path:
+        return ["offload('nvme') needs path=, a directory on the NVMe drive."]
+    if not os.path.isdir(path):
+        return [f"offload('nvme'): {path!r} is not an existing directory; create it first."]
+    if not os.access(path, os.W_OK | os.X_OK):
+        return [f"offload('nvme'): cannot write to {path!r}; choose a writable directory."]
+    free = shutil.disk_usage(path).free
+    if free < need_bytes:
+        return [(f"offload('nvme'): {path!r} has {free / 2**30:.2f} GiB free, the swap file "
+                 f"needs {need_bytes / 2**30:.2f} GiB; free space or choose another drive.")]
+    return []
+
+
+def remove_stale(path: str, rank: int) -> None:
+    """Swap files of this rank left by processes that no longer run (killed runs)."""
+    for name in glob.glob(os.path.join(path, f"zerofn-rank{rank}-*.swap")):
+        pid = int(name.rsplit("-", 1)[1].split(".")[0])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            os.remove(name)
+        except PermissionError:
+            pass   # alive, someone else's
+
+
+class SwapFile:
+    """The file, its blocks' places, and checked whole-block I/O.
+
+    Args:
+        path: the directory (on the NVMe drive).
+        rank: the global rank, which names the file (HSDP's replicas share shard ranks).
+        units: every unit, in order; each gets a block.
+        params: ``{unit: compute dtype}`` of the units whose ZeRO-3 shard lives here too.
+    """
+
+    def __init__(self, path: str, rank: int, units, params: dict):
+        self.params = params
+        self.block = {u: block_bytes(u, params.get(u)) for u in units}
+        self.offset, size = {}, 0
+        for u in units:
+            self.offset[u] = size
+            size += self.block[u]
+        self.size = size
+        self.param_bytes = sum(self.block[u] - state_bytes(u) for u in params)
+        remove_stale(path, rank)
+        self.name = swap_name(path, rank)
+        self.fd, self.direct = _open(self.name)
+        os.posix_fallocate(self.fd, 0, max(size, BLOCK))
+        self._cleanup = weakref.finalize(self, _close_and_remove, self.fd, self.name)
+        atexit.register(self._cleanup)
+
+    def read_state(self, unit, buf: torch.Tensor) -> torch.Tensor:
+        """The unit's master|m|v into ``buf`` (the step never needs the old compute shard)."""
+        self._io(os.preadv, "reading", unit, as_bytes(buf)[:state_bytes(unit)],
+                 self.offset[unit])
+        return buf[:3 * unit.shard_numel]
+
+    def read_block(self, unit, buf: torch.Tensor) -> None:
+        self._io(os.preadv, "reading", unit, as_bytes(buf)[:self.block[unit]], self.offset[unit])
+
+    def write_block(self, unit, buf: torch.Tensor) -> None:
+        """The whole block: state, and the compute shard where the file holds one."""
+        self._io(os.pwritev, "writing", unit, as_bytes(buf)[:self.block[unit]],
+                 self.offset[unit])
+
+    def read_param(self, unit, buf: torch.Tensor) -> torch.Tensor:
+        start = state_bytes(unit)
+        self._io(os.preadv, "reading", unit, as_bytes(buf)[:self.block[unit] - start],
+                 self.offset[unit] + start)
+        return buf.view(self.params[unit])[:unit.shard_numel]
+
+    def _io(self, call, doing: str, unit, view: memoryview, offset: int) -> None:
+        """``call(fd, [view], offset)`` in full, or an OSError naming the file, the unit,
+        the bytes and the cause."""
+        try:
+            done = call(self.fd, [view], offset)
+        except OSError as e:
+            code, cause = e.errno, e.strerror
+        else:
+            if done == len(view):
+                return
+            code, cause = errno.EIO, f"only {done:,} bytes went through"
+        raise OSError(code, f"offload('nvme'): {doing} {len(view):,} bytes of unit "
+                            f"'{unit.name}' at offset {offset:,} of {self.name} failed: "
+                            f"{cause}. Free space on that drive (or give offload's path= "
+                            f"another one) and resume from the last checkpoint.")
+
+
+def _open(name: str):
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(name, flags | getattr(os, "O_DIRECT", 0))
+        probe = host_buffer(BLOCK // FLOAT, torch.float32, pin=False)
+        os.pwritev(fd, [as_bytes(probe)], 0)      # some filesystems refuse only at I/O time
+        return fd, bool(getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return os.open(name, flags), False
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()).cast("B")
+
+
+def _close_and_remove(fd: int, name: str) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    if os.path.exists(name):
+        os.remove(name)
