@@ -1,69 +1,11 @@
 """What zerofn holds and moves, per rank: model-state bytes by role and device, and the
-elements each kind of collective carried in the last optimizer step.
-
-Bytes are measured from the tensors that exist (unique storages), not computed from a
-formula, so they are a fair check of the formulas in docs/design.md.
-"""
+elements each kind of collective carried in the last optimizer step. The runtime
+measures both (runtime/memory.py, runtime/comm.py)."""
 from __future__ import annotations
 
-from collections import defaultdict
-
-import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from .runtime.runtime import runtime_of
-
-
-def _extents(tensors, arenas=()) -> list[tuple[str, int, int]]:
-    """``(where, start, end)`` byte ranges the tensors hold; ``where`` is the device type,
-    or "host" for zerofn's offload arenas (host memory even where the device is the CPU).
-    A view of a flat buffer zerofn hands out (an arena, the device's masters) spans its own
-    bytes, not the whole buffer's; any other tensor its whole storage."""
-    out = []
-    for t in tensors:
-        if t is None or not torch.is_tensor(t):
-            continue
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        arena = next((a for a in arenas if a.holds(t)), None)
-        if arena is not None:
-            out.append((getattr(arena, "where", "host"), t.data_ptr(), t.data_ptr() + _span(t)))
-        else:
-            st = t.untyped_storage()
-            out.append((t.device.type, st.data_ptr(), st.data_ptr() + st.nbytes()))
-    return out
-
-
-def _span(t: torch.Tensor) -> int:
-    """Bytes a view spans: a stand-in expanded to a parameter's shape spans one element."""
-    if not t.numel():
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
-
-
-def _union_bytes(ranges) -> int:
-    total, end = 0, -1
-    for a, b in sorted(ranges):
-        total += max(0, b - max(a, end))
-        end = max(end, b)
-    return total
-
-
-def _by_role(extents: dict[str, list]) -> dict[str, dict[str, int]]:
-    """Bytes per place and role, each byte counted once, under the first role that holds
-    it: the views of one buffer overlap (a unit's flat rows, its parameters' views of
-    them), and a buffer can serve two roles (fp32 shards are their own masters)."""
-    out: dict[str, dict[str, int]] = defaultdict(lambda: dict(params=0, grads=0, optimizer=0,
-                                                              buffers=0))
-    claimed: dict[str, list] = defaultdict(list)
-    for role, ranges in extents.items():
-        for where in dict.fromkeys(w for w, _, _ in ranges):   # (in order: what prints)
-            mine = [(a, b) for w, a, b in ranges if w == where]
-            before = _union_bytes(claimed[where])
-            claimed[where] += mine
-            out[where][role] += _union_bytes(claimed[where]) - before
-    return out
+from .runtime.attach import runtime_of
 
 
 def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
@@ -79,25 +21,7 @@ def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:
     parameters (mixed precision), ``buffers`` zerofn's reusable communication and gather
     buffers (not model state; bounded by configuration).
     """
-    rt = runtime_of(model)
-    slots = rt.slot_of.values()
-    arenas = list(rt.offload.arenas() if rt.offload is not None else ()) + rt.flats
-    # offload("cpu") under mixed precision: the host's compute-dtype copy of the rows, which
-    # the step writes and sends to the device (under params=True, the shards themselves).
-    params = [s.sharded if s.sharded is not None else s.param for s in slots] \
-        + (rt.offload.compute_copies() if rt.offload is not None else [])
-    grads = [s.param.grad for s in slots] + [s.opt_param.grad for s in slots] \
-        + list(rt.reducer.grad_shard.values()) \
-        + (list(rt.offload.grads.values()) if rt.offload is not None else [])
-    opt = [s.opt_param for s in slots] + [t for state in rt.optimizer.state.values()
-                                          for t in state.values()]
-    out = _by_role({role: _extents(ts, arenas) for role, ts in
-                    (("params", params), ("grads", grads), ("optimizer", opt))})
-    out[rt.device.type]["buffers"] += rt.pool.nbytes()
-    for where, roles in (rt.offload.unseen_bytes() if rt.offload is not None else {}).items():
-        for role, n in roles.items():
-            out[where][role] += n
-    return dict(out)
+    return runtime_of(model).model_state_bytes()
 
 
 def comm_stats(model: nn.Module) -> dict[str, int]:
@@ -115,4 +39,4 @@ def comm_stats(model: nn.Module) -> dict[str, int]:
         >>> stats = zf.comm_stats(model)
         >>> stats["reduce_scatter_bytes"], stats.get("replicate.all_reduce_bytes", 0)
     """
-    return dict(runtime_of(model).last_step_traffic())
+    return dict(runtime_of(model).comm_stats())

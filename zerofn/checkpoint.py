@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from .runtime.pinned import host_buffer, pins
-from .runtime.runtime import runtime_of
+from .runtime import runtime_of
 from .state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
 LATEST = "latest"
@@ -88,9 +88,7 @@ def _watched(phase: str):
     def wrap(fn):
         @functools.wraps(fn)
         def call(path, model, *args, **kwargs):
-            watch = runtime_of(model).watch
-            watch.enter(phase)
-            return watch.guarded(fn)(path, model, *args, **kwargs)
+            return runtime_of(model).in_phase(phase, fn, path, model, *args, **kwargs)
         return call
     return wrap
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .runtime.runtime import runtime_of
+from .runtime import runtime_of
 from .runtime.step import by_device_and_dtype
 
 
@@ -41,8 +41,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     grads.prepare()   # reduced, in the master dtype, unscaled (or to be, see above)
     with rt.timing.span(None, "clip_grad_norm"):
         total = _clip(rt, grads, max_norm, norm_type, error_if_nonfinite)
-    if rt.monitor is not None:
-        rt.monitor.grad_norm(total)
+    rt.grad_norm(total)
     return total
 
 

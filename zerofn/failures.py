@@ -27,15 +27,13 @@ import re
 import socket
 import sys
 import time
-import types
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
-from torch.utils._pytree import tree_leaves
 
-from .runtime.params import eager   # [Note: hooks under torch.compile]
+from .runtime.events import StepObserver, register
 
 KEY = "zerofn/progress/"       # + the global rank
 DEFAULT_TIMEOUT = 300.0        # seconds; zerofn train's --timeout
@@ -80,7 +78,8 @@ def translate(exc: Exception) -> Exception:
     return exc if watch is None or not watch.active else watch.failed(exc)
 
 
-class Watch:
+@register
+class Watch(StepObserver):
     """One rank's progress record and the reading of everyone else's (see the Note).
 
     Args:
@@ -109,104 +108,77 @@ class Watch:
                 c10d._set_pg_timeout(datetime.timedelta(seconds=timeout), g)
         self.timeout = timeout if timeout is not None else _group_timeout(group)
         self.step = 1          # the optimizer step under way, counted from 1
-        self.phase = "set-up"
+        self.phase_name = "set-up"
         self.seq = 0           # phase changes so far: ranks in step with each other agree
         self.unit = None
         self.between = False   # the last optimizer step is done, the next forward not begun
         self.active = True
         Watch.latest = weakref.ref(self)
         _hook_uncaught()
-        self._step = None      # (optimizer, its own step) while ``attach`` wraps it
         self._write()
 
-    def attach(self, model: torch.nn.Module, optimizer, reducer, gatherer=None) -> list:
-        """Record forward, backward and the step of ``model`` and ``optimizer``, and send
-        what the step and backward's hooks (``reducer``'s, ZeRO-3 ``gatherer``'s) raise
-        through ``failed``. Returns the hooks' handles; ``detach`` undoes the rest."""
-        def forward_begins(module, args):
-            if torch._C._current_graph_task_id() == -1:   # (not a recompute in backward)
-                self.enter("forward")
+    # -- StepObserver: the runtime's events (runtime/events.py) ------------------------
+    @staticmethod
+    def preflight(plan, device, rank: int, world: int) -> list[str]:
+        return []
 
-        def forward_ends(module, args, output=None):
-            raised = sys.exc_info()[1]
-            if isinstance(raised, Exception):   # the forward raised: the hook runs anyway
-                self.failed(raised)
-            elif torch._C._current_graph_task_id() == -1 and torch.is_grad_enabled():
-                for t in tree_leaves(output):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(backward_begins)
+    @staticmethod
+    def attach(rt) -> "Watch":
+        """Every runtime is watched: over every rank of its layout, with the plan's
+        timeout set on the groups its collectives run on."""
+        return Watch(rt.group, rt.plan.sharding.timeout, rt.groups)
 
-        def backward_begins(grad):
-            self.enter("backward")
+    def forward_begin(self) -> None:
+        self.enter("forward")
 
-        # Backward's hooks look these up per call (per gradient, per unit, when backward
-        # queues its end), so the instance's wrapped ones run.
-        self._guard_per_unit(reducer, "_on_grad")
-        self._guard_per_unit(reducer, "backward_done")
-        reducer._end_backward = self.guarded(reducer._end_backward)
-        if gatherer is not None:
-            self._guard_per_unit(gatherer, "pre_backward")
-        own = optimizer.__dict__.get("step")
-        step = self.guarded(optimizer.step)
+    def forward_end(self, raised) -> None:
+        if isinstance(raised, Exception):   # the forward raised: the hook runs anyway
+            self.failed(raised)
 
-        def stepping(opt, *args, **kwargs):
-            self.enter("step")
-            return step(*args, **kwargs)
+    def backward_begin(self) -> None:
+        self.enter("backward")
 
-        # A bound method, as torch's LR schedulers expect to find (they rebind its function).
-        stepping = types.MethodType(stepping, optimizer)
-        optimizer.step = stepping
-        self._step = (optimizer, own, stepping)
-        return [model.register_forward_pre_hook(eager(forward_begins), prepend=True),
-                model.register_forward_hook(eager(forward_ends), always_call=True)]
+    def step_begin(self) -> None:
+        self.enter("step")
 
-    def _guard_per_unit(self, obj, name: str) -> None:
-        """``obj.name(unit, ...)`` through ``failed``, naming the unit."""
-        fn = getattr(obj, name)
+    def phase(self, name: str) -> None:
+        self.enter(name)
 
-        def call(unit, *args):
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+    def guard(self, fn, unit: str | None = None):
+        """``fn`` whose exceptions go through ``failed``: a ``unit`` names the unit; where
+        it is None and ``fn`` takes a unit first (backward's per-unit hooks), that one."""
+        def call(*args, **kwargs):
             try:
-                return fn(unit, *args)
+                return fn(*args, **kwargs)
             except Exception as e:
-                self._reraise(e, unit.name)
+                named = unit if unit is not None else getattr(args[0] if args else None,
+                                                              "name", None)
+                self._reraise(e, named if isinstance(named, str) else None)
+        return call
 
-        setattr(obj, name, call)
-
-    def detach(self) -> None:
-        """Stop recording (the runtime is undone); the optimizer gets its step back."""
+    def close(self) -> None:
+        """Stop recording: the runtime is undone."""
         self.active = False
-        optimizer, own, stepping = self._step
-        if optimizer.__dict__.get("step") != stepping:
-            return   # wrapped again since: ours passes through now that it is inactive
-        if own is None:
-            del optimizer.step
-        else:
-            optimizer.step = own
 
+    # -- records -----------------------------------------------------------------------
     def where(self) -> str:
-        return _where(self.phase, self.step, self.unit, self.between)
+        return _where(self.phase_name, self.step, self.unit, self.between)
 
     def enter(self, phase: str, unit: str | None = None) -> None:
         """Record a new phase (a no-op if it is the current one). A checkpoint's phase
         between steps is "after" the last step."""
         if not phase.startswith("checkpoint"):
             self.between = False
-        if phase != self.phase and self.active:
-            self.phase, self.unit, self.seq = phase, unit, self.seq + 1
+        if phase != self.phase_name and self.active:
+            self.phase_name, self.unit, self.seq = phase, unit, self.seq + 1
             self._write()
 
     def step_done(self) -> None:
         self.step += 1
         self.between = True
-
-    def guarded(self, fn, unit: str | None = None):
-        """``fn`` whose exceptions go through ``failed`` (the hooks' and the step's)."""
-        def call(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except Exception as e:
-                self._reraise(e, unit)
-        return call
 
     def _reraise(self, exc: Exception, unit: str | None) -> None:
         """Inside an ``except``: raise what ``failed`` makes of ``exc``."""
@@ -273,7 +245,7 @@ class Watch:
     def _write(self, **extra) -> None:
         if self.store is None:
             return
-        record = {"step": self.step, "phase": self.phase, "unit": self.unit, "seq": self.seq,
+        record = {"step": self.step, "phase": self.phase_name, "unit": self.unit, "seq": self.seq,
                   "between": self.between, "t": time.time(), "host": self.host,
                   "pid": self.pid, **extra}
         try:

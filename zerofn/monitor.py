@@ -1,7 +1,8 @@
 """``zf.tensorboard``'s runtime side: the series a step writes, traces, and ``zf.log``.
 
 The transform (``zerofn.transforms.tensorboard``) only sets plan options; a runtime built
-from a plan that has them makes one ``Monitor`` per rank. Every rank measures (the
+from a plan that has them attaches one ``Monitor`` per rank, an observer of its events
+(runtime/events.py). Every rank measures (the
 slowest and fastest rank's step time need them all); the ranks in ``ranks`` write.
 
 [Note: no waiting on quiet steps] Nothing here reads a device value except on a logging
@@ -30,10 +31,9 @@ from collections import Counter, defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
-from .runtime.params import eager   # [Note: hooks under torch.compile]
-from .runtime.runtime import runtime_of
+from .runtime.attach import runtime_of
+from .runtime.events import StepObserver, register
 from .runtime.timing import Timing
 
 TIME_SERIES = ("step", "forward", "backward", "optimizer", "logging", "reduce_wait",
@@ -58,7 +58,7 @@ def log(model: nn.Module, **values) -> None:
         >>> loss = model(x, y); opt.scale(loss).backward(); opt.step()
         >>> zf.log(model, loss=loss.detach(), tokens=x.numel(), samples=len(x))
     """
-    monitor = runtime_of(model).monitor
+    monitor = runtime_of(model).observer(Monitor)
     for name, value in values.items():
         if name in BUILT_IN:
             raise ValueError(f"zf.log(): {name!r} is a series zf.tensorboard writes itself "
@@ -80,7 +80,7 @@ def flush_logs(model: nn.Module) -> None:
         >>> for step in range(steps): ...
         >>> zf.flush_logs(model)
     """
-    monitor = runtime_of(model).monitor
+    monitor = runtime_of(model).observer(Monitor)
     if monitor is not None:
         monitor.flush()
 
@@ -95,7 +95,7 @@ def set_log_step(model: nn.Module, step: int) -> None:
         >>> start = (zf.load_checkpoint("ckpt", model, opt) or {"step": 0})["step"]
         >>> zf.set_log_step(model, start)
     """
-    monitor = runtime_of(model).monitor
+    monitor = runtime_of(model).observer(Monitor)
     if monitor is not None:
         if monitor.step:
             raise ValueError(f"zf.set_log_step(): {monitor.step} steps were logged already; "
@@ -141,8 +141,15 @@ def monitor_problems(plan, device: torch.device, rank: int, world: int) -> list[
     return []
 
 
-class Monitor:
+@register
+class Monitor(StepObserver):
     """One rank's measurements and writers; see the module's docstring."""
+
+    preflight = staticmethod(monitor_problems)
+
+    @staticmethod
+    def attach(rt) -> "Monitor | None":
+        return Monitor(rt) if rt.plan.monitor.log_dir is not None else None
 
     def __init__(self, rt):
         plan = rt.plan
@@ -165,13 +172,6 @@ class Monitor:
         self._skipped = 0
         self._grad_norm = None
         self._comm: Counter = Counter()  # comm_stats summed over the interval's steps
-        self._series = self._time_series()
-        self._hooks = [
-            rt.model.register_forward_pre_hook(eager(self._forward_begins), prepend=True),
-            # First among the post-hooks, so its tensor hooks run before the runtime's
-            # (ZeRO-3 gathers the root unit again there): backward's time includes them.
-            rt.model.register_forward_hook(eager(self._watch_backward), prepend=True),
-            rt.model.register_forward_hook(eager(self._forward_ends), always_call=True)]
         self.writer = self._csv = None
         if self.writes:
             from torch.utils.tensorboard import SummaryWriter   # only where logs are written
@@ -192,14 +192,12 @@ class Monitor:
         self._closer.atexit = False
         atexit.register(_close_at_exit, weakref.ref(self))
 
-    def _time_series(self) -> tuple[str, ...]:
-        offload = self.rt.offload
-        return TIME_SERIES + (offload.time_series if offload is not None else ())
+    @property
+    def _series(self) -> tuple[str, ...]:
+        return TIME_SERIES + self.rt.time_series()
 
-    # -- step boundaries (hooks and the runtime) -------------------------------------------
-    def _forward_begins(self, module, args) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            return   # a recompute inside backward
+    # -- step boundaries: the runtime's events --------------------------------------------
+    def forward_begin(self) -> None:
         if not self._in_step:
             self._in_step = True
             self._advance_profiler()
@@ -207,19 +205,13 @@ class Monitor:
                 self._step_start = self.timing.device.mark()
         self.timing.begin("forward")
 
-    def _forward_ends(self, module, args, output) -> None:
-        if torch._C._current_graph_task_id() == -1:
-            self.timing.end("forward")
+    def forward_end(self, raised) -> None:
+        self.timing.end("forward")
 
-    def _watch_backward(self, module, args, output) -> None:
-        if torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
-            return
-        for t in tree_leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self._backward_begins)
-
-    def _backward_begins(self, grad) -> None:
-        if "backward" not in self.timing._open:
+    def backward_begin(self) -> None:
+        # (Under ZeRO-3 this comes once the root unit is gathered again: that wait is
+        # gather_wait's, not backward's.)
+        if not self.timing.is_open("backward"):
             self.timing.begin("backward")
             # Queued from a final callback, the end runs after the runtime's own callback
             # (which waits for the reductions): they are part of backward.
@@ -245,13 +237,13 @@ class Monitor:
             lr = group["lr"]
             self._pending.append((self.step, f"train/lr/group{i}",
                                   lr.detach().clone() if torch.is_tensor(lr) else lr))
-        if rt.scaler is not None:
-            self._pending.append((self.step, "train/loss_scale", rt.scaler.scale))
+        if rt.loss_scale() is not None:
+            self._pending.append((self.step, "train/loss_scale", rt.loss_scale()))
         if self._grad_norm is not None:
             self._pending.append((self.step, "train/grad_norm", self._grad_norm))
             self._grad_norm = None
-        self._skipped += bool(rt.step_grads.overflow)
-        self._comm.update(rt.last_step_traffic())
+        self._skipped += rt.step_skipped()
+        self._comm.update(rt.comm_stats())
         if self.step % self.every == 0:
             with self._logging():
                 self._write(collective=True)
@@ -301,8 +293,7 @@ class Monitor:
         if stragglers is not None:
             scalars["time/step_max"], scalars["time/step_min"] = stragglers
         scalars["train/skipped_steps"] = self._skipped
-        replicas = self.rt.replicas.world if self.rt.replicas is not None else 1
-        scalars.update(comm_series(comm, calls, ms, steps, self.rt.world, replicas))
+        scalars.update(comm_series(comm, calls, ms, steps, self.rt.world, self.rt.replica_world))
         scalars.update(self._memory())
         for tag, value in scalars.items():
             self._scalar(tag, value, self.step)
@@ -350,10 +341,9 @@ class Monitor:
             self._csv.flush()
 
     def _memory(self) -> dict[str, float]:
-        from .accounting import model_state_bytes
         from .runtime.pinned import registered_bytes
         out = {f"memory/model_state/{place}/{role}": float(n)
-               for place, roles in model_state_bytes(self.rt.model).items()
+               for place, roles in self.rt.model_state_bytes().items()
                for role, n in roles.items()}
         device = self.rt.device
         if device.type == "cuda":
@@ -364,9 +354,9 @@ class Monitor:
         out["memory/host/peak_rss"] = max(out["memory/host/rss"], float(
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
         out["memory/host/pinned"] = float(registered_bytes())
-        unseen = self.rt.offload.unseen_bytes() if self.rt.offload is not None else {}
-        if "nvme" in unseen:
-            out["memory/nvme/file_bytes"] = float(sum(unseen["nvme"].values()))
+        nvme = self.rt.model_state_bytes().get("nvme")
+        if nvme:
+            out["memory/nvme/file_bytes"] = float(sum(nvme.values()))
         return out
 
     def _write_text(self) -> None:
@@ -430,8 +420,6 @@ class Monitor:
         if not self._closer.alive:
             return
         self.flush()
-        for h in self._hooks:
-            h.remove()
         self._closer()
 
     @staticmethod
@@ -500,7 +488,7 @@ def environment(rt) -> dict[str, str]:
     device = rt.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     env = {"zerofn": zerofn_version, "torch": torch.__version__,
-           "python": platform.python_version(), "backend": rt.comm.backend,
+           "python": platform.python_version(), "backend": rt.backend,
            "world": str(dist.get_world_size(rt.group)), "rank": str(dist.get_rank(rt.group)),
            "device": f"{device} {name}".strip(),
            "threads": str(torch.get_num_threads()), "host": platform.node()}

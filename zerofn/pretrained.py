@@ -33,9 +33,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from .runtime.runtime import runtime_of
+from .runtime import runtime_of
 from .runtime.units import local_rows
-from .state_dict import _slots_by_name
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -127,7 +126,7 @@ def _load_plan(model, rt, path, rename, files: contextlib.ExitStack):
                             f"({by_model_name[name][1]!r} and {key!r}); fix rename=.")
         by_model_name[name] = (readers[file], key)
     expected = list(model.state_dict())
-    slots = _slots_by_name(rt)
+    slots = rt.slots_by_name()
     plan, missing = {}, []
     for name in expected:
         target = slots.get(name, name)
@@ -319,7 +318,7 @@ def _entries(model, rt, dtype) -> list[_Entry]:
 
 def _names_by_slot(rt) -> dict:
     names: dict = {}
-    for name, slot in _slots_by_name(rt).items():
+    for name, slot in rt.slots_by_name().items():
         names.setdefault(slot, []).append(name)
     return names
 

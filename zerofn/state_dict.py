@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .runtime.optimizer import SCALER_KEY
-from .runtime.runtime import runtime_of
+from .runtime import runtime_of
 from .runtime.units import ParamSlot
 
 
@@ -46,7 +46,7 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: 
     _check_optimizer(rt, optimizer)
     _check_device(full, device)
     rt.prepare_state_dict()
-    rt.opt.init_state()
+    rt.init_optimizer_state()
     return (get_model_state_dict(model, full=full, device=device),
             _optim_state(rt, optimizer, full, device))
 
@@ -56,7 +56,7 @@ def get_model_state_dict(model: nn.Module, *, full: bool = False, device=None) -
     rt = runtime_of(model)
     _check_device(full, device)
     rt.prepare_state_dict()
-    slot_by_name = _slots_by_name(rt)
+    slot_by_name = rt.slots_by_name()
     msd = {}
     for name, value in model.state_dict().items():
         slot = slot_by_name.get(name)
@@ -86,7 +86,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict) -> None:
     """The model half of ``set_state_dict``; leaves the optimizer untouched."""
     rt = runtime_of(model)
     rt.prepare_state_dict()
-    slot_by_name = _slots_by_name(rt)
+    slot_by_name = rt.slots_by_name()
     expected = set(model.state_dict())
     missing, unexpected = expected - set(model_state_dict), set(model_state_dict) - expected
     if missing or unexpected:
@@ -137,20 +137,6 @@ def _local_value(rt, slot: ParamSlot, value) -> torch.Tensor:
             and tuple(value.device_mesh.shape) == tuple(rt.mesh.shape):
         return value.to_local()
     return slot.rows_of(_full_value(value, slot.shape, slot.fqn))
-
-
-def _slots_by_name(rt) -> dict[str, ParamSlot]:
-    """Every state dict name of every parameter: a module under two parents (or two
-    names) lends its parameters each of its names."""
-    names: dict[nn.Module, list[str]] = {}
-    for n, m in rt.model.named_modules(remove_duplicate=False):
-        names.setdefault(m, []).append(n)
-    out = {}
-    for slot in rt.slot_of.values():
-        for module, pname in slot.owners:
-            for prefix in names[module]:
-                out[f"{prefix}.{pname}" if prefix else pname] = slot
-    return out
 
 
 def _check_optimizer(rt, optimizer) -> None:

@@ -570,7 +570,7 @@ def train(args, device) -> None:
     model, opt, sched = build(job, args.seed)
     data = Batches(train_data, args.seed, job.batch, job.cfg.context)
     start = resume(args, model, opt, sched, data)
-    runtime_of(model).watch.step = start + 1   # failures name the run's own step
+    runtime_of(model).set_step(start + 1)   # failures name the run's own step
     zf.set_log_step(model, start)     # a resumed run's series go on from its step
     end = args.stop_at or args.steps
     if start >= end:

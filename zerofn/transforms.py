@@ -27,7 +27,7 @@ class Transform:
         self._edits = edits
 
     def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        from .runtime.runtime import apply_plan
+        from .runtime import apply_plan
         return apply_plan(model, optimizer, self._edits)
 
     def __repr__(self) -> str:

@@ -40,7 +40,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 from .. import checkpoint as zf_checkpoint
 from ..clip import clip_grad_norm_
 from ..pretrained import load_pretrained, save_pretrained
-from ..runtime.runtime import ATTR, runtime_of
+from ..runtime import is_transformed, runtime_of
 from ..transforms import Transform
 
 STATE_DIR = "zerofn"          # the zerofn checkpoint inside Trainer's checkpoint-N
@@ -85,7 +85,7 @@ class ZeroTrainer(transformers.Trainer):
     def create_optimizer(self, model=None):
         """Trainer's optimizer, then the zerofn transform over ``(model, optimizer)``."""
         optimizer = super().create_optimizer(model)
-        if ATTR not in self.model.__dict__:
+        if not is_transformed(self.model):
             _ensure_process_group(self.args.device)
             self.zerofn(self.model, optimizer)
             optimizer.register_step_post_hook(lambda *_: self._report_skipped_step())
@@ -106,7 +106,7 @@ class ZeroTrainer(transformers.Trainer):
     def _move_model_to_device(self, model, device):
         """A sharded model is where zerofn put it; a meta-device one is materialized by the
         transform on the rank's device."""
-        if ATTR in model.__dict__ or any(p.is_meta for p in model.parameters()):
+        if is_transformed(model) or any(p.is_meta for p in model.parameters()):
             return
         super()._move_model_to_device(model, device)
 
@@ -115,8 +115,9 @@ class ZeroTrainer(transformers.Trainer):
         plain_backward = self.accelerator.backward
 
         def backward(loss, **kwargs):   # fp16: zerofn's loss scale (identity otherwise)
-            rt = self.model.__dict__.get(ATTR)
-            return plain_backward(loss if rt is None else rt.optimizer.scale(loss), **kwargs)
+            scaled = loss if not is_transformed(self.model) \
+                else runtime_of(self.model).optimizer.scale(loss)
+            return plain_backward(scaled, **kwargs)
 
         self.accelerator.backward = backward
 
@@ -124,7 +125,7 @@ class ZeroTrainer(transformers.Trainer):
         """An fp16 overflow skipped zerofn's step: tell Trainer, which then leaves the LR
         scheduler alone (accelerate's optimizer wrapper reports skips this way)."""
         if hasattr(self.optimizer, "_is_overflow"):
-            self.optimizer._is_overflow = runtime_of(self.model).step_grads.overflow
+            self.optimizer._is_overflow = runtime_of(self.model).step_skipped()
 
     def _clip_grad_norm(self, model):
         return clip_grad_norm_(self.model, self.args.max_grad_norm)
@@ -135,7 +136,7 @@ class ZeroTrainer(transformers.Trainer):
     # -- saving ---------------------------------------------------------------------------
     def _save(self, output_dir=None, state_dict=None):
         """On every rank: Hugging Face's layout through ``zerofn.save_pretrained``."""
-        if ATTR not in self.model.__dict__:      # not sharded yet: Trainer's own save
+        if not is_transformed(self.model):      # not sharded yet: Trainer's own save
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         save_pretrained(self.model, output_dir)
@@ -159,7 +160,7 @@ class ZeroTrainer(transformers.Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Trainer loads weights before building the optimizer, i.e. before the transform:
         the weights wait until the model is sharded (``create_optimizer``)."""
-        if ATTR in self.model.__dict__:
+        if is_transformed(self.model):
             self._load_weights(resume_from_checkpoint)
         else:
             self._pending_weights = resume_from_checkpoint
@@ -200,17 +201,15 @@ class _Unprepared(nn.Module):
         return self.module(*args, **kwargs)
 
     def no_sync(self):
-        rt = self.module.__dict__.get(ATTR)
-        return contextlib.nullcontext() if rt is None else self.module.no_sync()
+        return self.module.no_sync() if is_transformed(self.module) else contextlib.nullcontext()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Trainer zeroes gradients through the model; zerofn's gradient shards are reset
         by the optimizer's ``zero_grad``."""
-        rt = self.module.__dict__.get(ATTR)
-        if rt is None:
-            self.module.zero_grad(set_to_none)
+        if is_transformed(self.module):
+            runtime_of(self.module).optimizer.zero_grad(set_to_none)
         else:
-            rt.optimizer.zero_grad(set_to_none)
+            self.module.zero_grad(set_to_none)
 
     def _get_name(self):
         """Trainer's label smoothing picks its loss by the model's class name."""

@@ -36,13 +36,17 @@ from .timing import NOTHING, UNTIMED
 
 
 class CopyStreams:
-    timing = UNTIMED     # runtime/timing.py
-    # Offload's copies are labelled and timed (d2h, h2d); without offload the same calls
-    # cast on the device, which is no copy between host and device.
-    offloaded = False
+    """The copy streams and per-unit events of one runtime (see the module note); they
+    live as long as the runtime.
 
-    def __init__(self, device: torch.device, units):
-        self.device = device
+    Args:
+        offloaded: copies cross between host and device, and are labelled and timed as
+            d2h and h2d; without offload the same calls cast on the device.
+        timing: labels and (under a monitor) times the copies.
+    """
+
+    def __init__(self, device: torch.device, units, offloaded: bool = False, timing=UNTIMED):
+        self.device, self.offloaded, self.timing = device, offloaded, timing
         if not self.streaming:
             return
         self._streams = {d: torch.cuda.Stream(device) for d in ("d2h", "h2d")}

@@ -86,28 +86,48 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .events import unguarded
 from .timing import UNTIMED
 from .units import ParamSlot, Unit, scatter_to_ranks
 
 
 class GradReducer:
-    timing = UNTIMED     # runtime/timing.py
+    """Reduce-scatters each unit's gradients into this rank's shard (ZeRO-2/3 during
+    backward, ZeRO-1 at the step or early, see the notes) and keeps the shards until
+    ``zero_grad``: ``grad_of`` reads them, ``got`` says which parameters got a gradient.
+    Its hooks live as long as it does (``remove_hooks`` at teardown).
+
+    Args:
+        on_packed: ZeRO-3: ``on_packed(unit)`` once a unit's gradients are packed (its
+            parameters may be freed), ``on_packed(None)`` at the end of backward.
+        on_shard_ready: offload: ``(unit, shard)`` once a backward's reduction of the unit
+            is final, to copy it to the host (runtime/copies.py).
+        before_shard_write: offload: ``(unit)`` before a reduction adds into a shard that
+            copy may still read.
+        forward_order: ZeRO-3: the units as the last forward ran them ([Note: one
+            reduction order]).
+        timing: labels and (under a monitor) times its regions.
+        guard: wraps backward's entry points: the gradient hooks, a unit's completion and
+            the end of backward (runtime/events.py).
+    """
 
     def __init__(self, comm, pool, units: list[Unit], stage: int, on_packed=None,
-                 reduce_dtype: torch.dtype | None = None, replicas=None):
+                 reduce_dtype: torch.dtype | None = None, replicas=None, on_shard_ready=None,
+                 before_shard_write=None, forward_order=None, timing=UNTIMED,
+                 guard=unguarded):
         self.comm, self.pool, self.units, self.stage = comm, pool, units, stage
+        self.timing = timing
+        # backward's entry points, through the guard (the hooks call these)
+        self.grad_arrived = guard(self._on_grad)
+        self.unit_done = guard(self.backward_done)
+        self._end = guard(self._end_backward)
         self.replicas = replicas               # HSDP: the replicate dimension's Comm
         self._to_average = None                # [Note: HSDP's average] (unit, work, ...)
         self.reduce_dtype = reduce_dtype       # None: the compute dtype
         # ZeRO-3 frees a unit's params once its gradients are packed (unit), or at the end
         # of backward (None).
         self.on_packed = on_packed
-        # Offload (ZeRO-2/3): on_shard_ready(unit, shard) starts the shard's copy to the
-        # host once a backward's reduction of it is final (runtime/copies.py).
-        self.on_shard_ready = None
-        # ... and before_shard_write(unit) orders a rewrite of the shard (accumulation)
-        # after that copy has read it: the copy runs on its own stream.
-        self.before_shard_write = None
+        self.on_shard_ready, self.before_shard_write = on_shard_ready, before_shard_write
         self.no_sync = False
         self.grad_shard: dict[Unit, torch.Tensor | None] = {}   # made at the first reduction
         # Slots that got a gradient on this rank since zero_grad (step.py's [Note:
@@ -124,7 +144,7 @@ class GradReducer:
         trainable = [u for u in units if u.trainable]
         self._order = trainable[-2::-1] + trainable[-1:]
         self._learned = False                   # _order is still the first backward's
-        self.forward_order = None               # ZeRO-3: the units as the last forward ran
+        self.forward_order = forward_order      # ZeRO-3: the units as the last forward ran
         self._completed: list[Unit] = []        # the first backward's, as they completed
         self._next = 0                          # _order's first unit not reduced yet
         self._reducing = False                  # this backward reduces
@@ -220,7 +240,7 @@ class GradReducer:
         if not self._learned and self.forward_order:
             ran = [u for u in reversed(self.forward_order()) if u in self._order]
             self._order = ran + [u for u in self._order if u not in ran]
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end)
         if self.stage == 1:
             self._drop_early()   # gradients accumulate again: an earlier reduction is stale
         if self.no_sync:
@@ -538,7 +558,7 @@ def _backward_done(reducer, ui: int, forward) -> None:
     """Holds neither the reducer nor the unit (see _on_grad)."""
     reducer = reducer()
     if reducer is not None:
-        reducer.backward_done(reducer.units[ui], forward)
+        reducer.unit_done(reducer.units[ui], forward)
 
 
 def _on_grad(reducer, ui: int, si: int, param) -> None:
@@ -549,5 +569,4 @@ def _on_grad(reducer, ui: int, si: int, param) -> None:
     reducer = reducer()
     if reducer is not None:
         unit = reducer.units[ui]
-        # (looked up per call: the runtime's failure watch wraps it)
-        reducer._on_grad(unit, unit.trainable[si], param)
+        reducer.grad_arrived(unit, unit.trainable[si], param)

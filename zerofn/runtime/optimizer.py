@@ -9,7 +9,11 @@ the updated rows after it.
 """
 from __future__ import annotations
 
+import types
+
 import torch
+
+from .events import unguarded
 
 # These mix elements across a tensor (factored moments, line searches, sparse rows), so
 # stepping a shard is not stepping the whole: refuse them.
@@ -34,10 +38,13 @@ def check_optimizer(optimizer, slot_of: dict) -> list[str]:
 
 
 class OptimizerWiring:
-    """Installs shard params, step hooks and a zero_grad that knows about shards."""
+    """Everything zerofn changes on the user's optimizer, in one place, with its exact
+    inverse (``restore``): shard params in its groups, step hooks, and on the instance a
+    ``step`` that announces itself and runs under the guard, a ``zero_grad`` that clears
+    the gradient shards, and ``scale`` (fp16 loss scaling)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, slot_of: dict, before_step, after_step,
-                 zero_grad, scaler=None):
+                 zero_grad, scaler=None, guard=unguarded, step_begin=lambda: None):
         self.optimizer = optimizer
         self.originals = [list(g["params"]) for g in optimizer.param_groups]
         self._swap_params({p: slot_of[p].opt_param for g in self.originals for p in g},
@@ -55,6 +62,16 @@ class OptimizerWiring:
             zero_grad()
 
         optimizer.zero_grad = sharded_zero_grad
+        own_step = optimizer.__dict__.get("step")
+        step = guard(optimizer.step)
+
+        def stepping(opt, *args, **kwargs):
+            step_begin()
+            return step(*args, **kwargs)
+
+        # A bound method, as torch's LR schedulers expect to find (they rebind its function).
+        optimizer.step = types.MethodType(stepping, optimizer)
+        self._step = (own_step, optimizer.step)
         # fp32 before scaling, as DeepSpeed does: an fp16 loss times 2**16 would itself be inf.
         optimizer.scale = (lambda loss: loss) if scaler is None else \
             (lambda loss: loss.float() * scaler.scale)
@@ -83,6 +100,12 @@ class OptimizerWiring:
             h.remove()
         del self.optimizer.zero_grad
         del self.optimizer.scale
+        own, ours = self._step
+        if self.optimizer.__dict__.get("step") == ours:   # (else wrapped again since: ours
+            if own is None:                                # stays, passing calls through)
+                del self.optimizer.step
+            else:
+                self.optimizer.step = own
         new_of = {}
         for group, originals in zip(self.optimizer.param_groups, self.originals):
             new_of.update(zip(group["params"], originals))

@@ -13,19 +13,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from .events import unguarded
+from .hooks import eager, in_backward, on_backward_begin
 from .timing import UNTIMED
 from .units import Unit
-
-# [Note: hooks under torch.compile] zerofn's hooks run eagerly in a compiled model, as
-# FSDP2's do (torch.compiler.disable): they gather, free and lend buffers, and record
-# progress, Python state that dynamo cannot trace; the model's graphs break around them.
-eager = torch.compiler.disable
-
-
-def in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class _SavedView:
@@ -38,11 +30,21 @@ class _SavedView:
 
 
 class ParamGatherer:
-    timing = UNTIMED     # runtime/timing.py
+    """ZeRO-3's gathers: ``pre_forward``/``post_forward`` around each unit's forward,
+    ``pre_backward`` when backward reaches a unit's outputs, ``end_backward`` after it.
+    Owns the gathered buffers (from the pool) between a unit's gather and its free; the
+    order units ran in (``order``) lives until the next complete forward.
+
+    Args:
+        timing: labels and (under a monitor) times its regions (runtime/timing.py).
+        guard: wraps the backward hook it registers (runtime/events.py).
+    """
 
     def __init__(self, comm, pool, units: list[Unit], prefetch: int, reshard_after_forward: bool,
-                 copies, staged: bool = False, reader=None):
+                 copies, staged: bool = False, reader=None, timing=UNTIMED, guard=unguarded):
         self.comm, self.pool, self.units = comm, pool, units
+        self.timing = timing
+        self._pre_backward = guard(self.pre_backward)
         self.staged = staged
         # Parameter offload: each host shard goes to the device on the copy stream when its
         # gather starts (a prefetch, mostly), and the gather follows it there (copies.py).
@@ -157,9 +159,7 @@ class ParamGatherer:
         if in_backward():
             return   # a checkpointed recompute: backward is about to use these params
         if torch.is_grad_enabled():
-            for t in tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(eager(lambda grad, u=unit: self.pre_backward(u)))
+            on_backward_begin(output, eager(lambda grad, u=unit: self._pre_backward(u)))
         if self.reshard_after_forward:
             self.free(unit)
         if is_root:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import sys
-import types
 from collections import Counter
 
 import torch
@@ -16,33 +15,25 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..failures import Watch
 from ..plan import Plan
+from .attach import attach, detach, is_transformed, runtime_of
 from .comm import Comm, device_problems
 from .copies import CopyStreams
+from .events import Observers, kinds
 from .grads import GradReducer, ZerofnUnitInputs
 from .host_malloc import return_large_frees
 from .materialize import Materializer, meta_state, rng_digest, target_device
+from .memory import model_state_bytes
 from .mesh import layout_of
 from .offload import cpu_adam_steps, make_offload, offload_problems
 from .optimizer import OptimizerWiring, check_optimizer
-from .params import ParamGatherer, eager
+from .hooks import eager, in_backward, on_backward_begin
+from .params import ParamGatherer
 from .pool import BufferPool
 from .precision import LossScaler
 from .step import StepGrads
 from .timing import UNTIMED
 from .units import build_units, gather_from_ranks
-
-ATTR = "_zerofn"
-
-
-def runtime_of(model: nn.Module) -> "Runtime":
-    rt = model.__dict__.get(ATTR)
-    if rt is None:
-        raise ValueError("This model has not been transformed by zerofn; apply e.g. "
-                         "zerofn.shard_optimizer() to (model, optimizer) first.")
-    return rt
-
 
 def apply_plan(model: nn.Module, optimizer, edits):
     if not isinstance(model, nn.Module):
@@ -51,7 +42,7 @@ def apply_plan(model: nn.Module, optimizer, edits):
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"zerofn transforms take (model, optimizer); got "
                         f"{type(optimizer).__name__} as the optimizer.")
-    old = model.__dict__.get(ATTR)
+    old = runtime_of(model) if is_transformed(model) else None
     plan = old.plan if old is not None else Plan()
     for edit in edits:
         plan = edit(plan)
@@ -72,8 +63,21 @@ def apply_plan(model: nn.Module, optimizer, edits):
 
 
 class Runtime:
-    timing = UNTIMED     # labels only; a monitor's Timing with zf.tensorboard
-    monitor = None
+    """What a plan becomes on one model and optimizer: units, buffers, hooks and the
+    rewired optimizer. Built by ``apply_plan`` (the transforms), found by ``runtime_of``,
+    undone by ``restore`` (when another transform is applied on top); it lives on the
+    model in between.
+
+    What the rest of zerofn may use (everything else is its own):
+        attributes: ``model``, ``optimizer``, ``plan``, ``device``, ``group`` (every rank
+        of the layout), ``world`` and ``rank`` (of the shard group), ``replica_world``,
+        ``backend``, ``units``, ``observers``;
+        the step: ``step_skipped()``, ``loss_scale()``, ``comm_stats()``,
+        ``model_state_bytes()``, ``time_series()``, ``grad_norm(total)``, ``set_step(step)``,
+        ``in_phase(name, fn, *args)``, ``observer(cls)``, ``no_sync()``;
+        state: ``slots_by_name()``, ``full_tensor(...)``, ``gather_unit(...)``,
+        ``prepare_state_dict()``, ``refresh_params()``, ``init_optimizer_state()``.
+    """
 
     def __init__(self, model: nn.Module, optimizer, plan: Plan):
         self.model, self.optimizer, self.plan = model, optimizer, plan
@@ -89,16 +93,27 @@ class Runtime:
         if self.device.type == "cpu":
             return_large_frees()     # [Note: mmap threshold] in host_malloc.py
         self.mesh, self.placements, self.group = layout.mesh, layout.placements, layout.everyone
-        self.watch = Watch(self.group, sharding.timeout, (layout.shard, layout.replicate))
+        self.groups = (layout.shard, layout.replicate)    # the groups collectives run on
         # HSDP: the replicate dimension, over which the reduced shards are averaged.
         self.replicas = None if layout.replicate is None \
             else Comm(layout.replicate, sharding.bucket_size, self.device)
+        self.replica_world = 1 if self.replicas is None else self.replicas.world
         self.rank, self.world = self.comm.rank, self.comm.world
+        self.backend = self.comm.backend
         self.meta = meta_state(model) is True      # built on the meta device: materialize
         units, problems = self._build_units()
         self._agree_across_ranks(problems)
+        # [Note: observers] in events.py
+        self.observers = Observers([o for kind in kinds() if (o := kind.attach(self))])
+        self.timing = self.observers.timing or UNTIMED
         if sharding.sync_module_states and not self.meta:
             self._broadcast_module_states()
+        self._build(units)
+        attach(model, self)
+
+    def _build(self, units) -> None:
+        """The parts, each given the timing and guard the observers offer."""
+        timing, guard, plan = self.timing, self.observers.guard, self.plan
         self.units = units
         self.root = units[-1]
         self.pool = BufferPool()
@@ -108,35 +123,32 @@ class Runtime:
         self._sharded_params = [u for u in units
                                 if self.stage == 3 and not u.replicated and u.slots]
         self.offload = self._make_offload(units)
-        self.copies = CopyStreams(self.device, units)
-        self.copies.offloaded = self.offload is not None
+        self.copies = CopyStreams(self.device, units, self.offload is not None, timing)
         self._refreshed = False     # the step refreshed each unit's compute params
         self.gatherer = self._make_gatherer()
         self.flats: list[FlatBuffers] = []    # the device's flat masters and shards
         self._lay_out_shards()
         self.slot_of = {s.param: s for u in units for s in u.slots}
-        self.reducer = GradReducer(self.comm, self.pool, units, self.stage,
-                                   self._on_packed if self.stage == 3 else None,
-                                   plan.precision.reduce_dtype, self.replicas)
+        offloaded = self.offload is not None
+        self.reducer = GradReducer(
+            self.comm, self.pool, units, self.stage,
+            self._on_packed if self.stage == 3 else None, plan.precision.reduce_dtype,
+            self.replicas,
+            on_shard_ready=(lambda unit, shard: self.step_grads.shard_ready(unit, shard))
+            if offloaded else None,
+            before_shard_write=self.copies.before_device_write if offloaded else None,
+            forward_order=(lambda g=self.gatherer: g.order) if self.gatherer else None,
+            timing=timing, guard=guard)
         self.scaler = _loss_scaler(plan)
         self.step_grads = StepGrads(self.comm, self.pool, units, self.reducer, self.scaler,
-                                    self.device, self.copies, self.offload, self.replicas)
-        if self.offload is not None:
-            self.reducer.on_shard_ready = self.step_grads.shard_ready
-            self.reducer.before_shard_write = self.copies.before_device_write
-        if self.gatherer is not None:
-            self.reducer.forward_order = lambda g=self.gatherer: g.order
-        self.opt = OptimizerWiring(optimizer, self.slot_of, self.before_step, self.after_step,
-                                   self.zero_grad, self.scaler)
-        if self.offload is not None:
-            self.offload.register_state(optimizer)
-        self._hooks = self._register_forward_hooks()
-        self._hooks += self.watch.attach(model, optimizer, self.reducer, self.gatherer)
-        if plan.monitor.log_dir is not None:
-            self._attach_monitor()
-        model.__dict__[ATTR] = self
-        model.__dict__["no_sync"] = types.MethodType(_no_sync, model)
-        model.__dict__["zero_grad"] = types.MethodType(_zero_grad, model)
+                                    self.device, self.copies, self.offload, self.replicas,
+                                    timing)
+        self.opt = OptimizerWiring(self.optimizer, self.slot_of, self.before_step,
+                                   self.after_step, self.zero_grad, self.scaler,
+                                   guard, self.observers.step_begin)
+        if offloaded:
+            self.offload.register_state(self.optimizer)
+        self._hooks = self._register_forward_hooks() + self._register_model_hooks()
 
     # -- set-up ----------------------------------------------------------------------
     def _build_units(self):
@@ -153,9 +165,9 @@ class Runtime:
             return [], [str(e)]
         slot_of = {s.param: s for u in units for s in u.slots}
         problems += check_optimizer(self.optimizer, slot_of)
-        from ..monitor import monitor_problems     # (it imports this module)
-        problems += monitor_problems(self.plan, self.device, dist.get_rank(self.group),
-                                     dist.get_world_size(self.group))
+        for kind in kinds():    # [Note: observers]
+            problems += kind.preflight(self.plan, self.device, dist.get_rank(self.group),
+                                       dist.get_world_size(self.group))
         problems += offload_problems(self.plan.offload, self.optimizer, units,
                                      self._offloaded_param_dtypes(units))
         return units, problems
@@ -267,27 +279,19 @@ class Runtime:
             if old in opt.state:
                 opt.state[new] = opt.state.pop(old)
 
-    def _attach_monitor(self) -> None:
-        """zf.tensorboard: the monitor's timing replaces every part's labels-only one."""
-        from ..monitor import Monitor
-        self.monitor = Monitor(self)
-        for part in (self, self.reducer, self.gatherer, self.copies, self.offload,
-                     self.step_grads):
-            if part is not None:
-                part.timing = self.monitor.timing
-
     def _make_gatherer(self) -> ParamGatherer | None:
         if self.stage != 3:
             return None
         return ParamGatherer(self.comm, self.pool, self.units, self.plan.sharding.prefetch,
                              self.plan.sharding.reshard_after_forward, self.copies,
                              staged=self.plan.offload.params,
-                             reader=self.offload.param_reader if self.offload else None)
+                             reader=self.offload.param_reader if self.offload else None,
+                             timing=self.timing, guard=self.observers.guard)
 
     def _make_offload(self, units):
         return make_offload(self.plan.offload, units, self.optimizer, self._host_grad_dtype,
                             self._offloaded_param_dtypes(units), self.plan.precision.param_dtype,
-                            dist.get_rank())
+                            dist.get_rank(), self.timing)
 
     def _offloaded_param_dtypes(self, units) -> dict:
         """ZeRO-3 parameter offload: each sharded unit's compute dtype (what NVMe stores)."""
@@ -339,8 +343,8 @@ class Runtime:
             if unit.replicated:
                 continue   # persistent params are whole: nothing to gather
             is_root = unit is self.root
-            pre = self.watch.guarded(self._pre_forward, unit.name)
-            post = self.watch.guarded(self._post_forward, unit.name)
+            pre = self.observers.guard(self._pre_forward, unit.name)
+            post = self.observers.guard(self._post_forward, unit.name)
             # [Note: hooks under torch.compile]
             handles.append(unit.module.register_forward_pre_hook(
                 eager(lambda m, a, k, u=unit, r=is_root: pre(u, r, a, k)), prepend=True,
@@ -348,6 +352,34 @@ class Runtime:
             handles.append(unit.module.register_forward_hook(
                 eager(lambda m, a, o, u=unit, r=is_root: post(u, r, o)), always_call=True))
         return handles
+
+    def _register_model_hooks(self):
+        """The observers' forward and backward events ([Note: observers]), for every stage.
+        An observer hears of a forward before its first gather, and of backward once
+        ZeRO-3 has gathered the root unit again: registered after the units' hooks, the
+        backward hook on the outputs runs after theirs (so a rank waiting in that gather
+        is still in forward to the failure watch, as it was before backward began)."""
+        return [self.model.register_forward_pre_hook(eager(self._forward_begins),
+                                                     prepend=True),
+                self.model.register_forward_hook(eager(self._forward_ends), always_call=True)]
+
+    def _forward_begins(self, module, args) -> None:
+        if not in_backward():   # (a checkpointed recompute is part of backward)
+            self.observers.forward_begin()
+
+    def _forward_ends(self, module, args, output=None) -> None:
+        if in_backward():
+            return
+        raised = sys.exc_info()[1]    # the forward raised: the hook runs anyway
+        self.observers.forward_end(raised)
+        if raised is None and torch.is_grad_enabled():
+            heard = []
+
+            def backward_begins(grad):
+                if not heard:          # (once per forward, whatever its outputs)
+                    heard.append(True)
+                    self.observers.backward_begin()
+            on_backward_begin(output, eager(backward_begins))
 
     # -- forward ---------------------------------------------------------------------
     def _pre_forward(self, unit, is_root: bool, args: tuple, kwargs: dict):
@@ -431,17 +463,7 @@ class Runtime:
         self.comm.end_step()
         if self.replicas is not None:
             self.replicas.end_step()
-        if self.monitor is not None:
-            self.monitor.step_done()
-        self.watch.step_done()
-
-    def last_step_traffic(self) -> Counter:
-        """``zf.comm_stats``: the shard dimension's counts, HSDP's replicate dimension's
-        as ``replicate.<kind>``."""
-        out = Counter(self.comm.last_step)
-        if self.replicas is not None:
-            out.update({f"replicate.{k}": v for k, v in self.replicas.last_step.items()})
-        return out
+        self.observers.step_done()
 
     def _host_grad_dtype(self, unit) -> torch.dtype:
         """Gradients land on the host in the reduce dtype when CPU Adam reads them (scaled
@@ -555,21 +577,89 @@ class Runtime:
         self.comm.all_gather(out, mine)
         return out[:slot.numel].view(slot.shape).to(device or local.device, copy=True)
 
+    # -- the public surface (see the class docstring) ---------------------------------
+    def step_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (an fp16 overflow on any rank)."""
+        return self.step_grads.overflow
+
+    def loss_scale(self) -> float | None:
+        """fp16's current loss scale (None without loss scaling)."""
+        return None if self.scaler is None else self.scaler.scale
+
+    def comm_stats(self) -> Counter:
+        """``zf.comm_stats``: the shard dimension's counts of the last step, HSDP's
+        replicate dimension's as ``replicate.<kind>``."""
+        out = Counter(self.comm.last_step)
+        if self.replicas is not None:
+            out.update({f"replicate.{k}": v for k, v in self.replicas.last_step.items()})
+        return out
+
+    def model_state_bytes(self) -> dict[str, dict[str, int]]:
+        """``zf.model_state_bytes``, measured (runtime/memory.py)."""
+        return model_state_bytes(self)
+
+    def time_series(self) -> tuple[str, ...]:
+        """The timing series the offload's work fills, beyond every run's."""
+        return self.offload.time_series if self.offload is not None else ()
+
+    def slots_by_name(self) -> dict:
+        """Every state-dict name of every parameter: a module under two parents (or two
+        names) lends its parameters each of its names."""
+        names: dict[nn.Module, list[str]] = {}
+        for n, m in self.model.named_modules(remove_duplicate=False):
+            names.setdefault(m, []).append(n)
+        out = {}
+        for slot in self.slot_of.values():
+            for module, pname in slot.owners:
+                for prefix in names[module]:
+                    out[f"{prefix}.{pname}" if prefix else pname] = slot
+        return out
+
+    def grad_norm(self, total: torch.Tensor) -> None:
+        """``zf.clip_grad_norm_`` measured this step's norm: the observers hear of it."""
+        self.observers.grad_norm(total)
+
+    def set_step(self, step: int) -> None:
+        """The next optimizer step is number ``step`` (a resumed run's own count)."""
+        self.observers.set_step(step)
+
+    def in_phase(self, name: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` as a phase of the job's own between steps (a checkpoint
+        save): the observers record it, and its errors pass through their guards."""
+        self.observers.phase(name)
+        return self.observers.guard(fn)(*args, **kwargs)
+
+    def observer(self, cls):
+        """This runtime's observer of class ``cls``, or None."""
+        return self.observers.find(cls)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """``model.no_sync()``: backward reduces nothing inside."""
+        before, self.reducer.no_sync = self.reducer.no_sync, True
+        try:
+            yield
+        finally:
+            self.reducer.no_sync = before
+
+    def init_optimizer_state(self) -> None:
+        """Create the optimizer's state (a zero step) where it has none yet, so a load
+        has tensors to load into."""
+        self.opt.init_state()
+
     # -- teardown ----------------------------------------------------------------------
     def restore(self) -> None:
         """Undo this runtime: full parameters and full optimizer state, no hooks.
 
         Used when another transform is applied on top, so the combined plan is built afresh.
         """
-        if self.monitor is not None:
-            self.monitor.close()
+        self.observers.close()
         self.prepare_state_dict()
         self.step_grads.prepare()
         self.step_grads.release()
         for h in self._hooks:
             h.remove()
         self.reducer.remove_hooks()
-        self.watch.detach()
         for unit in self.units:
             for s in unit.slots:
                 s.param.data = self.full_tensor(s, s.opt_param.detach(), unit.device)
@@ -579,9 +669,7 @@ class Runtime:
         # Optimizer state goes where torch.optim keeps it: with the parameter.
         self.opt.restore(lambda shard, v: self.full_tensor(slot_of_opt[shard], v, self.device)
                          if torch.is_tensor(v) and v.shape == shard.shape and v.dim() > 0 else v)
-        del self.model.__dict__[ATTR]
-        del self.model.__dict__["no_sync"]
-        del self.model.__dict__["zero_grad"]
+        detach(self.model)
         self.pool.clear()
 
 
@@ -619,25 +707,6 @@ def _explain_in_place(exc: BaseException, unit) -> None:
         return
     exc.add_note(f"{lead}, and unit {unit.name!r} (or a module inside it) did: write "
                  f"`x = x * s`, not `x *= s` (docs/design.md §3).")
-
-
-def _zero_grad(model: nn.Module, set_to_none: bool = True) -> None:
-    """``model.zero_grad()`` clears what ``optimizer.zero_grad()`` clears: the reduced
-    gradient shards too, which torch's own would leave for the next backward to add to."""
-    nn.Module.zero_grad(model, set_to_none)
-    runtime_of(model).zero_grad()
-
-
-@contextlib.contextmanager
-def _no_sync(model: nn.Module):
-    """Skip gradient reduction in backward, like DDP's ``no_sync``: gradients accumulate
-    locally and are reduced by the first backward outside the context."""
-    reducer = runtime_of(model).reducer
-    before, reducer.no_sync = reducer.no_sync, True
-    try:
-        yield
-    finally:
-        reducer.no_sync = before
 
 
 def _loss_scaler(plan: Plan) -> LossScaler | None:

@@ -43,11 +43,19 @@ from .units import ParamSlot
 
 
 class StepGrads:
-    timing = UNTIMED     # runtime/timing.py
+    """The step's gradients (``grads``: slot to reduced rows, or None where no rank got
+    one) and verdict (``overflow``), from ``prepare``/``settle`` until ``release``.
+
+    Args:
+        offload: where gradients land on the host (runtime/offload), or None.
+        replicas: HSDP's replicate dimension, over which the vote is taken too.
+        timing: labels and (under a monitor) times the overflow check and the vote.
+    """
 
     def __init__(self, comm, pool, units, reducer, scaler, device, copies, offload=None,
-                 replicas=None):
+                 replicas=None, timing=UNTIMED):
         self.comm, self.pool, self.units, self.reducer = comm, pool, units, reducer
+        self.timing = timing
         self.replicas = replicas   # HSDP: the verdict is voted over both dimensions
         self.scaler, self.device, self.copies, self.offload = scaler, device, copies, offload
         self.grads: dict[ParamSlot, torch.Tensor | None] = {}

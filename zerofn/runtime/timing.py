@@ -145,6 +145,9 @@ class Timing(Untimed):
             clock.add(w.wait_series, before, after)
         clock.add("comm/" + w.kind, w.start, after)
 
+    def is_open(self, phase: str) -> bool:
+        return phase in self._open
+
     def begin(self, phase):
         if phase not in self._open:
             region = label(phase)

@@ -21,12 +21,12 @@ def offload_problems(policy, optimizer, units, param_dtypes: dict) -> list[str]:
 
 
 def make_offload(policy, units, optimizer, grad_dtype_of, param_dtypes: dict,
-                 compute_dtype, rank: int) -> Offload | None:
-    """The offload ``policy`` names (None where it names none). ``rank``, the global one,
-    names NVMe's swap file: HSDP's replicas share shard ranks."""
+                 compute_dtype, rank: int, timing) -> Offload | None:
+    """The offload ``policy`` names (None where it names none), timed by ``timing``.
+    ``rank``, the global one, names NVMe's swap file: HSDP's replicas share shard ranks."""
     if policy.device == "nvme":
         return NvmeOffload(units, optimizer, policy.path, rank, policy.units_in_flight,
-                           grad_dtype_of, param_dtypes, compute_dtype)
+                           grad_dtype_of, param_dtypes, compute_dtype, timing)
     if policy.device == "cpu":
-        return HostOffload(units, grad_dtype_of, optimizer, compute_dtype)
+        return HostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing)
     return None

@@ -85,7 +85,7 @@ class Offload(abc.ABC):
         time_series: the monitor's series this offload's work fills.
     """
 
-    timing = UNTIMED     # runtime/timing.py
+    timing = UNTIMED     # runtime/timing.py: the runtime's, given to the constructor
     grads: dict
     cpu_adam: bool
     param_reader = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..pinned import pins
+from ..timing import UNTIMED
 from ..units import Unit
 from .adam import adam_unit, groups_by_param
 from .base import HostArena, Offload, cpu_adam_steps, decoupled_weight_decay, device_of
@@ -28,7 +29,9 @@ class HostOffload(Offload):
 
     time_series = ("d2h", "h2d")
 
-    def __init__(self, units: list[Unit], grad_dtype_of, optimizer, compute_dtype=None):
+    def __init__(self, units: list[Unit], grad_dtype_of, optimizer, compute_dtype=None,
+                 timing=UNTIMED):
+        self.timing = timing
         self.cpu_adam = cpu_adam_steps(optimizer)
         self.decoupled = decoupled_weight_decay(optimizer)
         if self.cpu_adam:

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..pinned import host_buffer, pins
+from ..timing import UNTIMED
 from .adam import adam_unit, groups_by_param
 from .base import HostArena, Offload, decoupled_weight_decay, device_of
 from .nvme_file import FLOAT, SwapFile, block_bytes, state_bytes
@@ -48,7 +49,9 @@ class NvmeOffload(Offload):
     time_series = ("d2h", "h2d", "cpu_adam", "nvme_read", "nvme_write")
 
     def __init__(self, units, optimizer, path: str, rank: int, in_flight: int, grad_dtype_of,
-                 param_dtypes: dict | None = None, compute_dtype: torch.dtype | None = None):
+                 param_dtypes: dict | None = None, compute_dtype: torch.dtype | None = None,
+                 timing=UNTIMED):
+        self.timing = timing     # (its I/O threads use its host clock)
         self.decoupled = decoupled_weight_decay(optimizer)
         pin = pins(device_of(units))     # what the device reads and writes is page-locked
         self.grads, self._arenas = {}, []

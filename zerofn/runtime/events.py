@@ -1,0 +1,139 @@
+"""What a runtime announces, and how observers from outside it subscribe.
+
+[Note: observers] The runtime does not know the TensorBoard monitor or the failure watch:
+it imports neither. Each registers a kind here (``register``) when its module is imported
+(``import zerofn`` imports both); the runtime asks every kind at set-up whether the plan
+is fine for it (``preflight``, raised on every rank before any collective) and whether
+to attach (``attach``), then tells the observers what happens through ``StepObserver``'s
+methods. An observer that times regions offers its ``Timing``, which the runtime passes
+to its parts when it builds them; one that guards calls offers ``guard``, which wraps the
+entry points backward's hooks and the step go through. Nothing is patched in place.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+
+class StepObserver:
+    """Told what a runtime does; every method is a no-op unless overridden.
+
+    Attributes:
+        timing: a ``runtime.timing.Timing`` to time the runtime's regions with, or None.
+    """
+
+    timing = None
+
+    def forward_begin(self) -> None:
+        """The model's forward starts (not a recompute inside backward)."""
+
+    def forward_end(self, raised: BaseException | None) -> None:
+        """The model's forward ended; ``raised`` is what it raised, if it did."""
+
+    def backward_begin(self) -> None:
+        """Backward reached the model's output (once per backward)."""
+
+    def step_begin(self) -> None:
+        """``optimizer.step()`` starts."""
+
+    def step_done(self) -> None:
+        """``optimizer.step()`` is done (skipped or not)."""
+
+    def grad_norm(self, total: torch.Tensor) -> None:
+        """``zf.clip_grad_norm_`` measured this step's total norm."""
+
+    def phase(self, name: str) -> None:
+        """The job entered a phase of its own between steps (``"checkpoint save"``)."""
+
+    def set_step(self, step: int) -> None:
+        """The next optimizer step is number ``step`` (a resumed run counts on)."""
+
+    def guard(self, fn: Callable, unit: str | None = None) -> Callable:
+        """``fn`` as it should be called from hooks and the step (``unit``: the unit the
+        call is for). The default leaves it as it is."""
+        return fn
+
+    def close(self) -> None:
+        """The runtime is undone; let go of what is held."""
+
+
+def unguarded(fn: Callable, unit: str | None = None) -> Callable:
+    """The guard of a runtime nobody observes: ``fn`` as it is."""
+    return fn
+
+
+class ObserverKind(Protocol):
+    """What ``register`` takes: a class (or any object) with these two methods."""
+
+    def preflight(self, plan, device: torch.device, rank: int, world: int) -> list[str]:
+        """What stops this observer under ``plan`` on this rank ([] if nothing)."""
+
+    def attach(self, runtime) -> StepObserver | None:
+        """An observer of ``runtime`` (its layout and plan are known), or None."""
+
+
+_KINDS: list = []
+
+
+def register(kind: ObserverKind) -> ObserverKind:
+    """Make every runtime built from now on ask ``kind`` (usable as a class decorator)."""
+    if kind not in _KINDS:
+        _KINDS.append(kind)
+    return kind
+
+
+def kinds() -> tuple:
+    return tuple(_KINDS)
+
+
+class Observers(StepObserver):
+    """The observers of one runtime, told as one."""
+
+    def __init__(self, observers: list[StepObserver]):
+        self.all = observers
+        self.timing = next((o.timing for o in observers if o.timing is not None), None)
+
+    def find(self, cls) -> StepObserver | None:
+        return next((o for o in self.all if isinstance(o, cls)), None)
+
+    def forward_begin(self) -> None:
+        for o in self.all:
+            o.forward_begin()
+
+    def forward_end(self, raised) -> None:
+        for o in self.all:
+            o.forward_end(raised)
+
+    def backward_begin(self) -> None:
+        for o in self.all:
+            o.backward_begin()
+
+    def step_begin(self) -> None:
+        for o in self.all:
+            o.step_begin()
+
+    def step_done(self) -> None:
+        for o in self.all:
+            o.step_done()
+
+    def grad_norm(self, total) -> None:
+        for o in self.all:
+            o.grad_norm(total)
+
+    def phase(self, name: str) -> None:
+        for o in self.all:
+            o.phase(name)
+
+    def set_step(self, step: int) -> None:
+        for o in self.all:
+            o.set_step(step)
+
+    def guard(self, fn, unit=None):
+        for o in self.all:
+            fn = o.guard(fn, unit)
+        return fn
+
+    def close(self) -> None:
+        for o in self.all:
+            o.close()
