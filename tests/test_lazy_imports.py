@@ -1,5 +1,5 @@
-"""``import zerofn`` leaves the DeepSpeed adapter unloaded until one of its names is used;
-each check runs in a fresh interpreter."""
+"""``import zerofn`` leaves the DeepSpeed adapter unloaded, and ``import zerofn.deepspeed``
+its engine, until one of their names is used; each check runs in a fresh interpreter."""
 from __future__ import annotations
 
 import os
@@ -39,3 +39,18 @@ assert not hasattr(zerofn, "no_such_name")   # an AttributeError, as for any mod
 def test_submodule_attribute_works_without_importing_it():
     run("import zerofn\nassert zerofn.deepspeed.initialize.__module__ == 'zerofn.deepspeed.engine'")
 
+
+def test_deepspeed_loads_its_engine_on_first_use():
+    run("""
+import sys
+import zerofn.deepspeed as deepspeed
+assert "zerofn.deepspeed.engine" not in sys.modules
+assert {"initialize", "DeepSpeedEngine", "engine"} <= set(dir(deepspeed))
+init = deepspeed.initialize
+engine = sys.modules["zerofn.deepspeed.engine"]
+assert init is engine.initialize and deepspeed.engine is engine
+from zerofn.deepspeed import DeepSpeedEngine, add_config_arguments, init_distributed
+assert DeepSpeedEngine is engine.DeepSpeedEngine
+assert all(hasattr(deepspeed, name) for name in deepspeed.__all__)
+assert not hasattr(deepspeed, "no_such_name")
+""")
