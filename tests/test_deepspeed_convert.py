@@ -21,7 +21,7 @@ import torch.distributed as dist
 import zerofn as zf
 from models import worst
 from multiproc import run_ranks
-from zerofn.deepspeed import convert as convert_module
+from zerofn.deepspeed import ds_files, ds_read
 from zerofn.deepspeed.convert import convert, main, read_checkpoint
 from zerofn.runtime.optimizer import SCALER_KEY
 
@@ -97,7 +97,7 @@ def test_weights_moments_and_steps_equal_deepspeeds(converted, name):
     if case.parameter_alignment:   # the layout this case is for: padding between parameters
         file = os.path.join(checkpoint_dir(name), "global_step3",
                             "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
-        osd = convert_module._load(file, "optimizer_state_dict")["optimizer_state_dict"]
+        osd = ds_files.load_file(file, "optimizer_state_dict")["optimizer_state_dict"]
         assert any(any(group) for group in osd["param_alignment_paddings"])
     # zero_to_fp32 drops ZeRO-1's frozen parameters; the module state keeps them.
     assert ck.model["pos.weight"].shape == (TOOL.CONFIG["context"], TOOL.CONFIG["width"])
@@ -256,20 +256,20 @@ def test_step_dir_and_tag_are_accepted(tmp_path, capsys):
 
 def patched_load(monkeypatch, change):
     """Read the committed files, then ``change(key, data)`` before the converter sees them."""
-    real = convert_module._load
+    real = ds_read.load_file
 
     def load(path, key):
         data = real(path, key)
         change(key, data)
         return data
 
-    monkeypatch.setattr(convert_module, "_load", load)
+    monkeypatch.setattr(ds_read, "load_file", load)
 
 
 def test_client_state_that_cannot_ride_along_is_dropped_and_said(monkeypatch):
     def change(key, data):
         if key == "param_shapes":   # the model file: three more client-state keys
-            scaler = type("DynamicLossScaler", (convert_module._StandIn,),
+            scaler = type("DynamicLossScaler", (ds_files.StandIn,),
                           {"path": "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"})
             data.update(step=7, deepspeed="mine", scaler={"inner": [scaler()]})
     patched_load(monkeypatch, change)

@@ -135,7 +135,7 @@ def model_specs(draw):
 
 @st.composite
 def deepspeed_knobs(draw, spec):
-    """The other zerofn options DeepSpeed configs set (zerofn/deepspeed/config.py): the
+    """The other zerofn options DeepSpeed configs set (zerofn/deepspeed/config/mapping.py): the
     reduce and prefetch bucket sizes as ``bucket_size`` (1: each collective waits for the
     one before), stage3_prefetch_bucket_size 0 as ``prefetch=0``, and offload_param's
     buffer_count as NVMe's ``units_in_flight``; None leaves the default."""

@@ -7,7 +7,6 @@
 from .accounting import comm_stats, model_state_bytes
 from .checkpoint import PerRank, RNGState, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from .clip import clip_grad_norm_
-from .deepspeed.config import from_deepspeed_config
 from .estimate import estimate_model_state_bytes
 from .failures import RankFailure
 from .monitor import flush_logs, log, set_log_step
@@ -24,3 +23,19 @@ __all__ = [
     "PerRank", "RNGState", "load_pretrained", "save_pretrained", "from_deepspeed_config",
     "RankFailure",
 ]
+
+# The DeepSpeed adapter (config reader, engine, checkpoint converter) loads on first use of
+# these names (PEP 562): most programs never need it.
+_LAZY = ("deepspeed", "from_deepspeed_config")
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .deepspeed.config import from_deepspeed_config   # binds "deepspeed" here as well
+    globals()["from_deepspeed_config"] = from_deepspeed_config
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

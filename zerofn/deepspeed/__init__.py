@@ -8,12 +8,30 @@ A DeepSpeed script runs on zerofn with one changed line::
 does; ``from_deepspeed_config`` reads a ``ds_config.json`` into a zerofn transform for
 those who keep their own loop. See docs/deepspeed.md.
 """
+import importlib
+
 from torch import distributed as comm
 
 from . import checkpointing, utils
 from .config import DeepSpeedConfigWarning, DeepSpeedSettings, from_deepspeed_config
-from .engine import DeepSpeedEngine, add_config_arguments, init_distributed, initialize
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine",
            "from_deepspeed_config", "DeepSpeedSettings", "DeepSpeedConfigWarning",
            "checkpointing", "comm", "utils"]
+
+# The engine loads on first use of its names (PEP 562): reading a config, activation
+# checkpointing and the checkpoint converter never need it.
+_FROM_ENGINE = ("initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine")
+
+
+def __getattr__(name: str):
+    if name != "engine" and name not in _FROM_ENGINE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    engine = importlib.import_module(".engine", __name__)   # binds "engine" here as well
+    for each in _FROM_ENGINE:
+        globals()[each] = getattr(engine, each)
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_FROM_ENGINE) | {"engine"})

@@ -1,6 +1,6 @@
 """DeepSpeed 0.19.8's config keys, as zerofn sorts them: acted on, monitoring, ignored, removed.
 
-Data only; ``config.py`` reads a config against these tables. The table in
+Data only; ``config/`` reads a config against these tables. The table in
 ``docs/deepspeed.md`` says the same thing for people.
 
 An ignored key is reported only when its value asks for something zerofn does not do:
@@ -169,6 +169,7 @@ BF16_KNOWN = frozenset(("enabled",)) | frozenset(BF16_IGNORED)
 # -- the rest -------------------------------------------------------------------------------
 OPTIMIZER_KNOWN = frozenset(("type", "params", "legacy_fusion"))
 SCHEDULER_KNOWN = frozenset(("type", "params"))
+WRITER_KNOWN = frozenset(("enabled", "output_path", "job_name"))   # tensorboard, csv_monitor
 ACTIVATION_CHECKPOINTING_DEFAULTS = {
     "partition_activations": False, "contiguous_memory_optimization": False,
     "cpu_checkpointing": False, "number_checkpoints": None,

@@ -1,0 +1,82 @@
+"""Reading a DeepSpeed config in: the dict, file or base64 it comes as, and the checks
+DeepSpeed makes or skips before using it (duplicate keys, removed keys, unknown keys)."""
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import difflib
+import json
+import os
+import warnings
+
+from .. import keys as K
+from .settings import DeepSpeedConfigWarning
+
+
+def load_config(config_or_path) -> dict:
+    """A private copy of the config: a dict, a JSON file's path, or base64 JSON (as DeepSpeed
+    accepts). Duplicate keys in a file are an error, as in DeepSpeed."""
+    if isinstance(config_or_path, dict):
+        return copy.deepcopy(config_or_path)
+    if isinstance(config_or_path, (str, os.PathLike)):
+        path = os.fspath(config_or_path)
+        if os.path.exists(path):
+            with open(path) as f:
+                return json.load(f, object_pairs_hook=_no_duplicates)
+        try:
+            return json.loads(base64.urlsafe_b64decode(path).decode("utf-8"),
+                              object_pairs_hook=_no_duplicates)
+        except (binascii.Error, UnicodeDecodeError, ValueError):
+            pass
+    raise ValueError(f"A DeepSpeed config is a dict, the path of a JSON file or base64 JSON; "
+                     f"got {config_or_path!r} (no such file).")
+
+
+def _no_duplicates(pairs) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"DeepSpeed config: key {key!r} appears twice in one section.")
+        out[key] = value
+    return out
+
+
+def reject_removed(config: dict) -> None:
+    removed = [k for k in K.REMOVED if k in config]
+    if removed:
+        raise ValueError(f"DeepSpeed config: {removed} were removed from DeepSpeed (0.19.8 "
+                         f"refuses them too); delete them from the config.")
+
+
+# -- unknown keys -------------------------------------------------------------------------
+def _sections(config: dict):
+    """``(dotted prefix, section dict, its known keys)`` for every section zerofn checks."""
+    yield "", config, K.TOP_KNOWN
+    zero = config.get("zero_optimization")
+    if isinstance(zero, dict):
+        yield "zero_optimization.", zero, K.ZERO_KNOWN
+        for name, known in (("offload_optimizer", K.OFFLOAD_OPTIMIZER_KNOWN),
+                            ("offload_param", K.OFFLOAD_PARAM_KNOWN)):
+            if isinstance(zero.get(name), dict):
+                yield f"zero_optimization.{name}.", zero[name], known
+    for name, known in (("fp16", K.FP16_KNOWN), ("bf16", K.BF16_KNOWN),
+                        ("bfloat16", K.BF16_KNOWN), ("optimizer", K.OPTIMIZER_KNOWN),
+                        ("scheduler", K.SCHEDULER_KNOWN),
+                        ("activation_checkpointing", K.ACTIVATION_CHECKPOINTING_KNOWN),
+                        ("tensorboard", K.WRITER_KNOWN), ("csv_monitor", K.WRITER_KNOWN)):
+        if isinstance(config.get(name), dict):
+            yield f"{name}.", config[name], known
+
+
+def warn_unknown(config: dict) -> None:
+    """One warning per key DeepSpeed would ignore silently (a typo, usually), naming the
+    closest known key."""
+    for prefix, section, known in _sections(config):
+        for key in section:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+                hint = f"did you mean {prefix}{close[0]!r}?" if close else \
+                    "no known key is close to it"
+                warnings.warn(f"DeepSpeed config: unknown key {prefix}{key!r} (DeepSpeed would "
+                              f"ignore it silently); {hint}", DeepSpeedConfigWarning, stacklevel=4)
