@@ -32,17 +32,9 @@ import zerofn as zf
 from zerofn.data import load_corpus, sample_batch, split
 from zerofn.estimate import ROLES, estimate_placement
 from zerofn.failures import DEFAULT_TIMEOUT, RankFailure, default_store, translate
-from zerofn.nanogpt import GPT, GPTConfig, init_weights
+from zerofn.nanogpt import GPT, PRESETS, GPTConfig, init_weights
 from zerofn.runtime.runtime import runtime_of
 
-# Byte-level GPTs (vocabulary 256); the larger ones are sized to their names.
-MODELS = {
-    "tiny": GPTConfig(vocab=256, width=64, heads=2, ffn=256, layers=2, context=64),
-    "small": GPTConfig(vocab=256, width=192, heads=4, ffn=768, layers=4, context=128),
-    "125m": GPTConfig(vocab=256, width=768, heads=12, ffn=3072, layers=18, context=512),
-    "350m": GPTConfig(vocab=256, width=1024, heads=16, ffn=4096, layers=28, context=512),
-    "1b": GPTConfig(vocab=256, width=2048, heads=16, ffn=8192, layers=20, context=512),
-}
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHAPE_FLAGS = ("width", "heads", "ffn", "layers", "context")
 SAID_KEY = "zerofn/train/error"   # rank 0's error message, in the rendezvous store
@@ -96,9 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "(config: gradient_clipping; default 1.0)")
 
     model = p.add_argument_group("model and data")
-    model.add_argument("--model", choices=tuple(MODELS), default="small",
+    model.add_argument("--model", choices=tuple(PRESETS), default="small",
                        help="preset (default small): " + "; ".join(f"{k} {_millions(c)}"
-                                                   for k, c in MODELS.items()))
+                                                   for k, c in PRESETS.items()))
     for name in SHAPE_FLAGS:
         model.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
     model.add_argument("--batch", type=int, help="global batch in sequences per optimizer "
@@ -234,7 +226,7 @@ def resolve(args) -> Job:
     mp = opts.get("mixed_precision", {})
     offload = dict(opts.get("offload") or {})
     config_precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(mp.get("param_dtype"))
-    cfg = replace(MODELS[args.model], checkpoint=args.activation_checkpointing,
+    cfg = replace(PRESETS[args.model], checkpoint=args.activation_checkpointing,
                   **{k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None})
     job = Job(
         cfg=cfg,
