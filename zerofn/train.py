@@ -30,6 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import zerofn as zf
 from zerofn.data import load_corpus, sample_batch, split
+from zerofn.data.batches import Batches, micro_batches
 from zerofn.estimate import ROLES, estimate_placement
 from zerofn.failures import DEFAULT_TIMEOUT, RankFailure, default_store, translate
 from zerofn.nanogpt import GPT, PRESETS, GPTConfig, init_weights
@@ -354,48 +355,12 @@ def warmup_cosine(steps: int):
     return factor
 
 
-class Batches:
-    """The training data's position: the global batch of step ``k`` is drawn by a
-    generator seeded from (seed, k). Saved in checkpoints, so a resumed run reads on from
-    the same place, and refuses a different seed or batch shape."""
-
-    def __init__(self, data: torch.Tensor, seed: int, batch: int, context: int):
-        self.data, self.seed, self.batch, self.context = data, seed, batch, context
-        self.position = 0
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.position)
-        self.position += 1
-        return sample_batch(self.data, self.batch, self.context, generator)
-
-    def state_dict(self) -> dict:
-        return {"seed": self.seed, "batch": self.batch, "context": self.context,
-                "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        differ = [f"{k} {state[k]} (now {mine[k]})" for k in ("seed", "batch", "context")
-                  if state[k] != mine[k]]
-        if differ:
-            raise ValueError(f"the checkpoint's data was drawn with {', '.join(differ)}; "
-                             f"resume with the same --seed, --batch and --context.")
-        self.position = state["position"]
-
-
-def micro_batches(x: torch.Tensor, y: torch.Tensor, job: Job, device):
-    """This rank's part of each micro-batch of one global batch."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    shape = (job.grad_accum, world, job.micro, x.shape[1])
-    for i in range(job.grad_accum):
-        yield x.view(shape)[i, rank].to(device), y.view(shape)[i, rank].to(device)
-
-
 # -- one step -----------------------------------------------------------------------------
 def train_step(model, opt, sched, batch, job: Job, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over the micro-batches, clip, step. Returns this rank's mean
     loss and the global gradient norm (inf or nan where fp16 overflowed: step skipped)."""
     loss = torch.zeros((), device=device)
-    for x, y in micro_batches(*batch, job, device):
+    for x, y in micro_batches(*batch, job.grad_accum, device):
         micro_loss = model(x, y) / job.grad_accum
         opt.scale(micro_loss).backward()     # fp16 loss scaling; a no-op otherwise
         loss += micro_loss.detach().float()
