@@ -718,6 +718,3 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         if alone and store is not None:
             hear_from_rank_0(store)
 
-
-if __name__ == "__main__":
-    main()
