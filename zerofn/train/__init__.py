@@ -36,9 +36,10 @@ from zerofn.failures import DEFAULT_TIMEOUT, RankFailure, default_store, transla
 from zerofn.nanogpt import GPT, PRESETS, GPTConfig, init_weights
 from zerofn.runtime.runtime import runtime_of
 
+from .errors import fp16_kernels_missing, hear_from_rank_0, say_once, tell_the_others
+
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHAPE_FLAGS = ("width", "heads", "ffn", "layers", "context")
-SAID_KEY = "zerofn/train/error"   # rank 0's error message, in the rendezvous store
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -372,16 +373,6 @@ def train_step(model, opt, sched, batch, job: Job, device) -> tuple[torch.Tensor
     return loss, norm
 
 
-def fp16_kernels_missing(error: RuntimeError, precision: str) -> str | None:
-    """A clear message for torch lacking an fp16 kernel (on the CPU), else None."""
-    text = str(error)
-    if precision != "fp16" or "Half" not in text or "not implemented" not in text:
-        return None
-    return (f"--precision fp16: this torch ({torch.__version__}) has no fp16 kernel for an "
-            f"operation the model uses ({text.strip()}). Use --precision bf16 or fp32 on "
-            f"this machine, or run fp16 on a GPU.")
-
-
 # -- reporting ----------------------------------------------------------------------------
 def peak_memory(device: torch.device) -> int:
     """Peak bytes of this rank: allocated on the GPU, resident (RSS) on the CPU."""
@@ -630,44 +621,6 @@ def restarted(device: torch.device) -> bool:
                          device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return count.item() > 0
-
-
-def say_once(store, message: str) -> bool:
-    """Print an error that usually every rank raised alike (before any collective could
-    part them) once, from rank 0; a rank that raised something else, or raised where rank
-    0 did not, prints its own, so no rank's error goes unseen. True where this rank spoke
-    alone and rank 0 has said nothing yet (see ``hear_from_rank_0``). ``store``: the
-    rendezvous store, or None."""
-    rank = dist.get_rank()
-    if rank == 0:
-        tell_the_others(store, message)
-        return False
-    try:
-        store.wait([SAID_KEY], datetime.timedelta(seconds=3))
-        said = store.get(SAID_KEY).decode()
-    except Exception:   # (no store, or rank 0 raised nothing of the kind)
-        said = None
-    if said != message:
-        print(f"error on rank {rank}: {message}", file=sys.stderr, flush=True)
-    return said is None
-
-
-def tell_the_others(store, message: str) -> None:
-    """Print this rank's error; rank 0 also leaves it in the rendezvous store for the
-    others."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    if store is not None and dist.get_rank() == 0:
-        store.set(SAID_KEY, message)
-
-
-def hear_from_rank_0(store, seconds: float = 10.0) -> None:
-    """Wait (bounded) for rank 0 to print why it stopped. Called once this rank's process
-    group is gone, which ends rank 0's pending collective: torchrun stops every rank as
-    soon as one exits, so leaving at once would cut rank 0's explanation off."""
-    try:
-        store.wait([SAID_KEY], datetime.timedelta(seconds=seconds))
-    except Exception:   # rank 0 is busy elsewhere or gone: its own log says the rest
-        pass
 
 
 def main(argv=None) -> None:
