@@ -33,7 +33,7 @@ from .args import parse_args
 from .errors import fp16_kernels_missing, hear_from_rank_0, say_once, tell_the_others
 from .job import Job, build, resolve
 from .launch import launch, restarted, setup, under_launcher, without_nproc
-from .progress import Progress, _ranks, banner, gather_stats, measured
+from .progress import Progress, banner, gather_stats, measured
 
 
 # -- one step -----------------------------------------------------------------------------
@@ -115,18 +115,8 @@ def train(args, device) -> None:
             progress.show(step, mean_loss, lr, norm.item(), peak)
     progress.close()
     zf.flush_logs(model)
-    finish(args, job, model, loss, val_data, device, progress, end)
-
-
-def finish(args, job, model, loss, val_data, device, progress, end: int) -> None:
     final, _ = gather_stats(loss, device)
-    val = evaluate(model, val_data, job, device)
-    if dist.get_rank() == 0:
-        if progress.first_loss is not None:
-            print(f"first loss {progress.first_loss:.4f}, validation loss {val:.4f}")
-        skipped = f", {progress.skipped} skipped (fp16 overflow)" if progress.skipped else ""
-        print(f"final loss {final:.4f} after {end} steps (ZeRO-{job.stage}, "
-              f"{_ranks(dist.get_world_size())}{skipped})", flush=True)
+    progress.finish(final, evaluate(model, val_data, job, device), end)
 
 
 def save(args, model, opt, sched, data: Batches, step: int) -> None:

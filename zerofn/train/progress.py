@@ -142,6 +142,16 @@ class Progress:
         if self.tty and dist.get_rank() == 0:
             print()
 
+    def finish(self, final: float, val: float, end: int) -> None:
+        """The run's last lines: its first, validation and final (mean over ranks) loss."""
+        if dist.get_rank() != 0:
+            return
+        if self.first_loss is not None:
+            print(f"first loss {self.first_loss:.4f}, validation loss {val:.4f}")
+        skipped = f", {self.skipped} skipped (fp16 overflow)" if self.skipped else ""
+        print(f"final loss {final:.4f} after {end} steps (ZeRO-{self.job.stage}, "
+              f"{_ranks(dist.get_world_size())}{skipped})", flush=True)
+
 
 def measured(model, job: Job) -> None:
     """The banner's last line, once optimizer state and gradients exist (after the first
