@@ -101,7 +101,7 @@ def train(args, device) -> None:
                 raise
             raise ValueError(message) from e
         if step == start:
-            measured(model, job)
+            measured(model)
         opt.zero_grad()
         # This rank's loss and data (kept as tensors; read on zf.tensorboard's logging steps).
         zf.log(model, loss=loss, tokens=job.batch * job.cfg.context // dist.get_world_size(),

@@ -153,7 +153,7 @@ class Progress:
               f"{_ranks(dist.get_world_size())}{skipped})", flush=True)
 
 
-def measured(model, job: Job) -> None:
+def measured(model) -> None:
     """The banner's last line, once optimizer state and gradients exist (after the first
     step, before its zero_grad): what this rank really holds."""
     if dist.get_rank() == 0:
