@@ -15,6 +15,7 @@ import signal
 import time
 
 import zerofn.train as train
+from zerofn.train import loop
 
 
 def inject(kind: str, phase: str, step: int) -> None:
@@ -28,7 +29,7 @@ def inject(kind: str, phase: str, step: int) -> None:
         time.sleep(3600)
 
     done = {"steps": 0}     # optimizer steps finished in this process
-    build, save = train.build, train.save
+    build, save = loop.build, loop.save       # as the job's loop calls them
 
     def at(name):
         return lambda *_: fail() if phase == name and done["steps"] + 1 == step else None
@@ -46,7 +47,7 @@ def inject(kind: str, phase: str, step: int) -> None:
         if phase == "save" and at_step == step:
             fail()
 
-    train.build, train.save = faulty_build, faulty_save
+    loop.build, loop.save = faulty_build, faulty_save
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import zerofn as zf
 from multiproc import run_ranks
 from zerofn import cli, train
 from zerofn.estimate import estimate_placement, parse_count
-from zerofn.nanogpt import GPT
+from zerofn.nanogpt import GPT, PRESETS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -73,7 +73,7 @@ def test_estimate_places_offloaded_state(capsys):
     assert rows == {"device": [0, 1.75, 0, 1.75], "host": [1.75, 1.75, 10.5, 14.0]}
     assert cli.main(["estimate", "--model", "tiny", "--world", "1", "--stage", "3",
                      "--precision", "fp32"]) == 0
-    tiny = train.MODELS["tiny"].params()
+    tiny = PRESETS["tiny"].params()
     row = re.search(r"^ZeRO-3 +device +(.*)$", capsys.readouterr().out, re.M).group(1)
     assert float(row.split()[-1]) == pytest.approx(16 * tiny / 1e9, abs=0.005)
 
@@ -124,7 +124,7 @@ def measure(rank, world, configs):
     for stage, dtype, offload, params in configs:
         with tempfile.TemporaryDirectory() as tmp:
             torch.manual_seed(0)
-            model = GPT(train.MODELS["tiny"])   # every dim even: no row padding at 2 ranks
+            model = GPT(PRESETS["tiny"])   # every dim even: no row padding at 2 ranks
             # (the module, not its count: NVMe's staging ring is sized by its largest unit)
             est = estimate_placement(model, world, stage, dtype, offload=offload,
                                      offload_params=params)

@@ -29,7 +29,7 @@ import zerofn as zf
 from multiproc import run_ranks
 from zerofn import train
 from zerofn.deepspeed.schedulers import SCHEDULERS
-from zerofn.nanogpt import GPT
+from zerofn.nanogpt import GPT, PRESETS
 
 TINY = ["--model", "tiny", "--context", "32", "--batch", "8", "--eval-batches", "2",
         "--log-every", "1"]
@@ -161,7 +161,7 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path):
     from safetensors.torch import load_file
     a, b = (load_file(f) for f in files)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert a.keys() == GPT(train.MODELS["tiny"]).state_dict().keys()
+    assert a.keys() == GPT(PRESETS["tiny"]).state_dict().keys()
     # One rank goes on from the two ranks' checkpoint (the data position and the schedule
     # too; per-rank generator states cannot move, and this job draws from none).
     out = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "1", *TINY,

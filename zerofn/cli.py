@@ -1,6 +1,6 @@
 """The ``zerofn`` command line: one entry point for the project's tools.
 
-    zerofn train [...]                 the main job (zerofn/train.py); --help lists its flags
+    zerofn train [...]                 the main job (zerofn/train/); --help lists its flags
     zerofn estimate 7B --world 8       model-state bytes per rank by stage, place and role
     zerofn consolidate to-full CKPT OUT.safetensors
     zerofn convert deepspeed CKPT OUT  a DeepSpeed ZeRO checkpoint into a zerofn checkpoint

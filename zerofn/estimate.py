@@ -269,10 +269,9 @@ def _model(args) -> int | nn.Module:
         raise ValueError("give a parameter count (e.g. 7B) or --model PRESET, one of them.")
     if args.model is None:
         return parse_count(args.size)
-    from .nanogpt import GPT
-    from .train import MODELS
-    if args.model not in MODELS:
-        raise ValueError(f"--model {args.model!r}: the presets are {', '.join(MODELS)}.")
+    from .nanogpt import GPT, PRESETS
+    if args.model not in PRESETS:
+        raise ValueError(f"--model {args.model!r}: the presets are {', '.join(PRESETS)}.")
     with torch.device("meta"):
-        return GPT(MODELS[args.model])
+        return GPT(PRESETS[args.model])
 

@@ -4,6 +4,8 @@ Plain PyTorch, nothing zerofn-specific: blocks sit in an ``nn.ModuleList`` (zero
 default unit policy makes each block a unit), the output head is tied to the token
 embedding, and attention is ``scaled_dot_product_attention``. ``init_weights`` is the
 initialization, usable as zerofn's ``init=`` for a GPT built on the meta device.
+``PRESETS`` are the named shapes ``zerofn train --model`` trains and ``zerofn estimate
+--model`` sizes.
 """
 from __future__ import annotations
 
@@ -30,6 +32,16 @@ class GPTConfig:
             + 5 * self.width
         return self.vocab * self.width + self.context * self.width + self.layers * block \
             + 2 * self.width
+
+
+# Byte-level GPTs (vocabulary 256); the larger ones are sized to their names.
+PRESETS = {
+    "tiny": GPTConfig(vocab=256, width=64, heads=2, ffn=256, layers=2, context=64),
+    "small": GPTConfig(vocab=256, width=192, heads=4, ffn=768, layers=4, context=128),
+    "125m": GPTConfig(vocab=256, width=768, heads=12, ffn=3072, layers=18, context=512),
+    "350m": GPTConfig(vocab=256, width=1024, heads=16, ffn=4096, layers=28, context=512),
+    "1b": GPTConfig(vocab=256, width=2048, heads=16, ffn=8192, layers=20, context=512),
+}
 
 
 class Attention(nn.Module):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..clip import clip_grad_norm_
-from ..runtime.runtime import runtime_of
+from ..runtime import runtime_of
 from .config import load_config, read_config
 from .engine_checkpoint import EngineCheckpoints
 
@@ -257,8 +257,8 @@ class DeepSpeedEngine(EngineCheckpoints, nn.Module):
         clip = self.gradient_clipping()
         if clip > 0:
             self._global_grad_norm = float(clip_grad_norm_(self.module, clip))
-        overflow = runtime_of(self.module).step_grads.settle()   # the verdict the step uses
         self.optimizer.step()
+        overflow = runtime_of(self.module).step_skipped()
         self.optimizer.zero_grad()
         self._step_applied = not overflow
         if overflow:
@@ -325,8 +325,8 @@ class DeepSpeedEngine(EngineCheckpoints, nn.Module):
         """The scale the next backward multiplies the loss by (1.0 without fp16). DeepSpeed's
         engine returns the configured static scale here (0 for dynamic); its optimizer's
         ``cur_scale`` is this value."""
-        scaler = runtime_of(self.module).scaler
-        return 1.0 if scaler is None else scaler.scale
+        scale = runtime_of(self.module).loss_scale()
+        return 1.0 if scale is None else scale
 
     def get_lr(self) -> list:
         return [group["lr"] for group in self.optimizer.param_groups]

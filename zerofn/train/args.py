@@ -1,0 +1,95 @@
+"""The job's command line: its flags, their help and defaults."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from zerofn.failures import DEFAULT_TIMEOUT
+from zerofn.nanogpt import PRESETS, GPTConfig
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SHAPE_FLAGS = ("width", "heads", "ffn", "layers", "context")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="zerofn train",
+        description="The main job: train a GPT on the built-in corpus with zerofn on every rank.",
+        epilog="Precedence: an explicit flag wins over --config, which wins over the "
+               "defaults shown. --model sets the shape; --width etc. override it.")
+    run = p.add_argument_group("run")
+    run.add_argument("--nproc", type=int, help="ranks to start on this machine when not "
+                     "already under torchrun (default: the GPU count, else 2)")
+    run.add_argument("--config", help="a DeepSpeed ds_config.json: stage, precision, offload, "
+                     "batch sizes, accumulation, clipping, optimizer and scheduler")
+    run.add_argument("--steps", type=int, default=200, help="optimizer steps in the whole run (default 200)")
+    run.add_argument("--stop-at", type=int, help="end this run after that optimizer step "
+                     "(saving a checkpoint), e.g. to fit a job's time limit; the LR "
+                     "schedule still spans --steps")
+    run.add_argument("--seed", type=int, default=0, help="seed for weights and batches "
+                     "(default 0)")
+    run.add_argument("--log-every", type=int, help="steps between progress lines when stdout "
+                     "is not a terminal (config: steps_per_print; default 10)")
+    run.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard logs to DIR "
+                     "every --log-every steps: loss, tokens/s, the step-time breakdown, "
+                     "communication and memory per rank (zf.tensorboard; config: the "
+                     "tensorboard section; `zerofn report DIR` plots them)")
+    run.add_argument("--eval-batches", type=int, default=8,
+                     help="global batches of held-out text for the final validation "
+                          "loss (default 8)")
+
+    zero = p.add_argument_group("ZeRO")
+    zero.add_argument("--stage", type=int, choices=(1, 2, 3), help="1 shards optimizer "
+                      "state, 2 also gradients, 3 also parameters (default 3)")
+    zero.add_argument("--precision", choices=sorted(PRECISIONS),
+                      help="compute dtype; masters and optimizer state stay fp32 (default "
+                           "fp32). fp16 scales the loss dynamically")
+    zero.add_argument("--offload", choices=("none", "cpu", "nvme"),
+                      help="keep masters and optimizer state on the host or in a swap file")
+    zero.add_argument("--nvme-path", help="directory for --offload nvme's swap files")
+    zero.add_argument("--offload-params", action=argparse.BooleanOptionalAction,
+                      help="ZeRO-3 with --offload: the parameter shards too")
+    zero.add_argument("--grad-accum", type=int,
+                      help="micro-batches per optimizer step (default 1)")
+    zero.add_argument("--activation-checkpointing", action="store_true",
+                      help="recompute each block's activations in backward")
+    zero.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+                      help="torch.compile the sharded model (backend default inductor; "
+                           "zerofn's hooks stay outside the graphs)")
+    zero.add_argument("--clip", type=float, help="global gradient-norm clip, 0 for none "
+                      "(config: gradient_clipping; default 1.0)")
+
+    model = p.add_argument_group("model and data")
+    model.add_argument("--model", choices=tuple(PRESETS), default="small",
+                       help="preset (default small): " + "; ".join(f"{k} {_millions(c)}"
+                                                   for k, c in PRESETS.items()))
+    for name in SHAPE_FLAGS:
+        model.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
+    model.add_argument("--batch", type=int, help="global batch in sequences per optimizer "
+                       "step (config: train_batch_size; default 16)")
+    model.add_argument("--lr", type=float, help="peak learning rate (config: the optimizer's "
+                       "lr; default 2e-3, AdamW with warm-up and cosine decay)")
+
+    ckpt = p.add_argument_group("checkpoints")
+    ckpt.add_argument("--save-dir", help="checkpoint root: model, optimizer, LR schedule, "
+                      "data position and RNG; one path every rank sees (docs/checkpoints.md)")
+    ckpt.add_argument("--save-every", type=int, help="optimizer steps between checkpoints "
+                      "(default: only at the end)")
+    ckpt.add_argument("--keep", type=int, default=3, help="newest checkpoints to keep "
+                      "(default 3)")
+    ckpt.add_argument("--resume", action="store_true", help="continue from --save-dir's "
+                      "latest checkpoint, if it has one (else start afresh); implied when "
+                      "torchrun restarts the job (TORCHELASTIC_RESTART_COUNT > 0 on any node)")
+
+    failing = p.add_argument_group("failures")
+    failing.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                         help="seconds a collective may wait for the slowest rank before "
+                              "every rank stops with an error naming it (default "
+                              f"{DEFAULT_TIMEOUT:g}; docs/multinode.md)")
+    return p.parse_args(argv)
+
+
+def _millions(cfg: GPTConfig) -> str:
+    n = cfg.params()
+    return f"({n / 1e9:.2f}B)" if n >= 1e9 else f"({n / 1e6:.3g}M)"

@@ -1,0 +1,68 @@
+"""The entry point: main() parses the flags and starts the job under torchrun; run() sets
+up this rank, trains, and turns an error into one message and an exit status."""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+import zerofn as zf
+from zerofn.failures import RankFailure, default_store, translate
+
+from .args import parse_args
+from .errors import hear_from_rank_0, say_once, tell_the_others
+from .launch import launch, setup, under_launcher
+from .loop import train
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # (parsed outside @record, which swallows SystemExit(0): --help must still exit)
+    run(parse_args(argv), argv)
+
+
+@record   # a rank's uncaught error reaches torchrun's failure summary
+def run(args: argparse.Namespace, argv: list[str]) -> None:
+    if not under_launcher():
+        launch(argv, args.nproc)
+    if args.nproc is not None and args.nproc != int(os.environ.get("LOCAL_WORLD_SIZE", args.nproc)):
+        raise SystemExit(f"--nproc {args.nproc}, but the launcher started "
+                         f"{os.environ['LOCAL_WORLD_SIZE']} ranks here; drop --nproc.")
+    if args.timeout <= 0:
+        raise SystemExit(f"--timeout {args.timeout:g}: give the seconds (> 0) a collective "
+                         f"may wait for the slowest rank.")
+    device = setup(args.timeout)
+    store = default_store()
+    finished = alone = False
+    try:
+        train(args, device)
+        finished = True
+    except ValueError as e:
+        alone = say_once(store, str(e))
+        raise SystemExit(2) from None
+    except RuntimeError as e:
+        # Another rank failed (also in this job's own collectives): say which, and where.
+        failure = translate(e)
+        if not isinstance(failure, RankFailure):
+            raise
+        tell_the_others(store, str(failure))
+        raise SystemExit(1) from None
+    finally:
+        try:
+            zf.wait_for_checkpoint()
+        except Exception:
+            if finished:
+                raise
+            # The run failed already; a background save that failure cut off (its
+            # peers gone) says nothing more, and the previous checkpoint stands.
+        # zerofn's runtime and the model refer to each other; left to interpreter
+        # shutdown, that cycle's collectives state is torn down after torch's and the
+        # process sometimes aborts ("terminate called without an active exception").
+        gc.collect()
+        dist.destroy_process_group()
+        if alone and store is not None:
+            hear_from_rank_0(store)

@@ -1,0 +1,178 @@
+"""What to run: the job the flags ask for, over the DeepSpeed config, over the defaults;
+the zerofn transforms it maps to; and the model, optimizer and LR schedule it builds."""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+import zerofn as zf
+from zerofn.nanogpt import GPT, PRESETS, GPTConfig, init_weights
+
+from .args import PRECISIONS, SHAPE_FLAGS
+
+
+@dataclass
+class Job:
+    """Every setting of the run, resolved."""
+    cfg: GPTConfig
+    stage: int
+    precision: str
+    offload: str | None
+    offload_params: bool
+    nvme_path: str | None
+    grad_accum: int
+    batch: int
+    clip: float
+    lr: float | None
+    log_every: int
+    steps: int
+    eval_batches: int
+    compile: str | None = None                     # torch.compile's backend
+    tensorboard: dict | None = None                # zf.tensorboard's options
+    options: dict = field(default_factory=dict)   # from the config: per transform
+    optimizer: object = None                       # the config's factories, or None
+    scheduler: object = None
+
+    @property
+    def micro(self) -> int:
+        return self.batch // (dist.get_world_size() * self.grad_accum)
+
+
+def resolve(args) -> Job:
+    """The job the flags and the config ask for; raises ValueError (the same on every
+    rank) for settings that cannot run."""
+    settings = _read_config(args.config) if args.config else None
+    opts = dict(settings.transforms) if settings else {}
+    mp = opts.get("mixed_precision", {})
+    offload = dict(opts.get("offload") or {})
+    config_precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(mp.get("param_dtype"))
+    cfg = replace(PRESETS[args.model], checkpoint=args.activation_checkpointing,
+                  **{k: getattr(args, k) for k in SHAPE_FLAGS if getattr(args, k) is not None})
+    job = Job(
+        cfg=cfg,
+        # A config's stage 0 trains as ZeRO-1, as zerofn.deepspeed maps it.
+        stage=_first(args.stage, settings and max(1, settings.stage), 3),
+        precision=_first(args.precision, config_precision, "fp32"),
+        offload=_first(args.offload, offload.get("device"), "none"),
+        # The config's parameter offload goes with its device, not with --offload's.
+        offload_params=_first(args.offload_params,
+                              offload.get("params") if args.offload is None else None, False),
+        nvme_path=_first(args.nvme_path, offload.get("path")),
+        grad_accum=_first(args.grad_accum, settings and settings.gradient_accumulation_steps, 1),
+        batch=_first(args.batch, settings and settings.train_batch_size, 16),
+        clip=_first(args.clip, settings and settings.gradient_clipping, 1.0),
+        lr=_first(args.lr, None if settings and settings.optimizer else 2e-3),
+        log_every=_first(args.log_every, settings and settings.steps_per_print, 10),
+        steps=args.steps, eval_batches=args.eval_batches, compile=args.compile,
+        options=opts, optimizer=settings and settings.optimizer,
+        scheduler=settings and settings.scheduler)
+    if job.offload == "none":
+        job.offload = None
+    if args.tensorboard or "tensorboard" in opts:
+        # The flag names the directory; the config's csv_monitor still applies.
+        job.tensorboard = dict(opts.get("tensorboard", {}), every=job.log_every,
+                               **({"logdir": args.tensorboard} if args.tensorboard else {}))
+    _check(job, args)
+    return job
+
+
+def _first(*values):
+    """The first value that is not None."""
+    return next((v for v in values if v is not None), None)
+
+
+def _read_config(path: str):
+    """The DeepSpeed config; its warnings are shown once, by rank 0."""
+    with warnings.catch_warnings():
+        if dist.get_rank() != 0:
+            warnings.simplefilter("ignore")
+        return zf.from_deepspeed_config(path)
+
+
+def _check(job: Job, args) -> None:
+    world = dist.get_world_size()
+    if min(job.batch, job.grad_accum) < 1 or job.batch % (world * job.grad_accum):
+        raise ValueError(f"the global batch ({job.batch} sequences) must split evenly into "
+                         f"{job.grad_accum} micro-batches on each of {world} ranks; change "
+                         f"--batch or --grad-accum.")
+    if job.offload == "nvme" and not job.nvme_path:
+        raise ValueError("--offload nvme needs --nvme-path DIR (a directory on the drive) or "
+                         "the config's zero_optimization.offload_optimizer.nvme_path.")
+    if job.offload_params and (job.offload is None or job.stage != 3):
+        raise ValueError(f"--offload-params needs --stage 3 and --offload cpu or nvme (here "
+                         f"stage {job.stage}, offload {job.offload or 'none'}): only ZeRO-3 "
+                         f"shards the parameters.")
+    if args.save_every is not None and not args.save_dir:
+        raise ValueError("--save-every needs --save-dir.")
+    if args.resume and not args.save_dir:
+        raise ValueError("--resume continues from --save-dir's latest checkpoint: give "
+                         "--save-dir.")
+    if args.steps < 1 or (args.stop_at is not None and not 1 <= args.stop_at <= args.steps):
+        raise ValueError(f"--steps {args.steps} must be at least 1, and --stop-at between 1 "
+                         f"and --steps.")
+    if job.cfg.width % job.cfg.heads:
+        raise ValueError(f"--width {job.cfg.width} must be a multiple of --heads "
+                         f"{job.cfg.heads}.")
+
+
+def transforms(job: Job) -> list:
+    """zerofn's transforms for the job: the config's options where the flags leave them."""
+    opts = job.options
+    shared = dict(opts.get("shard_optimizer", {}), init=init_weights)
+    out = [zf.shard_optimizer(**shared)]
+    if job.stage >= 2:
+        out.append(zf.shard_grads())
+    if job.stage == 3:
+        out.append(zf.shard_params(**opts.get("shard_params", {})))
+    mp = dict(opts.get("mixed_precision", {}))
+    dtype = PRECISIONS[job.precision]
+    if mp.get("param_dtype", torch.float32) != dtype:   # the config's scaling was for another
+        mp = {"reduce_dtype": mp.get("reduce_dtype")}
+    if dtype != torch.float32 or mp.get("reduce_dtype") is not None:
+        out.append(zf.mixed_precision(**dict(mp, param_dtype=dtype)))
+    if job.offload is not None:
+        in_flight = opts.get("offload", {}).get("units_in_flight", 2)
+        out.append(zf.offload(job.offload, params=job.offload_params, path=job.nvme_path,
+                              units_in_flight=in_flight))
+    if job.tensorboard is not None:
+        options = dict(job.tensorboard)
+        out.append(zf.tensorboard(options.pop("logdir"), **options))
+    return out
+
+
+# -- building -----------------------------------------------------------------------------
+def build(job: Job, seed: int):
+    """The model built on the meta device, its optimizer and LR schedule, transformed:
+    each rank materializes and initializes only its rows."""
+    with torch.device("meta"):
+        model = GPT(job.cfg)
+    if job.optimizer is not None:
+        kwargs = dict(job.optimizer.kwargs, **({"lr": job.lr} if job.lr is not None else {}))
+        opt = job.optimizer.cls(model.parameters(), **kwargs)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=0.1,
+                                betas=(0.9, 0.95))
+    torch.manual_seed(seed)            # the same on every rank: one model, not several
+    model, opt = zf.compose(*transforms(job))(model, opt)
+    if job.compile:
+        model.compile(backend=job.compile)
+    sched = job.scheduler(opt) if job.scheduler is not None else \
+        torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(job.steps))
+    return model, opt, sched
+
+
+def warmup_cosine(steps: int):
+    """Linear warm-up over the first 5 % of steps, then cosine decay to a tenth: the factor
+    of the peak rate at each step."""
+    warmup = max(1, steps // 20)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+    return factor

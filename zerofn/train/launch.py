@@ -1,0 +1,91 @@
+"""Starting the job: under torchrun (which it starts itself where nothing launched it), in
+a process group whose rendezvous store keeps torchrun's attempts apart; and whether
+torchrun restarted it after a failure."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from zerofn.failures import DEFAULT_TIMEOUT
+
+
+def under_launcher() -> bool:
+    """Whether torchrun (or another launcher setting RANK and WORLD_SIZE) started us."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(argv: list[str], nproc: int | None) -> None:
+    """Replace this process by ``torch.distributed.run`` starting the job on ``nproc``
+    ranks (its own free port, so several jobs can share a machine)."""
+    n = nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    if n < 1:
+        raise SystemExit(f"--nproc {n}: start at least one rank.")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(n), "-m", "zerofn.train", *without_nproc(argv)]
+    sys.stdout.flush()
+    os.execv(sys.executable, cmd)
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc N``: torchrun would take it for an abbreviation of its own
+    ``--nproc-per-node`` and stop."""
+    out, skip = [], False
+    for arg in argv:
+        if not skip and arg != "--nproc" and not arg.startswith("--nproc="):
+            out.append(arg)
+        skip = arg == "--nproc"
+    return out
+
+
+def setup(timeout: float = DEFAULT_TIMEOUT) -> torch.device:
+    """Join the process group, whose collectives wait at most ``timeout`` seconds; pick
+    this rank's device."""
+    wait = datetime.timedelta(seconds=timeout)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=wait, **attempt_store(wait))
+        return device
+    # Ranks on one machine share its cores: more threads than their share only fight.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    dist.init_process_group("gloo", timeout=wait, **attempt_store(wait))
+    return torch.device("cpu")
+
+
+def attempt_store(wait: datetime.timedelta) -> dict:
+    """The rendezvous store, under a prefix of torchrun's attempt where the ranks share
+    the launcher's own store (``TORCHELASTIC_USE_AGENT_STORE``, torchrun's default).
+
+    That store outlives the ranks, and a process group's keys are named alike in every
+    attempt (groups "0", "1", ... of a per-process counter): after a restart a rank can
+    read a dead rank's address, and gloo then fails to connect or waits forever (torch
+    2.13; pytorch/pytorch#135712 for NCCL). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    each attempt gets a fresh store and needs no prefix. The restart count is per node,
+    so across nodes only that setting keeps attempts apart (docs/multinode.md)."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=wait))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"zerofn-attempt-{attempt}", store)
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+        if rank == 0 and restarts and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:
+            print("zerofn train: torchrun may restart this multi-node job, and its ranks "
+                  "share each launcher's store, whose restart count differs by node: set "
+                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node "
+                  "(docs/multinode.md).", file=sys.stderr, flush=True)
+    return {"store": store, "rank": rank, "world_size": world}
+
+
+def restarted(device: torch.device) -> bool:
+    """Whether torchrun restarted this job after a failure, on any node: each node's
+    launcher counts its own restarts, and one whose ranks were healthy restarts them
+    uncounted when another node's fail, so the ranks agree here (one all-reduce) rather
+    than some resuming while others start afresh."""
+    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))],
+                         device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return count.item() > 0

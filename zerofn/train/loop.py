@@ -1,0 +1,131 @@
+"""The run: its optimizer steps, the validation loss on held-out text at the end, and the
+checkpoints it saves and resumes from."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+import zerofn as zf
+from zerofn.data import load_corpus, sample_batch, split
+from zerofn.data.batches import Batches, micro_batches
+from zerofn.runtime import runtime_of
+
+from .errors import fp16_kernels_missing
+from .job import Job, build, resolve
+from .launch import restarted
+from .progress import Progress, banner, gather_stats, measured
+
+
+def train(args, device) -> None:
+    """The run on this rank: the job built, resumed where its checkpoint is, trained to
+    --stop-at (else --steps) and evaluated."""
+    job = resolve(args)
+    train_data, val_data = split(load_corpus())
+    model, opt, sched = build(job, args.seed)
+    data = Batches(train_data, args.seed, job.batch, job.cfg.context)
+    start = resume(args, model, opt, sched, data)
+    runtime_of(model).set_step(start + 1)   # failures name the run's own step
+    zf.set_log_step(model, start)     # a resumed run's series go on from its step
+    end = args.stop_at or args.steps
+    if start >= end:
+        if start > end:
+            raise ValueError(f"the checkpoint in {args.save_dir} is at step {start}, past the "
+                             f"end of this run (step {end}); raise --stop-at or --steps.")
+        if dist.get_rank() == 0:
+            print(f"the checkpoint in {args.save_dir} is at step {end}: nothing left to "
+                  f"train.", flush=True)
+        return
+    if dist.get_rank() == 0:
+        print(banner(job, model, opt, args), flush=True)
+    progress = Progress(args, job, start)
+    loss = torch.zeros(())
+    for step in range(start, end):
+        lr = opt.param_groups[0]["lr"]
+        try:
+            loss, norm = train_step(model, opt, sched, data.next(), job, device)
+        except RuntimeError as e:
+            message = fp16_kernels_missing(e, job.precision)
+            if message is None:
+                raise
+            raise ValueError(message) from e
+        if step == start:
+            measured(model)
+        opt.zero_grad()
+        # This rank's loss and data (kept as tensors; read on zf.tensorboard's logging steps).
+        zf.log(model, loss=loss, tokens=job.batch * job.cfg.context // dist.get_world_size(),
+               samples=job.batch // dist.get_world_size())
+        progress.skipped += not torch.isfinite(norm)
+        if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0)
+                              or step + 1 == end):
+            save(args, model, opt, sched, data, step + 1)
+        if progress.wants(step, end):
+            mean_loss, peak = gather_stats(loss, device)
+            progress.show(step, mean_loss, lr, norm.item(), peak)
+    progress.close()
+    zf.flush_logs(model)
+    final, _ = gather_stats(loss, device)
+    progress.finish(final, evaluate(model, val_data, job, device), end)
+
+
+def train_step(model, opt, sched, batch, job: Job, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over the micro-batches, clip, step. Returns this rank's mean
+    loss and the global gradient norm (inf or nan where fp16 overflowed: step skipped)."""
+    loss = torch.zeros((), device=device)
+    for x, y in micro_batches(*batch, job.grad_accum, device):
+        micro_loss = model(x, y) / job.grad_accum
+        opt.scale(micro_loss).backward()     # fp16 loss scaling; a no-op otherwise
+        loss += micro_loss.detach().float()
+    # The norm is reported every step, so without clipping it is measured with no limit.
+    norm = zf.clip_grad_norm_(model, job.clip if job.clip > 0 else math.inf)
+    opt.step()
+    if torch.isfinite(norm):        # DeepSpeed leaves the schedule alone on a skipped step
+        sched.step()
+    return loss, norm
+
+
+@torch.no_grad()
+def evaluate(model, data: torch.Tensor, job: Job, device) -> float:
+    """Mean loss over held-out batches (fixed seed, so every run sees the same text)."""
+    generator = torch.Generator().manual_seed(1234)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    losses = []
+    for _ in range(job.eval_batches):
+        x, y = sample_batch(data, job.batch, job.cfg.context, generator)
+        losses.append(model(x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)))
+    total = torch.stack(losses).float().mean()
+    dist.all_reduce(total)
+    return total.item() / world
+
+
+def save(args, model, opt, sched, data: Batches, step: int) -> None:
+    zf.save_checkpoint(args.save_dir, model, opt, step=step, keep=args.keep, async_save=True,
+                       sched=sched, data=data, rng=zf.RNGState())
+
+
+def resume(args, model, opt, sched, data: Batches) -> int:
+    """The step to start from: the checkpoint's under --resume or after torchrun restarted
+    the job (a rank failed: ``--max-restarts``), else 0."""
+    if not (args.resume or args.save_dir and restarted(runtime_of(model).device)):
+        return 0
+    extras = {"sched": sched, "data": data, "rng": zf.RNGState()}
+    try:
+        state = zf.load_checkpoint(args.save_dir, model, opt, **extras)
+    except ValueError as e:
+        if "per-rank state 'rng'" not in str(e):
+            raise
+        # Saved by another number of ranks: everything else reshards, the generators'
+        # state is per rank. Training draws from no global generator, so nothing changes.
+        del extras["rng"]
+        state = zf.load_checkpoint(args.save_dir, model, opt, **extras)
+        if dist.get_rank() == 0:
+            print("the checkpoint was saved by another number of ranks: its random "
+                  "generator states are not restored (training draws none)", flush=True)
+    if state is None:
+        if dist.get_rank() == 0:
+            print(f"no checkpoint in {args.save_dir} yet: starting at step 0", flush=True)
+        return 0
+    if dist.get_rank() == 0:
+        print(f"resumed from {args.save_dir} at step {state['step']}", flush=True)
+    return state["step"]

@@ -1,0 +1,162 @@
+"""What rank 0 prints of the run: the banner (model, plan, batch, estimated and measured
+model state per rank) and the progress lines, with the loss and peak memory gathered from
+every rank."""
+from __future__ import annotations
+
+import datetime
+import math
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import zerofn as zf
+from zerofn.estimate import ROLES, estimate_placement
+from zerofn.runtime import runtime_of
+
+from .args import PRECISIONS
+from .job import Job
+
+
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes of this rank: allocated on the GPU, resident (RSS) on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def gather_stats(loss: torch.Tensor, device: torch.device) -> tuple[float, int]:
+    """(mean loss over ranks, largest peak memory of any rank): one small all-gather."""
+    mine = torch.tensor([float(loss), float(peak_memory(device))], dtype=torch.float64,
+                        device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    stacked = torch.stack(every).cpu()
+    return stacked[:, 0].mean().item(), int(stacked[:, 1].max().item())
+
+
+def banner(job: Job, model, opt, args) -> str:
+    """Parameters, world, plan and the estimated model state per rank."""
+    world = dist.get_world_size()
+    n = job.cfg.params()
+    offload = "none" if job.offload is None else job.offload + \
+        (" (params too)" if job.offload_params else "") + \
+        (f" at {job.nvme_path}" if job.offload == "nvme" else "")
+    rt = runtime_of(model)
+    units = len(rt.units)
+    lines = [
+        f"zerofn train: GPT '{args.model}' {n:,} parameters (width {job.cfg.width}, "
+        f"{job.cfg.layers} layers, context {job.cfg.context}), {_ranks(world)} on "
+        f"{dist.get_backend()}",
+        f"plan: ZeRO-{job.stage}, {job.precision} compute" +
+        ("" if job.precision == "fp32" else ", fp32 masters") + f", offload {offload}, "
+        f"{units} units, activation checkpointing {'on' if job.cfg.checkpoint else 'off'}"
+        + (f", torch.compile ({job.compile})" if job.compile else ""),
+        f"batch: {job.batch} sequences of {job.cfg.context} bytes per step ({job.grad_accum} "
+        f"x {job.micro} on each of {_ranks(world)}); clip {job.clip or 'off'}; "
+        f"{_optimizer_name(job, opt)}",
+    ]
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):   # the estimate's optimizer
+        reduce_dtype = job.options.get("mixed_precision", {}).get("reduce_dtype")
+        est = estimate_placement(n, world, job.stage, PRECISIONS[job.precision],
+                                 reduce_dtype=reduce_dtype, offload=job.offload,
+                                 offload_params=job.offload_params,
+                                 units_in_flight=rt.plan.offload.units_in_flight,
+                                 largest_unit=world * max(u.shard_numel for u in rt.units))
+        lines.append("model state per rank, estimated: " + _places(est))
+    return "\n".join(lines)
+
+
+def _optimizer_name(job: Job, opt) -> str:
+    return f"{type(opt).__name__} lr {opt.defaults['lr']:g}, " + \
+        (job.scheduler.cls.__name__ if job.scheduler else "warm-up + cosine")
+
+
+def _places(by_place: dict, compute: str | None = None) -> str:
+    """``device 1.2 MiB (params .., grads .., optimizer ..) | host ...``; the measured
+    place named ``compute`` (the device's type) is shown as the device."""
+    parts = []
+    places = sorted(by_place, key=lambda p: p not in ("device", compute))   # device first
+    for place in places:
+        roles = by_place[place]
+        total = sum(roles[r] for r in ROLES)
+        if not total and place != "device" and place != compute:
+            continue
+        detail = ", ".join(f"{r} {_mb(roles[r])}" for r in ROLES)
+        extra = f"; buffers {_mb(roles['buffers'])}" if roles.get("buffers") else ""
+        name = f"device ({place})" if place == compute else place
+        parts.append(f"{name} {_mb(total)} ({detail}{extra})")
+    return " | ".join(parts)
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" + "s" * (n != 1)
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+class Progress:
+    """Rank 0's progress: one rewritten line on a terminal, plain lines otherwise."""
+
+    def __init__(self, args, job: Job, start: int):
+        self.args, self.job, self.start = args, job, start
+        self.tokens_per_rank = job.batch * job.cfg.context // dist.get_world_size()
+        self.tty = sys.stdout.isatty()
+        self.last_time, self.last_step = time.perf_counter(), start
+        self.timed_from = None       # (time, step) after this run's first step: ETA's base
+        self.first_loss = None
+        self.skipped = 0
+
+    def wants(self, step: int, end: int) -> bool:
+        """Whether to report this step (reporting costs a small all-gather)."""
+        return self.tty or (step + 1) % self.job.log_every == 0 or step in (self.start, end - 1)
+
+    def show(self, step: int, loss: float, lr: float, norm: float, peak: int) -> None:
+        now = time.perf_counter()
+        if self.first_loss is None:
+            self.first_loss = loss
+        if self.timed_from is None:
+            self.timed_from = (now, step + 1)
+        step_s = (now - self.last_time) / max(1, step + 1 - self.last_step)
+        self.last_time, self.last_step = now, step + 1
+        if dist.get_rank() != 0:
+            return
+        line = (f"step {step + 1:>5}/{self.args.steps}  loss {loss:.4f}  lr {lr:.3e}  "
+                f"gnorm {norm:.3f}{' (skipped: fp16 overflow)' if not math.isfinite(norm) else ''}"
+                f"  {step_s * 1e3:,.0f} ms  {self.tokens_per_rank / step_s:,.0f} tok/s/rank  "
+                f"peak {peak / 2**20:,.0f} MiB  eta {self._eta(now, step)}")
+        print(f"\r{line}", end="", flush=True) if self.tty else print(line, flush=True)
+
+    def _eta(self, now: float, step: int) -> str:
+        t0, s0 = self.timed_from
+        if step + 1 <= s0:
+            return "-"
+        left = (now - t0) / (step + 1 - s0) * (self.args.steps - step - 1)
+        return str(datetime.timedelta(seconds=round(left)))
+
+    def close(self) -> None:
+        if self.tty and dist.get_rank() == 0:
+            print()
+
+    def finish(self, final: float, val: float, end: int) -> None:
+        """The run's last lines: its first, validation and final (mean over ranks) loss."""
+        if dist.get_rank() != 0:
+            return
+        if self.first_loss is not None:
+            print(f"first loss {self.first_loss:.4f}, validation loss {val:.4f}")
+        skipped = f", {self.skipped} skipped (fp16 overflow)" if self.skipped else ""
+        print(f"final loss {final:.4f} after {end} steps (ZeRO-{self.job.stage}, "
+              f"{_ranks(dist.get_world_size())}{skipped})", flush=True)
+
+
+def measured(model) -> None:
+    """The banner's last line, once optimizer state and gradients exist (after the first
+    step, before its zero_grad): what this rank really holds."""
+    if dist.get_rank() == 0:
+        held = zf.model_state_bytes(model)
+        print("model state per rank, measured on rank 0 (zf.model_state_bytes): "
+              + _places(held, runtime_of(model).device.type), flush=True)
