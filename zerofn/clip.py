@@ -1,17 +1,12 @@
 """Global gradient-norm clipping across shards."""
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .runtime import runtime_of
-from .runtime.step import by_device_and_dtype
 
 
-@torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip the model's gradients by their global norm, as
@@ -35,53 +30,4 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         >>> zf.clip_grad_norm_(model, 1.0)
         >>> opt.step()
     """
-    rt = runtime_of(model)
-    norm_type = float(norm_type)
-    grads = rt.step_grads
-    grads.prepare()   # reduced, in the master dtype, unscaled (or to be, see above)
-    with rt.timing.span(None, "clip_grad_norm"):
-        total = _clip(rt, grads, max_norm, norm_type, error_if_nonfinite)
-    rt.grad_norm(total)
-    return total
-
-
-def _clip(rt, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool):
-    """The global norm across ranks; the gradients scaled to ``max_norm`` where above it."""
-    local = _local_norm(grads, norm_type, rt.device)
-    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    total = grads.vote(local, op)    # step.py's [Note: one collective for the verdicts]
-    if total is None:                # a second clip this step: the vote was taken
-        with rt.timing.collective("all_reduce"):
-            rt.comm.all_reduce(local, op=op)
-        total = local
-    if norm_type != math.inf:
-        total = total ** (1.0 / norm_type)
-    total = total * grads.grad_scale     # the deferred unscale; 1 where already applied
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, "
-                           "so it cannot be clipped. Pass error_if_nonfinite=False to clip anyway.")
-    if grads.overflow:
-        return total      # the step will be skipped: nothing to clip
-    grads.scale_by(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    return total
-
-
-def _local_norm(grads, norm_type: float, device: torch.device) -> torch.Tensor:
-    """This rank's part of the norm, as a new fp32 tensor on ``device``: the largest
-    magnitude for the inf-norm, else the sum of ``|g|**norm_type``. Host gradients of the
-    Adam offload use the sums of squares their overflow check already read."""
-    if grads.deferred and norm_type == 2.0:   # (made on the device: no blocking copy up)
-        return torch.full((), sum(sq for sq, _ in grads.host_stats()), device=device)
-    shards = grads.present()
-    if not shards:
-        return torch.zeros((), device=device)
-    inf = norm_type == math.inf
-    parts = []
-    for (where, _), norms in by_device_and_dtype(
-            torch._foreach_norm(shards, norm_type, dtype=torch.float32)).items():
-        norms = torch.stack(norms)
-        part = norms.max() if inf else (norms ** norm_type).sum()
-        # A host figure is filled in on the device: a copy up from pageable memory blocks.
-        parts.append(part if where == device else torch.full((), part.item(), device=device))
-    parts = torch.stack(parts)
-    return parts.max() if inf else parts.sum()
+    return runtime_of(model).clip_grad_norm(max_norm, float(norm_type), error_if_nonfinite)

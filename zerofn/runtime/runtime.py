@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from ..plan import Plan
 from .attach import attach, detach, is_transformed, runtime_of
+from .clip import clip_grads
 from .comm import Comm, device_problems
 from .copies import CopyStreams
 from .events import Observers, kinds
@@ -72,8 +73,9 @@ class Runtime:
         attributes: ``model``, ``optimizer``, ``plan``, ``device``, ``group`` (every rank
         of the layout), ``world`` and ``rank`` (of the shard group), ``replica_world``,
         ``backend``, ``units``, ``observers``;
-        the step: ``step_skipped()``, ``loss_scale()``, ``comm_stats()``,
-        ``model_state_bytes()``, ``time_series()``, ``grad_norm(total)``, ``set_step(step)``,
+        the step: ``step_skipped()``, ``loss_scale()`` and ``scaler`` (fp16's LossScaler,
+        or None), ``comm_stats()``, ``model_state_bytes()``, ``time_series()``,
+        ``clip_grad_norm(...)``, ``set_step(step)``,
         ``in_phase(name, fn, *args)``, ``observer(cls)``, ``no_sync()``;
         state: ``slots_by_name()``, ``full_tensor(...)``, ``gather_unit(...)``,
         ``prepare_state_dict()``, ``refresh_params()``, ``init_optimizer_state()``.
@@ -615,9 +617,10 @@ class Runtime:
                     out[f"{prefix}.{pname}" if prefix else pname] = slot
         return out
 
-    def grad_norm(self, total: torch.Tensor) -> None:
-        """``zf.clip_grad_norm_`` measured this step's norm: the observers hear of it."""
-        self.observers.grad_norm(total)
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,
+                       error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``zf.clip_grad_norm_`` (runtime/clip.py); the observers hear of the norm."""
+        return clip_grads(self, max_norm, norm_type, error_if_nonfinite)
 
     def set_step(self, step: int) -> None:
         """The next optimizer step is number ``step`` (a resumed run's own count)."""
