@@ -246,7 +246,7 @@ def tensorboard_dirs(rank, world, mesh, root) -> tuple[list[str], dict, dict]:
     model, opt = zf.compose(transform(2, group=mesh), board)(
         model, make_optimizer("adamw", model.parameters()))
     train_sharded(model, opt, batches(1, 1, world), rank, world)
-    runtime_of(model).monitor.close()
+    zf.flush_logs(model)
     dist.barrier()
     acc = read(os.path.join(logdir, f"rank{rank}"))
     series = {tag: scalars(acc, tag)[1] for tag in acc.Tags()["scalars"]

@@ -29,7 +29,6 @@ import sys
 import time
 import weakref
 
-import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 

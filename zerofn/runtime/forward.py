@@ -1,0 +1,93 @@
+"""A runtime's hooks around forward: ZeRO-3's gathers before each unit runs and frees after,
+the units' inputs tracked for backward, and the observers' forward and backward events."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .grads import ZerofnUnitInputs
+from .hooks import eager, in_backward, on_backward_begin
+
+
+class ForwardHooks:
+    """The part of ``Runtime`` that hooks the model's forward (a mixin, runtime.py)."""
+
+    def _register_forward_hooks(self):
+        """ZeRO-3 only: ZeRO-1/2 keep full parameters and gather them inside step()."""
+        handles = []
+        for unit in self.units if self.gatherer is not None else ():
+            if unit.replicated:
+                continue   # persistent params are whole: nothing to gather
+            is_root = unit is self.root
+            pre = self.observers.guard(self._pre_forward, unit.name)
+            post = self.observers.guard(self._post_forward, unit.name)
+            # [Note: hooks under torch.compile]
+            handles.append(unit.module.register_forward_pre_hook(
+                eager(lambda m, a, k, u=unit, r=is_root: pre(u, r, a, k)), prepend=True,
+                with_kwargs=True))
+            handles.append(unit.module.register_forward_hook(
+                eager(lambda m, a, o, u=unit, r=is_root: post(u, r, o)), always_call=True))
+        return handles
+
+    def _register_model_hooks(self):
+        """The observers' forward and backward events ([Note: observers]), for every stage.
+        An observer hears of a forward before its first gather, and of backward once
+        ZeRO-3 has gathered the root unit again: registered after the units' hooks, the
+        backward hook on the outputs runs after theirs (so a rank waiting in that gather
+        is still in forward to the failure watch, as it was before backward began)."""
+        return [self.model.register_forward_pre_hook(eager(self._forward_begins),
+                                                     prepend=True),
+                self.model.register_forward_hook(eager(self._forward_ends), always_call=True)]
+
+    def _forward_begins(self, module, args) -> None:
+        if not in_backward():   # (a checkpointed recompute is part of backward)
+            self.observers.forward_begin()
+
+    def _forward_ends(self, module, args, output=None) -> None:
+        if in_backward():
+            return
+        raised = sys.exc_info()[1]    # the forward raised: the hook runs anyway
+        self.observers.forward_end(raised)
+        if raised is None and torch.is_grad_enabled():
+            heard = []
+
+            def backward_begins(grad):
+                if not heard:          # (once per forward, whatever its outputs)
+                    heard.append(True)
+                    self.observers.backward_begin()
+            on_backward_begin(output, eager(backward_begins))
+
+    def _pre_forward(self, unit, is_root: bool, args: tuple, kwargs: dict):
+        """Gather the unit; returns its inputs as the reducer tracks them (grads.py's
+        [Note: a unit's backward is done]), or None to leave them be."""
+        self.gatherer.pre_forward(unit, is_root)
+        # (also a recompute in backward: reentrant checkpointing ran the forward without
+        # gradients and backpropagates the recompute; a non-reentrant one drops its graph)
+        if torch.is_grad_enabled():
+            return self.reducer.track_forward(unit, args, kwargs)
+        return None
+
+    def _post_forward(self, unit, is_root: bool, output) -> None:
+        raised = sys.exc_info()[1]     # the forward raised: the hook runs anyway
+        if raised is not None:
+            _explain_in_place(raised, unit)
+        self.gatherer.post_forward(unit, is_root, output)
+
+    def _on_packed(self, unit) -> None:
+        if unit is None:
+            self.gatherer.end_backward()
+        else:
+            self.gatherer.free(unit)
+
+
+def _explain_in_place(exc: BaseException, unit) -> None:
+    """Name the rule behind autograd's error when a ZeRO-3 unit modifies its inputs in
+    place (grads.py's [Note: a unit's backward is done]), once, at the innermost unit."""
+    lead = "zerofn: under ZeRO-3, as under FSDP2, a unit may not modify its inputs in place"
+    if not (isinstance(exc, RuntimeError) and ZerofnUnitInputs.__name__ in str(exc)) \
+            or not hasattr(exc, "add_note") \
+            or any(n.startswith(lead) for n in getattr(exc, "__notes__", ())):
+        return
+    exc.add_note(f"{lead}, and unit {unit.name!r} (or a module inside it) did: write "
+                 f"`x = x * s`, not `x *= s` (docs/design.md §3).")
