@@ -39,8 +39,8 @@ class DeferredCopies(CopyStreams):
     whose source changed between its issue and its run read data it was not given (on a
     GPU a race between the copy's stream and the writer's): ``stale`` counts those."""
 
-    def __init__(self, device, units):
-        super().__init__(device, units)
+    def __init__(self, device, units, *args, **kwargs):
+        super().__init__(device, units, *args, **kwargs)
         self._pending = defaultdict(list)
         self.performed = 0
         self.stale = 0

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from .grads import ZerofnUnitInputs
+from .backward import ZerofnUnitInputs
 from .hooks import eager, in_backward, on_backward_begin
 
 

@@ -1,0 +1,219 @@
+"""Backward, as the reducer follows it: when each unit's gradients are complete, and in
+which order the ranks reduce the units.
+
+[Note: ZeRO-1 reduces in backward] ZeRO-1 needs the reduction of the gradients as they
+stand at the step. Reducing at the step leaves the reduction outside backward, where DDP
+overlaps its all-reduce with it; so when a backward looks like the step's only one (it is
+the first since ``zero_grad`` outside ``no_sync``, and the last step had one too), each
+unit is reduced as its gradients are complete, into a pooled shard, exactly as ZeRO-2
+does, but leaving the full gradients in place. The step then writes the shards into this
+rank's rows. Should another backward come after all (accumulation without ``no_sync``),
+the shards are stale: they are dropped and the step reduces the accumulated gradients as
+before, and from then on while steps keep taking several backwards.
+
+[Note: one reduction order] Every rank must issue its reduce-scatters in the same order,
+or collectives pair different units: gradients averaged with another unit's of equal
+size, a size mismatch (gloo raises, NCCL hangs or corrupts) otherwise. Completion order
+is not enough: a parameter some ranks leave without a gradient (a conditional branch, an
+expert no token chose, a dropped layer) completes its unit on those ranks only at the end
+of backward. So units are reduced in one order known to all ranks, a completed unit
+waiting for those before it. The first backward uses the reverse of the order the forward
+ran the units in under ZeRO-3 (the same on every rank: their gathers must match), else
+the reverse of the units' order with the root last (its embedding's gradient comes at
+the end of backward). At its end the ranks adopt rank 0's completion order (one
+broadcast, as DDP rebuilds its buckets after its first iteration), units rank 0 left
+incomplete going last, where they hold back nothing. ZeRO-3 frees a unit's gathered
+parameters as soon as its gradients are packed, waiting or not.
+
+[Note: a unit's backward is done] ZeRO-3's backward gathers too, on the same group, so a
+unit's reduction must come at one point in every rank's sequence of collectives: a
+reduction held back on one rank (a parameter its batch left without a gradient) would
+meet another rank's gather. Counting gradients cannot tell "not yet" from "not this
+time". So, as FSDP2 does, each forward of a unit passes its tensor inputs that need a
+gradient through an identity autograd function. Its backward runs once the unit's own
+backward is done, at the same place on every rank, and before the hooks on those inputs
+that gather the unit that produced them (a hook on the inputs themselves would run after
+those: registered later). The unit's gradients are all in by then: autograd runs the
+ready node created last first (gradient accumulation before any), so every node the
+unit's forward created has run before the identity, made before them, does; and outside
+its forward a unit's parameters are sharded, unusable.
+
+The unit is complete once the last of its forwards whose graph still lives is done (a
+forward that backward never reaches, say an evaluation with gradients enabled, stops
+counting when its output is dropped). Under reentrant activation checkpointing the
+forward runs without gradients and its recompute in backward is the one tracked, as that
+is the graph backward runs through; a non-reentrant recompute's graph dies at once. A
+parameter still without a gradient then got none and reduces as zeros. A unit whose
+inputs need no gradient completes by counting, or at the end of backward: held back on
+some ranks, that is safe only where backward gathers nothing after it (a first block fed
+data). As under FSDP2, a unit cannot modify its inputs in place.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .units import ParamSlot, Unit
+
+
+class BackwardTracking:
+    """The part of ``GradReducer`` that follows backward (a mixin: the state is the
+    reducer's, grads.py): it calls the reducer's ``_reduce(unit)`` in the ranks' order."""
+
+    def _on_grad(self, unit: Unit, slot: ParamSlot, param) -> None:
+        self._dirty = True
+        self.got.add(slot)
+        if not self._in_backward:
+            self._begin_backward()
+        if not self._reducing:
+            return
+        self._held.setdefault(unit, []).append(slot)
+        self._remaining[unit] -= 1
+        if self._remaining[unit] == 0 or unit in self._send or self._worth_a_buffer(unit):
+            for s in self._held.pop(unit):
+                self._pack(unit, s)
+        if self._remaining[unit] == 0:
+            self._complete(unit)
+
+    def _complete(self, unit: Unit) -> None:
+        """[Note: one reduction order] Reduce the units now complete (none of their
+        gradients remaining) from the first not reduced yet in the common order."""
+        if not self._learned:
+            self._completed.append(unit)
+        if self.on_packed is not None:
+            self.on_packed(unit)
+        while self._next < len(self._order) and self._remaining[self._order[self._next]] == 0:
+            self._reduce(self._order[self._next])
+            self._next += 1
+
+    def track_forward(self, unit: Unit, args: tuple, kwargs: dict):
+        """``(args, kwargs)`` of a forward of ``unit``, those that need a gradient passed
+        through the identity whose backward reports when the unit's backward is done
+        ([Note: a unit's backward is done]); None where none needs one."""
+        if not unit.trainable:
+            return None
+        leaves, spec = tree_flatten((args, kwargs))
+        which = [i for i, t in enumerate(leaves)
+                 if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not which:
+            return None
+        tracked = ZerofnUnitInputs.apply(self._forwards[unit], self._done[unit],
+                                         *(leaves[i] for i in which))
+        for i, t in zip(which, tracked):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def backward_done(self, unit: Unit, forward) -> None:
+        """The backward of ``forward``, one of ``unit``'s, is done; after the last still to
+        come, the unit is complete ([Note: a unit's backward is done])."""
+        if not self._in_backward:
+            self._begin_backward()
+        self._forwards[unit].discard(forward)
+        if self._forwards[unit] or not self._reducing or self._remaining[unit] <= 0:
+            return
+        self._pack_the_rest(unit)
+        self._remaining[unit] = 0
+        self._complete(unit)
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._remaining = {u: len(u.trainable) for u in self.units}
+        self._held = {}
+        self._completed, self._next = [], 0
+        if not self._learned and self.forward_order:
+            ran = [u for u in reversed(self.forward_order()) if u in self._order]
+            self._order = ran + [u for u in self._order if u not in ran]
+        torch.autograd.Variable._execution_engine.queue_callback(self._end)
+        if self.stage == 1:
+            self._drop_early()   # gradients accumulate again: an earlier reduction is stale
+        if self.no_sync:
+            self._reducing = False
+            return
+        self._backwards += 1
+        # [Note: ZeRO-1 reduces in backward] while this looks like the step's only backward.
+        self._reducing = self.stage >= 2 or (self._backwards == 1 and self._last_backwards <= 1)
+        if self.stage == 1 and self._reducing:
+            for unit in self.units:
+                self._fresh[unit] = True
+
+    def _worth_a_buffer(self, unit: Unit) -> bool:
+        """[Note: late send buffers] A unit's first gradients can arrive long before its
+        last: the root's final norm at the start of backward, its tied embedding at the very
+        end. Taking the unit's send buffer then would hold a whole unit's worth of memory
+        through backward for a few small tensors, so gradients wait on their parameters
+        until they make up half the unit."""
+        held = sum(s.numel for s in self._held[unit])
+        return 2 * held >= self.comm.world * unit.shard_numel
+
+    def _pack_the_rest(self, unit: Unit) -> None:
+        """Pack the gradients of an incomplete unit that are on its parameters: those held
+        back, and those accumulated under no_sync that this backward did not add to."""
+        self._held.pop(unit, None)
+        for s in unit.trainable:
+            if s.param.grad is not None:
+                self._pack(unit, s)
+
+    def _end_backward(self) -> None:
+        for unit in self._order[self._next:] if self._reducing else ():
+            if self._remaining[unit] > 0:
+                self._pack_the_rest(unit)
+            self._reduce(unit)
+        self._average()
+        self.comm.drain()
+        self._join()
+        if self._reducing and not self._learned:
+            self._learn_order()
+        self._early = self.stage == 1 and self._reducing
+        self._in_backward = self._reducing = False
+        if self.on_packed is not None:
+            self.on_packed(None)
+
+    def _learn_order(self) -> None:
+        """[Note: one reduction order] Adopt rank 0's completion order of this backward."""
+        self._learned = True
+        mine = self._completed + [u for u in self._order if u not in self._completed]
+        groups = [c for c in (self.comm, self.replicas) if c is not None and c.world > 1]
+        if groups:
+            index = {u: i for i, u in enumerate(self._order)}
+            order = torch.tensor([index[u] for u in mine], device=self.device or "cpu")
+            for comm in groups:     # HSDP: rank 0 of each shard group, then of replicas
+                comm.broadcast(order, 0)
+            mine = [self._order[i] for i in order.tolist()]
+        self._order = mine
+
+
+class ZerofnUnitInputs(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward reports that the unit's backward
+    is done ([Note: a unit's backward is done]). Named for the error a unit that modifies
+    its inputs in place meets: "Output 0 of ZerofnUnitInputs is a view and is being
+    modified inplace" (docs/design.md §3)."""
+
+    @staticmethod
+    def forward(ctx, forwards, done, *inputs):
+        forwards.add(ctx)   # (this context is the forward's mark: it lives as its graph does)
+        ctx.done = done
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done(ctx)
+        return (None, None, *grads)
+
+
+def backward_done_hook(reducer, ui: int, forward) -> None:
+    """What each unit's identity calls in backward; holds neither the reducer nor the unit
+    (see ``grad_hook``)."""
+    reducer = reducer()
+    if reducer is not None:
+        reducer.unit_done(reducer.units[ui], forward)
+
+
+def grad_hook(reducer, ui: int, si: int, param) -> None:
+    """The post-accumulate-grad hook. It holds neither the reducer nor the parameter: the
+    hook lives in C++, where the garbage collector cannot see a cycle through it, and such
+    a cycle would keep the model and all its memory (device, pinned host) after its last
+    use."""
+    reducer = reducer()
+    if reducer is not None:
+        unit = reducer.units[ui]
+        reducer.grad_arrived(unit, unit.trainable[si], param)
