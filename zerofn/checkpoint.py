@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
+from .runtime.agree import agree_or_raise, from_first, gather
 from .runtime.pinned import host_buffer, pins
 from .runtime.runtime import runtime_of
 from .state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
@@ -185,17 +186,17 @@ def _to_bytes(obj) -> bytes:
 def _agree_on_save(step: int, blobs: dict, group) -> None:
     replicated = {k: hashlib.sha256(v).hexdigest() for k, v in blobs.items()
                   if isinstance(v, bytes) and k != "step"}
-    gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (step, replicated), group=group)
+    gathered = gather((step, replicated), group)
+    first_step, first = gathered[0]   # every rank is held to rank 0's: one error on all
     for rank, (other_step, other) in enumerate(gathered):
-        if other_step != step:
-            raise ValueError(f"save_checkpoint: rank {rank} saves step {other_step}, this "
-                             f"rank step {step}; pass the same step on every rank.")
-        if other.keys() != replicated.keys():
+        if other_step != first_step:
+            raise ValueError(f"save_checkpoint: rank {rank} saves step {other_step}, rank 0 "
+                             f"step {first_step}; pass the same step on every rank.")
+        if other.keys() != first.keys():
             raise ValueError(f"save_checkpoint: rank {rank} passes extras "
-                             f"{sorted(other)}, this rank {sorted(replicated)}.")
-        for key in replicated:
-            if other[key] != replicated[key]:
+                             f"{sorted(other)}, rank 0 {sorted(first)}.")
+        for key in first:
+            if other[key] != first[key]:
                 raise ValueError(
                     f"save_checkpoint: extra {key!r} differs between ranks 0 and {rank}, so "
                     f"saving one copy would lose the others; wrap it in "
@@ -218,9 +219,7 @@ def _agree_on_directory(tmp: str, group) -> None:
             seen = f.read()
     except OSError:
         seen = None
-    gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (seen, socket.gethostname(), os.path.abspath(tmp)),
-                           group=group)
+    gathered = gather((seen, socket.gethostname(), os.path.abspath(tmp)), group)
     token, host, path = gathered[0]
     blind = [f"rank {r} on {other}" for r, (seen, other, _) in enumerate(gathered)
              if seen != token]
@@ -442,16 +441,16 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
 def _resolve_on_rank0(path: str, group) -> str | None:
     """Rank 0 reads ``latest`` (it alone publishes it) and tells the others; None where
     ``path`` holds no checkpoint at all."""
-    found = [None]
+    found = None
     if dist.get_rank(group) == 0:
         try:
-            found[0] = None if _holds_nothing(path) else _resolve(path)
+            found = None if _holds_nothing(path) else _resolve(path)
         except (OSError, ValueError) as e:
-            found[0] = e
-    dist.broadcast_object_list(found, src=dist.get_global_rank(group, 0), group=group)
-    if isinstance(found[0], BaseException):
-        raise ValueError(str(found[0]))
-    return found[0]
+            found = e
+    found = from_first(found, group)
+    if isinstance(found, BaseException):
+        raise ValueError(str(found))
+    return found
 
 
 def _holds_nothing(path: str) -> bool:
@@ -488,11 +487,7 @@ def _agree_on_load(ckpt: str, state: dict, group) -> dict:
     except Exception as e:  # an unreadable checkpoint is one more problem to agree on
         metadata, problems = None, [f"cannot read its metadata ({type(e).__name__}: {e}); "
                                     f"the save did not finish or the file is corrupt"]
-    gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, problems, group=group)
-    for rank, probs in enumerate(gathered):
-        if probs:
-            raise ValueError(f"Cannot load checkpoint {ckpt} (rank {rank}): " + "; ".join(probs))
+    agree_or_raise(problems, group, f"Cannot load checkpoint {ckpt}")
     return metadata.state_dict_metadata
 
 

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from .runtime.agree import agree_or_raise, from_first
 from .runtime.runtime import runtime_of
 from .runtime.units import local_rows
 from .state_dict import _slots_by_name
@@ -82,16 +83,16 @@ def load_pretrained(model: nn.Module, path, *, rename=None, strict: bool = True)
     """
     rt = runtime_of(model)
     with contextlib.ExitStack() as files:
-        what = f"load_pretrained({os.fspath(path)!r})"
+        what = f"load_pretrained({os.fspath(path)!r}) failed"
         try:
             plan, missing, unexpected, problems = _load_plan(model, rt, path, rename, files)
         except Exception as e:  # a bad file on one rank must not leave the others waiting
             plan, missing, unexpected, problems = {}, [], [], [f"{type(e).__name__}: {e}"]
         if strict:
             problems += _key_problems(missing, unexpected)
-        _agree(rt, problems, what)
+        agree_or_raise(problems, rt.group, what)
         rt.prepare_state_dict()
-        _agree(rt, _read_rows(model, plan), what)   # before refresh_params' collectives
+        agree_or_raise(_read_rows(model, plan), rt.group, what)  # before refresh_params' gathers
         rt.refresh_params()
     return _IncompatibleKeys(missing, unexpected)
 
@@ -218,15 +219,6 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:_LISTED]) + (f", and {more} more" if more > 0 else "")
 
 
-def _agree(rt, problems: list[str], what: str) -> None:
-    """One small collective before any other: every rank raises, or none does."""
-    gathered = [None] * dist.get_world_size(rt.group)
-    dist.all_gather_object(gathered, problems, group=rt.group)
-    for rank, probs in enumerate(gathered):
-        if probs:
-            raise ValueError(f"{what} failed on rank {rank}: " + "; ".join(probs))
-
-
 # -- save --------------------------------------------------------------------------------
 def save_pretrained(model: nn.Module, directory, *, max_shard_size="5GB", dtype=None) -> str:
     """Write the model in Hugging Face's layout, one unit in memory at a time; call on every
@@ -265,7 +257,7 @@ def save_pretrained(model: nn.Module, directory, *, max_shard_size="5GB", dtype=
     tmp = _staging_dir(directory)
     first = dist.get_rank(rt.group) == 0    # (HSDP: each replica has a shard rank 0)
     problems = _save_problems(directory, tmp, entries) if first else []
-    _agree(rt, problems, f"save_pretrained({directory!r})")
+    agree_or_raise(problems, rt.group, f"save_pretrained({directory!r}) failed")
     writer = _Writer(tmp, shards) if first else None
     for unit in rt.units:
         full = _gather_unit(rt, unit)
@@ -279,10 +271,9 @@ def save_pretrained(model: nn.Module, directory, *, max_shard_size="5GB", dtype=
             if isinstance(e.source, str):
                 writer.write(e.source, [buffers[e.source]])
         writer.finish(model, entries, shards, directory)
-    outcome = [writer.error if writer is not None else None]
-    dist.broadcast_object_list(outcome, src=dist.get_global_rank(rt.group, 0), group=rt.group)
-    if outcome[0]:
-        raise OSError(f"save_pretrained({directory!r}) failed on rank 0: {outcome[0]}")
+    error = from_first(writer.error if writer is not None else None, rt.group)
+    if error:
+        raise OSError(f"save_pretrained({directory!r}) failed on rank 0: {error}")
     return directory
 
 
