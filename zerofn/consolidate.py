@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpoint import _resolve
+from .io.checkpoint.layout import resolve
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PREFIX = "model."
@@ -37,7 +37,7 @@ def to_full(checkpoint, out, dtype: torch.dtype = torch.float32) -> dict[str, to
     """Write the checkpoint's model weights to ``out`` (.safetensors, or .pt for torch.save)
     as full tensors, floating ones in ``dtype``; return them."""
     writer = _writer_for(os.fspath(out))
-    ckpt = _resolve(os.fspath(checkpoint))
+    ckpt = resolve(os.fspath(checkpoint))
     saved = FileSystemReader(ckpt).read_metadata().state_dict_metadata
     model_keys = [k for k in saved if k.startswith(PREFIX)]
     if not model_keys:
