@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-import zerofn.pretrained as pretrained
+import zerofn.io.pretrained.load as pretrained_load
+import zerofn.io.pretrained.save as pretrained_save
 from models import ParityGPT, batches, make_models, make_optimizer, worst
 from multiproc import run_ranks
 from test_parity import STAGES, train_sharded, transform
@@ -109,12 +110,12 @@ class _SliceRecorder:
 @contextlib.contextmanager
 def recording_reads():
     """Every reader load_pretrained opens logs into the list this yields."""
-    log, real = [], pretrained._open
-    pretrained._open = lambda file: _Recorder(real(file), log)
+    log, real = [], pretrained_load._open
+    pretrained_load._open = lambda file: _Recorder(real(file), log)
     try:
         yield log
     finally:
-        pretrained._open = real
+        pretrained_load._open = real
 
 
 def rows_read_wrongly(log: list, shapes: dict, rank: int, world: int) -> list:
@@ -358,9 +359,10 @@ def test_consolidated_files_errors_and_atomic_saves(tmp_path):
 
 def test_shard_sizes_and_untransformed_models():
     with pytest.raises(ValueError, match="max_shard_size"):
-        pretrained._shard_bytes("5 parsecs")
-    assert pretrained._shard_bytes("2GiB") == 2 * 2**30 and pretrained._shard_bytes("5GB") == 5e9
-    assert pretrained._shard_bytes(123) == 123
+        pretrained_save._shard_bytes("5 parsecs")
+    assert pretrained_save._shard_bytes("2GiB") == 2 * 2**30
+    assert pretrained_save._shard_bytes("5GB") == 5e9
+    assert pretrained_save._shard_bytes(123) == 123
     with pytest.raises(ValueError, match="has not been transformed"):
         zf.save_pretrained(ParityGPT(), "x")
 

@@ -758,8 +758,8 @@ BACKEND_PATHS = [
     ("Object collectives", "`all_gather_object`/`broadcast_object_list` (set-up checks, "
      "checkpoints' verdicts) travel as CUDA tensors on NCCL, host tensors on gloo",
      "NCCL at world 1 (job: save and resume; tests: async checkpoint); gloo on the CPU"),
-    ("Async checkpoints", "`checkpoint.py` saves in the background over a gloo twin of the "
-     "model's group, so the save's collectives never share NCCL's stream with training",
+    ("Async checkpoints", "`io/checkpoint/api.py` saves in the background over a gloo twin "
+     "of the model's group, so the save's collectives never share NCCL's stream with training",
      "NCCL at world 1 (tests: async checkpoint staged through one pinned buffer)"),
     ("Timeouts and asynchronous errors", "`timeout=` sets the group's timeout "
      "(`_set_pg_timeout`); on NCCL a watchdog aborts a stuck communicator, whose errors "

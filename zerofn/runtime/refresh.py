@@ -95,6 +95,18 @@ class Refresh:
         if self.offload is not None:
             self.offload.materialize(self.optimizer)
 
+    def gather_unit(self, unit) -> torch.Tensor:
+        """Every rank's master rows of ``unit`` as one rank-major ``(world, shard)`` buffer,
+        on the runtime's device, in the masters' dtype. Collective."""
+        dtype = unit.slots[0].opt_param.dtype
+        recv = torch.empty(self.world * unit.shard_numel, dtype=dtype, device=self.device)
+        send = recv.view(self.world, unit.shard_numel)[self.rank]    # gathered in place
+        send.zero_()
+        for s in unit.slots:
+            send[s.offset:s.offset + s.local_numel].copy_(s.opt_param.detach().reshape(-1))
+        self.comm.all_gather(recv, send)
+        return recv.view(self.world, unit.shard_numel)
+
     def full_tensor(self, slot, local: torch.Tensor, device=None) -> torch.Tensor:
         """Gather a tensor sharded like ``slot`` (this rank's rows) into a new full tensor on
         ``device`` (default: where ``local`` is). Collective.

@@ -1,0 +1,200 @@
+"""save_checkpoint, load_checkpoint, wait_for_checkpoint, and the background saves.
+
+Inside a checkpoint: ``model`` and ``optim`` in the format of
+``torch.distributed.checkpoint.state_dict`` (DTensor ``Shard(0)`` pieces under unchanged
+FQNs), and ``extra``: the step and every extra object, each as one opaque blob
+(extras.py).
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from ...runtime import runtime_of
+from ...state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from . import extras, layout, verify
+from .staging import HostCopy
+
+_log = logging.getLogger(__name__)
+
+
+class AsyncCheckpointer:
+    """This process's background saves: the one in flight (at most one), the gloo twins
+    of the groups they run on, and the stager that copies the state to the host."""
+
+    def __init__(self):
+        self.pending: Future | None = None
+        self.stager = HostCopy()
+        self._twins: dict = {}
+
+    def start(self, state: dict, tmp: str, group, finish, final: str) -> None:
+        """Copy ``state`` to the host and write it to ``tmp`` in the background; then
+        ``finish()`` (publish), and ``wait()`` returns ``final``."""
+        # The background save runs its collectives on a gloo twin of the group, so they
+        # never interleave with training's collectives on the group itself.
+        response = dcp.async_save(state, checkpoint_id=tmp, process_group=self._twin(group),
+                                  async_stager=self.stager)
+        self.pending = _chain(getattr(response, "upload_completion", response), finish, final)
+
+    def wait(self) -> str | None:
+        """Wait for the save in flight; return its directory (None if none). Raises what
+        the save raised."""
+        pending, self.pending = self.pending, None
+        return None if pending is None else pending.result()
+
+    def _twin(self, group):
+        if group not in self._twins:
+            ranks = dist.get_process_group_ranks(group)
+            self._twins[group] = dist.new_group(ranks, backend="gloo",
+                                                use_local_synchronization=True)
+        return self._twins[group]
+
+
+checkpointer = AsyncCheckpointer()    # the one the functions below use
+
+
+def _chain(upload: Future, finish, final: str) -> Future:
+    done: Future = Future()
+
+    def on_upload(f: Future) -> None:
+        try:
+            f.result()
+            finish()
+            done.set_result(final)
+        except BaseException as e:  # handed to whoever waits: the next save, load or exit
+            done.set_exception(e)
+
+    upload.add_done_callback(on_upload)
+    return done
+
+
+def _wait_at_exit() -> None:
+    try:
+        wait_for_checkpoint()
+    except BaseException:  # the interpreter is exiting: say so rather than lose it silently
+        _log.exception("zerofn: the background checkpoint save failed")
+
+
+atexit.register(_wait_at_exit)
+
+
+def _watched(phase: str):
+    """Record ``phase`` for zerofn/failures.py while the call runs, and let a collective
+    it fails (a rank gone or stalled) raise ``RankFailure`` naming that rank."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(path, model, *args, **kwargs):
+            return runtime_of(model).in_phase(phase, fn, path, model, *args, **kwargs)
+        return call
+    return wrap
+
+
+# -- save ------------------------------------------------------------------------------
+@_watched("checkpoint save")
+def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int,
+                    keep: int | None = None, async_save: bool = False, **extra) -> str:
+    """Save ``model``, ``optimizer`` and ``extra`` as ``path/step-<step>``; call on every rank.
+
+    Args:
+        path: the checkpoint root (created if missing).
+        step: names the checkpoint and is returned by ``load_checkpoint``.
+        keep: after this save, keep only the newest ``keep`` checkpoints (None: all).
+        async_save: return once the state is copied; write in the background. The next
+            save or load, ``wait_for_checkpoint()`` and process exit wait for it.
+        **extra: ``Stateful`` objects (LR scheduler, ``StatefulDataLoader``) or plain
+            values, the same on every rank; wrap per-rank ones in ``PerRank``
+            (``RNGState()`` already is).
+
+    Returns:
+        The checkpoint's final directory (complete once the save has finished).
+    """
+    wait_for_checkpoint()
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep={keep}: keep at least the checkpoint being written (keep >= 1).")
+    group = runtime_of(model).group    # every rank (HSDP: both mesh dims)
+    root, name = os.fspath(path), layout.step_name(step)
+    tmp, final = layout.unfinished(root, name), os.path.join(root, name)
+    msd, osd = get_state_dict(model, optimizer)
+    blobs = extras.blobs({"step": step, **extra}, dist.get_rank(group))
+    if dist.get_rank(group) == 0:
+        layout.clear_unfinished(root)
+        verify.mark(tmp)
+    verify.agree_on_save(step, blobs, group)   # also orders rank 0's clean-up before any write
+    verify.agree_on_directory(tmp, group)
+    os.makedirs(tmp, exist_ok=True)
+    state = {"model": msd, "optim": osd, "extra": blobs}
+    first = dist.get_rank(group) == 0
+    finish = (lambda: layout.publish(root, name, keep)) if first else (lambda: None)
+    if not async_save:
+        dcp.save(state, checkpoint_id=tmp, process_group=group)
+        finish()
+        return final
+    checkpointer.start(state, tmp, group, finish, final)
+    return final
+
+
+def wait_for_checkpoint() -> str | None:
+    """Wait for this process's background save; return its directory (None if none).
+
+    Raises what the save raised. Call it before ``destroy_process_group``.
+    """
+    return checkpointer.wait()
+
+
+# -- load ------------------------------------------------------------------------------
+@_watched("checkpoint load")
+def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    **extra) -> dict | None:
+    """Load a checkpoint into ``model``, ``optimizer`` and ``extra``; call on every rank.
+
+    Args:
+        path: a checkpoint root (its ``latest`` is loaded) or one checkpoint directory,
+            also one written by FSDP2 with ``dcp.save({"model": ..., "optim": ...})``.
+            Any world size and any stage may have saved it.
+        optimizer: None loads the model alone (e.g. weights converted by
+            ``python -m zerofn.consolidate to-dcp``).
+        **extra: as for ``save_checkpoint``: ``Stateful`` objects are loaded in place;
+            for a plain value pass any placeholder and read the result from the return.
+
+    Returns:
+        ``{name: value}`` for the plain extras, and ``"step"`` when the checkpoint has one;
+        None, with nothing loaded, when ``path`` holds no checkpoint yet (it does not exist,
+        is empty, or holds only a save that never finished), so a job may call this
+        unconditionally on start-up. A checkpoint that is there but broken or partial
+        raises ``ValueError`` on every rank.
+
+    Example:
+        >>> state = zf.load_checkpoint("ckpt", model, opt, sched=sched)
+        >>> start = state["step"] if state else 0
+    """
+    wait_for_checkpoint()
+    rt = runtime_of(model)
+    group = rt.group
+    ckpt = verify.resolve_on_rank0(os.fspath(path), group)
+    if ckpt is None:
+        return None
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd}
+    rank = dist.get_rank(group)
+    state["extra"] = extras.placeholders(extra, rank)
+    metadata = verify.agree_on_load(ckpt, state, group)
+    if "extra.step" in metadata and "step" not in extra:
+        state["extra"]["step"] = b""
+    dcp.load(state, checkpoint_id=ckpt, process_group=group)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, state["model"], state["optim"])
+    return extras.restore(extra, state["extra"], rank)
+

@@ -1,0 +1,123 @@
+"""Convert between a sharded checkpoint and one full state dict file, on one process.
+
+    python -m zerofn.consolidate to-full CKPT OUT.safetensors [--dtype bf16]
+    python -m zerofn.consolidate to-full CKPT OUT.pt
+    python -m zerofn.consolidate to-dcp FULL.safetensors OUT_DIR
+
+``to-full`` reads the model weights of a zerofn or FSDP2 checkpoint (a checkpoint root,
+whose ``latest`` is read, or one checkpoint directory), saved at any world size, and writes
+``{fqn: full tensor}`` in fp32 (or bf16): ``model.load_state_dict(file)`` takes it as is.
+``to-dcp`` writes such a file back as a checkpoint directory that
+``zerofn.checkpoint.load_checkpoint(OUT_DIR, model)`` loads at any world size and stage
+(model only: the file holds no optimizer state).
+
+No process group is needed: DCP reads every shard from disk. The whole model is held in
+memory once, as for any full state dict.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from . import fs
+from .checkpoint.layout import resolve
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PREFIX = "model."
+
+
+def to_full(checkpoint, out, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Write the checkpoint's model weights to ``out`` (.safetensors, or .pt for torch.save)
+    as full tensors, floating ones in ``dtype``; return them."""
+    writer = _writer_for(os.fspath(out))
+    ckpt = resolve(os.fspath(checkpoint))
+    saved = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith(PREFIX)]
+    if not model_keys:
+        raise ValueError(f"{ckpt} holds no model state (no '{PREFIX}*' entries).")
+    not_tensors = [k for k in model_keys if not isinstance(saved[k], TensorStorageMetadata)]
+    if not_tensors:
+        raise ValueError(f"{ckpt}: model entries {not_tensors} are not tensors, which a "
+                         "state dict file of tensors cannot hold.")
+    model = {k[len(PREFIX):]: torch.empty(saved[k].size, dtype=saved[k].properties.dtype)
+             for k in model_keys}
+    with single_process():
+        dcp.load({"model": model}, checkpoint_id=ckpt, no_dist=True)
+    full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.items()}
+    writer(full, os.fspath(out))
+    return full
+
+
+def to_dcp(full_file, out_dir) -> None:
+    """Write a ``{fqn: tensor}`` file (.safetensors or torch.save) as a checkpoint directory."""
+    full_file, out_dir = os.fspath(full_file), os.fspath(out_dir)
+    if os.path.exists(out_dir):
+        raise FileExistsError(f"{out_dir} exists; pick a new directory for the checkpoint.")
+    model = _read_full(full_file)
+    tmp = out_dir.rstrip(os.sep) + ".tmp"
+    with single_process():
+        dcp.save({"model": model}, storage_writer=FileSystemWriter(tmp), no_dist=True)
+    fs.replace(tmp, out_dir)   # complete or absent, never half written
+
+
+@contextlib.contextmanager
+def single_process():
+    """DCP warns that it assumes one process even when told so with no_dist=True."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _writer_for(path: str):
+    if path.endswith(".safetensors"):
+        from safetensors.torch import save_file
+        return lambda sd, p: save_file({k: v.contiguous() for k, v in sd.items()}, p)
+    if path.endswith((".pt", ".pth", ".bin")):
+        return torch.save
+    raise ValueError(f"{path}: name the output .safetensors or .pt (torch.save).")
+
+
+def _read_full(path: str) -> dict[str, torch.Tensor]:
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        return load_file(path)
+    sd = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ValueError(f"{path} is not a flat {{name: tensor}} state dict; save the "
+                         "model's state_dict() itself.")
+    return sd
+
+
+def main(argv=None, prog: str = "python -m zerofn.consolidate") -> int:
+    """The command line; ``prog`` names it in the help (the ``zerofn`` script passes its own)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    full = sub.add_parser("to-full", help="checkpoint -> one full state dict file")
+    full.add_argument("checkpoint", help="a checkpoint root (uses its 'latest') or directory")
+    full.add_argument("out", help="OUT.safetensors or OUT.pt")
+    full.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                      help="dtype of floating tensors (default fp32)")
+    back = sub.add_parser("to-dcp", help="full state dict file -> checkpoint directory")
+    back.add_argument("full", help="FULL.safetensors or FULL.pt")
+    back.add_argument("out", help="a new checkpoint directory")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "to-full":
+            tensors = to_full(args.checkpoint, args.out, DTYPES[args.dtype])
+            print(f"wrote {len(tensors)} tensors, "
+                  f"{sum(t.numel() for t in tensors.values())} elements, to {args.out}")
+        else:
+            to_dcp(args.full, args.out)
+            print(f"wrote checkpoint {args.out}")
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,185 @@
+"""load_pretrained: safetensors weights into a zerofn model, each rank reading its own rows.
+
+[Note: rows only] A parameter's master is split by rows across ranks (units.py's layout),
+so loading reads, on each rank, only this rank's rows of each tensor: safetensors slicing
+reads just those bytes of the memory-mapped file. The runtime then refreshes the compute
+parameters from the masters, as ``set_model_state_dict`` does (an all-gather for ZeRO-1/2,
+whose compute parameters are whole on every rank). Buffers are small and read whole.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from ...runtime.agree import agree_or_raise
+from ...runtime import runtime_of
+from .safetensors_writer import INDEX_NAME, SINGLE_NAME
+
+_LISTED = 20     # keys named per kind in an error; the rest are counted
+
+
+def load_pretrained(model: nn.Module, path, *, rename=None, strict: bool = True):
+    """Fill a zerofn model from safetensors weights; each rank reads only its own rows.
+
+    Call on every rank, after the transforms. Works for every stage, under
+    ``mixed_precision`` and ``offload``; tensors are converted to the model's dtypes.
+
+    Args:
+        model: a model transformed by zerofn.
+        path: a ``.safetensors`` file (e.g. ``python -m zerofn.consolidate to-full``'s
+            output), or a directory holding ``model.safetensors.index.json`` and its shards
+            (Hugging Face's sharded layout) or a single ``model.safetensors``.
+        rename: maps the file's names to the model's: a dict (names it lacks are kept), or
+            a callable returning the model's name, or None to skip that tensor.
+        strict: raise if the file lacks some of the model's weights or holds weights the
+            model does not have. Shape mismatches always raise. Of two tied parameters
+            (e.g. ``lm_head.weight`` and the embedding) the file needs only one.
+
+    Returns:
+        ``(missing_keys, unexpected_keys)``, as ``nn.Module.load_state_dict`` returns them.
+
+    Example:
+        >>> model, opt = zerofn.shard_params()(model, opt)
+        >>> zerofn.load_pretrained(model, "llama-dir", rename=lambda k: k.removeprefix("base."))
+    """
+    rt = runtime_of(model)
+    with contextlib.ExitStack() as files:
+        what = f"load_pretrained({os.fspath(path)!r}) failed"
+        try:
+            plan, missing, unexpected, problems = _load_plan(model, rt, path, rename, files)
+        except Exception as e:  # a bad file on one rank must not leave the others waiting
+            plan, missing, unexpected, problems = {}, [], [], [f"{type(e).__name__}: {e}"]
+        if strict:
+            problems += _key_problems(missing, unexpected)
+        agree_or_raise(problems, rt.group, what)
+        rt.prepare_state_dict()
+        agree_or_raise(_read_rows(model, plan), rt.group, what)  # before refresh_params' gathers
+        rt.refresh_params()
+    return _IncompatibleKeys(missing, unexpected)
+
+
+@torch.no_grad()
+def _read_rows(model, plan: dict) -> list[str]:
+    """Read this rank's rows of every parameter's master, and every buffer whole."""
+    buffers, key = dict(model.named_buffers()), None
+    try:
+        for target, (reader, key) in plan.items():
+            if isinstance(target, str):
+                buffers[target].copy_(reader.get_tensor(key))
+            elif target.local:
+                start = target.rank * target.chunk
+                target.opt_param.copy_(reader.get_slice(key)[start:start + target.local])
+    except Exception as e:  # reported on every rank by the caller
+        return [f"reading {key!r} failed: {type(e).__name__}: {e}"]
+    return []
+
+
+def _load_plan(model, rt, path, rename, files: contextlib.ExitStack):
+    """What to read from where: ``{slot or buffer name: (reader, file key)}``, and the
+    missing keys, unexpected keys and shape problems."""
+    located = _locate(os.fspath(path))
+    readers = {f: files.enter_context(_open(f)) for f in sorted(set(located.values()))}
+    by_model_name, problems = {}, []
+    for key, file in located.items():
+        name = _renamed(key, rename)
+        if name is None:
+            continue
+        if name in by_model_name:
+            problems.append(f"two file keys map to the model's {name!r} "
+                            f"({by_model_name[name][1]!r} and {key!r}); fix rename=.")
+        by_model_name[name] = (readers[file], key)
+    expected = list(model.state_dict())
+    slots = rt.slots_by_name()
+    plan, missing = {}, []
+    for name in expected:
+        target = slots.get(name, name)
+        if name in by_model_name and target not in plan:
+            plan[target] = by_model_name[name]
+    for name in expected:
+        if slots.get(name, name) not in plan:
+            missing.append(name)
+    unexpected = [n for n in by_model_name if n not in set(expected)]
+    problems += _shape_problems(model, plan)
+    return plan, missing, unexpected, problems
+
+
+def _locate(path: str) -> dict[str, str]:
+    """``{file key: safetensors file}`` for a file or a Hugging Face model directory."""
+    if os.path.isfile(path):
+        if not path.endswith(".safetensors"):
+            raise ValueError(f"{path} is not a .safetensors file; load_pretrained reads "
+                             "safetensors only (convert .bin files with safetensors first).")
+        return {k: path for k in _keys_of(path)}
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} does not exist: pass a .safetensors file or a model directory.")
+    index = os.path.join(path, INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as f:
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"{index} is not a Hugging Face index (no weight_map): {e}.")
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    single = os.path.join(path, SINGLE_NAME)
+    if os.path.isfile(single):
+        return {k: single for k in _keys_of(single)}
+    raise ValueError(f"{path} holds neither {INDEX_NAME} nor {SINGLE_NAME}; pass the directory "
+                     "save_pretrained wrote, or a .safetensors file.")
+
+
+def _open(file: str):
+    from safetensors import safe_open
+    if not os.path.isfile(file):
+        raise ValueError(f"{file} is missing (named by the index).")
+    return safe_open(file, framework="pt", device="cpu")
+
+
+def _keys_of(file: str) -> list[str]:
+    with _open(file) as f:
+        return list(f.keys())
+
+
+def _renamed(key: str, rename):
+    if rename is None:
+        return key
+    if isinstance(rename, dict):
+        return rename.get(key, key)
+    return rename(key)
+
+
+def _shape_problems(model, plan: dict) -> list[str]:
+    buffers = dict(model.named_buffers())
+    wrong = []
+    for target, (reader, key) in plan.items():
+        shape = tuple(buffers[target].shape if isinstance(target, str) else target.shape)
+        saved = tuple(reader.get_slice(key).get_shape())
+        if saved != shape:
+            name = target if isinstance(target, str) else target.fqn
+            wrong.append(f"{name}: file {saved}, model {shape}")
+    if not wrong:
+        return []
+    return [f"{len(wrong)} shapes differ ({_listed(wrong)}): the file holds another model "
+            "configuration"]
+
+
+def _key_problems(missing: list[str], unexpected: list[str]) -> list[str]:
+    problems = []
+    if missing:
+        problems.append(f"the file lacks {len(missing)} of the model's keys ({_listed(missing)})")
+    if unexpected:
+        problems.append(f"the file holds {len(unexpected)} keys the model does not have "
+                        f"({_listed(unexpected)})")
+    if problems:
+        problems.append("map names with rename= (e.g. to strip a prefix), or pass strict=False "
+                        "to load what matches.")
+    return problems
+
+
+def _listed(names: list[str]) -> str:
+    more = len(names) - _LISTED
+    return ", ".join(names[:_LISTED]) + (f", and {more} more" if more > 0 else "")
