@@ -31,8 +31,9 @@ import sys
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from ..checkpoint import _publish, _step_name, _to_bytes
-from ..consolidate import _single_process
+from ..io.checkpoint.extras import to_bytes
+from ..io.checkpoint.layout import publish, step_name
+from ..io.consolidate import single_process
 from ..runtime.optimizer import SCALER_KEY
 from .ds_read import DeepSpeedCheckpoint, read_checkpoint
 
@@ -55,17 +56,17 @@ def convert(path, out, tag: str | None = None) -> tuple[str, DeepSpeedCheckpoint
         {'step': 100, 'epoch': 3, 'deepspeed': {...}}
     """
     ck = read_checkpoint(path, tag)
-    root, name = os.fspath(out), _step_name(ck.step)
+    root, name = os.fspath(out), step_name(ck.step)
     final, tmp = os.path.join(root, name), os.path.join(root, ".tmp-" + name)
     if os.path.exists(final):
         raise ValueError(f"{final} exists; convert into another OUT_DIR or remove it first.")
     os.makedirs(root, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    extra = {"step": _to_bytes(ck.step), **{k: _to_bytes(v) for k, v in ck.extras.items()}}
+    extra = {"step": to_bytes(ck.step), **{k: to_bytes(v) for k, v in ck.extras.items()}}
     state = {"model": ck.model, "optim": ck.optim, "extra": extra}
-    with _single_process():
+    with single_process():
         dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
-    _publish(root, name, keep=None)
+    publish(root, name, keep=None)
     return final, ck
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..checkpoint import load_checkpoint as zf_load_checkpoint
 from ..checkpoint import save_checkpoint as zf_save_checkpoint
+from ..io.fs import write_file
 from ..state_dict import get_model_state_dict
 from .config import DeepSpeedConfigWarning
 
@@ -44,7 +45,7 @@ class EngineCheckpoints:
         zf_save_checkpoint(os.path.join(os.fspath(save_dir), tag), self.module, self.optimizer,
                            step=self.global_steps, keep=1, **extras)
         if save_latest and dist.get_rank(self.group) == 0:
-            _write_latest(os.fspath(save_dir), tag)
+            write_file(os.path.join(os.fspath(save_dir), LATEST), tag)   # (no newline)
         dist.barrier(self.group)
         return True
 
@@ -141,13 +142,3 @@ def _find_checkpoint(load_dir: str, tag) -> tuple[str | None, str | None]:
     if not os.path.isdir(path):
         return None, f"load_checkpoint: no checkpoint at {path}. Nothing was loaded."
     return path, None
-
-
-def _write_latest(save_dir: str, tag: str) -> None:
-    """DeepSpeed's ``latest`` file (the tag, no newline), replaced atomically."""
-    tmp = os.path.join(save_dir, ".latest.tmp")
-    with open(tmp, "w") as f:
-        f.write(tag)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(save_dir, LATEST))
