@@ -9,7 +9,7 @@ import zerofn as zf
 from models import batches, make_models, make_optimizer
 from multiproc import run_ranks
 from test_parity import transform
-from zerofn.runtime.units import SLOT_ALIGN
+from zerofn.core.units import SLOT_ALIGN
 
 
 def padding_bound(model, world: int) -> int:

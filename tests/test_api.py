@@ -13,7 +13,7 @@ from models import batches, make_models, make_optimizer, worst
 from odd_models import expected_units
 from multiproc import run_ranks
 from test_parity import max_errors, train_reference, train_sharded, transform
-from zerofn.runtime.units import default_unit_modules
+from zerofn.core.units import default_unit_modules
 
 
 def one_at_a_time(rank, world):

@@ -17,7 +17,7 @@ from torch import nn
 import zerofn as zf
 from zerofn.deepspeed import DeepSpeedConfigWarning, checkpointing, from_deepspeed_config
 from zerofn.deepspeed.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
-from zerofn.plan import Plan
+from zerofn.core.plan import Plan
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspeed")
 BATCH = {"train_micro_batch_size_per_gpu": 2}
@@ -87,7 +87,7 @@ def test_persistence_threshold_maps_to_persist_below(key):
 
 
 def test_persistent_params_are_those_deepspeed_keeps():
-    from zerofn.runtime.units import build_units
+    from zerofn.core.units import build_units
     model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 9))   # 100, 10, 90, 9 elements
     persist = plan_of(read(zero(stage=3, stage3_param_persistence_threshold=90)))
     units = build_units(model, None, 2, 0, persist.sharding.persist_below)

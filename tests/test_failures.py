@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import zerofn as zf
-from zerofn.failures import Watch
+from zerofn.observe.failures import Watch
 from tests.models import batches, make_models
 
 FAULT_STEP = 2   # the optimizer step (from 1) in which rank 1 fails

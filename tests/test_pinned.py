@@ -13,7 +13,7 @@ from torch import nn
 import zerofn.runtime.pinned as pinned
 from zerofn.runtime.offload import NvmeOffload
 from zerofn.runtime.offload import ALIGN, HostOffload
-from zerofn.runtime.units import Unit
+from zerofn.core.units import Unit
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import zerofn as zf
 from multiproc import run_ranks
 from zerofn.deepspeed.config import DeepSpeedConfigWarning
 from zerofn.nanogpt import GPT, GPTConfig
-from zerofn.plan import Plan
+from zerofn.core.plan import Plan
 
 # Large enough that a step's phases dwarf the loop's own few lines between them.
 CONFIG = GPTConfig(vocab=256, width=96, heads=4, ffn=384, layers=3, context=64)

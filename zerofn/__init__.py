@@ -4,16 +4,21 @@
     ...                        zerofn.shard_params())
     >>> model, opt = zero3(model, opt)
 """
-from .accounting import comm_stats, model_state_bytes
 from .checkpoint import PerRank, RNGState, load_checkpoint, save_checkpoint, wait_for_checkpoint
-from .clip import clip_grad_norm_
-from .estimate import estimate_model_state_bytes
-from .failures import RankFailure
-from .monitor import flush_logs, log, set_log_step
+from .core.estimate import estimate_model_state_bytes
+from .core.transforms import (Transform, compose, mixed_precision, offload, shard_grads,
+                              shard_optimizer, shard_params, tensorboard)
+from .observe.failures import RankFailure
+from .observe.tensorboard import flush_logs, log, set_log_step
 from .pretrained import load_pretrained, save_pretrained
-from .state_dict import get_state_dict, set_state_dict
-from .transforms import (Transform, compose, mixed_precision, offload, shard_grads,
-                         shard_optimizer, shard_params, tensorboard)
+from .core import transforms as _transforms
+from .runtime import apply_plan as _apply_plan
+from .runtime import is_transformed
+from .state.accounting import comm_stats, model_state_bytes
+from .state.clip import clip_grad_norm_
+from .state.state_dict import get_state_dict, set_state_dict
+
+_transforms.applied_by(_apply_plan)    # (core does not import the runtime: it is told)
 
 __all__ = [
     "Transform", "compose", "shard_optimizer", "shard_grads", "shard_params", "mixed_precision",
@@ -21,7 +26,7 @@ __all__ = [
     "get_state_dict", "set_state_dict", "clip_grad_norm_", "model_state_bytes", "comm_stats",
     "estimate_model_state_bytes", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint",
     "PerRank", "RNGState", "load_pretrained", "save_pretrained", "from_deepspeed_config",
-    "RankFailure",
+    "RankFailure", "is_transformed",
 ]
 
 # The DeepSpeed adapter (config reader, engine, checkpoint converter) loads on first use of

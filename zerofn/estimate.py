@@ -1,206 +1,22 @@
-"""Model-state memory per rank before building anything, and where offload puts it.
+"""``zerofn estimate``: model-state bytes per rank by stage, place and role, before
+building anything; the formulas are zerofn/core/estimate.py's, re-exported here.
 
     zerofn estimate 7B --world 8                       # the stage 0-3 table, bf16 + Adam
     zerofn estimate --model 1b --world 2 --offload cpu --offload-params
-
-The formulas are those of docs/design.md (section 4), the same accounting
-``zf.model_state_bytes`` measures on a live model: Ψ parameters, N ranks, compute dtype of
-c bytes, masters and optimizer state in fp32.
 """
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 import torch
 from torch import nn
 
-PLACES = ("device", "host", "nvme")
-ROLES = ("params", "grads", "optimizer")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from .core.estimate import (DTYPES, PLACES, ROLES, count_params,
+                            estimate_model_state_bytes, estimate_placement, parse_count, table)
 
-
-def estimate_model_state_bytes(params: int | nn.Module, world: int, stage: int,
-                               param_dtype: torch.dtype = torch.bfloat16,
-                               master_dtype: torch.dtype = torch.float32,
-                               optimizer_states: int = 2) -> dict[str, float]:
-    """Bytes of params, grads and optimizer state one rank holds, and their total.
-
-    Args:
-        params: a parameter count, or a module whose parameters are counted.
-        world: ranks the state is sharded over.
-        stage: 0 (replicated, like DDP), 1, 2 or 3.
-        param_dtype: compute dtype of params and grads.
-        master_dtype: dtype of master params and optimizer state; when it equals
-            ``param_dtype`` the params are their own master.
-        optimizer_states: tensors of state per param (Adam: 2, SGD momentum: 1).
-
-    Returns:
-        ``{"params", "grads", "optimizer", "total"}`` in bytes.
-
-    Example (7B params on 8 ranks, bf16 + Adam, in GB):
-        >>> [estimate_model_state_bytes(7e9, 8, s)["total"] / 1e9 for s in range(4)]
-        [112.0, 38.5, 26.25, 14.0]
-    """
-    placed = estimate_placement(params, world, stage, param_dtype, master_dtype,
-                                optimizer_states)
-    out = {role: placed["device"][role] for role in ROLES}
-    out["total"] = sum(out.values())
-    return out
-
-
-def estimate_placement(params: int | nn.Module, world: int, stage: int,
-                       param_dtype: torch.dtype = torch.bfloat16,
-                       master_dtype: torch.dtype = torch.float32, optimizer_states: int = 2,
-                       *, reduce_dtype: torch.dtype | None = None, offload: str | None = None,
-                       offload_params: bool = False, units_in_flight: int = 2,
-                       largest_unit: int | None = None) -> dict[str, dict[str, float]]:
-    """Model-state bytes one rank holds, by place and role, as zerofn lays them out.
-
-    Without offload everything is on the device. ``offload("cpu")`` moves the fp32
-    masters and optimizer state to host memory (masters there even in fp32: the device
-    keeps its own compute copy) and adds a host landing buffer for the gradient shard and,
-    under mixed precision, a host copy of the rows in the compute dtype (the step writes
-    it, and it goes to the device from there);
-    ``params=True`` (ZeRO-3) moves the compute shards to the host too, where for
-    ``offload("cpu")`` they are those rows (the masters themselves when the compute
-    dtype is theirs), no further copy. ``offload("nvme")``
-    keeps masters and optimizer state (and with ``params=True`` the compute shards) in the
-    swap file; host memory then holds the gradient landing buffer plus a staging ring of
-    ``units_in_flight`` buffers, each a rank's share of the largest unit's swap block
-    (master, two moments and, under mixed precision or ``params=True``, the compute rows):
-    its compute-shard part counts as ``params``, the rest as ``optimizer``, as
-    ``zf.model_state_bytes`` counts them. It is left out where the largest unit is unknown.
-
-    Adam/AdamW (``optimizer_states=2``) steps in zerofn's C++ kernel, which reads the
-    gradients in the reduce dtype; other optimizers step fp32 gradients on the host.
-    Shards are rounded up to whole rows per rank, which this ignores.
-
-    Args:
-        params, world, stage, param_dtype, master_dtype, optimizer_states: as for
-            ``estimate_model_state_bytes``.
-        reduce_dtype: dtype gradients are reduced and held in (default ``param_dtype``).
-        offload: None, "cpu" or "nvme".
-        offload_params: ZeRO-3 only: offload the parameter shards too.
-        units_in_flight: NVMe staging buffers, as ``offload`` takes it.
-        largest_unit: parameters of the largest unit (e.g. one transformer block, or the
-            root's embeddings and head), for NVMe's staging ring; by default found from
-            ``params`` when it is a module (zerofn's default units: each module of an
-            outermost ``ModuleList``, and the root for the rest), else the ring is not
-            counted.
-
-    Returns:
-        ``{place: {"params", "grads", "optimizer", "total"}}`` in bytes for every place in
-        ("device", "host", "nvme"), zeros where nothing goes.
-
-    Example (7B, 8 ranks, bf16, ZeRO-3 with the optimizer offloaded to the host, in GB):
-        >>> p = estimate_placement(7e9, 8, 3, offload="cpu")
-        >>> {place: p[place]["total"] / 1e9 for place in p}
-        {'device': 3.5, 'host': 14.0, 'nvme': 0.0}
-    """
-    _check(stage, offload, offload_params)
-    n = _count(params)
-    c, m = param_dtype.itemsize, master_dtype.itemsize
-    r = (reduce_dtype or param_dtype).itemsize
-    share = n / world
-    out = {place: dict.fromkeys(ROLES, 0.0) for place in PLACES}
-    params_bytes = c * (share if stage == 3 else n)
-    out["nvme" if offload == "nvme" and offload_params else
-        "host" if offload_params else "device"]["params"] = params_bytes
-    # ZeRO-1 keeps the full gradients until the step; ZeRO-2/3 the reduced shard.
-    out["device"]["grads"] = c * n if stage <= 1 else r * share
-    if offload is None:
-        master = 0 if master_dtype == param_dtype else m
-        out["device"]["optimizer"] = (master + optimizer_states * m) * (share if stage else n)
-    else:
-        # offload("cpu", params=True) computes on the rows the step writes: the masters
-        # themselves in the compute dtype (counted as params, as without offload), else
-        # the compute-dtype copy below, which offload("cpu") keeps in any case.
-        shard_is_rows = offload == "cpu" and offload_params
-        master = 0 if shard_is_rows and c == m else m
-        out["nvme" if offload == "nvme" else "host"]["optimizer"] = \
-            (master + optimizer_states * m) * share
-        landing = r if optimizer_states == 2 else m
-        out["host"]["grads"] = landing * share
-        if offload == "cpu" and c != m and not shard_is_rows:   # the copy the step sends up
-            out["host"]["params"] += c * share
-        if offload == "nvme":
-            ring = units_in_flight * _largest_share(params, world, largest_unit)
-            shard = c if offload_params else 0
-            rows = c if c != m and not offload_params else 0
-            out["host"]["params"] += ring * shard
-            out["host"]["optimizer"] += ring * ((1 + optimizer_states) * m + rows)
-    for place in out.values():
-        place["total"] = sum(place[role] for role in ROLES)
-    return out
-
-
-def _count(params: int | nn.Module) -> int:
-    return sum(p.numel() for p in params.parameters()) if isinstance(params, nn.Module) \
-        else params
-
-
-def _largest_share(params, world: int, largest_unit: int | None) -> float:
-    """A rank's rows of the largest unit: from ``largest_unit``, else from the module's
-    units as zerofn forms them by default (0 where neither is known)."""
-    if largest_unit is not None:
-        return largest_unit / world
-    if not isinstance(params, nn.Module):
-        return 0
-    from .runtime.units import build_units
-    return max(u.shard_numel for u in build_units(params, None, world, 0))
-
-
-def _check(stage: int, offload: str | None, offload_params: bool) -> None:
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}.")
-    if offload not in (None, "cpu", "nvme"):
-        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}.")
-    if offload is not None and stage == 0:
-        raise ValueError("offload needs a sharded optimizer (stage 1, 2 or 3): zerofn has no "
-                         "unsharded mode to offload from.")
-    if offload_params and (offload is None or stage != 3):
-        raise ValueError("offload_params needs offload='cpu' or 'nvme' and stage 3: only "
-                         "ZeRO-3 shards the parameters.")
-
-
-_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-
-
-def parse_count(text: str) -> int:
-    """A parameter count as people write it: ``7e9``, ``7B``, ``1.3b``, ``350M``, ``125_000``.
-
-    Example:
-        >>> parse_count("1.3B"), parse_count("7e9"), parse_count("350m")
-        (1300000000, 7000000000, 350000000)
-    """
-    match = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([kmbgt]?)\s*",
-                         text.lower())
-    if not match:
-        raise ValueError(f"{text!r} is not a parameter count; write e.g. 7e9, 7B, 1.3B or 350M.")
-    value = float(match.group(1).replace("_", "")) * _SUFFIX[match.group(2)]
-    if value < 1:
-        raise ValueError(f"{text!r}: a model has at least one parameter.")
-    return round(value)
-
-
-def table(params: int | nn.Module, world: int, stages, param_dtype: torch.dtype,
-          optimizer_states: int = 2, offload: str | None = None, offload_params: bool = False,
-          **ring) -> str:
-    """The estimate as a text table: one row per stage and place that holds bytes, in GB.
-    ``ring``: ``units_in_flight`` and ``largest_unit`` for NVMe's staging ring."""
-    header = f"{'stage':<8}{'place':<8}" + "".join(f"{h:>11}" for h in ROLES + ("total",))
-    rows = [header, "-" * len(header)]
-    for stage in stages:
-        placed = estimate_placement(params, world, stage, param_dtype,
-                                    optimizer_states=optimizer_states, offload=offload,
-                                    offload_params=offload_params, **ring)
-        for place in PLACES:
-            if place == "device" or placed[place]["total"]:
-                rows.append(f"{'ZeRO-' + str(stage):<8}{place:<8}" + "".join(
-                    f"{placed[place][k] / 1e9:>11,.2f}" for k in ROLES + ("total",)))
-    return "\n".join(rows)
+__all__ = ["DTYPES", "PLACES", "ROLES", "estimate_model_state_bytes", "estimate_placement",
+           "main", "parse_count", "table"]
 
 
 def _description(n: int, world: int, precision: str, optimizer_states: int,
@@ -251,7 +67,7 @@ def main(argv=None, prog: str = "python -m zerofn estimate") -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    n = _count(model)
+    n = count_params(model)
     print(_description(n, args.world, args.precision, args.optimizer_states, args.offload,
                        args.offload_params))
     print(text)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ..clip import clip_grad_norm_
+from ..state.clip import clip_grad_norm_
 from ..runtime import runtime_of
 from .config import load_config, read_config
 from .engine_checkpoint import EngineCheckpoints

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..checkpoint import load_checkpoint as zf_load_checkpoint
 from ..checkpoint import save_checkpoint as zf_save_checkpoint
 from ..io.fs import write_file
-from ..state_dict import get_model_state_dict
+from ..state.state_dict import get_model_state_dict
 from .config import DeepSpeedConfigWarning
 
 LATEST = "latest"

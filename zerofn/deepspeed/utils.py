@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..runtime.units import default_unit_modules
+from ..core.units import default_unit_modules
 
 FLAG = "_z3_leaf"
 

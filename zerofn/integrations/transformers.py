@@ -38,10 +38,10 @@ from torch import nn
 from transformers.trainer import TRAINING_ARGS_NAME
 
 from .. import checkpoint as zf_checkpoint
-from ..clip import clip_grad_norm_
+from ..state.clip import clip_grad_norm_
 from ..pretrained import load_pretrained, save_pretrained
 from ..runtime import is_transformed, runtime_of
-from ..transforms import Transform
+from ..core.transforms import Transform
 
 STATE_DIR = "zerofn"          # the zerofn checkpoint inside Trainer's checkpoint-N
 

@@ -53,7 +53,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .units import ParamSlot, Unit
+from ..core.units import ParamSlot, Unit
 
 
 class BackwardTracking:

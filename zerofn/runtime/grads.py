@@ -41,7 +41,7 @@ import torch.distributed as dist
 from .backward import BackwardTracking, backward_done_hook, grad_hook
 from .events import unguarded
 from .timing import UNTIMED
-from .units import ParamSlot, Unit, scatter_to_ranks
+from ..core.units import ParamSlot, Unit, scatter_to_ranks
 
 
 class GradReducer(BackwardTracking):

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .pool import BufferPool
-from .units import Unit
+from ..core.units import Unit
 
 
 def meta_state(model: nn.Module) -> bool | None:

@@ -17,7 +17,7 @@ from torch import nn
 from .events import unguarded
 from .hooks import eager, in_backward, on_backward_begin
 from .timing import UNTIMED
-from .units import Unit
+from ..core.units import Unit
 
 
 class _SavedView:

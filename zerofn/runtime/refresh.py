@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .units import gather_from_ranks
+from ..core.units import gather_from_ranks
 
 
 class Refresh:

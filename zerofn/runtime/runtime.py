@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..plan import Plan
+from ..core.plan import Plan
 from .attach import attach, detach, is_transformed, runtime_of
 from .clip import clip_grads
 from .comm import Comm, device_problems
@@ -36,7 +36,7 @@ from .refresh import Refresh
 from .step import StepGrads
 from .stepping import Stepping
 from .timing import UNTIMED
-from .units import build_units
+from ..core.units import build_units
 
 def apply_plan(model: nn.Module, optimizer, edits):
     if not isinstance(model, nn.Module):
@@ -74,7 +74,8 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
     What the rest of zerofn may use (everything else is its own):
         attributes: ``model``, ``optimizer``, ``plan``, ``device``, ``group`` (every rank
         of the layout), ``world`` and ``rank`` (of the shard group), ``replica_world``,
-        ``backend``, ``units``, ``observers``;
+        ``backend``, ``mesh`` and ``placements`` (what sharded state is a DTensor over),
+        ``units``, ``slot_of`` (parameter to its ParamSlot), ``observers``;
         the step: ``step_skipped()``, ``loss_scale()`` and ``scaler`` (fp16's LossScaler,
         or None), ``comm_stats()``, ``model_state_bytes()``, ``time_series()``,
         ``clip_grad_norm(...)``, ``set_step(step)``,

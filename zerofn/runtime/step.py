@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..optim import grad_sumsq_and_finite
 from .timing import UNTIMED
-from .units import ParamSlot
+from ..core.units import ParamSlot
 
 
 class StepGrads:

@@ -17,7 +17,7 @@ of one's own would, through public names: ``zerofn``'s, ``zerofn.nanogpt``,
 ``zerofn.data`` and ``zerofn.estimate``. Not yet public: ``runtime_of`` from
 ``zerofn.runtime.runtime`` (the units, plan and device the banner names, the device
 restarts are agreed on, the step failures name) and ``DEFAULT_TIMEOUT``,
-``default_store`` and ``translate`` from ``zerofn.failures``.
+``default_store`` and ``translate`` from ``zerofn.observe.failures``.
 
     args.py      the command line
     launch.py    starting under torchrun; the process group; restarts

@@ -5,7 +5,7 @@ import argparse
 
 import torch
 
-from zerofn.failures import DEFAULT_TIMEOUT
+from zerofn.observe.failures import DEFAULT_TIMEOUT
 from zerofn.nanogpt import PRESETS, GPTConfig
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

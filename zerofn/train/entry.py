@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import zerofn as zf
-from zerofn.failures import RankFailure, default_store, translate
+from zerofn.observe.failures import RankFailure, default_store, translate
 
 from .args import parse_args
 from .errors import hear_from_rank_0, say_once, tell_the_others

@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from zerofn.failures import DEFAULT_TIMEOUT
+from zerofn.observe.failures import DEFAULT_TIMEOUT
 
 
 def under_launcher() -> bool:

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ...runtime import runtime_of
-from ...state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from ...state.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 from . import extras, layout, verify
 from .staging import HostCopy
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from ...runtime.agree import agree_or_raise, from_first
 from ...runtime import runtime_of
-from ...runtime.units import local_rows
+from ...core.units import local_rows
 from .. import fs
 from .safetensors_writer import DTYPES, Entry, Writer, shards
 

@@ -6,7 +6,7 @@ import torch
 
 from ...optim import adam_step
 from ..timing import UNTIMED
-from ..units import Unit
+from ...core.units import Unit
 
 
 def groups_by_param(optimizer) -> dict:

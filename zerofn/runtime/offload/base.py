@@ -23,7 +23,7 @@ import torch
 from ...optim.cpu_adam import CPUAdam
 from ..pinned import host_buffer
 from ..timing import UNTIMED
-from ..units import Unit
+from ...core.units import Unit
 
 ALIGN = 64   # elements: keeps every view 256-byte aligned for the vector kernels
 

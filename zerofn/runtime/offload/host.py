@@ -19,7 +19,7 @@ import torch
 
 from ..pinned import pins
 from ..timing import UNTIMED
-from ..units import Unit
+from ...core.units import Unit
 from .adam import adam_unit, groups_by_param
 from .base import HostArena, Offload, cpu_adam_steps, decoupled_weight_decay, device_of
 

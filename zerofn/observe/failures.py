@@ -32,7 +32,7 @@ import weakref
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .runtime.events import StepObserver, register
+from ..runtime.events import StepObserver, register
 
 KEY = "zerofn/progress/"       # + the global rank
 DEFAULT_TIMEOUT = 300.0        # seconds; zerofn train's --timeout

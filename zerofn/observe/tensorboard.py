@@ -1,6 +1,6 @@
 """``zf.tensorboard``'s runtime side: the series a step writes, traces, and ``zf.log``.
 
-The transform (``zerofn.transforms.tensorboard``) only sets plan options; a runtime built
+The transform (``zf.tensorboard``, core/transforms.py) only sets plan options; a runtime built
 from a plan that has them attaches one ``Monitor`` per rank, an observer of its events
 (runtime/events.py). Every rank measures (the
 slowest and fastest rank's step time need them all); the ranks in ``ranks`` write.
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .runtime.attach import runtime_of
-from .runtime.events import StepObserver, register
-from .runtime.timing import Timing
+from ..runtime.attach import runtime_of
+from ..runtime.events import StepObserver, register
+from ..runtime.timing import Timing
 
 TIME_SERIES = ("step", "forward", "backward", "optimizer", "logging", "reduce_wait",
                "gather_wait")
@@ -341,7 +341,7 @@ class Monitor(StepObserver):
             self._csv.flush()
 
     def _memory(self) -> dict[str, float]:
-        from .runtime.pinned import registered_bytes
+        from ..runtime.pinned import registered_bytes
         out = {f"memory/model_state/{place}/{role}": float(n)
                for place, roles in self.rt.model_state_bytes().items()
                for role, n in roles.items()}

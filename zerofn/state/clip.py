@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .runtime import runtime_of
+from ..runtime import runtime_of
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,

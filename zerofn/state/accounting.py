@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .runtime.attach import runtime_of
+from ..runtime.attach import runtime_of
 
 
 def model_state_bytes(model: nn.Module) -> dict[str, dict[str, int]]:

@@ -19,6 +19,21 @@ Edit = Callable[[Plan], Plan]
 PROFILE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first")   # torch.profiler.schedule's
 
 
+def _not_wired(model, optimizer, edits):
+    raise RuntimeError("zerofn's runtime is not wired to the transforms: import zerofn "
+                       "(its face does it), not zerofn.core alone.")
+
+
+_applier = _not_wired
+
+
+def applied_by(apply_plan) -> None:
+    """Make transforms build their plans with ``apply_plan(model, optimizer, edits)``: the
+    runtime's, wired by zerofn's face, so the transforms (core) never import the runtime."""
+    global _applier
+    _applier = apply_plan
+
+
 class Transform:
     """A composable transform: ``model, optimizer = transform(model, optimizer)``."""
 
@@ -27,8 +42,7 @@ class Transform:
         self._edits = edits
 
     def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        from .runtime import apply_plan
-        return apply_plan(model, optimizer, self._edits)
+        return _applier(model, optimizer, self._edits)
 
     def __repr__(self) -> str:
         return f"zerofn.{self.name}"

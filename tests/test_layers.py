@@ -1,0 +1,147 @@
+"""The package's layers (docs/design.md, "The house"): every import in zerofn/, lazy ones
+inside functions included, runs down a layer or within one, never up, and no modules
+import each other in a circle. The test reads the source, so it sees imports no test
+happens to run."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "zerofn"
+
+# Each top-level room of zerofn/ and the rooms it may import from (its own always).
+LAYERS = {
+    "models": set(),                  # nanogpt.py, data/: plain torch
+    "optim": set(),                   # the C++ kernels (its extension, zerofn._C, too)
+    "core": set(),                    # what is asked: plan, transforms, units, formulas
+    "runtime": {"core", "optim"},
+    "state": {"core", "runtime"},
+    "observe": {"core", "runtime", "state"},
+    "io": {"core", "runtime", "state", "observe"},
+    "adapters": {"core", "runtime", "state", "observe", "io", "face", "models"},
+    "programs": {"core", "runtime", "state", "observe", "io", "face", "models", "adapters",
+                 "optim"},
+}
+ROOM_OF = {"nanogpt": "models", "data": "models", "_C": "optim", "optim": "optim",
+           "core": "core", "runtime": "runtime", "state": "state", "observe": "observe",
+           "io": "io", "deepspeed": "adapters", "integrations": "adapters", "train": "programs",
+           "cli": "programs", "report": "programs", "estimate": "programs",
+           "__main__": "programs", "__init__": "face",
+           # faces that keep a documented path: each re-exports from its room
+           "checkpoint": "io", "consolidate": "io", "pretrained": "io", "state_dict": "state"}
+# The face imports every room but the adapters, which it loads lazily (PEP 562).
+LAYERS["face"] = set(LAYERS) - {"adapters", "face"}
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {"zerofn._C": PACKAGE / "_C"}     # the extension (no source here)
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports_of(name: str, path: pathlib.Path, known) -> set[str]:
+    """The zerofn modules ``name`` imports, at any depth of its code."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            # a submodule imported by name depends on it, not on the package's face
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t in known and t != name}
+    return out
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return ROOM_OF["__init__"] if len(parts) == 1 else ROOM_OF[parts[1]]
+
+
+def forbidden(graph: dict[str, set[str]]) -> list[str]:
+    lazy_face = {"zerofn"}      # (its deepspeed import is in __getattr__, checked below)
+    out = []
+    for module, targets in graph.items():
+        for target in targets:
+            mine, theirs = room(module), room(target)
+            if theirs != mine and theirs not in LAYERS[mine] and not (
+                    module in lazy_face and theirs == "adapters"):
+                out.append(f"{module} ({mine}) imports {target} ({theirs})")
+    return out
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    graph = {name: imports_of(name, path, known) if path.suffix == ".py" else set()
+             for name, path in known.items()}
+    # A package's face re-exporting its own modules is not a circle with them.
+    return {m: {t for t in ts if not (t.startswith(m + ".") and known[m].name == "__init__.py")
+                or m == "zerofn"}
+            for m, ts in graph.items()}
+
+
+def test_every_import_runs_down_a_layer_and_none_in_a_circle():
+    graph = import_graph()
+    unplaced = sorted({m.split(".")[1] for m in graph if "." in m} - set(ROOM_OF))
+    assert not unplaced, f"rooms without a layer: {unplaced}; add them to ROOM_OF"
+    assert forbidden(graph) == []
+    assert circles(graph) == []
+
+
+def test_the_check_finds_an_upward_import_and_a_circle():
+    graph = import_graph()
+    planted = {**graph, "zerofn.core.plan": graph["zerofn.core.plan"] | {"zerofn.runtime.step"}}
+    assert forbidden(planted) == ["zerofn.core.plan (core) imports zerofn.runtime.step (runtime)"]
+    planted["zerofn.runtime.step"] = graph["zerofn.runtime.step"] | {"zerofn.runtime.grads"}
+    planted["zerofn.runtime.grads"] = graph["zerofn.runtime.grads"] | {"zerofn.runtime.step"}
+    assert ["zerofn.runtime.grads", "zerofn.runtime.step"] in circles(planted)
+
+
+@pytest.mark.parametrize("module", ["zerofn.core.plan", "zerofn.runtime.runtime"])
+def test_lazy_imports_inside_functions_are_seen(module, tmp_path):
+    source = modules()[module].read_text() + "\n\ndef _planted():\n    from zerofn.train import main\n"
+    path = tmp_path / "planted.py"
+    path.write_text(source)
+    assert "zerofn.train" in imports_of(module, path, modules())

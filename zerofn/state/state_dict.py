@@ -1,0 +1,211 @@
+"""State dicts in the format of torch.distributed.checkpoint.state_dict for FSDP2 models.
+
+Model state: FQN -> DTensor with ``Shard(0)`` (the torch.chunk row split) on the
+data-parallel mesh for parameters (HSDP: ``(Replicate(), Shard(0))`` on its 2-D mesh),
+plain tensors for buffers. Optimizer state: FQN ->
+{torch.optim's state names -> DTensor shards or plain scalars} plus ``param_groups`` whose
+``params`` are FQNs. The sharded tensors are views of zerofn's own buffers, so
+``dcp.load`` writes straight into the model and optimizer.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..runtime.optimizer import SCALER_KEY
+from ..runtime import runtime_of
+from ..core.units import ParamSlot
+
+
+def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False,
+                   device=None):
+    """``(model_state_dict, optim_state_dict)``, sharded (default) or as full tensors.
+
+    Call on every rank. ``full=True`` gathers plain full tensors on every rank: a
+    snapshot, sharing no memory with the model or optimizer.
+
+    [Note: where state dict tensors lie] Each tensor lies where zerofn keeps it: parameters
+    and their optimizer state on the model's device, or on the host under offload (the
+    masters and Adam's moments live there); buffers on the model's device; step counters
+    where torch.optim keeps them. So under offload a full state dict mixes devices. Pass
+    ``device`` (with ``full=True``) to have every parameter, buffer and per-parameter state
+    tensor on one device, as to compare with a model of your own; scalar state (Adam's
+    ``step``) stays where torch.optim wants it.
+
+    Args:
+        model, optimizer: what a zerofn transform returned.
+        full: plain full tensors (a gather) rather than Shard(0) DTensors over zerofn's own
+            buffers.
+        device: where the full tensors go (None: where each lies).
+
+    Example:
+        >>> msd, osd = zf.get_state_dict(model, opt, full=True, device="cuda")
+    """
+    rt = runtime_of(model)
+    _check_optimizer(rt, optimizer)
+    _check_device(full, device)
+    rt.prepare_state_dict()
+    rt.init_optimizer_state()
+    return (get_model_state_dict(model, full=full, device=device),
+            _optim_state(rt, optimizer, full, device))
+
+
+def get_model_state_dict(model: nn.Module, *, full: bool = False, device=None) -> dict:
+    """The model half of ``get_state_dict``; leaves the optimizer untouched."""
+    rt = runtime_of(model)
+    _check_device(full, device)
+    rt.prepare_state_dict()
+    slot_by_name = rt.slots_by_name()
+    msd = {}
+    for name, value in model.state_dict().items():
+        slot = slot_by_name.get(name)
+        msd[name] = _snapshot(value, full, device) if slot is None \
+            else _export(rt, slot, slot.opt_param.detach(), full, device)
+    return msd
+
+
+def _check_device(full: bool, device) -> None:
+    if device is not None and not full:
+        raise ValueError("device= places a full state dict's tensors; a sharded one is made "
+                         "of zerofn's own buffers where they lie. Pass full=True with device=, "
+                         "or leave device out.")
+
+
+def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_state_dict: dict,
+                   optim_state_dict: dict) -> None:
+    """Load state in ``get_state_dict``'s format (sharded DTensors of any world size, or
+    full tensors) into a zerofn model and optimizer. Call on every rank."""
+    rt = runtime_of(model)
+    _check_optimizer(rt, optimizer)
+    set_model_state_dict(model, model_state_dict)
+    _load_optim_state(rt, optimizer, optim_state_dict)
+
+
+def set_model_state_dict(model: nn.Module, model_state_dict: dict) -> None:
+    """The model half of ``set_state_dict``; leaves the optimizer untouched."""
+    rt = runtime_of(model)
+    rt.prepare_state_dict()
+    slot_by_name = rt.slots_by_name()
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(model_state_dict), set(model_state_dict) - expected
+    if missing or unexpected:
+        raise KeyError(f"model state dict does not fit this model: missing {sorted(missing)}, "
+                       f"unexpected {sorted(unexpected)}.")
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, value in model_state_dict.items():
+            slot = slot_by_name.get(name)
+            if slot is None:
+                buffers[name].copy_(_full_value(value))
+            else:   # this rank's rows of the master; the runtime refreshes compute params
+                slot.opt_param.copy_(_local_value(rt, slot, value))
+    rt.refresh_params()
+
+
+# -- conversions -------------------------------------------------------------------------
+def _export(rt, slot: ParamSlot, local: torch.Tensor, full: bool, device=None):
+    """A full tensor on ``device`` or where the caller keeps ``local`` (host under
+    offload), or the Shard(0) DTensor over ``local`` itself: no copy, so DCP writes and
+    loads zerofn's own buffers."""
+    if full:
+        return rt.full_tensor(slot, local, device)
+    return slot.as_dtensor(local, rt.mesh, rt.placements)
+
+
+def _snapshot(value, full: bool, device=None):
+    """A full state dict is a snapshot: copy the tensors it would otherwise share with the
+    live model (buffers, Adam's step counters), which training goes on changing in place."""
+    if not (full and torch.is_tensor(value)):
+        return value
+    return value.to(device, copy=True) if device is not None else value.clone()
+
+
+def _full_value(value, shape=None, name=""):
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if shape is not None and value.shape != shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} differs from the "
+                         f"model's {tuple(shape)}.")
+    return value
+
+
+def _local_value(rt, slot: ParamSlot, value) -> torch.Tensor:
+    """This rank's rows of ``value``, without a gather when it is already sharded our way."""
+    if isinstance(value, DTensor) and value.shape == slot.shape \
+            and tuple(value.placements) == rt.placements \
+            and tuple(value.device_mesh.shape) == tuple(rt.mesh.shape):
+        return value.to_local()
+    return slot.rows_of(_full_value(value, slot.shape, slot.fqn))
+
+
+def _check_optimizer(rt, optimizer) -> None:
+    if optimizer is not rt.optimizer:
+        raise ValueError("This optimizer is not the one zerofn transformed with this model; "
+                         "pass the optimizer the transform returned.")
+
+
+def _is_sharded_state(slot: ParamSlot, value) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == slot.opt_param.shape \
+        and not isinstance(value, DTensor)
+
+
+def _optim_state(rt, optimizer, full: bool, device=None) -> dict:
+    slot_of_opt = {s.opt_param: s for s in rt.slot_of.values()}
+    state, groups = {}, []
+    for group in optimizer.param_groups:
+        fqns = []
+        for p in group["params"]:
+            slot = slot_of_opt[p]
+            fqns.append(slot.fqn)
+            if p in optimizer.state:
+                state[slot.fqn] = {k: _export(rt, slot, v, full, device)
+                                   if _is_sharded_state(slot, v) else _snapshot(v, full)
+                                   for k, v in optimizer.state[p].items()}
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
+    out = {"state": state, "param_groups": groups}
+    if rt.scaler is not None:    # fp16 loss scaling: scale and counters ride along
+        out[SCALER_KEY] = rt.scaler.state_dict()
+    return out
+
+
+def _load_optim_state(rt, optimizer, osd: dict) -> None:
+    groups = osd.get("param_groups")
+    if groups is None or len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"optimizer state dict has {len(groups or [])} param groups, the "
+                         f"optimizer {len(optimizer.param_groups)}.")
+    if rt.scaler is not None and SCALER_KEY in osd:
+        rt.scaler.load_state_dict(osd[SCALER_KEY])
+    slot_of_opt = {s.opt_param: s for s in rt.slot_of.values()}
+    with torch.no_grad():
+        for group, saved in zip(optimizer.param_groups, groups):
+            # Compared as sets: FSDP2 lists a group's params in its own registration order.
+            fqns = {slot_of_opt[p].fqn for p in group["params"]}
+            if set(saved["params"]) != fqns:
+                raise ValueError(
+                    f"optimizer param group differs from the checkpoint's: only here "
+                    f"{sorted(fqns - set(saved['params']))}, only in the checkpoint "
+                    f"{sorted(set(saved['params']) - fqns)}.")
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            for p in group["params"]:
+                slot = slot_of_opt[p]
+                if slot.fqn in osd["state"]:
+                    optimizer.state[p] = _load_param_state(rt, slot, optimizer.state.get(p, {}),
+                                                           osd["state"][slot.fqn])
+
+
+def _load_param_state(rt, slot: ParamSlot, current: dict, saved: dict) -> dict:
+    out = {}
+    for k, v in saved.items():
+        if torch.is_tensor(v) and v.dim() > 0 and v.shape == slot.shape:
+            local = _local_value(rt, slot, v)
+            if k in current and current[k].shape == local.shape:
+                out[k] = current[k].copy_(local)
+            else:
+                out[k] = local.clone()
+        elif torch.is_tensor(v):
+            out[k] = current[k].copy_(v) if k in current and torch.is_tensor(current[k]) \
+                and current[k].shape == v.shape else v.clone()
+        else:
+            out[k] = v
+    return out
