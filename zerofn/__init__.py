@@ -9,7 +9,7 @@ from .core.estimate import estimate_model_state_bytes
 from .core.transforms import (Transform, compose, mixed_precision, offload, shard_grads,
                               shard_optimizer, shard_params, tensorboard)
 from .observe.failures import RankFailure
-from .observe.tensorboard import flush_logs, log, set_log_step
+from .observe.log import flush_logs, log, set_log_step
 from .pretrained import load_pretrained, save_pretrained
 from .core import transforms as _transforms
 from .runtime import apply_plan as _apply_plan

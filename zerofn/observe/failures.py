@@ -134,7 +134,7 @@ class Watch(StepObserver):
         if isinstance(raised, Exception):   # the forward raised: the hook runs anyway
             self.failed(raised)
 
-    def backward_begin(self) -> None:
+    def backward_gathered(self) -> None:
         self.enter("backward")
 
     def step_begin(self) -> None:

@@ -21,101 +21,23 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import csv
 import os
-import platform
 import resource
 import weakref
 from collections import Counter, defaultdict
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from ..runtime.attach import runtime_of
 from ..runtime.events import StepObserver, register
 from ..runtime.timing import Timing
+from .series import comm_series, environment, floats, rss
+from .writers import CsvSeries, rank_dir, writing_ranks
 
 TIME_SERIES = ("step", "forward", "backward", "optimizer", "logging", "reduce_wait",
                "gather_wait")
 COUNTS = ("tokens", "samples")           # zf.log names that are summed, not averaged
 BUILT_IN = ("lr", "grad_norm", "loss_scale", "skipped_steps", "tokens_per_s")
-
-
-def log(model: nn.Module, **values) -> None:
-    """Record values for TensorBoard (``train/<name>``), read only on logging steps.
-
-    Tensors are kept as they are (no device synchronization) and read at the next logging
-    step of ``zf.tensorboard``; without one, values are checked and dropped. Several values
-    of one name in one step are averaged. ``tokens`` and ``samples`` are counts, summed:
-    they give ``train/tokens_per_s`` and ``train/samples``.
-
-    Args:
-        model: a model transformed by zerofn.
-        **values: numbers or one-element tensors.
-
-    Example:
-        >>> loss = model(x, y); opt.scale(loss).backward(); opt.step()
-        >>> zf.log(model, loss=loss.detach(), tokens=x.numel(), samples=len(x))
-    """
-    monitor = runtime_of(model).observer(Monitor)
-    for name, value in values.items():
-        if name in BUILT_IN:
-            raise ValueError(f"zf.log(): {name!r} is a series zf.tensorboard writes itself "
-                             f"(train/{name}); log your value under another name.")
-        if torch.is_tensor(value) and value.numel() != 1 or \
-                not torch.is_tensor(value) and not isinstance(value, (int, float)):
-            raise TypeError(f"zf.log(): {name}= must be a number or a one-element tensor, "
-                            f"got {_describe(value)}.")
-    if monitor is not None:
-        monitor.log(values)
-
-
-def flush_logs(model: nn.Module) -> None:
-    """Write what is outstanding and flush the files: values logged since the last logging
-    step, and the series of the steps since then (without ``time/step_max`` and
-    ``step_min``, which need every rank: no collective here). Also runs at exit.
-
-    Example:
-        >>> for step in range(steps): ...
-        >>> zf.flush_logs(model)
-    """
-    monitor = runtime_of(model).observer(Monitor)
-    if monitor is not None:
-        monitor.flush()
-
-
-def set_log_step(model: nn.Module, step: int) -> None:
-    """Number the logs' steps from ``step``: a run resumed from a checkpoint saved after
-    optimizer step ``step`` continues the interrupted run's series (TensorBoard would drop
-    a series' points from a step that comes again). Call before the first step; nothing
-    happens without ``zf.tensorboard``.
-
-    Example:
-        >>> start = (zf.load_checkpoint("ckpt", model, opt) or {"step": 0})["step"]
-        >>> zf.set_log_step(model, start)
-    """
-    monitor = runtime_of(model).observer(Monitor)
-    if monitor is not None:
-        if monitor.step:
-            raise ValueError(f"zf.set_log_step(): {monitor.step} steps were logged already; "
-                             f"call it before the first optimizer step.")
-        monitor.step = monitor._written = int(step)
-
-
-def _describe(value) -> str:
-    if torch.is_tensor(value):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return type(value).__name__
-
-
-def writing_ranks(ranks, world: int) -> tuple[int, ...]:
-    return tuple(range(world)) if ranks == "all" else ranks
-
-
-def rank_dir(root: str, ranks, rank: int, world: int) -> str:
-    """Where a rank writes: ``root`` when one rank writes, else ``root/rank<r>``."""
-    return root if len(writing_ranks(ranks, world)) == 1 else os.path.join(root, f"rank{rank}")
 
 
 def monitor_problems(plan, device: torch.device, rank: int, world: int) -> list[str]:
@@ -209,8 +131,6 @@ class Monitor(StepObserver):
         self.timing.end("forward")
 
     def backward_begin(self) -> None:
-        # (Under ZeRO-3 this comes once the root unit is gathered again: that wait is
-        # gather_wait's, not backward's.)
         if not self.timing.is_open("backward"):
             self.timing.begin("backward")
             # Queued from a final callback, the end runs after the runtime's own callback
@@ -314,7 +234,7 @@ class Monitor(StepObserver):
         self._pending, self._counts = [], []
         if not self.writes or not (pending or counts):
             return
-        read = _floats([v for _, _, v in pending] + [v for _, _, v in counts])
+        read = floats([v for _, _, v in pending] + [v for _, _, v in counts])
         per_step: dict = defaultdict(list)
         for (step, tag, _), value in zip(pending + counts, read):
             per_step[(step, tag)].append(value)
@@ -349,7 +269,7 @@ class Monitor(StepObserver):
         if device.type == "cuda":
             out["memory/device/peak_allocated"] = float(torch.cuda.max_memory_allocated(device))
             out["memory/device/peak_reserved"] = float(torch.cuda.max_memory_reserved(device))
-        out["memory/host/rss"] = float(_rss())
+        out["memory/host/rss"] = float(rss())
         # (the kernel updates the high-water mark lazily: it may lag the current size)
         out["memory/host/peak_rss"] = max(out["memory/host/rss"], float(
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
@@ -436,108 +356,9 @@ def _close_at_exit(ref) -> None:
         monitor.close()
 
 
-def _floats(values: list) -> list[float]:
-    """Numbers and one-element tensors as floats: one read per device."""
-    out = [float(v) if not torch.is_tensor(v) else None for v in values]
-    by_device = defaultdict(list)
-    for i, v in enumerate(values):
-        if torch.is_tensor(v):
-            by_device[v.device].append(i)
-    for idx in by_device.values():
-        read = torch.stack([values[i].detach().reshape(()).double() for i in idx]).tolist()
-        for i, x in zip(idx, read):
-            out[i] = x
-    return out
-
-
-def bus_bandwidth(kind: str, nbytes: float, ms: float, world: int) -> float:
-    """GB/s on the bus, DeepSpeed's formulas, with ``nbytes`` the full buffer
-    (``zf.comm_stats``'s count): all-gather and reduce-scatter ``size / t * (n-1)/n``;
-    all-reduce ``size / t * 2(n-1)/n`` (its algorithm bandwidth is ``2 size / t``)."""
-    if ms <= 0 or world < 2:
-        return 0.0
-    factor = 2 * (world - 1) / world if kind == "all_reduce" else (world - 1) / world
-    return nbytes / (ms / 1e3) * factor / 1e9
-
-
-def comm_series(comm: Counter, calls: Counter, ms: dict, steps: int, world: int,
-                replicas: int = 1) -> dict:
-    """``comm/<kind>/{bytes,count,time_ms,busbw_gbps}``, means per step of the interval;
-    HSDP's ``replicate.<kind>`` collectives run over the ``replicas`` ranks of the other
-    mesh dimension."""
-    out = {}
-    kinds = {k for k in comm if not k.endswith("_bytes")} | set(calls)
-    for kind in sorted(kinds):
-        nbytes, t = comm[kind + "_bytes"], ms.get("comm/" + kind, 0.0)
-        dim, _, base = kind.rpartition(".")
-        out[f"comm/{kind}/bytes"] = nbytes / steps
-        out[f"comm/{kind}/count"] = calls[kind] / steps
-        out[f"comm/{kind}/time_ms"] = t / steps
-        out[f"comm/{kind}/busbw_gbps"] = bus_bandwidth(
-            base, nbytes, t, replicas if dim == "replicate" else world)
-    return out
-
-
-def environment(rt) -> dict[str, str]:
-    """What the run ran on, for the ``environment`` text."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        zerofn_version = version("zerofn")
-    except PackageNotFoundError:
-        zerofn_version = "(not installed)"
-    device = rt.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    env = {"zerofn": zerofn_version, "torch": torch.__version__,
-           "python": platform.python_version(), "backend": rt.backend,
-           "world": str(dist.get_world_size(rt.group)), "rank": str(dist.get_rank(rt.group)),
-           "device": f"{device} {name}".strip(),
-           "threads": str(torch.get_num_threads()), "host": platform.node()}
-    if device.type == "cuda":
-        env["cuda"] = str(torch.version.cuda)
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-    return env
-
-
-def _rss() -> int:
-    """Resident bytes now (Linux), else the peak."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _all_threads():
     """Trace every thread (NVMe I/O runs in worker threads) where this torch can."""
     try:
         return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     except TypeError:
         return None
-
-
-class CsvSeries:
-    """DeepSpeed's csv_monitor layout: one ``<tag with _ for />.csv`` per series, rows
-    ``step,value`` under a header naming the tag's last part."""
-
-    def __init__(self, directory: str):
-        self.directory = directory
-        self._files: dict = {}
-
-    def add(self, tag: str, value: float, step: int) -> None:
-        entry = self._files.get(tag)
-        if entry is None:
-            path = os.path.join(self.directory, tag.replace("/", "_").replace(" ", "_") + ".csv")
-            f = open(path, "a", newline="")
-            entry = self._files[tag] = (f, csv.writer(f))
-            if f.tell() == 0:
-                entry[1].writerow(["step", tag.rsplit("/", 1)[-1]])
-        entry[1].writerow([step, value])
-
-    def flush(self) -> None:
-        for f, _ in self._files.values():
-            f.flush()
-
-    def close(self) -> None:
-        for f, _ in self._files.values():
-            f.close()
-        self._files = {}

@@ -32,7 +32,13 @@ class StepObserver:
         """The model's forward ended; ``raised`` is what it raised, if it did."""
 
     def backward_begin(self) -> None:
-        """Backward reached the model's output (once per backward)."""
+        """Backward reached the model's output (once per forward), before any of zerofn's
+        own backward work."""
+
+    def backward_gathered(self) -> None:
+        """Backward's first collective is done: under ZeRO-3, the root unit gathered again
+        (right after ``backward_begin`` for the other stages). A rank waiting in that
+        gather is still at the end of forward to its peers: none has backward's work."""
 
     def step_begin(self) -> None:
         """``optimizer.step()`` starts."""
@@ -108,6 +114,10 @@ class Observers(StepObserver):
     def backward_begin(self) -> None:
         for o in self.all:
             o.backward_begin()
+
+    def backward_gathered(self) -> None:
+        for o in self.all:
+            o.backward_gathered()
 
     def step_begin(self) -> None:
         for o in self.all:

@@ -32,13 +32,15 @@ class ForwardHooks:
 
     def _register_model_hooks(self):
         """The observers' forward and backward events ([Note: observers]), for every stage.
-        An observer hears of a forward before its first gather, and of backward once
-        ZeRO-3 has gathered the root unit again: registered after the units' hooks, the
-        backward hook on the outputs runs after theirs (so a rank waiting in that gather
-        is still in forward to the failure watch, as it was before backward began)."""
+        First among the model's hooks: an observer hears of a forward before its first
+        gather, and of backward before ZeRO-3 gathers the root unit again; the last
+        post-hook announces when that gather is done (its hook on the outputs runs after
+        the root unit's)."""
         return [self.model.register_forward_pre_hook(eager(self._forward_begins),
                                                      prepend=True),
-                self.model.register_forward_hook(eager(self._forward_ends), always_call=True)]
+                self.model.register_forward_hook(eager(self._forward_ends), prepend=True,
+                                                 always_call=True),
+                self.model.register_forward_hook(eager(self._backward_follows))]
 
     def _forward_begins(self, module, args) -> None:
         if not in_backward():   # (a checkpointed recompute is part of backward)
@@ -50,13 +52,11 @@ class ForwardHooks:
         raised = sys.exc_info()[1]    # the forward raised: the hook runs anyway
         self.observers.forward_end(raised)
         if raised is None and torch.is_grad_enabled():
-            heard = []
+            _once_in_backward(output, self.observers.backward_begin)
 
-            def backward_begins(grad):
-                if not heard:          # (once per forward, whatever its outputs)
-                    heard.append(True)
-                    self.observers.backward_begin()
-            on_backward_begin(output, eager(backward_begins))
+    def _backward_follows(self, module, args, output) -> None:
+        if not in_backward() and torch.is_grad_enabled():
+            _once_in_backward(output, self.observers.backward_gathered)
 
     def _pre_forward(self, unit, is_root: bool, args: tuple, kwargs: dict):
         """Gather the unit; returns its inputs as the reducer tracks them (grads.py's
@@ -91,3 +91,14 @@ def _explain_in_place(exc: BaseException, unit) -> None:
         return
     exc.add_note(f"{lead}, and unit {unit.name!r} (or a module inside it) did: write "
                  f"`x = x * s`, not `x *= s` (docs/design.md §3).")
+
+
+def _once_in_backward(output, announce) -> None:
+    """``announce()`` when backward first reaches any of ``output``'s tensors."""
+    heard = []
+
+    def reached(grad):
+        if not heard:
+            heard.append(True)
+            announce()
+    on_backward_begin(output, eager(reached))
