@@ -61,7 +61,7 @@ def _by_role(extents: dict[str, list]) -> dict[str, dict[str, int]]:
 
 
 def model_state_bytes(rt) -> dict[str, dict[str, int]]:
-    """``zf.model_state_bytes`` of the runtime ``rt`` (zerofn/accounting.py says what each
+    """``zf.model_state_bytes`` of the runtime ``rt`` (zerofn/state/accounting.py says what each
     role and place holds)."""
     slots = rt.slot_of.values()
     arenas = list(rt.offload.arenas() if rt.offload is not None else ()) + rt.flats

@@ -87,7 +87,7 @@ atexit.register(_wait_at_exit)
 
 
 def _watched(phase: str):
-    """Record ``phase`` for zerofn/failures.py while the call runs, and let a collective
+    """Record ``phase`` for the failure watch (observe/failures.py) while the call runs, and let a collective
     it fails (a rank gone or stalled) raise ``RankFailure`` naming that rank."""
     def wrap(fn):
         @functools.wraps(fn)
