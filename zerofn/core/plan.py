@@ -93,21 +93,10 @@ class Plan:
     applied: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def sharding(self) -> ShardingPolicy:
-        return self._policy("sharding")
-
-    @property
-    def precision(self) -> PrecisionPolicy:
-        return self._policy("precision")
-
-    @property
-    def offload(self) -> OffloadPolicy:
-        return self._policy("offload")
-
-    @property
-    def monitor(self) -> MonitorPolicy:
-        return self._policy("monitor")
+    sharding = property(lambda self: self._policy("sharding"), doc="ShardingPolicy")
+    precision = property(lambda self: self._policy("precision"), doc="PrecisionPolicy")
+    offload = property(lambda self: self._policy("offload"), doc="OffloadPolicy")
+    monitor = property(lambda self: self._policy("monitor"), doc="MonitorPolicy")
 
     def _policy(self, name: str):
         given = {f: self.options[o] for o, (p, f) in OPTION_FIELDS.items()

@@ -93,8 +93,28 @@ def kinds() -> tuple:
     return tuple(_KINDS)
 
 
+def _told_to_all(event: str):
+    """An ``Observers`` method that tells every observer ``event``."""
+    def tell(self, *args) -> None:
+        for o in self.all:
+            getattr(o, event)(*args)
+    tell.__name__, tell.__doc__ = event, getattr(StepObserver, event).__doc__
+    return tell
+
+
 class Observers(StepObserver):
     """The observers of one runtime, told as one."""
+
+    forward_begin = _told_to_all("forward_begin")
+    forward_end = _told_to_all("forward_end")
+    backward_begin = _told_to_all("backward_begin")
+    backward_gathered = _told_to_all("backward_gathered")
+    step_begin = _told_to_all("step_begin")
+    step_done = _told_to_all("step_done")
+    grad_norm = _told_to_all("grad_norm")
+    phase = _told_to_all("phase")
+    set_step = _told_to_all("set_step")
+    close = _told_to_all("close")
 
     def __init__(self, observers: list[StepObserver]):
         self.all = observers
@@ -103,47 +123,7 @@ class Observers(StepObserver):
     def find(self, cls) -> StepObserver | None:
         return next((o for o in self.all if isinstance(o, cls)), None)
 
-    def forward_begin(self) -> None:
-        for o in self.all:
-            o.forward_begin()
-
-    def forward_end(self, raised) -> None:
-        for o in self.all:
-            o.forward_end(raised)
-
-    def backward_begin(self) -> None:
-        for o in self.all:
-            o.backward_begin()
-
-    def backward_gathered(self) -> None:
-        for o in self.all:
-            o.backward_gathered()
-
-    def step_begin(self) -> None:
-        for o in self.all:
-            o.step_begin()
-
-    def step_done(self) -> None:
-        for o in self.all:
-            o.step_done()
-
-    def grad_norm(self, total) -> None:
-        for o in self.all:
-            o.grad_norm(total)
-
-    def phase(self, name: str) -> None:
-        for o in self.all:
-            o.phase(name)
-
-    def set_step(self, step: int) -> None:
-        for o in self.all:
-            o.set_step(step)
-
     def guard(self, fn, unit=None):
         for o in self.all:
             fn = o.guard(fn, unit)
         return fn
-
-    def close(self) -> None:
-        for o in self.all:
-            o.close()
