@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer
+from support.ranks import run_ranks
 from test_parity import transform
 from zerofn.runtime.units import SLOT_ALIGN
 

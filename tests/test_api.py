@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer, worst
-from odd_models import expected_units
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer, worst
+from support.odd_models import expected_units
+from support.ranks import run_ranks
 from test_parity import max_errors, train_reference, train_sharded, transform
 from zerofn.runtime.units import default_unit_modules
 

@@ -23,8 +23,8 @@ except ImportError:
     StatefulDataLoader = None
 
 import zerofn as zf
-from models import CONFIG, ParityGPT, batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
+from support.models import CONFIG, ParityGPT, batches, make_models, make_optimizer, worst
+from support.ranks import run_ranks
 from test_parity import TOL, train_sharded, transform
 from test_state_dict import assert_same_state
 from zerofn.checkpoint import RNGState, load_checkpoint, save_checkpoint, wait_for_checkpoint

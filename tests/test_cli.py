@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zerofn as zf
-from multiproc import run_ranks
+from support.ranks import run_ranks
 from zerofn import cli, train
 from zerofn.estimate import estimate_placement, parse_count
 from zerofn.nanogpt import GPT

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer
+from support.ranks import run_ranks
 from test_parity import STAGES, TOL, max_errors
 
 CLIP = 0.05

@@ -15,8 +15,8 @@ import torch
 import torch._dynamo
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer, worst
+from support.ranks import run_ranks
 from test_parity import STAGES, TOL, train_sharded
 
 # (stage, accumulation, what is compiled, extras: transforms, or activation checkpointing)

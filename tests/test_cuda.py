@@ -13,8 +13,8 @@ import torch._dynamo
 import torch.distributed as dist
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer
+from support.ranks import run_ranks
 from test_offload import offload_transform
 from test_parity import STAGES
 from zerofn.runtime.runtime import runtime_of

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-from models import worst
-from multiproc import run_ranks
+from support.models import worst
+from support.ranks import run_ranks
 from zerofn.deepspeed import convert as convert_module
 from zerofn.deepspeed.convert import convert, main, read_checkpoint
 from zerofn.runtime.optimizer import SCALER_KEY

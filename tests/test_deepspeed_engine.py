@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 import zerofn.deepspeed as deepspeed
-from multiproc import run_ranks
+from support.ranks import run_ranks
 from zerofn.deepspeed.engine import _config_from
 from zerofn.deepspeed.schedulers import WarmupLR
 from zerofn.runtime.runtime import runtime_of

@@ -10,7 +10,7 @@ import torch
 
 import zerofn as zf
 import zerofn.deepspeed as deepspeed
-from multiproc import run_ranks
+from support.ranks import run_ranks
 from test_parity import TOL, max_errors
 from test_reduction import Experts, expert_choices
 from zerofn.deepspeed.utils import leaf_units

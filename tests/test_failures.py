@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import zerofn as zf
+from support.models import batches, make_models
 from zerofn.failures import Watch
-from tests.models import batches, make_models
 
 FAULT_STEP = 2   # the optimizer step (from 1) in which rank 1 fails
 
@@ -145,7 +145,7 @@ def test_a_raise_in_user_backward_code_is_named_by_every_other_rank():
     """A job's own loop under torchrun: an exception from the model's own backward code
     passes no zerofn hook, so zerofn records it as it ends the process (sys.excepthook);
     rank 0 names it and where, not just a rank gone."""
-    from tests.torchrun_jobs import ROOT, finish, torchrun
+    from support.jobs import ROOT, finish, torchrun
     script = os.path.join(ROOT, "tests", "user_loop_failure.py")
     code, out, seconds = finish(torchrun(["--standalone", "--nproc-per-node", "2"], [],
                                          script=script))
@@ -187,7 +187,7 @@ def _full_drive(rank, world, path):
     import errno
 
     import zerofn.runtime.nvme as nvme
-    from tests.models import make_optimizer
+    from support.models import make_optimizer
 
     real = nvme.os.pwritev
     faults = {"enospc": lambda fd, bufs, off: (_ for _ in ()).throw(
@@ -213,7 +213,7 @@ def _full_drive(rank, world, path):
 
 
 def test_a_full_drive_during_a_swap_write_is_named(tmp_path):
-    from tests.multiproc import run_ranks
+    from support.ranks import run_ranks
     got = run_ranks(1, _full_drive, str(tmp_path), timeout=120)[0]
     print("\n" + "\n".join(f"[{k}] errno {code}: {text}" for k, (code, text) in got.items()))
     for name, code in (("enospc", 28), ("short", 5)):
@@ -226,7 +226,7 @@ def test_a_full_drive_during_a_swap_write_is_named(tmp_path):
 def test_zerofn_train_with_a_stalled_rank_ends_and_leaves_nothing_running(tmp_path):
     """The main job under torchrun: rank 1 stalls in step 3's forward; rank 0 stops at
     --timeout with the error naming it, torchrun ends rank 1 and exits non-zero."""
-    from tests.torchrun_jobs import run, survivors
+    from support.jobs import run, survivors
     save_dir = str(tmp_path / "stalled")
     code, out, seconds = run(["--save-dir", save_dir, "--timeout", "5"], "stall:forward:3:1")
     print(f"\n[zerofn train, stall in forward, --timeout 5] torchrun exit {code} after "
@@ -241,7 +241,7 @@ def test_zerofn_train_with_a_stalled_rank_ends_and_leaves_nothing_running(tmp_pa
 def test_zerofn_train_prints_a_value_error_raised_on_one_rank_only(tmp_path):
     """zerofn train prints a ValueError every rank raised once, from rank 0; one that only
     rank 1 raised is printed by rank 1, not lost."""
-    from tests.torchrun_jobs import run, survivors
+    from support.jobs import run, survivors
     save_dir = str(tmp_path / "value")
     code, out, _ = run(["--save-dir", save_dir, "--timeout", "20"], "valueerror:forward:2:1")
     assert code != 0

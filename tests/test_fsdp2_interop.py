@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer
+from support.ranks import run_ranks
 from test_checkpoint import max_error
 from test_parity import TOL, train_sharded, transform
 from test_state_dict import assert_same_state

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import zerofn as zf
-from models import worst
-from multiproc import run_ranks
+from support.models import worst
+from support.ranks import run_ranks
 from test_parity import STAGES, TOL
 
 transformers = pytest.importorskip("transformers")

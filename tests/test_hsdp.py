@@ -20,8 +20,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer, worst
+from support.ranks import run_ranks
 from test_checkpoint import max_error
 from test_fsdp2_interop import fsdp2_full
 from test_parity import TOL, train_reference, train_sharded, transform

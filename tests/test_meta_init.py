@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import zerofn as zf
-from multiproc import run_ranks
+from support.ranks import run_ranks
 from zerofn.nanogpt import GPT, GPTConfig, init_weights
 from zerofn.runtime.materialize import reset_parameters
 from zerofn.runtime.runtime import runtime_of

@@ -10,8 +10,8 @@ import uuid
 import pytest
 
 import zerofn as zf
-from tests.multiproc import run_ranks
-from tests.torchrun_jobs import finish, free_port, losses, survivors, torchrun, uninterrupted
+from support.ranks import run_ranks
+from support.jobs import finish, free_port, losses, survivors, torchrun, uninterrupted
 
 
 def _two_nodes(flags: list[str], fault: str | None = None):
@@ -52,7 +52,7 @@ def test_a_raise_on_one_node_stops_the_other(tmp_path):
 def _save_to_local_dirs(rank, world, root):
     """Each rank saves to its own "node-local" directory."""
     import torch
-    from tests.models import make_models
+    from support.models import make_models
 
     _, model = make_models()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

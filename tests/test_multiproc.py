@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from multiproc import run_ranks
+from support.ranks import run_ranks
 
 
 class MallInfo(ctypes.Structure):   # glibc's struct mallinfo

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import zerofn as zf
-from multiproc import run_ranks
+from support.ranks import run_ranks
 
 WIDTH, LAYERS = 3072, 10          # 94M params: master + Adam state = 1.13 GB in fp32
 

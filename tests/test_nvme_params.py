@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer, worst
+from support.ranks import run_ranks
 from test_nvme_memory import LAYERS, WIDTH, peak_rise_over, stack_trainer
 from test_offload import offload_transform
 from test_parity import STAGES, max_errors, train_reference, train_sharded

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer, worst
+from support.ranks import run_ranks
 from test_parity import STAGES, max_errors, train_reference, train_sharded
 from zerofn.runtime.runtime import runtime_of
 

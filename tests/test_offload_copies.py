@@ -13,8 +13,8 @@ from collections import defaultdict
 
 import pytest
 import torch
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer, worst
+from support.ranks import run_ranks
 from test_offload import offload_transform
 from test_parity import STAGES
 

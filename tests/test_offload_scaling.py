@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer, worst
+from support.ranks import run_ranks
 from test_parity import STAGES
 from zerofn.runtime.runtime import runtime_of
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer, worst
+from support.ranks import run_ranks
 
 STAGES = {1: ("shard_optimizer",), 2: ("shard_optimizer", "shard_grads"),
           3: ("shard_optimizer", "shard_grads", "shard_params")}

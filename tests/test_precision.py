@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer, worst
+from support.ranks import run_ranks
 from test_accounting import padding_bound, step_once
 from test_parity import STAGES, train_reference
 from zerofn.runtime.precision import LossScaler

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 import zerofn as zf
 import zerofn.pretrained as pretrained
-from models import ParityGPT, batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
+from support.models import ParityGPT, batches, make_models, make_optimizer, worst
+from support.ranks import run_ranks
 from test_parity import STAGES, train_sharded, transform
 
 

@@ -13,10 +13,10 @@ What is checked per example (fp32 and fp64 within 1e-5, bf16 blocks within their
 rounding, as tests/test_parity.py compares): the set-up outcome against what the spec
 predicts (refusals: 0-dim parameters, a unit mixing dtypes, NVMe without Adam or with
 float64 parameters, parameter offload below ZeRO-3); which unit every parameter lands
-in, against the documented rules (odd_models.expected_units); for meta-built models, the
-materialized state against eager construction + the same init, bit for bit; and after a
-few steps, parameters, buffers and optimizer state against plain single-process PyTorch
-on the same global batch.
+in, against the documented rules (support/odd_models.py's expected_units); for
+meta-built models, the materialized state against eager construction + the same init,
+bit for bit; and after a few steps, parameters, buffers and optimizer state against
+plain single-process PyTorch on the same global batch.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
 
 import zerofn as zf
-from models import worst
-from multiproc import run_ranks
-from odd_models import WIDTH, OddNet, block_paths, expected_units, odd_init, runs
+from support.models import worst
+from support.ranks import run_ranks
+from support.odd_models import WIDTH, OddNet, block_paths, expected_units, odd_init, runs
 from zerofn.runtime.runtime import runtime_of
 from zerofn.state_dict import get_model_state_dict
 

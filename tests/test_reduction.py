@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import zerofn as zf
 import zerofn.runtime.comm as comm_module
-from models import batches, make_models, make_optimizer
-from multiproc import run_ranks
+from support.models import batches, make_models, make_optimizer
+from support.ranks import run_ranks
 from test_offload import offload_transform
 from test_parity import STAGES, TOL, max_errors, train_reference, train_sharded
 from zerofn.runtime.comm import Comm

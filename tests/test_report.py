@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zerofn as zf
-from multiproc import run_ranks
+from support.ranks import run_ranks
 from test_tensorboard import CONFIG, build, train_step
 from zerofn import cli, report
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import zerofn as zf
-from multiproc import run_ranks
+from support.ranks import run_ranks
 from zerofn.deepspeed.config import DeepSpeedConfigWarning
 from zerofn.nanogpt import GPT, GPTConfig
 from zerofn.plan import Plan

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import zerofn as zf
-from multiproc import run_ranks
+from support.ranks import run_ranks
 from zerofn import train
 from zerofn.deepspeed.schedulers import SCHEDULERS
 from zerofn.nanogpt import GPT

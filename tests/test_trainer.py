@@ -16,7 +16,7 @@ import torch
 import torch._dynamo
 
 import zerofn as zf
-from multiproc import run_ranks
+from support.ranks import run_ranks
 from test_hf_models import build
 from test_parity import TOL
 

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 # that outlives a fork: numpy's OpenBLAS pool stops itself at fork). A fork keeps the
 # server's environment, some of it (MALLOC_*) read only at start, so when os.environ has
 # changed (a test's monkeypatch, torch setting TORCHINDUCTOR_CACHE_DIR) the server restarts.
-PRELOAD = ["torch", "torch.distributed", "zerofn", "pytest", "models"]
+PRELOAD = ["torch", "torch.distributed", "zerofn", "pytest", "support.models"]
 
 
 def _context():
