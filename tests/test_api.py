@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 import zerofn as zf
-from support.models import batches, make_models, make_optimizer, worst
+from support.compare import max_errors, worst
+from support.loops import train_reference, train_sharded, zero
+from support.models import batches, make_models, make_optimizer
 from support.odd_models import expected_units
+from support.offload import build_offloaded
 from support.ranks import run_ranks
-from test_parity import max_errors, train_reference, train_sharded, transform
 from zerofn.runtime.units import default_unit_modules
 
 
@@ -105,7 +107,7 @@ def full_params_only_while_running(rank, world):
     from torch.distributed.tensor import DTensor
     _, model = make_models()
     opt = make_optimizer("adamw", model.parameters())
-    model, opt = transform(3)(model, opt)
+    model, opt = zero(3)(model, opt)
     seen = []
     block = model.blocks[0]
     block.fc.register_forward_hook(
@@ -131,12 +133,11 @@ def misaligned(rank, world, path):
     steps, whose address is not a multiple of 16 bytes ([Note: aligned slots]; CUDA's
     grouped GEMM refuses those). The parity model's odd sizes (an FFN of 130, a 3-element
     gain) would misalign every later parameter of a tightly packed unit."""
-    from test_offload import build
     out = []
     for precision, offload in ((None, None), (torch.bfloat16, None),
                                (torch.bfloat16, {"params": True}),
                                (torch.bfloat16, {"nvme": True, "params": True, "path": path})):
-        model, opt = build(3, "adamw", offload, precision)
+        model, opt = build_offloaded(3, "adamw", offload, precision)
         bad, seen = [], set()
 
         def check(module, *_):
@@ -199,7 +200,7 @@ def step_and_gather_order(rank, world, stage):
     Comm.all_gather = lambda self, *a, **k: events.append("gather") or gather(self, *a, **k)
     _, model = make_models()
     opt = make_optimizer("adamw", model.parameters())
-    model, opt = transform(stage)(model, opt)
+    model, opt = zero(stage)(model, opt)
     opt.register_step_pre_hook(lambda *_: events.append("step"))
     (x, y), = batches(1, 1, world)[0]
     model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
@@ -229,7 +230,7 @@ def dropped_models_are_freed(rank, world, path):
                          (3, [zf.offload("nvme", path=path)])):
         _, model = make_models()
         opt = make_optimizer("adamw", model.parameters())
-        model, opt = zf.compose(transform(stage), *extra)(model, opt)
+        model, opt = zf.compose(zero(stage), *extra)(model, opt)
         for micro in batches(2, 1, world):
             for x, y in micro:
                 model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
@@ -254,7 +255,7 @@ def forward_graphs_are_freed(rank, world):
     after forwards with gradients enabled whose loss is dropped, and after a step."""
     _, model = make_models()
     opt = make_optimizer("adamw", model.parameters())
-    model, opt = transform(3)(model, opt)
+    model, opt = zero(3)(model, opt)
     saved = []
     model.blocks[0].register_forward_hook(lambda m, a, out: saved.append(weakref.ref(out)))
     x, y = batches(1, 1, world)[0][0]

@@ -23,10 +23,10 @@ except ImportError:
     StatefulDataLoader = None
 
 import zerofn as zf
-from support.models import CONFIG, ParityGPT, batches, make_models, make_optimizer, worst
+from support.compare import TOL, assert_same_state, max_error
+from support.loops import train_sharded, zero
+from support.models import CONFIG, ParityGPT, batches, make_models, make_optimizer
 from support.ranks import run_ranks
-from test_parity import TOL, train_sharded, transform
-from test_state_dict import assert_same_state
 from zerofn.checkpoint import RNGState, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from zerofn.consolidate import main
 from zerofn.nanogpt import GPT, GPTConfig
@@ -37,22 +37,11 @@ LATER = 2           # steps trained after a load
 
 def build(stage: int, seed: int = 7):
     _, model = make_models(seed=seed)
-    return transform(stage)(model, make_optimizer("adamw", model.parameters()))
+    return zero(stage)(model, make_optimizer("adamw", model.parameters()))
 
 
 def later_batches(world: int):
     return batches(LATER, 1, world, per_rank=ROWS // world, seed=2)
-
-
-def max_error(a, b) -> float:
-    """Largest difference between two full (model, optimizer) states of the same layout."""
-    (ma, oa), (mb, ob) = a, b
-    assert ma.keys() == mb.keys() and oa["state"].keys() == ob["state"].keys()
-    err = max(worst(ma[k] - mb[k]) for k in ma)
-    for fqn, st in oa["state"].items():
-        for k, v in st.items():
-            err = max(err, worst(torch.as_tensor(v) - torch.as_tensor(ob["state"][fqn][k])))
-    return err
 
 
 def expect_error(fragments, fn, *args, **kw) -> str:
@@ -282,10 +271,10 @@ def wrong_checkpoints(rank, world, root, scratch):
     dist.barrier()
     model, opt = build(3)
     deeper = GPT(GPTConfig(**{**CONFIG, "layers": 3}))
-    deeper, deeper_opt = transform(3)(deeper, make_optimizer("adamw", deeper.parameters()))
+    deeper, deeper_opt = zero(3)(deeper, make_optimizer("adamw", deeper.parameters()))
     expect_error(["model.blocks.2.", "another model"], load_checkpoint, good, deeper, deeper_opt)
     narrower = GPT(GPTConfig(**{**CONFIG, "ffn": 128}))
-    narrower, narrower_opt = transform(1)(narrower, make_optimizer("adamw", narrower.parameters()))
+    narrower, narrower_opt = zero(1)(narrower, make_optimizer("adamw", narrower.parameters()))
     expect_error(["model.blocks.0.fc.weight: saved (130, 48), here (128, 48)"],
                  load_checkpoint, good, narrower, narrower_opt)
     expect_error(["data file __1_0.distcp is missing"], load_checkpoint, broken["missing"], model, opt)

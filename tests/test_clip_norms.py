@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import zerofn as zf
+from support.compare import TOL, max_errors
+from support.loops import STAGES
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
-from test_parity import STAGES, TOL, max_errors
 
 CLIP = 0.05
 CONFIGS = [(2, "sgd", None), (2, "sgd", {}), (3, "adamw", {"params": True})]

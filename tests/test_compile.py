@@ -15,9 +15,10 @@ import torch
 import torch._dynamo
 
 import zerofn as zf
-from support.models import batches, make_models, make_optimizer, worst
+from support.compare import TOL, worst
+from support.loops import STAGES, train_sharded
+from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
-from test_parity import STAGES, TOL, train_sharded
 
 # (stage, accumulation, what is compiled, extras: transforms, or activation checkpointing)
 CONFIGS = [(1, 1, "model", ()), (2, 2, "model", ()), (3, 2, "model", ("checkpoint",)),
@@ -66,7 +67,7 @@ def test_compiled_models_train_as_eager_ones(tmp_path):
 def hugging_face(rank, world, name: str):
     """A transformers model (Llama with activation checkpointing, or GPT-2) under ZeRO-3 +
     bf16, compiled and not: full weights after three steps, and the graphs compiled."""
-    from test_hf_models import adamw, build, global_batches, train
+    from support.hf_models import adamw, build, global_batches, train
     out = []
     for compiled in (False, True):
         torch._dynamo.reset()

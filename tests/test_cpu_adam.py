@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zerofn.optim as zo
-from support.models import worst
+from support.compare import worst
 from zerofn.optim import kernels
 
 ISAS = zo.kernel_info()["available_isas"]

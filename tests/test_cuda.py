@@ -13,10 +13,13 @@ import torch._dynamo
 import torch.distributed as dist
 
 import zerofn as zf
+from support.compare import TOL, TOL_BF16_VS_FP32
+from support.experts import expert_runs
+from support.loops import STAGES
 from support.models import batches, make_models, make_optimizer
+from support.offload import offload_transform, sharded_state_locals
 from support.ranks import run_ranks
-from test_offload import offload_transform
-from test_parity import STAGES
+from support.step_vote import vote
 from zerofn.runtime.runtime import runtime_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -138,7 +141,6 @@ def test_async_checkpoints_stage_device_tensors_through_one_pinned_buffer(tmp_pa
 
 
 def host_state_runs(rank, world, path):
-    from test_offload import sharded_state_locals
     out = {}
     for opts in ({}, {"params": True}):
         model, opt = on_nccl(path, 3, opts, torch.bfloat16)
@@ -161,7 +163,6 @@ def test_a_rank_with_every_gradient_votes_without_waiting_for_the_device():
     """The step's vote at world > 1: a rank that got every gradient waits for the device
     only to read an overflow verdict (fp16); one lacking a gradient must read the union.
     Each wait is named by the line that made it."""
-    from test_step_vote import vote
     overflow, got, sent, waits = vote({"a", "b"}, [0.0, 0.0], "cuda")
     assert (overflow, got, sent, waits) == (False, {"a", "b"}, [1.0, 1.0], [])
     overflow, got, sent, waits, norm = vote({"a", "b"}, [2.0, 0.0, 0.0], "cuda",
@@ -177,7 +178,7 @@ def moe_runs(rank, world):
     """transformers' Qwen3 mixture of experts under ZeRO-3 + bf16 on an NCCL group, and in
     fp32 without zerofn, both on the GPU: the largest difference of the parameters after
     training, and how transformers ran the experts."""
-    import test_hf_models as hf
+    from support import hf_models as hf
     torch.cuda.set_device(0)
     group = dist.new_group(backend="nccl")
     data = [tuple(t.cuda() for t in step) for step in hf.global_batches("qwen3_moe")]
@@ -201,19 +202,18 @@ def test_hugging_face_mixture_of_experts_trains_under_zero3():
     an address not a multiple of 16 bytes ([Note: aligned slots]): the q/k norms of 6
     bf16 elements before the experts in each layer's unit put them 8 bytes off when slots
     were packed tightly."""
-    import test_hf_models as hf
+    pytest.importorskip("transformers")
     err, experts = run_ranks(1, moe_runs, timeout=300)[0]
-    assert err < hf.TOL_BF16_VS_FP32, (err, experts)
+    assert err < TOL_BF16_VS_FP32, (err, experts)
 
 
 def test_experts_some_ranks_leave_out_reduce_when_their_units_backward_is_done():
     """grads.py's [Note: a unit's backward is done] where the reductions run on a side
     stream: experts that sit out on one rank, ZeRO-3 with and without parameter offload,
     two ranks sharing the GPU over gloo, against plain PyTorch on the same GPU."""
-    import test_reduction as red
-    for by_name in run_ranks(2, red.expert_runs, ["zero3", "zero3+offload(params)"], "cuda"):
+    for by_name in run_ranks(2, expert_runs, ["zero3", "zero3+offload(params)"], "cuda"):
         for name, (p_err, s_err, sat_out) in by_name.items():
-            assert p_err < red.TOL and s_err < red.TOL and sat_out, (name, p_err, s_err)
+            assert p_err < TOL and s_err < TOL and sat_out, (name, p_err, s_err)
 
 
 def inductor_runs(rank, world, path):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-from support.models import worst
+from support.compare import worst
 from support.ranks import run_ranks
 from zerofn.deepspeed import convert as convert_module
 from zerofn.deepspeed.convert import convert, main, read_checkpoint

@@ -10,9 +10,9 @@ import torch
 
 import zerofn as zf
 import zerofn.deepspeed as deepspeed
+from support.compare import TOL, max_errors
+from support.experts import Experts, expert_choices
 from support.ranks import run_ranks
-from test_parity import TOL, max_errors
-from test_reduction import Experts, expert_choices
 from zerofn.deepspeed.utils import leaf_units
 from zerofn.runtime.runtime import runtime_of
 
@@ -113,7 +113,7 @@ def test_the_configs_leaf_module_section_marks_and_makes_units():
 
 def leaf_engine_runs(rank, world):
     """Plain PyTorch on the global batch against the engine on this rank's share, the
-    experts sitting out on one rank per layer each step (test_reduction.expert_choices)."""
+    experts sitting out on one rank per layer each step (support.experts.expert_choices)."""
     torch.manual_seed(0)
     ref, model = MoENet(), MoENet()
     model.load_state_dict(ref.state_dict())

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
+from support.jobs import STEPS, losses, run, survivors, uninterrupted
 from support.ranks import run_ranks
-from support.jobs import STEPS, finish, losses, run, survivors, torchrun, uninterrupted
 
 
 def _restarted(tmp_path, fault: str, env: dict | None = None) -> tuple[str, dict]:

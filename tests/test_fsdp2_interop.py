@@ -3,22 +3,19 @@ but torch's own ``get_state_dict`` / ``dcp.save`` / ``dcp.load`` / ``set_state_d
 the FSDP2 side, and training continues as it would have without the move."""
 from __future__ import annotations
 
-import copy
 import os
 
-import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, \
-    set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import zerofn as zf
+from support.compare import TOL, assert_same_state, max_error
+from support.fsdp2 import fsdp2_full
+from support.loops import train_sharded, zero
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
-from test_checkpoint import max_error
-from test_parity import TOL, train_sharded, transform
-from test_state_dict import assert_same_state
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
 
 STEPS = 3
@@ -34,14 +31,9 @@ def fsdp2(world: int, seed: int):
     return model, make_optimizer("adamw", model.parameters())
 
 
-def fsdp2_full(model, opt):
-    """Full tensors; copied, since torch's shares Adam's step counters with the optimizer."""
-    return copy.deepcopy(get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)))
-
-
 def zerofn_to_fsdp2(rank, world, root):
     _, model = make_models()
-    model, opt = transform(3)(model, make_optimizer("adamw", model.parameters()))
+    model, opt = zero(3)(model, make_optimizer("adamw", model.parameters()))
     train_sharded(model, opt, batches(STEPS, 1, world), rank, world)
     ckpt = save_checkpoint(root, model, opt, step=STEPS)
     saved = zf.get_state_dict(model, opt, full=True)
@@ -70,7 +62,7 @@ def fsdp2_to_zerofn(rank, world, path):
     errors = {}
     for stage in (1, 2, 3):
         _, model = make_models(seed=7)
-        model, opt = transform(stage)(model, make_optimizer("adamw", model.parameters()))
+        model, opt = zero(stage)(model, make_optimizer("adamw", model.parameters()))
         assert load_checkpoint(path, model, opt) == {}     # FSDP2 saved no step
         assert_same_state(saved, zf.get_state_dict(model, opt, full=True))
         train_sharded(model, opt, later, rank, world)

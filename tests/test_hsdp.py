@@ -20,13 +20,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import zerofn as zf
-from support.models import batches, make_models, make_optimizer, worst
+from support.compare import TOL, TOL_BF16_VS_FP32, assert_same_state, max_error, worst
+from support.fsdp2 import fsdp2_full
+from support.loops import train_reference, train_sharded, zero
+from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
-from test_checkpoint import max_error
-from test_fsdp2_interop import fsdp2_full
-from test_parity import TOL, train_reference, train_sharded, transform
-from test_precision import TOL_FP32
-from test_state_dict import assert_same_state
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
 from zerofn.runtime.runtime import runtime_of
 
@@ -58,7 +56,7 @@ def build(stage, group, opts=None, extra=(), path=None):
     more = {"cpu": lambda: zf.offload("cpu"), "nvme": lambda: zf.offload("nvme", path=path),
             "bf16": lambda: zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32)}
     more = [more[e]() for e in extra]
-    return zf.compose(transform(stage, group=group, **(opts or {})), *more)(
+    return zf.compose(zero(stage, group=group, **(opts or {})), *more)(
         model, make_optimizer("adamw", model.parameters()))
 
 
@@ -99,7 +97,7 @@ def parity(rank, world, mesh, root):
 def check_parity(results):
     for rank, errs in enumerate(results):
         for config, (p_err, s_err, traffic) in zip(PARITY, errs):
-            tol = TOL_FP32 if "bf16" in config[3] else TOL
+            tol = TOL_BF16_VS_FP32 if "bf16" in config[3] else TOL
             assert p_err < tol and s_err < tol, (rank, config, p_err, s_err)
             for key, (got, want) in traffic.items():
                 assert got == want, (rank, config, key, got, want)
@@ -239,11 +237,11 @@ def tensorboard_dirs(rank, world, mesh, root) -> tuple[list[str], dict, dict]:
     """zf.tensorboard(ranks="all") at 2 x 2: one directory per rank of the mesh (replicas
     share shard ranks, and must not write over each other); this rank's comm/ series of
     step 1, and zf.comm_stats."""
-    from test_tensorboard import read, scalars
+    from support.tensorboard_runs import read, scalars
     _, model = make_models()
     logdir = os.path.join(root, "runs")
     board = zf.tensorboard(logdir, every=1, ranks="all")
-    model, opt = zf.compose(transform(2, group=mesh), board)(
+    model, opt = zf.compose(zero(2, group=mesh), board)(
         model, make_optimizer("adamw", model.parameters()))
     train_sharded(model, opt, batches(1, 1, world), rank, world)
     runtime_of(model).monitor.close()
@@ -322,7 +320,7 @@ def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
 def overflow_vote(rank, world, mesh):
     """fp16 loss scaling: an inf in one rank's loss skips the step on all four ranks."""
     _, model = make_models()
-    model, opt = zf.compose(transform(2, group=mesh), zf.mixed_precision(
+    model, opt = zf.compose(zero(2, group=mesh), zf.mixed_precision(
         torch.float16, initial_scale_power=8, hysteresis=1))(
         model, make_optimizer("adamw", model.parameters()))
     before = zf.get_state_dict(model, opt, full=True)

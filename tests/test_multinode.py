@@ -10,8 +10,8 @@ import uuid
 import pytest
 
 import zerofn as zf
-from support.ranks import run_ranks
 from support.jobs import finish, free_port, losses, survivors, torchrun, uninterrupted
+from support.ranks import run_ranks
 
 
 def _two_nodes(flags: list[str], fault: str | None = None):

@@ -6,13 +6,14 @@ import os
 
 import pytest
 import torch
-from support.models import batches, make_models, make_optimizer, worst
-from support.ranks import run_ranks
-from test_nvme_memory import LAYERS, WIDTH, peak_rise_over, stack_trainer
-from test_offload import offload_transform
-from test_parity import STAGES, max_errors, train_reference, train_sharded
 
 import zerofn as zf
+from support.compare import max_errors, worst
+from support.loops import STAGES, train_reference, train_sharded
+from support.memory import LAYERS, WIDTH, peak_rise_over, stack_trainer
+from support.models import batches, make_models, make_optimizer
+from support.offload import offload_transform
+from support.ranks import run_ranks
 
 CONFIGS = [({}, None, False), ({"units_in_flight": 1}, None, False), ({}, None, True),
            ({}, torch.bfloat16, False)]

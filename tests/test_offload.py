@@ -10,31 +10,17 @@ import pytest
 import torch
 
 import zerofn as zf
-from support.models import batches, make_models, make_optimizer, worst
+from support.compare import max_errors, worst
+from support.loops import STAGES, train_reference, train_sharded
+from support.models import batches, make_models, make_optimizer
+from support.offload import build_offloaded, sharded_state_locals
 from support.ranks import run_ranks
-from test_parity import STAGES, max_errors, train_reference, train_sharded
 from zerofn.runtime.runtime import runtime_of
 
 CONFIGS = [(1, "adamw", {}), (2, "adamw", {}), (3, "adamw", {}), (3, "adamw", {"params": True}),
            (2, "sgd", {}), (3, "sgd", {"params": True}), (3, "adam", {"params": True}),
            (1, "adamw", {"nvme": True}), (2, "adamw", {"nvme": True}), (3, "adam", {"nvme": True}),
            (3, "adamw", {"nvme": True, "units_in_flight": 1})]
-
-
-def offload_transform(opts):
-    opts = dict(opts)
-    if opts.pop("nvme", False):
-        return zf.offload("nvme", path=opts.pop("path"), **opts)
-    opts.pop("path", None)
-    return zf.offload("cpu", **opts)
-
-
-def build(stage, kind, offload=None, precision=None):
-    _, model = make_models()
-    opt = make_optimizer(kind, model.parameters())
-    extra = ([offload_transform(offload)] if offload is not None else []) + \
-        ([zf.mixed_precision(precision)] if precision else [])
-    return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), *extra)(model, opt)
 
 
 def offload_runs(rank, world, path):
@@ -45,8 +31,8 @@ def offload_runs(rank, world, path):
         ref, _ = make_models()
         ref_opt = make_optimizer(kind, ref.parameters())
         train_reference(ref, ref_opt, data)
-        plain, plain_opt = build(stage, kind)
-        off, off_opt = build(stage, kind, opts)
+        plain, plain_opt = build_offloaded(stage, kind)
+        off, off_opt = build_offloaded(stage, kind, opts)
         train_sharded(plain, plain_opt, data, rank, world, clip=0.05)
         train_sharded(off, off_opt, data, rank, world, clip=0.05)
         a = zf.get_state_dict(plain, plain_opt, full=True)
@@ -72,7 +58,7 @@ def test_offload_matches_the_run_without_it(world, tmp_path):
 def offload_vs_pytorch(rank, world):
     ref, _ = make_models()
     ref_opt = make_optimizer("adamw", ref.parameters())
-    model, opt = build(3, "adamw", {"params": True})
+    model, opt = build_offloaded(3, "adamw", {"params": True})
     data = batches(5, 1, world)
     train_reference(ref, ref_opt, data)
     train_sharded(model, opt, data, rank, world)
@@ -136,7 +122,7 @@ def where_state_lives(rank, world, path):
     out = {}
     for stage, opts in ((1, {}), (2, {}), (3, {}), (3, {"params": True}),
                         (2, {"nvme": True, "path": path}), (3, {"nvme": True, "path": path})):
-        model, opt = build(stage, "adamw", opts, precision=torch.bfloat16)
+        model, opt = build_offloaded(stage, "adamw", opts, precision=torch.bfloat16)
         x, y = batches(1, 1, world)[0][0]
         model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
         opt.step()
@@ -200,7 +186,7 @@ def test_swap_files_of_a_killed_run_do_not_break_the_next(tmp_path):
 def offload_vs_pytorch_nvme(rank, world, path):
     ref, _ = make_models()
     ref_opt = make_optimizer("adamw", ref.parameters())
-    model, opt = build(2, "adamw", {"nvme": True, "path": path})
+    model, opt = build_offloaded(2, "adamw", {"nvme": True, "path": path})
     data = batches(3, 1, world)
     train_reference(ref, ref_opt, data)
     train_sharded(model, opt, data, rank, world)
@@ -209,12 +195,12 @@ def offload_vs_pytorch_nvme(rank, world, path):
 
 def offload_state_dicts(rank, world, path):
     """State moves cpu-offload -> nvme-offload -> plain, and training continues identically."""
-    src, src_opt = build(3, "adamw", {"params": True})
+    src, src_opt = build_offloaded(3, "adamw", {"params": True})
     train_sharded(src, src_opt, batches(3, 1, world), rank, world)
     msd, osd = zf.get_state_dict(src, src_opt)
     results = []
     for opts in ({"nvme": True, "path": path}, None):
-        dst, dst_opt = build(2, "adamw", opts)
+        dst, dst_opt = build_offloaded(2, "adamw", opts)
         zf.set_state_dict(dst, dst_opt, msd, osd)
         data = batches(2, 1, world, seed=9)
         results.append((dst, dst_opt, data))
@@ -248,7 +234,7 @@ def bf16_offload_runs(rank, world, path):
         runs = []
         params = {"params": True} if stage == 3 else {}
         for opts in (None, {}, params) + ((nvme, dict(nvme, **params)) if kind == "adamw" else ()):
-            model, opt = build(stage, kind, opts, precision=torch.bfloat16)
+            model, opt = build_offloaded(stage, kind, opts, precision=torch.bfloat16)
             train_sharded(model, opt, data, rank, world)
             runs.append(zf.get_state_dict(model, opt, full=True)[0])
         out[(kind, stage)] = max(max(worst(runs[0][k] - r[k]) for k in r) for r in runs[1:])
@@ -259,25 +245,6 @@ def test_bf16_offload_follows_bf16_without_offload(tmp_path):
     for by_stage in run_ranks(2, bf16_offload_runs, str(tmp_path)):
         for config, err in by_stage.items():
             assert err < 1e-6, (config, err)
-
-
-def sharded_state_locals(model, opt) -> dict[str, tuple[str, bool]]:
-    """Each sharded state-dict tensor's local shard: its device type, and whether it is a
-    view of the offload's host arenas (no copy made)."""
-    from torch.distributed.tensor import DTensor
-    spans = [(a.buffer.data_ptr(), a.buffer.data_ptr() + a.buffer.nbytes)
-             for a in runtime_of(model).offload.arenas()]
-    msd, osd = zf.get_state_dict(model, opt)
-    entries = {f"model.{k}": v for k, v in msd.items()}
-    entries.update({f"optim.{name}.{k}": v for name, st in osd["state"].items()
-                    for k, v in st.items()})
-    out = {}
-    for key, value in entries.items():
-        if isinstance(value, DTensor) and value.to_local().numel():
-            local = value.to_local()
-            out[key] = (local.device.type,
-                        any(lo <= local.data_ptr() < hi for lo, hi in spans))
-    return out
 
 
 def state_locals_runs(rank, world):

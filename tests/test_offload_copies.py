@@ -13,13 +13,14 @@ from collections import defaultdict
 
 import pytest
 import torch
-from support.models import batches, make_models, make_optimizer, worst
-from support.ranks import run_ranks
-from test_offload import offload_transform
-from test_parity import STAGES
 
 import zerofn as zf
 import zerofn.runtime.runtime as runtime_module
+from support.compare import worst
+from support.loops import STAGES
+from support.models import batches, make_models, make_optimizer
+from support.offload import offload_transform
+from support.ranks import run_ranks
 from zerofn.runtime.copies import CopyStreams
 from zerofn.runtime.pinned import page_locked
 from zerofn.runtime.runtime import runtime_of

@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 
 import zerofn as zf
-from support.models import batches, make_models, make_optimizer, worst
+from support.compare import worst
+from support.loops import STAGES
+from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
-from test_parity import STAGES
 from zerofn.runtime.runtime import runtime_of
 
 CLIP = 0.05

@@ -21,9 +21,11 @@ import torch.distributed as dist
 
 import zerofn as zf
 import zerofn.pretrained as pretrained
-from support.models import ParityGPT, batches, make_models, make_optimizer, worst
+from support.compare import worst
+from support.loops import STAGES, train_sharded, zero
+from support.memory import WIDTH, Stack, peak_rise_over
+from support.models import ParityGPT, batches, make_models, make_optimizer
 from support.ranks import run_ranks
-from test_parity import STAGES, train_sharded, transform
 
 
 
@@ -256,7 +258,7 @@ def expect_raises(error, fn, *args, **kw) -> str:
 def plain_files(rank, world, root):
     """ParityGPT (an integer buffer, a frozen and a tied parameter, a 3-row parameter)
     through a consolidated checkpoint, errors, rename and a failing save."""
-    model, opt = transform(3)(*_parity())
+    model, opt = zero(3)(*_parity())
     train_sharded(model, opt, batches(2, 1, world), rank, world)
     want, _ = zf.get_state_dict(model, opt, full=True)
     zf.save_checkpoint(os.path.join(root, "ckpt"), model, opt, step=2)
@@ -266,7 +268,7 @@ def plain_files(rank, world, root):
         to_full(os.path.join(root, "ckpt"), full)
     dist.barrier()
     out = {}
-    fresh, fresh_opt = transform(3, persist_below=200)(*_parity(seed=9))   # whole small params
+    fresh, fresh_opt = zero(3, persist_below=200)(*_parity(seed=9))   # whole small params
     zf.load_pretrained(fresh, full)
     got, _ = zf.get_state_dict(fresh, fresh_opt, full=True)
     out["consolidated_err"] = max(worst(got[k] - v) for k, v in want.items())
@@ -274,7 +276,7 @@ def plain_files(rank, world, root):
     # save_pretrained of a plain model, read back with rename
     saved = os.path.join(root, "saved")
     zf.save_pretrained(model, saved, max_shard_size=3000)
-    renamed, renamed_opt = transform(2)(*_parity(seed=11))
+    renamed, renamed_opt = zero(2)(*_parity(seed=11))
     keys = zf.load_pretrained(renamed, saved, rename=lambda k: k)
     got, _ = zf.get_state_dict(renamed, renamed_opt, full=True)
     out["saved_err"] = max(worst(got[k] - v) for k, v in want.items())
@@ -367,17 +369,16 @@ def test_shard_sizes_and_untransformed_models():
 
 # -- memory: a save holds one unit, a load touches this rank's rows -----------------------
 def save_big(rank, world, root):
-    from test_nvme_memory import Stack, peak_rise_over
     torch.manual_seed(0)
     model = Stack()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, opt = transform(3)(model, opt)
+    model, opt = zero(3)(model, opt)
     out = os.path.join(root, "big")
     rise = peak_rise_over(lambda: zf.save_pretrained(model, out, max_shard_size="100MB"), 1)
     total = sum(p.numel() for p in model.parameters()) * 4
     torch.manual_seed(1)
     fresh = Stack()
-    fresh, _ = transform(3)(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-4))
+    fresh, _ = zero(3)(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-4))
     load_rise = peak_rise_over(lambda: zf.load_pretrained(fresh, out), 1)
     same = all(torch.equal(a.to_local(), b.to_local())
                for a, b in zip(model.parameters(), fresh.parameters()))
@@ -385,7 +386,6 @@ def save_big(rank, world, root):
 
 
 def test_save_holds_one_unit_and_load_reads_a_share(tmp_path):
-    from test_nvme_memory import WIDTH
     unit = (WIDTH * WIDTH + WIDTH) * 4                  # one Linear: the largest unit
     for rank, (rise, total, files, load_rise, same) in enumerate(
             run_ranks(2, save_big, str(tmp_path))):

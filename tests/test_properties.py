@@ -35,9 +35,9 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
 
 import zerofn as zf
-from support.models import worst
-from support.ranks import run_ranks
+from support.compare import worst
 from support.odd_models import WIDTH, OddNet, block_paths, expected_units, odd_init, runs
+from support.ranks import run_ranks
 from zerofn.runtime.runtime import runtime_of
 from zerofn.state_dict import get_model_state_dict
 

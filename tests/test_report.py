@@ -8,7 +8,7 @@ import torch
 
 import zerofn as zf
 from support.ranks import run_ranks
-from test_tensorboard import CONFIG, build, train_step
+from support.tensorboard_runs import CONFIG, build, train_step
 from zerofn import cli, report
 
 matplotlib = pytest.importorskip("matplotlib")   # an optional dependency, as in the docs

@@ -3,35 +3,22 @@ from __future__ import annotations
 
 import itertools
 
-import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
 import zerofn as zf
+from support.compare import assert_same_state
+from support.loops import train_sharded, zero
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
-from test_parity import train_sharded, transform
 
 
 def trained(rank, world, stage, kind="adamw", steps=3, seed=0):
     _, model = make_models(seed=seed)
     opt = make_optimizer(kind, model.parameters())
-    model, opt = transform(stage)(model, opt)
+    model, opt = zero(stage)(model, opt)
     train_sharded(model, opt, batches(steps, 1, world), rank, world)
     return model, opt
-
-
-def assert_same_state(a, b):
-    (ma, oa), (mb, ob) = a, b
-    assert ma.keys() == mb.keys()
-    for k in ma:
-        assert torch.equal(ma[k], mb[k]), k
-    assert oa["state"].keys() == ob["state"].keys()
-    for fqn, st in oa["state"].items():
-        for k, v in st.items():
-            assert torch.equal(torch.as_tensor(v), torch.as_tensor(ob["state"][fqn][k])), (fqn, k)
-    assert oa["param_groups"] == ob["param_groups"]
 
 
 def cross_stage(rank, world):

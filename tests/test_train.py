@@ -22,7 +22,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 import torch
 
 import zerofn as zf

@@ -16,11 +16,11 @@ import torch
 import torch._dynamo
 
 import zerofn as zf
+from support.compare import TOL
 from support.ranks import run_ranks
-from test_hf_models import build
-from test_parity import TOL
 
 transformers = pytest.importorskip("transformers")
+from support.hf_models import build  # noqa: E402 (needs transformers)
 from zerofn.integrations.transformers import ZeroTrainer  # noqa: E402 (needs transformers)
 
 ROWS, SEQ, VOCAB = 24, 10, 97     # ids fit both test models

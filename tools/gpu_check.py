@@ -246,7 +246,7 @@ def parity_rank(rank, world, device: str, configs) -> list[tuple[float, float]]:
 
     import zerofn as zf
     from support.models import batches, make_models, make_optimizer
-    from test_parity import STAGES, train_reference, train_sharded
+    from support.loops import STAGES, train_reference, train_sharded
     if device == "cuda":
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False

@@ -1,6 +1,8 @@
-"""What the tests share: models, the multi-rank launcher, the torchrun jobs.
+"""What the tests share: models, the multi-rank launcher, training loops, comparisons.
 
-Test files import helpers from here. A function run on ranks (``ranks.run_ranks``) must be
-module-level in an importable module, here or in a test file: the ranks import it by
-name. tests/conftest.py puts tests/ on ``sys.path``, so this package is ``support``.
+Test files import helpers from here, never from one another (tests/test_layout_of_tests.py
+checks it), so each test file stands on its own. A function run on ranks
+(``ranks.run_ranks``) must be module-level in an importable module, here or in a test
+file: the ranks import it by name. tests/conftest.py puts tests/ on ``sys.path``, so this
+package is ``support``.
 """

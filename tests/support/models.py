@@ -58,8 +58,3 @@ def make_optimizer(kind: str, params, groups: bool = False):
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
     raise ValueError(kind)
 
-
-def worst(t: torch.Tensor) -> float:
-    """The largest magnitude in ``t`` (a difference), inf where it holds a NaN: Python's
-    ``max()`` over per-tensor figures would pass a NaN by, unless it came first."""
-    return t.abs().nan_to_num(nan=float("inf")).max().item()

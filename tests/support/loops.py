@@ -1,0 +1,55 @@
+"""The ZeRO stages as transforms, and the training loops the tests compare: plain PyTorch on
+each global batch, and a rank's share of it under zerofn (or FSDP2)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import zerofn as zf
+
+from .models import batches
+
+STAGES = {1: ("shard_optimizer",), 2: ("shard_optimizer", "shard_grads"),
+          3: ("shard_optimizer", "shard_grads", "shard_params")}
+
+
+def zero(stage: int, **options) -> zf.Transform:
+    """ZeRO-``stage`` as one transform; ``options`` go to its last transform."""
+    *first, last = STAGES[stage]
+    return zf.compose(*(getattr(zf, name)() for name in first), getattr(zf, last)(**options))
+
+
+def train_reference(ref, opt, data, clip=None):
+    """Plain single-process PyTorch: each global batch of ``data`` (a list of micro-batches)
+    in one forward."""
+    for micro in data:
+        x = torch.cat([m[0] for m in micro])
+        y = torch.cat([m[1] for m in micro])
+        ref(x, y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+
+
+def train_sharded(model, opt, data, rank, world, clip=None, no_sync=False, zero_grad="opt"):
+    """This rank's rows of each global batch of ``data``, its micro-batches accumulated, as
+    ``train_reference`` steps on the whole of it."""
+    for micro in data:
+        for i, (x, y) in enumerate(micro):
+            last = i == len(micro) - 1
+            ctx = model.no_sync() if no_sync and not last else contextlib.nullcontext()
+            with ctx:
+                (model(x.chunk(world)[rank], y.chunk(world)[rank]) / len(micro)).backward()
+        if clip:
+            zf.clip_grad_norm_(model, clip)
+        opt.step()
+        # model.zero_grad() must clear the reduced gradient shards as opt.zero_grad() does
+        (model if zero_grad == "model" else opt).zero_grad()
+
+
+def step_once(model, opt, rank, world):
+    x, y = batches(1, 1, world)[0][0]
+    model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    opt.step()
