@@ -10,7 +10,7 @@ from torch import nn
 
 import zerofn as zf
 from support.compare import max_errors, worst
-from support.loops import train_reference, train_sharded, zero
+from support.loops import step_once, train_reference, train_sharded, zero
 from support.models import batches, make_models, make_optimizer
 from support.odd_models import expected_units
 from support.offload import build_offloaded
@@ -113,9 +113,7 @@ def full_params_only_while_running(rank, world):
     block.fc.register_forward_hook(
         lambda m, a, o: seen.append((type(m.weight) is nn.Parameter, tuple(m.weight.shape),
                                      isinstance(model.blocks[1].fc.weight, DTensor))))
-    x, y = batches(1, 1, world)[0][0]
-    model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-    opt.step()
+    step_once(model, opt, rank, world)
     assert seen == [(True, (130, 48), True)]
     assert isinstance(block.fc.weight, DTensor)
     assert zf.model_state_bytes(model)["cpu"]["params"] < 4 * sum(
@@ -149,10 +147,8 @@ def misaligned(rank, world, path):
         for m in model.modules():
             m.register_forward_pre_hook(check)
             m.register_full_backward_pre_hook(check)
-        for (x, y), in batches(2, 1, world):
-            model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-            opt.step()
-            opt.zero_grad()
+        for step in batches(2, 1, world):
+            train_sharded(model, opt, [step], rank, world)
             bad += [("shard", n, p.to_local().data_ptr() % 16) for n, p in model.named_parameters()
                     if p.to_local().numel() and p.to_local().data_ptr() % 16]
         out.append((precision, offload and sorted(offload), bad, len(seen)))
@@ -231,11 +227,7 @@ def dropped_models_are_freed(rank, world, path):
         _, model = make_models()
         opt = make_optimizer("adamw", model.parameters())
         model, opt = zf.compose(zero(stage), *extra)(model, opt)
-        for micro in batches(2, 1, world):
-            for x, y in micro:
-                model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-            opt.step()
-            opt.zero_grad()
+        train_sharded(model, opt, batches(2, 1, world), rank, world)
         refs = weakref.ref(model), weakref.ref(opt)
         del model, opt
         gc.collect()

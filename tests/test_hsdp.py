@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import zerofn as zf
 from support.compare import TOL, TOL_BF16_VS_FP32, assert_same_state, max_error, worst
 from support.fsdp2 import fsdp2_full
-from support.loops import train_reference, train_sharded, zero
+from support.loops import step_once, train_reference, train_sharded, zero
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
@@ -116,9 +116,7 @@ def layout(rank, world, mesh):
         (Replicate(), Shard(0))      # unnamed: dim 0 replicates, as FSDP2 reads it
     flat, flat_opt = build(3, mesh["shard"])
     for m, o in ((model, opt), (flat, flat_opt)):
-        x, y = batches(1, 1, world)[0][0]
-        m(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-        o.step()
+        step_once(m, o, rank, world)
     assert zf.model_state_bytes(model) == zf.model_state_bytes(flat)
 
 
@@ -324,11 +322,7 @@ def overflow_vote(rank, world, mesh):
         torch.float16, initial_scale_power=8, hysteresis=1))(
         model, make_optimizer("adamw", model.parameters()))
     before = zf.get_state_dict(model, opt, full=True)
-    x, y = batches(1, 1, world)[0][0]
-    loss = model(x.chunk(world)[rank], y.chunk(world)[rank])
-    opt.scale(loss * (float("inf") if rank == 3 else 1.0)).backward()
-    opt.step()
-    opt.zero_grad()
+    train_sharded(model, opt, batches(1, 1, world), rank, world, scale=True, inf_on=(0, 3))
     after = zf.get_state_dict(model, opt, full=True)
     return (all(torch.equal(before[0][k], after[0][k]) for k in before[0]),
             opt.state_dict()["zerofn_loss_scaler"]["scale"], zf.comm_stats(model))

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import zerofn as zf
+from support.loops import train_sharded
 from support.ranks import run_ranks
 from zerofn.nanogpt import GPT, GPTConfig, init_weights
 from zerofn.runtime.materialize import reset_parameters
@@ -103,19 +104,11 @@ def extras(name: str, tmp: str):
             "bf16+cpu": (zf.mixed_precision(torch.bfloat16), zf.offload("cpu"))}[name]
 
 
-def data(rank: int, world: int, steps: int = 2):
+def net_batches(world: int, steps: int = 2):
+    """Global batches for Net: one micro-batch of 2 rows per rank a step."""
     g = torch.Generator().manual_seed(3)
-    for _ in range(steps):
-        x = torch.randint(0, 37, (2 * world, 6), generator=g)
-        y = torch.randint(0, 37, (2 * world, 6), generator=g)
-        yield x.chunk(world)[rank], y.chunk(world)[rank]
-
-
-def train(model, opt, rank, world):
-    for x, y in data(rank, world):
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
+    return [[(torch.randint(0, 37, (2 * world, 6), generator=g),
+              torch.randint(0, 37, (2 * world, 6), generator=g))] for _ in range(steps)]
 
 
 def full_state(model, opt):
@@ -153,8 +146,8 @@ def meta_vs_eager(rank, world, configs):
             model, opt = transform(stage, init, extras(extra, tmp2))(model, opt)
             at_start = same(full_state(model, opt)[0], zf.get_state_dict(ref, ref_opt, full=True)[0])
             buffers = same(dict(model.named_buffers()), dict(ref.named_buffers()))
-            train(ref, ref_opt, rank, world)
-            train(model, opt, rank, world)
+            train_sharded(ref, ref_opt, net_batches(world), rank, world)
+            train_sharded(model, opt, net_batches(world), rank, world)
             after = same(dict(zip("mob", full_state(model, opt))),
                          dict(zip("mob", full_state(ref, ref_opt))))
             out.append((stage, style, extra, at_start, buffers, after))

@@ -11,7 +11,7 @@ import torch
 
 import zerofn as zf
 from support.compare import max_errors, worst
-from support.loops import STAGES, train_reference, train_sharded
+from support.loops import STAGES, step_once, train_reference, train_sharded
 from support.models import batches, make_models, make_optimizer
 from support.offload import build_offloaded, sharded_state_locals
 from support.ranks import run_ranks
@@ -123,9 +123,7 @@ def where_state_lives(rank, world, path):
     for stage, opts in ((1, {}), (2, {}), (3, {}), (3, {"params": True}),
                         (2, {"nvme": True, "path": path}), (3, {"nvme": True, "path": path})):
         model, opt = build_offloaded(stage, "adamw", opts, precision=torch.bfloat16)
-        x, y = batches(1, 1, world)[0][0]
-        model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-        opt.step()
+        step_once(model, opt, rank, world)
         out[(stage, tuple(sorted(opts)))] = zf.model_state_bytes(model)
     return out
 

@@ -17,7 +17,7 @@ import torch
 import zerofn as zf
 import zerofn.runtime.runtime as runtime_module
 from support.compare import worst
-from support.loops import STAGES
+from support.loops import STAGES, train_sharded
 from support.models import batches, make_models, make_optimizer
 from support.offload import offload_transform
 from support.ranks import run_ranks
@@ -113,14 +113,8 @@ def train(stage, kind, offload, dtype, data, rank, world, copies=CopyStreams, gr
     with copies_class(copies):
         model, opt = zf.compose(getattr(zf, first)(group=group), *(getattr(zf, n)() for n in rest),
                                 *extra)(model, opt)
-    for micro in data:
-        for x, y in micro:
-            x, y = x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
-            loss = model(x, y) / len(micro)
-            opt.scale(loss).backward()
-        zf.clip_grad_norm_(model, CLIP)
-        opt.step()
-        opt.zero_grad()
+    data = [[(x.to(device), y.to(device)) for x, y in micro] for micro in data]
+    train_sharded(model, opt, data, rank, world, CLIP, scale=True)
     return zf.get_state_dict(model, opt, full=True), runtime_of(model)
 
 
@@ -237,11 +231,7 @@ def unpinned_runs(rank, world, path):
         extra = [zf.mixed_precision(dtype)] if dtype else []
         model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]),
                                 offload_transform(opts), *extra)(model, opt)
-        for micro in data:
-            for x, y in micro:
-                model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-            opt.step()
-            opt.zero_grad()
+        train_sharded(model, opt, data, rank, world)
         rt = runtime_of(model)
         assert not rt.copies.streaming
         arenas += rt.offload.arenas()

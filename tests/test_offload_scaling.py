@@ -9,7 +9,7 @@ import torch
 
 import zerofn as zf
 from support.compare import worst
-from support.loops import STAGES
+from support.loops import STAGES, train_sharded
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
 from zerofn.runtime.runtime import runtime_of
@@ -23,21 +23,6 @@ def build(stage, offload, dtype=torch.float16, **precision):
     extra = [zf.offload("cpu")] if offload else []
     return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]),
                       zf.mixed_precision(dtype, **precision), *extra)(model, opt)
-
-
-def train(model, opt, data, rank, world, inf_on=None):
-    """Accumulation and clipping; a rank named by ``inf_on`` (step, rank) sees an inf loss."""
-    norms = []
-    for step, micro in enumerate(data):
-        for x, y in micro:
-            loss = model(x.chunk(world)[rank], y.chunk(world)[rank]) / len(micro)
-            if inf_on == (step, rank):
-                loss = loss * float("inf")
-            opt.scale(loss).backward()
-        norms.append(float(zf.clip_grad_norm_(model, CLIP)))
-        opt.step()
-        opt.zero_grad()
-    return norms
 
 
 def state_errors(a, b) -> tuple[float, float]:
@@ -59,17 +44,18 @@ def scaled_runs(rank, world):
         runs = {}
         for offload in (False, True):
             model, opt = build(stage, offload, dtype=torch.float32, loss_scale=1024.0)
-            norms = train(model, opt, data, rank, world)
-            runs[offload] = (norms, zf.get_state_dict(model, opt, full=True))
+            norms = train_sharded(model, opt, data, rank, world, CLIP, scale=True)
+            runs[offload] = ([float(n) for n in norms], zf.get_state_dict(model, opt, full=True))
         fp32 = (runs[False][0], runs[True][0], state_errors(runs[False][1], runs[True][1]))
         fp16 = {}
         for offload in (False, True):
             model, opt = build(stage, offload, initial_scale_power=10, hysteresis=1)
-            norms = train(model, opt, data, rank, world, inf_on=(1, 1))
+            norms = train_sharded(model, opt, data, rank, world, CLIP, scale=True,
+                                  inf_on=(1, 1))
             scale = opt.state_dict()["zerofn_loss_scaler"]["scale"]
-            fp16[offload] = (norms, scale, {str(g.dtype) for g in
-                                            (runtime_of(model).offload.grads.values()
-                                             if offload else ())})
+            fp16[offload] = ([float(n) for n in norms], scale,
+                             {str(g.dtype) for g in (runtime_of(model).offload.grads.values()
+                                                     if offload else ())})
         out[stage] = (fp32, fp16)
     return out
 

@@ -22,7 +22,7 @@ def run_config(rank, world, stage, kind, accum, clip=None, no_sync=False, checkp
     model, opt = zero(stage, **(opts or {}))(model, opt)
     data = batches(STEPS, accum, world)
     train_reference(ref, ref_opt, data, clip)
-    train_sharded(model, opt, data, rank, world, clip, no_sync, zero_grad)
+    train_sharded(model, opt, data, rank, world, clip, no_sync=no_sync, zero_grad=zero_grad)
     return max_errors(ref, ref_opt, model, opt)
 
 

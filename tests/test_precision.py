@@ -9,7 +9,7 @@ import torch
 import zerofn as zf
 from support.accounting import padding_bound
 from support.compare import TOL_BF16_VS_FP32, worst
-from support.loops import STAGES, step_once, train_reference
+from support.loops import STAGES, step_once, train_reference, train_sharded
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
 from zerofn.runtime.precision import LossScaler
@@ -19,15 +19,6 @@ STEPS = 50
 
 def mp_transform(stage, dtype=torch.bfloat16, **opts):
     return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), zf.mixed_precision(dtype, **opts))
-
-
-def train(model, opt, data, rank, world, scale=False):
-    for micro in data:
-        x, y = micro[0]
-        loss = model(x.chunk(world)[rank], y.chunk(world)[rank])
-        (opt.scale(loss) if scale else loss).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def fsdp2_params(rank, world, data):
@@ -40,7 +31,7 @@ def fsdp2_params(rank, world, data):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = make_optimizer("adamw", model.parameters())
-    train(model, opt, data, rank, world)
+    train_sharded(model, opt, data, rank, world)
     # buffers stay plain tensors under FSDP2; parameters are DTensors
     return {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in model.state_dict().items()}
 
@@ -56,7 +47,7 @@ def bf16_runs(rank, world):
         _, model = make_models(frozen=False)
         opt = make_optimizer("adamw", model.parameters())
         model, opt = mp_transform(stage, reduce_dtype=torch.float32)(model, opt)
-        train(model, opt, data, rank, world)
+        train_sharded(model, opt, data, rank, world)
         msd, _ = zf.get_state_dict(model, opt, full=True)
         out[stage] = (max(worst(msd[k] - v) for k, v in ref.state_dict().items()),
                       max(worst(msd[k] - v) for k, v in fsdp2.items()))
@@ -78,22 +69,15 @@ def overflow_on_one_rank(rank, world):
         opt = make_optimizer("adamw", model.parameters())
         model, opt = mp_transform(stage, torch.float16, initial_scale_power=8, hysteresis=1)(model, opt)
         data = batches(3, 1, world)
-        train(model, opt, data[:1], rank, world, scale=True)
+        train_sharded(model, opt, data[:1], rank, world, scale=True)
         before = zf.get_state_dict(model, opt, full=True)
-        x, y = data[1][0]
-        loss = model(x.chunk(world)[rank], y.chunk(world)[rank])
-        if rank == 1:
-            loss = loss * float("inf")
-        opt.scale(loss).backward()
-        zf.clip_grad_norm_(model, 1.0)
-        opt.step()
-        opt.zero_grad()
+        train_sharded(model, opt, data[1:2], rank, world, 1.0, scale=True, inf_on=(0, 1))
         after = zf.get_state_dict(model, opt, full=True)
         same = all(torch.equal(before[0][k], after[0][k]) for k in before[0]) and all(
             torch.equal(torch.as_tensor(v), torch.as_tensor(after[1]["state"][f][k]))
             for f, st in before[1]["state"].items() for k, v in st.items())
         scale_after_skip = opt.state_dict()["zerofn_loss_scaler"]["scale"]
-        train(model, opt, data[2:], rank, world, scale=True)   # and training goes on
+        train_sharded(model, opt, data[2:], rank, world, scale=True)   # and training goes on
         moved = any(not torch.equal(before[0][k], zf.get_state_dict(model, opt, full=True)[0][k])
                     for k in before[0])
         out[stage] = (same, scale_after_skip, moved)
@@ -183,7 +167,7 @@ def scaler_through_checkpoint(rank, world, path):
     opt = make_optimizer("adamw", model.parameters())
     model, opt = zf.compose(zf.shard_params(), zf.mixed_precision(torch.float16),
                             zf.offload("nvme", path=path))(model, opt)
-    train(model, opt, batches(4, 1, world), rank, world, scale=True)
+    train_sharded(model, opt, batches(4, 1, world), rank, world, scale=True)
     saved = opt.state_dict()["zerofn_loss_scaler"]
     save_checkpoint(path + "/ckpt", model, opt, step=4)
     want = zf.get_state_dict(model, opt, full=True)
@@ -214,7 +198,7 @@ def fp16_defaults(rank, world):
     before = zf.get_state_dict(model, opt, full=True)[0]
     scales = []
     for micro in batches(8, 1, world):
-        train(model, opt, [micro], rank, world, scale=True)
+        train_sharded(model, opt, [micro], rank, world, scale=True)
         scales.append(opt.state_dict()["zerofn_loss_scaler"]["scale"])
     after = zf.get_state_dict(model, opt, full=True)[0]
     return scales, any(not torch.equal(before[k], after[k]) for k in before)

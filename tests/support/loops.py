@@ -33,23 +33,35 @@ def train_reference(ref, opt, data, clip=None):
         opt.zero_grad()
 
 
-def train_sharded(model, opt, data, rank, world, clip=None, no_sync=False, zero_grad="opt"):
+def train_sharded(model, opt, data, rank, world, clip=None, *, scale=False, no_sync=False,
+                  inf_on=None, zero_grad="opt") -> list[torch.Tensor]:
     """This rank's rows of each global batch of ``data``, its micro-batches accumulated, as
-    ``train_reference`` steps on the whole of it."""
-    for micro in data:
+    ``train_reference`` steps on the whole of it. Returns the norms clipping measured.
+
+    clip: ``zf.clip_grad_norm_``'s max_norm before each step; scale: backward through
+    ``opt.scale`` (mixed_precision's loss scaling); no_sync: each step's micro-batches but
+    the last under ``model.no_sync()``; inf_on: (step, rank) whose loss is multiplied by
+    inf; zero_grad: what clears the gradients after each step, "opt", "model" (which must
+    clear the reduced gradient shards as opt.zero_grad() does) or None (they stay, to be
+    measured).
+    """
+    norms = []
+    for step, micro in enumerate(data):
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
-            ctx = model.no_sync() if no_sync and not last else contextlib.nullcontext()
-            with ctx:
-                (model(x.chunk(world)[rank], y.chunk(world)[rank]) / len(micro)).backward()
+            with model.no_sync() if no_sync and not last else contextlib.nullcontext():
+                loss = model(x.chunk(world)[rank], y.chunk(world)[rank]) / len(micro)
+                if inf_on == (step, rank):
+                    loss = loss * float("inf")
+                (opt.scale(loss) if scale else loss).backward()
         if clip:
-            zf.clip_grad_norm_(model, clip)
+            norms.append(zf.clip_grad_norm_(model, clip))
         opt.step()
-        # model.zero_grad() must clear the reduced gradient shards as opt.zero_grad() does
-        (model if zero_grad == "model" else opt).zero_grad()
+        if zero_grad:
+            (model if zero_grad == "model" else opt).zero_grad()
+    return norms
 
 
-def step_once(model, opt, rank, world):
-    x, y = batches(1, 1, world)[0][0]
-    model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-    opt.step()
+def step_once(model, opt, rank, world) -> None:
+    """One step on this rank's rows of the first parity batch; its gradients stay."""
+    train_sharded(model, opt, batches(1, 1, world), rank, world, zero_grad=None)
