@@ -10,7 +10,8 @@ from torch import nn
 
 import zerofn as zf
 from support.compare import max_errors, worst
-from support.loops import step_once, train_reference, train_sharded, zero
+from support.errors import error_of
+from support.loops import build_parity, step_once, train_reference, train_sharded
 from support.models import batches, make_models, make_optimizer
 from support.odd_models import expected_units
 from support.offload import build_offloaded
@@ -88,11 +89,7 @@ def disagreeing(rank, world, what):
     t = zf.shard_params(prefetch=1 + rank) if what == "plan" else zf.shard_params()
     if what == "optimizer" and rank == 1:
         opt = torch.optim.SGD(list(model.parameters()) + [nn.Parameter(torch.ones(2))], lr=0.1)
-    try:
-        t(model, opt)
-    except ValueError as e:
-        return str(e)
-    return None
+    return error_of(t, model, opt)
 
 
 @pytest.mark.parametrize("what,message", [("model", "disagree"), ("plan", "prefetch"),
@@ -105,9 +102,7 @@ def test_ranks_that_disagree_all_raise(what, message):
 def full_params_only_while_running(rank, world):
     """ZeRO-3: inside a unit's forward its params are full tensors; outside, Shard(0) DTensors."""
     from torch.distributed.tensor import DTensor
-    _, model = make_models()
-    opt = make_optimizer("adamw", model.parameters())
-    model, opt = zero(3)(model, opt)
+    model, opt = build_parity(3)
     seen = []
     block = model.blocks[0]
     block.fc.register_forward_hook(
@@ -194,9 +189,7 @@ def step_and_gather_order(rank, world, stage):
     events = []
     gather = Comm.all_gather
     Comm.all_gather = lambda self, *a, **k: events.append("gather") or gather(self, *a, **k)
-    _, model = make_models()
-    opt = make_optimizer("adamw", model.parameters())
-    model, opt = zero(stage)(model, opt)
+    model, opt = build_parity(stage)
     opt.register_step_pre_hook(lambda *_: events.append("step"))
     (x, y), = batches(1, 1, world)[0]
     model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
@@ -224,9 +217,7 @@ def dropped_models_are_freed(rank, world, path):
     for stage, extra in ((1, []), (2, [zf.mixed_precision(torch.bfloat16)]),
                          (3, [zf.offload("cpu", params=True)]),
                          (3, [zf.offload("nvme", path=path)])):
-        _, model = make_models()
-        opt = make_optimizer("adamw", model.parameters())
-        model, opt = zf.compose(zero(stage), *extra)(model, opt)
+        model, opt = build_parity(stage, "adamw", *extra)
         train_sharded(model, opt, batches(2, 1, world), rank, world)
         refs = weakref.ref(model), weakref.ref(opt)
         del model, opt
@@ -245,9 +236,7 @@ def test_a_dropped_model_frees_its_memory(tmp_path):
 def forward_graphs_are_freed(rank, world):
     """Weak references to the activations a block's forward saves (tanh saves its output),
     after forwards with gradients enabled whose loss is dropped, and after a step."""
-    _, model = make_models()
-    opt = make_optimizer("adamw", model.parameters())
-    model, opt = zero(3)(model, opt)
+    model, opt = build_parity(3)
     saved = []
     model.blocks[0].register_forward_hook(lambda m, a, out: saved.append(weakref.ref(out)))
     x, y = batches(1, 1, world)[0][0]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zerofn as zf
+from support.loops import zero
 from support.ranks import run_ranks
 from zerofn import cli, train
 from zerofn.estimate import estimate_placement, parse_count
@@ -129,7 +130,7 @@ def measure(rank, world, configs):
             est = estimate_placement(model, world, stage, dtype, offload=offload,
                                      offload_params=params)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            ts = [zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()][:stage]
+            ts = [zero(stage)]
             ts += [zf.mixed_precision(dtype)] if dtype != torch.float32 else []
             ts += [zf.offload(offload, params=params, path=tmp)] if offload else []
             model, opt = zf.compose(*ts)(model, opt)

@@ -10,7 +10,7 @@ import torch
 
 import zerofn as zf
 from support.compare import TOL, max_errors
-from support.loops import STAGES
+from support.loops import zero
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
 
@@ -26,7 +26,7 @@ def clip_runs(rank, world, norm_type):
         ref_opt = make_optimizer(kind, ref.parameters())
         opt = make_optimizer(kind, model.parameters())
         extra = [] if offload is None else [zf.offload("cpu", **offload)]
-        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), *extra)(model, opt)
+        model, opt = zf.compose(zero(stage), *extra)(model, opt)
         norms = []
         for (x, y), in data:
             ref(x, y).backward()

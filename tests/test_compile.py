@@ -16,7 +16,7 @@ import torch._dynamo
 
 import zerofn as zf
 from support.compare import TOL, worst
-from support.loops import STAGES, train_sharded
+from support.loops import train_sharded, zero
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
 
@@ -36,8 +36,8 @@ def run(stage: int, accum: int, compiled: str | None, extra, rank: int, world: i
         for block in model.blocks:
             block.compile(backend="aot_eager")
     opt = make_optimizer("adamw", model.parameters())
-    model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]),
-                            *(EXTRA[e](logs) for e in extra if e in EXTRA))(model, opt)
+    model, opt = zf.compose(zero(stage), *(EXTRA[e](logs) for e in extra if e in EXTRA))(
+        model, opt)
     if compiled == "model":
         model.compile(backend="aot_eager")
     train_sharded(model, opt, batches(3, accum, world), rank, world)

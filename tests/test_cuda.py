@@ -15,7 +15,7 @@ import torch.distributed as dist
 import zerofn as zf
 from support.compare import TOL, TOL_BF16_VS_FP32
 from support.experts import expert_runs
-from support.loops import STAGES
+from support.loops import zero
 from support.models import batches, make_models, make_optimizer
 from support.offload import offload_transform, sharded_state_locals
 from support.ranks import run_ranks
@@ -38,11 +38,9 @@ def on_nccl(path, stage, opts, dtype):
     _, model = make_models()
     model = model.cuda()
     opt = make_optimizer("adamw", model.parameters())
-    first, *rest = STAGES[stage]
     extra = ([zf.mixed_precision(dtype)] if dtype else []) + \
         ([offload_transform(dict(opts, path=path))] if opts is not None else [])
-    return zf.compose(getattr(zf, first)(group=group), *(getattr(zf, n)() for n in rest),
-                      *extra)(model, opt)
+    return zf.compose(zero(stage, group=group), *extra)(model, opt)
 
 
 def pinned_runs(rank, world, path):
@@ -182,19 +180,13 @@ def moe_runs(rank, world):
     torch.cuda.set_device(0)
     group = dist.new_group(backend="nccl")
     data = [tuple(t.cuda() for t in step) for step in hf.global_batches("qwen3_moe")]
-    ref = hf.build("qwen3_moe").cuda()
-    ref_opt = hf.adamw(ref)
-    for ids, mask, labels in data:
-        ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    want = hf.reference("qwen3_moe", data, "cuda")
     model = hf.build("qwen3_moe").cuda()
-    model, opt = zf.compose(zf.shard_optimizer(group=group), zf.shard_grads(), zf.shard_params(),
-                            zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32))(
-        model, hf.adamw(model))
+    model, opt = zf.compose(zero(3, group=group), zf.mixed_precision(
+        torch.bfloat16, reduce_dtype=torch.float32))(model, hf.adamw(model))
     hf.train(model, opt, data)
     msd, _ = zf.get_state_dict(model, opt, full=True)
-    return hf.max_err(msd, ref.state_dict()), getattr(model.config, "_experts_implementation", None)
+    return hf.max_err(msd, want), getattr(model.config, "_experts_implementation", None)
 
 
 def test_hugging_face_mixture_of_experts_trains_under_zero3():

@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 import zerofn as zf
 from support.compare import worst
+from support.errors import expect_error
+from support.loops import zero
 from support.ranks import run_ranks
 from zerofn.deepspeed import convert as convert_module
 from zerofn.deepspeed.convert import convert, main, read_checkpoint
@@ -41,8 +43,6 @@ def _tool():
 
 TOOL = _tool()
 CASES = sorted(TOOL.CASES)
-STAGES = {1: ("shard_optimizer",), 2: ("shard_optimizer", "shard_grads"),
-          3: ("shard_optimizer", "shard_grads", "shard_params")}
 # zerofn's next two steps against DeepSpeed's. fp32: the losses within 1e-5 and the fp32
 # masters after them within 1e-6 (measured: 5e-7 and 1.2e-7, the latter DeepSpeed's C++ CPU
 # Adam against torch's AdamW; 4e-9 with torch's AdamW on both sides). bf16/fp16: DeepSpeed
@@ -136,7 +136,7 @@ def build(name: str, stage: int, offload: bool, scaling: dict):
     model = TOOL.TinyLM()
     # Hyperparameters unlike DeepSpeed's: the checkpoint's must replace them.
     opt = torch.optim.AdamW(TOOL.param_groups(model), lr=0.5, weight_decay=0.0)
-    transforms = [getattr(zf, t)() for t in STAGES[stage]]
+    transforms = [zero(stage)]
     if case.dtype == "bf16":   # BF16_Optimizer reduces fp32 gradients, ZeRO in bf16
         transforms.append(zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32
                                              if case.grad_accum_fp32 else None))
@@ -313,17 +313,11 @@ def copy_case(name: str, tmp_path) -> str:
     return str(dst / "global_step3")
 
 
-def expect_error(path, *fragments):
-    with pytest.raises(ValueError) as info:
-        read_checkpoint(path)
-    assert all(f in str(info.value) for f in fragments), str(info.value)
-
-
 def test_not_a_deepspeed_checkpoint(tmp_path):
-    expect_error(str(tmp_path), "is not a DeepSpeed checkpoint", "latest")
-    expect_error(str(tmp_path / "nowhere"), "is not a directory")
+    expect_error(["is not a DeepSpeed checkpoint", "latest"], read_checkpoint, str(tmp_path))
+    expect_error(["is not a directory"], read_checkpoint, str(tmp_path / "nowhere"))
     (tmp_path / "latest").write_text("global_step7")
-    expect_error(str(tmp_path), "names 'global_step7'", "does not exist")
+    expect_error(["names 'global_step7'", "does not exist"], read_checkpoint, str(tmp_path))
 
 
 @pytest.mark.parametrize("name, removed, fragments", [
@@ -338,7 +332,7 @@ def test_not_a_deepspeed_checkpoint(tmp_path):
 def test_missing_file(tmp_path, name, removed, fragments):
     step_dir = copy_case(name, tmp_path)
     os.remove(os.path.join(step_dir, removed))
-    expect_error(step_dir, *fragments)
+    expect_error(fragments, read_checkpoint, step_dir)
 
 
 @pytest.mark.parametrize("name, source, added, fragments", [
@@ -359,17 +353,18 @@ def test_missing_file(tmp_path, name, removed, fragments):
 def test_foreign_file(tmp_path, name, source, added, fragments):
     step_dir = copy_case(name, tmp_path)
     shutil.copy(os.path.join(DATA, source), os.path.join(step_dir, added))
-    expect_error(step_dir, *fragments)
+    expect_error(fragments, read_checkpoint, step_dir)
 
 
 def test_optimizer_state_offloaded_to_nvme(tmp_path):
     step_dir = copy_case("zero3_fp32_w3", tmp_path)
     os.makedirs(os.path.join(step_dir, "offloaded_tensors", "rank0"))
-    expect_error(step_dir, "offloaded_tensors", "NVMe")
+    expect_error(["offloaded_tensors", "NVMe"], read_checkpoint, step_dir)
 
 
 def test_corrupt_file(tmp_path):
     step_dir = copy_case("zero1_fp32_w1", tmp_path)
     with open(os.path.join(step_dir, "zero_pp_rank_0_mp_rank_00_optim_states.pt"), "wb") as f:
         f.write(b"not a checkpoint")
-    expect_error(step_dir, "cannot read", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    expect_error(["cannot read", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], read_checkpoint,
+                 step_dir)

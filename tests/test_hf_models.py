@@ -17,7 +17,7 @@ import torch
 
 import zerofn as zf
 from support.compare import TOL, TOL_BF16_VS_FP32
-from support.loops import STAGES
+from support.loops import zero
 from support.ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -50,7 +50,7 @@ def every_config(rank, world):
             for bf16 in (False, True):
                 model = build(name)
                 opt = adamw(model)
-                parts = [getattr(zf, t)() for t in STAGES[stage]]
+                parts = [zero(stage)]
                 if bf16:
                     parts.append(zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32))
                 model, opt = zf.compose(*parts)(model, opt)

@@ -16,13 +16,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import zerofn as zf
 from support.compare import TOL, TOL_BF16_VS_FP32, assert_same_state, max_error, worst
-from support.fsdp2 import fsdp2_full
-from support.loops import step_once, train_reference, train_sharded, zero
+from support.fsdp2 import fsdp2_full, fsdp2_parity
+from support.loops import build_parity, step_once, train_reference, train_sharded
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
@@ -52,12 +52,10 @@ def mesh_2d(shape=(2, 2), names=NAMES):
 def build(stage, group, opts=None, extra=(), path=None):
     """The parity model under ``stage`` on ``group``; ``extra`` adds "cpu" or "nvme" offload
     (the swap files under ``path``) or "bf16" mixed precision."""
-    _, model = make_models()
     more = {"cpu": lambda: zf.offload("cpu"), "nvme": lambda: zf.offload("nvme", path=path),
             "bf16": lambda: zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32)}
-    more = [more[e]() for e in extra]
-    return zf.compose(zero(stage, group=group, **(opts or {})), *more)(
-        model, make_optimizer("adamw", model.parameters()))
+    return build_parity(stage, "adamw", *(more[e]() for e in extra), group=group,
+                        **(opts or {}))
 
 
 def expected_traffic(model, stage: int, accum: int, no_sync: bool) -> dict:
@@ -136,24 +134,11 @@ def on_a_slice(rank, world) -> None:
     assert err < TOL, err
 
 
-def fsdp2_hsdp(mesh, seed: int):
-    """The parity model under FSDP2's HSDP: each block, then the root, on the 2-D mesh."""
-    _, model = make_models(seed=seed)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, make_optimizer("adamw", model.parameters())
-
-
 def bf16_vs_fsdp2(rank, world, mesh) -> dict[int, float]:
     """bf16 compute with fp32 reduction, each stage against FSDP2's HSDP with the same
     MixedPrecisionPolicy: the largest parameter difference (measured: none)."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    _, fsdp2 = make_models()
-    for block in fsdp2.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(fsdp2, mesh=mesh, mp_policy=policy)
-    fsdp2_opt = make_optimizer("adamw", fsdp2.parameters())
+    fsdp2, fsdp2_opt = fsdp2_parity(mesh, policy=policy)
     data = batches(STEPS, 1, world)
     train_sharded(fsdp2, fsdp2_opt, data, rank, world)
     want = fsdp2_full(fsdp2, fsdp2_opt)[0]
@@ -187,7 +172,7 @@ def checkpoints(rank, world, mesh, root):
     first, later = batches(STEPS, 1, world), batches(STEPS, 1, world, seed=2)
     errors = {}
     for name, make, stage in (("zerofn-hsdp", lambda: build(3, mesh), 3),
-                              ("fsdp2-hsdp", lambda: fsdp2_hsdp(mesh, 0), None),
+                              ("fsdp2-hsdp", lambda: fsdp2_parity(mesh, 0), None),
                               ("zerofn-1d", lambda: build(2, None), 2)):
         model, opt = make()
         train_sharded(model, opt, first, rank, world)
@@ -204,7 +189,7 @@ def checkpoints(rank, world, mesh, root):
             else zf.get_state_dict(model, opt, full=True)
         if name == "zerofn-hsdp":
             errors[(name, "zerofn-1d-world-2")] = at_world_2(mesh, path, saved, later, expected)
-        targets = {"fsdp2-hsdp": lambda: fsdp2_hsdp(mesh, 7), "zerofn-1d": lambda: build(3, None),
+        targets = {"fsdp2-hsdp": lambda: fsdp2_parity(mesh, 7), "zerofn-1d": lambda: build(3, None),
                    "zerofn-hsdp-1": lambda: build(1, mesh), "zerofn-hsdp-3": lambda: build(3, mesh)}
         for target, make_target in targets.items():
             if target.startswith(name):
@@ -236,11 +221,9 @@ def tensorboard_dirs(rank, world, mesh, root) -> tuple[list[str], dict, dict]:
     share shard ranks, and must not write over each other); this rank's comm/ series of
     step 1, and zf.comm_stats."""
     from support.tensorboard_runs import read, scalars
-    _, model = make_models()
     logdir = os.path.join(root, "runs")
-    board = zf.tensorboard(logdir, every=1, ranks="all")
-    model, opt = zf.compose(zero(2, group=mesh), board)(
-        model, make_optimizer("adamw", model.parameters()))
+    model, opt = build_parity(2, "adamw", zf.tensorboard(logdir, every=1, ranks="all"),
+                              group=mesh)
     train_sharded(model, opt, batches(1, 1, world), rank, world)
     runtime_of(model).monitor.close()
     dist.barrier()
@@ -317,10 +300,8 @@ def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
 
 def overflow_vote(rank, world, mesh):
     """fp16 loss scaling: an inf in one rank's loss skips the step on all four ranks."""
-    _, model = make_models()
-    model, opt = zf.compose(zero(2, group=mesh), zf.mixed_precision(
-        torch.float16, initial_scale_power=8, hysteresis=1))(
-        model, make_optimizer("adamw", model.parameters()))
+    model, opt = build_parity(2, "adamw", zf.mixed_precision(
+        torch.float16, initial_scale_power=8, hysteresis=1), group=mesh)
     before = zf.get_state_dict(model, opt, full=True)
     train_sharded(model, opt, batches(1, 1, world), rank, world, scale=True, inf_on=(0, 3))
     after = zf.get_state_dict(model, opt, full=True)

@@ -10,15 +10,12 @@ import torch
 from torch import nn
 
 import zerofn as zf
-from support.loops import train_sharded
+from support.loops import train_sharded, zero
+from support.memory import reset_peak, status_bytes
 from support.ranks import run_ranks
 from zerofn.nanogpt import GPT, GPTConfig, init_weights
 from zerofn.runtime.materialize import reset_parameters
 from zerofn.runtime.runtime import runtime_of
-
-STAGES = {1: (zf.shard_optimizer,), 2: (zf.shard_optimizer, zf.shard_grads),
-          3: (zf.shard_optimizer, zf.shard_grads, zf.shard_params)}
-
 
 class Block(nn.Module):
     def __init__(self):
@@ -93,7 +90,8 @@ def on_meta(style: str) -> Net:
 
 
 def transform(stage: int, init, extra=()):
-    return zf.compose(*(t() for t in STAGES[stage][:-1]), STAGES[stage][-1](init=init), *extra)
+    """ZeRO-``stage`` initializing a meta-built model with ``init``, and ``extra``."""
+    return zf.compose(zero(stage, init=init), *extra)
 
 
 def extras(name: str, tmp: str):
@@ -265,16 +263,6 @@ def test_hugging_face_meta_init_with_init_weights(kind):
 
 
 # -- memory ------------------------------------------------------------------------------------
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def setup_peak(rank, world, cfg_kwargs):
     """Peak RSS rise while a ~100M-parameter GPT built on meta is materialized under
     ZeRO-3, against its full fp32 parameters, the rank's share and its largest unit."""
@@ -283,10 +271,10 @@ def setup_peak(rank, world, cfg_kwargs):
         model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.manual_seed(0)
-    _reset_peak()
-    before = _status("VmRSS:")
+    reset_peak()
+    before = status_bytes("VmRSS")
     model, opt = transform(3, init_weights)(model, opt)
-    rise = _status("VmHWM:") - before
+    rise = status_bytes("VmHWM") - before
     rt = runtime_of(model)
     share = sum(u.shard_numel * 4 for u in rt.units)
     largest = max(u.shard_numel * world * 4 for u in rt.units)
@@ -319,9 +307,9 @@ def train_under_cap(rank, world, eager_build: bool):
     # goes in the baseline rather than against the model's share.
     torch.ones(1, requires_grad=True).sum().backward()
     limits = resource.getrlimit(resource.RLIMIT_DATA)
-    resource.setrlimit(resource.RLIMIT_DATA, (_status("VmData:") + int(CAP * full), limits[1]))
+    resource.setrlimit(resource.RLIMIT_DATA, (status_bytes("VmData") + int(CAP * full), limits[1]))
     try:
-        return full, _train_two_steps(cfg, rank, world, eager_build), _status("VmData:")
+        return full, _train_two_steps(cfg, rank, world, eager_build), status_bytes("VmData")
     except RuntimeError as e:
         if "can't allocate memory" not in str(e):
             raise

@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 import zerofn as zf
+from support.errors import error_of
 from support.jobs import finish, free_port, losses, survivors, torchrun, uninterrupted
 from support.ranks import run_ranks
 
@@ -57,11 +58,7 @@ def _save_to_local_dirs(rank, world, root):
     _, model = make_models()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = zf.shard_optimizer()(model, opt)
-    try:
-        zf.save_checkpoint(os.path.join(root, f"node{rank}"), model, opt, step=1)
-    except ValueError as e:
-        return str(e)
-    return None
+    return error_of(zf.save_checkpoint, os.path.join(root, f"node{rank}"), model, opt, step=1)
 
 
 def test_a_checkpoint_root_not_shared_is_an_error_on_every_rank(tmp_path):

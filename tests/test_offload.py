@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import zerofn as zf
-from support.compare import max_errors, worst
-from support.loops import STAGES, step_once, train_reference, train_sharded
+from support.compare import max_errors, state_errors, worst
+from support.errors import error_of
+from support.loops import build_parity, step_once, train_reference, train_sharded
 from support.models import batches, make_models, make_optimizer
 from support.offload import build_offloaded, sharded_state_locals
 from support.ranks import run_ranks
@@ -37,11 +38,8 @@ def offload_runs(rank, world, path):
         train_sharded(off, off_opt, data, rank, world, clip=0.05)
         a = zf.get_state_dict(plain, plain_opt, full=True)
         b = zf.get_state_dict(off, off_opt, full=True)
-        vs_plain = max(max(worst(a[0][k] - b[0][k]) for k in a[0]),
-                       max(worst(v - b[1]["state"][f][k])
-                           for f, st in a[1]["state"].items() for k, v in st.items()
-                           if torch.is_tensor(v) and v.dim()))
-        out.append((vs_plain, off_opt.state_dict()["param_groups"] == plain_opt.state_dict()["param_groups"]))
+        same_groups = off_opt.state_dict()["param_groups"] == plain_opt.state_dict()["param_groups"]
+        out.append((max(state_errors(a, b)), same_groups))
     return out
 
 
@@ -86,12 +84,8 @@ def persistent_offload_runs(rank, world, path):
     out = {}
     for where in ("cpu", "nvme"):
         for case, below in PERSIST.items():
-            _, model = make_models()
-            opt = make_optimizer("adamw", model.parameters())
-            model, opt = zf.compose(zf.shard_optimizer(), zf.shard_grads(),
-                                    zf.shard_params(persist_below=below),
-                                    zf.offload(where, params=True,
-                                               path=path if where == "nvme" else None))(model, opt)
+            model, opt = build_parity(3, "adamw", zf.offload(
+                where, params=True, path=path if where == "nvme" else None), persist_below=below)
             train_sharded(model, opt, data, rank, world, clip=0.05)
             out[(where, case)] = (*unit_layout(model), max_errors(ref, ref_opt, model, opt))
     return out
@@ -145,13 +139,7 @@ def test_parameter_offload_needs_zero3():
 
 
 def nvme_fault(rank, world, path):
-    _, model = make_models()
-    try:
-        zf.compose(zf.shard_optimizer(), zf.offload("nvme", path=path))(
-            model, make_optimizer("adamw", model.parameters()))
-    except ValueError as e:
-        return str(e)
-    return None
+    return error_of(build_parity, 1, "adamw", zf.offload("nvme", path=path))
 
 
 def test_nvme_path_faults_fail_at_set_up_on_every_rank(tmp_path):
@@ -208,10 +196,7 @@ def offload_state_dicts(rank, world, path):
     for dst, dst_opt, data in results:
         train_sharded(dst, dst_opt, data, rank, world)
         got = zf.get_state_dict(dst, dst_opt, full=True)
-        errs.append(max(max(worst(want[0][k] - got[0][k]) for k in want[0]),
-                        max(worst(v - got[1]["state"][f][k])
-                            for f, st in want[1]["state"].items() for k, v in st.items()
-                            if torch.is_tensor(v) and v.dim())))
+        errs.append(max(state_errors(want, got)))
     return errs
 
 
@@ -248,10 +233,7 @@ def test_bf16_offload_follows_bf16_without_offload(tmp_path):
 def state_locals_runs(rank, world):
     out = {}
     for name, params in (("offload", False), ("offload params", True)):
-        _, model = make_models()
-        opt = make_optimizer("adamw", model.parameters())
-        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[3]),
-                                zf.offload("cpu", params=params))(model, opt)
+        model, opt = build_parity(3, "adamw", zf.offload("cpu", params=params))
         train_sharded(model, opt, batches(1, 1, world), rank, world)
         out[name] = sharded_state_locals(model, opt)
     return out

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 import zerofn as zf
-from support.compare import worst
-from support.loops import STAGES, train_sharded
-from support.models import batches, make_models, make_optimizer
+from support.compare import state_errors
+from support.loops import build_parity, train_sharded
+from support.models import batches
 from support.ranks import run_ranks
 from zerofn.runtime.runtime import runtime_of
 
@@ -18,20 +18,10 @@ CLIP = 0.05
 
 
 def build(stage, offload, dtype=torch.float16, **precision):
-    _, model = make_models()
-    opt = make_optimizer("adamw", model.parameters())
+    """The parity model under ZeRO-``stage``, ``dtype`` mixed precision and (``offload``)
+    CPU offload."""
     extra = [zf.offload("cpu")] if offload else []
-    return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]),
-                      zf.mixed_precision(dtype, **precision), *extra)(model, opt)
-
-
-def state_errors(a, b) -> tuple[float, float]:
-    """Largest differences of params and of Adam state between two full state dicts."""
-    p_err = max(worst(a[0][k].float() - b[0][k].float()) for k in a[0])
-    s_err = max(worst(v - b[1]["state"][f][k])
-                for f, st in a[1]["state"].items() for k, v in st.items()
-                if torch.is_tensor(v) and v.dim())
-    return p_err, s_err
+    return build_parity(stage, "adamw", zf.mixed_precision(dtype, **precision), *extra)
 
 
 def scaled_runs(rank, world):

@@ -9,7 +9,8 @@ import torch
 import zerofn as zf
 from support.accounting import padding_bound
 from support.compare import TOL_BF16_VS_FP32, worst
-from support.loops import STAGES, step_once, train_reference, train_sharded
+from support.fsdp2 import fsdp2_parity
+from support.loops import build_parity, step_once, train_reference, train_sharded, zero
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
 from zerofn.runtime.precision import LossScaler
@@ -17,20 +18,11 @@ from zerofn.runtime.precision import LossScaler
 STEPS = 50
 
 
-def mp_transform(stage, dtype=torch.bfloat16, **opts):
-    return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), zf.mixed_precision(dtype, **opts))
-
-
 def fsdp2_params(rank, world, data):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    _, model = make_models(frozen=False)
-    mesh = init_device_mesh("cpu", (world,))
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    opt = make_optimizer("adamw", model.parameters())
+    model, opt = fsdp2_parity(init_device_mesh("cpu", (world,)), policy=policy, frozen=False)
     train_sharded(model, opt, data, rank, world)
     # buffers stay plain tensors under FSDP2; parameters are DTensors
     return {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in model.state_dict().items()}
@@ -44,9 +36,8 @@ def bf16_runs(rank, world):
     fsdp2 = fsdp2_params(rank, world, data)
     out = {}
     for stage in (1, 2, 3):
-        _, model = make_models(frozen=False)
-        opt = make_optimizer("adamw", model.parameters())
-        model, opt = mp_transform(stage, reduce_dtype=torch.float32)(model, opt)
+        model, opt = build_parity(stage, "adamw", zf.mixed_precision(
+            torch.bfloat16, reduce_dtype=torch.float32), frozen=False)
         train_sharded(model, opt, data, rank, world)
         msd, _ = zf.get_state_dict(model, opt, full=True)
         out[stage] = (max(worst(msd[k] - v) for k, v in ref.state_dict().items()),
@@ -65,9 +56,8 @@ def overflow_on_one_rank(rank, world):
     """An inf in rank 1's loss skips the step on every rank and leaves all state untouched."""
     out = {}
     for stage in (1, 2, 3):
-        _, model = make_models()
-        opt = make_optimizer("adamw", model.parameters())
-        model, opt = mp_transform(stage, torch.float16, initial_scale_power=8, hysteresis=1)(model, opt)
+        model, opt = build_parity(stage, "adamw", zf.mixed_precision(
+            torch.float16, initial_scale_power=8, hysteresis=1))
         data = batches(3, 1, world)
         train_sharded(model, opt, data[:1], rank, world, scale=True)
         before = zf.get_state_dict(model, opt, full=True)
@@ -128,7 +118,7 @@ def bf16_bytes(rank, world):
         _, model = make_models(frozen=False)
         psi, pad = sum(p.numel() for p in model.parameters()), padding_bound(model, world)
         opt = make_optimizer("adamw", model.parameters())
-        model, opt = mp_transform(stage)(model, opt)
+        model, opt = zf.compose(zero(stage), zf.mixed_precision(torch.bfloat16))(model, opt)
         step_once(model, opt, rank, world)   # gradients and optimizer state now exist
         out[stage] = (zf.model_state_bytes(model)["cpu"],
                       zf.estimate_model_state_bytes(psi, world, stage), pad, len(opt.state))
@@ -192,9 +182,7 @@ def test_loss_scale_and_offloaded_state_survive_a_checkpoint(tmp_path):
 def fp16_defaults(rank, world):
     """DeepSpeed's defaults (2**16, hysteresis 2): the first steps overflow, the scale backs
     off, and training then proceeds, identically on every rank."""
-    _, model = make_models()
-    opt = make_optimizer("adamw", model.parameters())
-    model, opt = mp_transform(3, torch.float16)(model, opt)
+    model, opt = build_parity(3, "adamw", zf.mixed_precision(torch.float16))
     before = zf.get_state_dict(model, opt, full=True)[0]
     scales = []
     for micro in batches(8, 1, world):

@@ -22,7 +22,8 @@ import torch.distributed as dist
 import zerofn as zf
 import zerofn.pretrained as pretrained
 from support.compare import worst
-from support.loops import STAGES, train_sharded, zero
+from support.errors import expect_error
+from support.loops import train_sharded, zero
 from support.memory import WIDTH, Stack, peak_rise_over
 from support.models import ParityGPT, batches, make_models, make_optimizer
 from support.ranks import run_ranks
@@ -56,8 +57,7 @@ def llama(seed: int, tie: bool = True, meta: bool = False):
 
 def zero_transform(stage: int, bf16=False, offload=None, path=None, init=None):
     """``init``: how the transforms initialize a meta-built model (a shared option)."""
-    parts = [getattr(zf, name)() for name in STAGES[stage][1:]]
-    parts.insert(0, getattr(zf, STAGES[stage][0])(**({"init": init} if init else {})))
+    parts = [zero(stage, **({"init": init} if init else {}))]
     if bf16:
         parts.append(zf.mixed_precision(torch.bfloat16))
     if offload == "cpu":
@@ -247,14 +247,6 @@ class BrokenConfig:
         raise OSError("disk full")
 
 
-def expect_raises(error, fn, *args, **kw) -> str:
-    try:
-        fn(*args, **kw)
-    except error as e:
-        return str(e)
-    raise AssertionError(f"{fn.__name__} did not raise {error.__name__}")
-
-
 def plain_files(rank, world, root):
     """ParityGPT (an integer buffer, a frozen and a tied parameter, a 3-row parameter)
     through a consolidated checkpoint, errors, rename and a failing save."""
@@ -299,12 +291,12 @@ def plain_files(rank, world, root):
         save_file({("net." + k): v for k, v in sd.items()}, other)
     dist.barrier()
     strip = {("net." + k): k for k in want}
-    out["strict"] = expect_raises(ValueError, zf.load_pretrained, fresh, other, rename=strip)
-    out["lenient"] = expect_raises(ValueError, zf.load_pretrained, fresh, other, rename=strip,
-                                   strict=False)
-    out["no_rename"] = expect_raises(ValueError, zf.load_pretrained, fresh, saved,
-                                     rename=lambda k: "x." + k)
-    out["absent"] = expect_raises(ValueError, zf.load_pretrained, fresh, os.path.join(root, "no"))
+    out["strict"] = expect_error((), zf.load_pretrained, fresh, other, rename=strip)
+    out["lenient"] = expect_error((), zf.load_pretrained, fresh, other, rename=strip,
+                                  strict=False)
+    out["no_rename"] = expect_error((), zf.load_pretrained, fresh, saved,
+                                    rename=lambda k: "x." + k)
+    out["absent"] = expect_error((), zf.load_pretrained, fresh, os.path.join(root, "no"))
     skip_wrong = {**strip, "net.blocks.0.fc.weight": None}
     lenient = zf.load_pretrained(fresh, other, rename=lambda k: skip_wrong.get(k, k),
                                  strict=False)
@@ -313,7 +305,7 @@ def plain_files(rank, world, root):
     # a save that fails at the end leaves the old directory as it was, on every rank
     model.config = BrokenConfig()
     before = sorted(os.listdir(saved))
-    out["broken"] = expect_raises(OSError, zf.save_pretrained, model, saved)
+    out["broken"] = expect_error((), zf.save_pretrained, model, saved, error=OSError)
     out["intact"] = (sorted(os.listdir(saved)), before)
     out["tmp_gone"] = not any(n.startswith(".saved") for n in os.listdir(root))
     del model.config

@@ -13,7 +13,7 @@ import zerofn as zf
 import zerofn.runtime.comm as comm_module
 from support.compare import TOL, max_errors
 from support.experts import EXPERT_CONFIGS, HSDP, expert_runs
-from support.loops import STAGES, train_reference, train_sharded
+from support.loops import build_parity, train_reference, train_sharded, zero
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
 from zerofn.runtime.comm import Comm
@@ -88,7 +88,7 @@ def averaging_runs(rank, world):
         ref, model = make_models()
         ref_opt = make_optimizer("adamw", ref.parameters())
         opt = make_optimizer("adamw", model.parameters())
-        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]))(model, opt)
+        model, opt = zero(stage)(model, opt)
         comm = runtime_of(model).comm
         comm.averages, comm._in_place = True, False     # as on NCCL
         data = batches(3, 2, world)
@@ -115,10 +115,7 @@ def lent_shard_runs(rank, world):
     zero_grad, and are the pool's buffers; the pool stops growing."""
     out = {}
     for stage in (2, 3):
-        _, model = make_models()
-        opt = make_optimizer("adamw", model.parameters())
-        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]),
-                                zf.offload("cpu"))(model, opt)
+        model, opt = build_parity(stage, "adamw", zf.offload("cpu"))
         rt = runtime_of(model)
         pool_bytes, lent = [], []
         for micro in batches(4, 2, world):
@@ -215,7 +212,7 @@ def gated_runs(rank, world):
         model.load_state_dict(ref.state_dict())
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]))(model, opt)
+        model, opt = zero(stage)(model, opt)
         g = torch.Generator().manual_seed(1)
         for ungated in UNGATED:
             xs = torch.randn(2 * world, 8, generator=g).chunk(world)
@@ -278,7 +275,7 @@ def in_place_runs(rank, world):
     for stage in (2, 3):
         model = DoublesNet()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]))(model, opt)
+        model, opt = zero(stage)(model, opt)
         try:
             model(torch.randn(2, 4)).backward()
             out[stage] = None

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
+from support.plans import plan_of
 from support.ranks import run_ranks
 from support.tensorboard_runs import CONFIG, build, read, scalars, text, train_step
 from zerofn.deepspeed.config import DeepSpeedConfigWarning
-from zerofn.plan import Plan
 
 
 # -- what is written ------------------------------------------------------------------------
@@ -216,13 +216,6 @@ def test_bad_options_and_values_are_refused(tmp_path):
             zf.tensorboard("logs", **bad)
     with pytest.raises(ValueError, match="shards nothing by itself"):
         build([zf.tensorboard("logs")])
-
-
-def plan_of(transform) -> Plan:
-    plan = Plan()
-    for edit in transform._edits:
-        plan = edit(plan)
-    return plan
 
 
 def test_deepspeed_monitoring_sections_become_tensorboard():

@@ -40,8 +40,19 @@ def max_errors(ref, ref_opt, model, opt) -> tuple[float, float]:
     return p_err, s_err
 
 
+def state_errors(a, b) -> tuple[float, float]:
+    """Largest differences of params and of optimizer state (its tensors, not the step
+    counters) between two full (model, optimizer) state dicts, compared in fp32."""
+    p_err = max(worst(a[0][k].float() - b[0][k].float()) for k in a[0])
+    s_err = max(worst(v.float() - b[1]["state"][f][k].float())
+                for f, st in a[1]["state"].items() for k, v in st.items()
+                if torch.is_tensor(v) and v.dim())
+    return p_err, s_err
+
+
 def max_error(a, b) -> float:
-    """Largest difference between two full (model, optimizer) states of the same layout."""
+    """Largest difference between two full (model, optimizer) states of the same layout,
+    step counters included."""
     (ma, oa), (mb, ob) = a, b
     assert ma.keys() == mb.keys() and oa["state"].keys() == ob["state"].keys()
     err = max(worst(ma[k] - mb[k]) for k in ma)

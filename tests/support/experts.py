@@ -13,7 +13,7 @@ import zerofn as zf
 from zerofn.runtime.runtime import runtime_of
 
 from .compare import max_errors
-from .loops import STAGES
+from .loops import zero
 from .offload import offload_transform
 
 
@@ -101,7 +101,7 @@ def expert_runs(rank, world, names, device="cpu", path=None):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         mesh = None if name not in HSDP else init_device_mesh(
             device, HSDP[name], mesh_dim_names=("replicate", "shard"))
-        edits = [getattr(zf, n)() for n in STAGES[stage][1:]] + [zf.shard_optimizer(group=mesh)]
+        edits = [zero(stage, group=mesh)]
         if offload:
             edits.append(offload_transform(dict(offload, path=path)))
         model, opt = zf.compose(*edits)(model, opt)

@@ -96,9 +96,10 @@ def adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 
 
-def reference(name: str, data) -> dict:
-    """The state dict after plain single-process training on the global batches ``data``."""
-    model = build(name)
+def reference(name: str, data, device: str = "cpu") -> dict:
+    """The state dict after plain single-process training on the global batches ``data``,
+    on ``device``."""
+    model = build(name).to(device)
     opt = adamw(model)
     for ids, mask, labels in data:
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()

@@ -8,16 +8,26 @@ import torch
 
 import zerofn as zf
 
-from .models import batches
+from .models import batches, make_models, make_optimizer
 
 STAGES = {1: ("shard_optimizer",), 2: ("shard_optimizer", "shard_grads"),
           3: ("shard_optimizer", "shard_grads", "shard_params")}
 
 
 def zero(stage: int, **options) -> zf.Transform:
-    """ZeRO-``stage`` as one transform; ``options`` go to its last transform."""
+    """ZeRO-``stage`` as one transform; ``options`` go to its last transform (the options
+    of a composition merge into one plan, so the shared ones may go there as well)."""
     *first, last = STAGES[stage]
     return zf.compose(*(getattr(zf, name)() for name in first), getattr(zf, last)(**options))
+
+
+def build_parity(stage: int, kind: str = "adamw", *extra, seed: int = 0,
+                 checkpoint: bool = False, frozen: bool = True, **options):
+    """The parity model (the second of ``make_models(seed)``) and its ``kind`` optimizer
+    under ``zero(stage, **options)`` composed with the ``extra`` transforms."""
+    _, model = make_models(seed=seed, checkpoint=checkpoint, frozen=frozen)
+    opt = make_optimizer(kind, model.parameters())
+    return zf.compose(zero(stage, **options), *extra)(model, opt)
 
 
 def train_reference(ref, opt, data, clip=None):

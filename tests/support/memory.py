@@ -21,11 +21,19 @@ class Stack(nn.Module):
         return x.square().mean()
 
 
-def rss_bytes(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
+def status_bytes(field: str) -> int:
+    """A size /proc/self/status reports for this process (VmRSS, VmHWM, VmData...)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
     raise KeyError(field)
+
+
+def reset_peak() -> None:
+    """The process's peak resident memory (VmHWM) starts again from its current use."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def stack_trainer(*transforms):
@@ -49,9 +57,8 @@ def stack_trainer(*transforms):
 def peak_rise_over(step, times: int) -> int:
     """How far the process's peak resident memory rises above its current use while
     ``step`` runs ``times`` times."""
-    with open("/proc/self/clear_refs", "w") as f:   # reset the peak (VmHWM) to now
-        f.write("5")
-    before = rss_bytes("VmRSS")
+    reset_peak()
+    before = status_bytes("VmRSS")
     for _ in range(times):
         step()
-    return rss_bytes("VmHWM") - before
+    return status_bytes("VmHWM") - before

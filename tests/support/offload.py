@@ -6,8 +6,7 @@ from __future__ import annotations
 import zerofn as zf
 from zerofn.runtime.runtime import runtime_of
 
-from .loops import STAGES
-from .models import make_models, make_optimizer
+from .loops import build_parity
 
 
 def offload_transform(opts: dict):
@@ -20,14 +19,13 @@ def offload_transform(opts: dict):
     return zf.offload("cpu", **opts)
 
 
-def build_offloaded(stage, kind, offload=None, precision=None):
+def build_offloaded(stage: int, kind: str = "adamw", offload: dict | None = None,
+                    precision=None, checkpoint: bool = False):
     """The parity model under ZeRO-``stage`` with ``offload`` (offload_transform's options;
     None: none) and ``precision`` (mixed_precision's compute dtype; None: fp32)."""
-    _, model = make_models()
-    opt = make_optimizer(kind, model.parameters())
     extra = ([offload_transform(offload)] if offload is not None else []) + \
         ([zf.mixed_precision(precision)] if precision else [])
-    return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), *extra)(model, opt)
+    return build_parity(stage, kind, *extra, checkpoint=checkpoint)
 
 
 def sharded_state_locals(model, opt) -> dict[str, tuple[str, bool]]:
