@@ -11,6 +11,8 @@ from support.loops import step_once, zero
 from support.models import make_models, make_optimizer
 from support.ranks import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 
 def memory_at(rank, world):
     return {stage: memory_of_stage(rank, world, stage) for stage in (1, 2, 3)}

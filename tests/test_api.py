@@ -38,6 +38,7 @@ def one_at_a_time(rank, world):
     return results
 
 
+@pytest.mark.multirank
 def test_transforms_compose_one_at_a_time():
     for errs in run_ranks(2, one_at_a_time):
         for p_err, s_err in errs:
@@ -51,6 +52,7 @@ def shard_grads_alone(rank, world):
     return model._zerofn.stage
 
 
+@pytest.mark.multirank
 def test_shard_grads_implies_shard_optimizer():
     assert run_ranks(1, shard_grads_alone) == [2]
 
@@ -64,6 +66,7 @@ def applied_twice(rank, world):
     return True
 
 
+@pytest.mark.multirank
 def test_transform_applied_twice_is_an_error():
     run_ranks(1, applied_twice)
 
@@ -92,6 +95,7 @@ def disagreeing(rank, world, what):
     return error_of(t, model, opt)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("what,message", [("model", "disagree"), ("plan", "prefetch"),
                                           ("optimizer", "not a parameter of the model")])
 def test_ranks_that_disagree_all_raise(what, message):
@@ -116,6 +120,7 @@ def full_params_only_while_running(rank, world):
     return True
 
 
+@pytest.mark.multirank
 def test_zero3_full_params_exist_only_while_unit_runs():
     run_ranks(2, full_params_only_while_running)
 
@@ -150,6 +155,7 @@ def misaligned(rank, world, path):
     return out
 
 
+@pytest.mark.multirank
 def test_zero3_parameters_and_shards_are_16_byte_aligned(tmp_path):
     for rank_result in run_ranks(2, misaligned, str(tmp_path)):
         for precision, offload, bad, seen in rank_result:
@@ -178,6 +184,7 @@ def sequential_vs_compose(rank, world, root):
     return max(worst(results[0][k] - results[1][k]) for k in results[0])
 
 
+@pytest.mark.multirank
 def test_precision_and_offload_compose_one_at_a_time(tmp_path):
     assert run_ranks(2, sequential_vs_compose, str(tmp_path)) == [0.0, 0.0]
 
@@ -198,6 +205,7 @@ def step_and_gather_order(rank, world, stage):
     return events
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero12_gather_each_unit_while_the_next_steps(stage):
     """ZeRO-1/2 step the optimizer one unit at a time and launch that unit's all-gather
@@ -226,6 +234,7 @@ def dropped_models_are_freed(rank, world, path):
     return alive
 
 
+@pytest.mark.multirank
 def test_a_dropped_model_frees_its_memory(tmp_path):
     """Gradient hooks live in C++, out of the collector's sight: one holding the runtime
     kept every model, its device memory and its pinned arenas, for the process's life."""
@@ -249,6 +258,7 @@ def forward_graphs_are_freed(rank, world):
     return [r() is not None for r in saved]
 
 
+@pytest.mark.multirank
 def test_a_forward_backward_never_reaches_frees_its_graph_under_zero3():
     """A saved-tensor hook that kept the tensors as given made each such forward's graph a
     cycle through C++: never freed, and, counted as a forward whose backward was still to

@@ -32,6 +32,8 @@ from zerofn.checkpoint import RNGState, load_checkpoint, save_checkpoint, wait_f
 from zerofn.consolidate import main
 from zerofn.nanogpt import GPT, GPTConfig
 
+pytestmark = pytest.mark.multirank
+
 ROWS = 4            # global batch rows, the same at every world size
 LATER = 2           # steps trained after a load
 FRESH = 7           # the seed of a model a checkpoint loads into: other weights than saved

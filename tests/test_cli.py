@@ -144,6 +144,7 @@ def measure(rank, world, configs):
     return out
 
 
+@pytest.mark.multirank
 def test_estimate_placement_matches_what_zerofn_holds():
     for (config, held, est, slack) in run_ranks(2, measure, CONFIGS, timeout=300)[0]:
         measured = {("device" if place == "cpu" else place): roles for place, roles in
@@ -156,6 +157,7 @@ def test_estimate_placement_matches_what_zerofn_holds():
 
 
 # -- convert and consolidate ---------------------------------------------------------------
+@pytest.mark.deepspeed
 def test_convert_deepspeed_and_consolidate_are_reachable(tmp_path, capsys):
     source = os.path.join(HERE, "data", "deepspeed_checkpoints", "zero1_fp32_w1", "checkpoint")
     out = tmp_path / "converted"

@@ -14,6 +14,8 @@ from support.loops import zero
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 CLIP = 0.05
 CONFIGS = [(2, "sgd", None), (2, "sgd", {}), (3, "adamw", {"params": True})]
 

@@ -20,6 +20,8 @@ from support.loops import train_sharded, zero
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 # (stage, accumulation, what is compiled, extras: transforms, or activation checkpointing)
 CONFIGS = [(1, 1, "model", ()), (2, 2, "model", ()), (3, 2, "model", ("checkpoint",)),
            (3, 1, "blocks", ()), (3, 1, "model", ("bf16", "offload", "tensorboard"))]
@@ -84,6 +86,7 @@ def hugging_face(rank, world, name: str):
     return max(worst(compiled[k] - v) for k, v in eager.items()), graphs
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_compiled_hugging_face_models_train_as_eager_ones(name):
     pytest.importorskip("transformers")

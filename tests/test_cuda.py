@@ -22,7 +22,7 @@ from support.ranks import run_ranks
 from support.step_vote import vote
 from zerofn.runtime.runtime import runtime_of
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.cuda
 
 # (stage, offload options, compute dtype): every way offload touches the device.
 OFFLOADS = [(1, {}, None), (2, {}, torch.bfloat16), (3, {}, torch.bfloat16),
@@ -71,6 +71,7 @@ def locked(t: torch.Tensor) -> tuple[bool, bool]:
     return pinned.page_locked(t), t.is_pinned()
 
 
+@pytest.mark.multirank
 def test_offload_arenas_are_pinned_at_their_exact_size(tmp_path):
     for config, (locks, count, registered, arena_bytes) in zip(
             OFFLOADS, run_ranks(1, pinned_runs, str(tmp_path))[0]):
@@ -104,6 +105,7 @@ def sync_runs(rank, world, path):
     return out
 
 
+@pytest.mark.multirank
 def test_forward_and_backward_never_wait_for_the_device(tmp_path):
     """Items 4 and 6 of issue 13: offloaded shards go up, gradient shards come down and
     reductions finish without the host waiting; the step waits only where it must read
@@ -133,6 +135,7 @@ def staging_runs(rank, world, root):
     return locked(staging), reused, same
 
 
+@pytest.mark.multirank
 def test_async_checkpoints_stage_device_tensors_through_one_pinned_buffer(tmp_path):
     lock, reused, same = run_ranks(1, staging_runs, str(tmp_path))[0]
     assert all(lock) and reused and same, (lock, reused, same)
@@ -149,6 +152,7 @@ def host_state_runs(rank, world, path):
     return out
 
 
+@pytest.mark.multirank
 def test_sharded_state_dicts_under_offload_keep_their_shards_on_the_host(tmp_path):
     """DTensor.from_local would move a host shard onto the CUDA mesh's device: 12 B a
     parameter copied to the GPU for a state dict, exactly where offload is used."""
@@ -189,6 +193,8 @@ def moe_runs(rank, world):
     return hf.max_err(msd, want), getattr(model.config, "_experts_implementation", None)
 
 
+@pytest.mark.hf
+@pytest.mark.multirank
 def test_hugging_face_mixture_of_experts_trains_under_zero3():
     """CUDA's grouped GEMM, which transformers runs the experts with, refuses a weight at
     an address not a multiple of 16 bytes ([Note: aligned slots]): the q/k norms of 6
@@ -199,6 +205,7 @@ def test_hugging_face_mixture_of_experts_trains_under_zero3():
     assert err < TOL_BF16_VS_FP32, (err, experts)
 
 
+@pytest.mark.multirank
 def test_experts_some_ranks_leave_out_reduce_when_their_units_backward_is_done():
     """grads.py's [Note: a unit's backward is done] where the reductions run on a side
     stream: experts that sit out on one rank, ZeRO-3 with and without parameter offload,
@@ -232,6 +239,7 @@ def inductor_runs(rank, world, path):
     return out
 
 
+@pytest.mark.multirank
 def test_inductor_compiled_models_train_as_eager_ones(tmp_path):
     """tests/test_compile.py holds every stage to the uncompiled run exactly under
     aot_eager; here inductor's fused bf16 kernels round differently, so losses (in bf16,

@@ -18,6 +18,8 @@ from support.plans import plan_of
 from zerofn.deepspeed import DeepSpeedConfigWarning, checkpointing, from_deepspeed_config
 from zerofn.deepspeed.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
+pytestmark = pytest.mark.deepspeed
+
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspeed")
 BATCH = {"train_micro_batch_size_per_gpu": 2}
 

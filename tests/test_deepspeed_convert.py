@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
+from support import SLOW
 from support.compare import worst
 from support.errors import expect_error
 from support.loops import zero
@@ -26,6 +27,8 @@ from support.ranks import run_ranks
 from zerofn.deepspeed import convert as convert_module
 from zerofn.deepspeed.convert import convert, main, read_checkpoint
 from zerofn.runtime.optimizer import SCALER_KEY
+
+pytestmark = pytest.mark.deepspeed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "data", "deepspeed_checkpoints")
@@ -56,7 +59,6 @@ LOSS_TOL = {"fp32": 1e-5, "bf16": 2 * 2 ** -6, "fp16": 2 * 2 ** -9}
 SAME_WORLD_LOSS_TOL = 1e-5
 MASTER_TOL = {"fp32": 1e-6, "bf16": 2e-4, "fp16": 2e-4}
 EXTRAS = ("epoch", "samples_seen", "deepspeed")
-SLOW = os.environ.get("ZEROFN_SLOW") == "1"
 
 
 def checkpoint_dir(name: str) -> str:
@@ -208,6 +210,7 @@ def matrix(world: int) -> list[tuple[str, int, bool]]:
             for i, name in enumerate(CASES)]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
 def test_next_step_losses_equal_deepspeeds(converted, world):
     runs = [run(converted, *spec) for spec in matrix(world)]
@@ -216,6 +219,7 @@ def test_next_step_losses_equal_deepspeeds(converted, world):
     check_losses(runs, results[0], world)
 
 
+@pytest.mark.multirank
 def test_next_step_losses_at_world_4(converted):
     runs = [run(converted, "zero3_fp32_w3", 3, False)]
     check_losses(runs, run_ranks(4, continue_training, runs)[0], 4)

@@ -16,6 +16,8 @@ from support.ranks import run_ranks
 from zerofn.deepspeed.utils import leaf_units
 from zerofn.runtime.runtime import runtime_of
 
+pytestmark = pytest.mark.deepspeed
+
 
 class Layer(torch.nn.Module):
     """A transformer layer's shape: a dense part, then a mixture of experts."""
@@ -136,6 +138,7 @@ def leaf_engine_runs(rank, world):
     return units, max_errors(ref, ref_opt, engine.module, opt)
 
 
+@pytest.mark.multirank
 def test_a_mixture_with_its_blocks_marked_leaves_trains_through_initialize():
     for units, (p_err, s_err) in run_ranks(2, leaf_engine_runs):
         assert units == ["layers.0", "layers.0.moe", "layers.1", "layers.1.moe", "layers.2",

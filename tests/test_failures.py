@@ -124,10 +124,12 @@ def run_fault(stage: int, kind: str, phase: str, timeout: float = 60, bound: flo
     return message, when - last_step, other
 
 
-SLOW = os.environ.get("ZEROFN_SLOW") == "1"
+MORE = pytest.mark.slow(reason="the same failure at more stages and phases")
 
 
-@pytest.mark.parametrize("stage,phase", [(3, "forward")] + [(1, "step"), (2, "forward")] * SLOW)
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage,phase", [(3, "forward"), pytest.param(1, "step", marks=MORE),
+                                         pytest.param(2, "forward", marks=MORE)])
 def test_a_raise_is_named_by_every_other_rank(stage, phase):
     message, seconds, other = run_fault(stage, "raise", phase)
     print(f"\n[raise in {phase}, ZeRO-{stage}] rank 0 stopped {seconds:.2f} s after its last "
@@ -141,6 +143,7 @@ def test_a_raise_is_named_by_every_other_rank(stage, phase):
         f"{FAULT_STEP}" in tb
 
 
+@pytest.mark.multirank
 def test_a_raise_in_user_backward_code_is_named_by_every_other_rank():
     """A job's own loop under torchrun: an exception from the model's own backward code
     passes no zerofn hook, so zerofn records it as it ends the process (sys.excepthook);
@@ -157,7 +160,9 @@ def test_a_raise_in_user_backward_code_is_named_by_every_other_rank():
     assert "zerofn: rank 1 raised this in backward of step 2" in out, out
 
 
-@pytest.mark.parametrize("stage,phase", [(3, "backward")] + [(2, "forward"), (1, "step")] * SLOW)
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage,phase", [(3, "backward"), pytest.param(2, "forward", marks=MORE),
+                                         pytest.param(1, "step", marks=MORE)])
 def test_a_killed_rank_is_named_gone(stage, phase):
     message, seconds, _ = run_fault(stage, "kill", phase)
     print(f"\n[SIGKILL in {phase}, ZeRO-{stage}] rank 0 stopped {seconds:.2f} s after its "
@@ -167,6 +172,7 @@ def test_a_killed_rank_is_named_gone(stage, phase):
            f"{FAULT_STEP}" in message
 
 
+@pytest.mark.multirank
 def test_a_stalled_rank_is_named_after_the_timeout():
     message, seconds, _ = run_fault(3, "stall", "forward", timeout=4)
     print(f"\n[stall in forward, ZeRO-3, timeout=4] rank 0 stopped {seconds:.2f} s after its "
@@ -212,6 +218,7 @@ def _full_drive(rank, world, path):
     return out
 
 
+@pytest.mark.multirank
 def test_a_full_drive_during_a_swap_write_is_named(tmp_path):
     from support.ranks import run_ranks
     got = run_ranks(1, _full_drive, str(tmp_path), timeout=120)[0]
@@ -223,6 +230,7 @@ def test_a_full_drive_during_a_swap_write_is_named(tmp_path):
     assert "only 4,096 bytes went through" in got["short"][1]
 
 
+@pytest.mark.multirank
 def test_zerofn_train_with_a_stalled_rank_ends_and_leaves_nothing_running(tmp_path):
     """The main job under torchrun: rank 1 stalls in step 3's forward; rank 0 stops at
     --timeout with the error naming it, torchrun ends rank 1 and exits non-zero."""
@@ -238,6 +246,7 @@ def test_zerofn_train_with_a_stalled_rank_ends_and_leaves_nothing_running(tmp_pa
     assert not survivors(save_dir)
 
 
+@pytest.mark.multirank
 def test_zerofn_train_prints_a_value_error_raised_on_one_rank_only(tmp_path):
     """zerofn train prints a ValueError every rank raised once, from rank 0; one that only
     rank 1 raised is printed by rank 1, not lost."""
@@ -250,7 +259,9 @@ def test_zerofn_train_prints_a_value_error_raised_on_one_rank_only(tmp_path):
     assert not survivors(save_dir)
 
 
-@pytest.mark.parametrize("kind", ["stall"] + ["kill"] * SLOW)
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["stall", pytest.param("kill", marks=pytest.mark.slow(
+    reason="a killed rank in a save as well as a stalled one"))])
 def test_a_rank_failing_in_a_checkpoint_save_is_named(kind):
     message, seconds, _ = run_fault(1, kind, "save", timeout=4)
     print(f"\n[{kind} in checkpoint save, ZeRO-1] rank 0 stopped {seconds:.2f} s after its "

@@ -9,6 +9,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
+import pytest
+
 import zerofn as zf
 from support.compare import TOL, assert_same_state, max_error
 from support.fsdp2 import fsdp2_full, fsdp2_parity
@@ -16,6 +18,8 @@ from support.loops import build_parity, train_sharded
 from support.models import batches
 from support.ranks import run_ranks
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
+
+pytestmark = pytest.mark.multirank
 
 STEPS = 3
 

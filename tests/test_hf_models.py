@@ -24,6 +24,8 @@ transformers = pytest.importorskip("transformers")
 from support.hf_models import (MODELS, PAD, adamw, build, global_batches,  # noqa: E402
                                max_err, reference, train)
 
+pytestmark = pytest.mark.hf
+
 
 def fsdp2_bf16(name: str, data, rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
@@ -60,6 +62,7 @@ def every_config(rank, world):
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
 def test_hf_models_follow_plain_pytorch(world):
     for rank, results in enumerate(run_ranks(world, every_config, timeout=400)):

@@ -28,7 +28,8 @@ from support.ranks import run_ranks
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
 from zerofn.runtime.runtime import runtime_of
 
-SLOW = os.environ.get("ZEROFN_SLOW") == "1"
+pytestmark = pytest.mark.multirank
+
 STEPS = 3
 NAMES = ("replicate", "shard")
 # (stage, accumulation, transform options, extra transforms, train_sharded options)
@@ -313,6 +314,6 @@ def hsdp_2x4(rank, world, root):
     return parity(rank, world, mesh_2d((2, 4)), root)
 
 
-@pytest.mark.skipif(not SLOW, reason="eight processes on this machine: ZEROFN_SLOW=1")
+@pytest.mark.slow(reason="eight processes on this machine")
 def test_hsdp_2x4_parity(tmp_path):
     check_parity(run_ranks(8, hsdp_2x4, str(tmp_path), timeout=900))

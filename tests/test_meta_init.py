@@ -157,6 +157,7 @@ CONFIGS = [(1, "fn", ""), (2, "fn", ""), (3, "fn", ""), (3, "reset", ""), (1, "r
            (2, "fn", "bf16"), (3, "reset", "bf16+cpu"), (2, "reset", "cpu")]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
 def test_meta_equals_eager_bit_for_bit(world):
     for rank_results in run_ranks(world, meta_vs_eager, CONFIGS, timeout=300):
@@ -208,6 +209,7 @@ def _raising_init(m):
     ("raising init", "broken init"),
     ("seeds differ", "random generators differ"),
 ])
+@pytest.mark.multirank
 def test_what_init_misses_is_an_error_on_every_rank(case, expected):
     for result in run_ranks(2, failures, case):
         assert result is not None, f"{case}: no error"
@@ -224,6 +226,7 @@ def mixed(rank, world):
         transform(2, None)(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+@pytest.mark.multirank
 def test_mixed_meta_and_real_parameters_are_refused():
     run_ranks(2, mixed)
 
@@ -253,6 +256,8 @@ def hf_meta_vs_eager(rank, world, kind):
     return diff, buffers, logits_equal
 
 
+@pytest.mark.hf
+@pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_hugging_face_meta_init_with_init_weights(kind):
     pytest.importorskip("transformers")
@@ -281,6 +286,7 @@ def setup_peak(rank, world, cfg_kwargs):
     return rise, share, largest, sum(p.numel() for p in model.parameters()) * 4
 
 
+@pytest.mark.multirank
 def test_setup_peak_is_the_share_plus_a_unit_not_the_model():
     cfg = dict(vocab=256, width=1024, heads=8, ffn=4096, layers=8, context=64)
     assert GPTConfig(**cfg).params() >= 100_000_000
@@ -338,6 +344,7 @@ def _train_two_steps(cfg, rank, world, eager_build):
     return losses
 
 
+@pytest.mark.multirank
 def test_a_model_larger_than_the_memory_cap_trains_at_world_4(monkeypatch):
     """glibc's mmap threshold is pinned low in the ranks (as a memory-capped deployment
     would, or with another allocator): its default raises the threshold as blocks are freed,

@@ -14,6 +14,8 @@ from support.errors import error_of
 from support.jobs import finish, free_port, losses, survivors, torchrun, uninterrupted
 from support.ranks import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 
 def _two_nodes(flags: list[str], fault: str | None = None):
     port, run_id = free_port(), uuid.uuid4().hex[:8]
@@ -35,8 +37,7 @@ def test_two_nodes_train_like_one(tmp_path):
     assert not survivors(save_dir)
 
 
-@pytest.mark.skipif(os.environ.get("ZEROFN_SLOW") != "1", reason="ZEROFN_SLOW=1: "
-                    "test_failures.py covers RankFailure in zerofn train on one node")
+@pytest.mark.slow(reason="test_failures.py covers RankFailure in zerofn train on one node")
 def test_a_raise_on_one_node_stops_the_other(tmp_path):
     save_dir = str(tmp_path / "raise")
     results = _two_nodes(["--save-dir", save_dir, "--timeout", "30"], "raise:step:3:1")

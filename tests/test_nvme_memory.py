@@ -2,11 +2,14 @@
 staging ring, by zerofn's accounting and by the process's peak resident memory."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import zerofn as zf
 from support.memory import WIDTH, peak_rise_over, stack_trainer
 from support.ranks import run_ranks
+
+pytestmark = pytest.mark.multirank
 
 
 def train_big(rank, world, path):

@@ -16,6 +16,8 @@ from support.models import batches, make_models, make_optimizer
 from support.offload import build_offloaded
 from support.ranks import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 CONFIGS = [({}, None, False), ({"units_in_flight": 1}, None, False), ({}, None, True),
            ({}, torch.bfloat16, False)]
 

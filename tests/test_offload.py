@@ -43,6 +43,7 @@ def offload_runs(rank, world, path):
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
 def test_offload_matches_the_run_without_it(world, tmp_path):
     """cpu and nvme, every stage: equal to the run without offload (CPU Adam vs torch)."""
@@ -63,6 +64,7 @@ def offload_vs_pytorch(rank, world):
     return max_errors(ref, ref_opt, model, opt)
 
 
+@pytest.mark.multirank
 def test_offload_matches_plain_pytorch():
     for p_err, s_err in run_ranks(2, offload_vs_pytorch):
         assert p_err < 1e-5 and s_err < 1e-5
@@ -101,6 +103,7 @@ def unit_layout(model) -> tuple[list[str], list[str]]:
             [u.name for u in sharded if any(p in persistent for p in u.module.parameters())])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_parameter_offload_with_persistent_parameters_matches_plain_pytorch(world, tmp_path):
     for rank_out in run_ranks(world, persistent_offload_runs, str(tmp_path), timeout=300):
@@ -122,6 +125,7 @@ def where_state_lives(rank, world, path):
     return out
 
 
+@pytest.mark.multirank
 def test_device_holds_no_optimizer_state_under_offload(tmp_path):
     for by_config in run_ranks(2, where_state_lives, str(tmp_path)):
         for (stage, opts), mem in by_config.items():
@@ -142,6 +146,7 @@ def nvme_fault(rank, world, path):
     return error_of(build_parity, 1, "adamw", zf.offload("nvme", path=path))
 
 
+@pytest.mark.multirank
 def test_nvme_path_faults_fail_at_set_up_on_every_rank(tmp_path):
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("")
@@ -160,6 +165,7 @@ def test_nvme_too_small_drive_is_named():
         "/tmp", 1, make_optimizer("sgd", model.parameters()))[0]
 
 
+@pytest.mark.multirank
 def test_swap_files_of_a_killed_run_do_not_break_the_next(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -200,6 +206,7 @@ def offload_state_dicts(rank, world, path):
     return errs
 
 
+@pytest.mark.multirank
 def test_state_dicts_move_between_offload_modes(tmp_path):
     for errs in run_ranks(2, offload_state_dicts, str(tmp_path)):
         assert errs[0] < 1e-6 and errs[1] < 1e-6, errs
@@ -224,6 +231,7 @@ def bf16_offload_runs(rank, world, path):
     return out
 
 
+@pytest.mark.multirank
 def test_bf16_offload_follows_bf16_without_offload(tmp_path):
     for by_stage in run_ranks(2, bf16_offload_runs, str(tmp_path)):
         for config, err in by_stage.items():
@@ -239,6 +247,7 @@ def state_locals_runs(rank, world):
     return out
 
 
+@pytest.mark.multirank
 def test_sharded_state_dicts_under_offload_are_views_of_the_host_arenas():
     """Sharded state dicts hand out the host rows themselves (DCP saves and loads through
     them): no copy, and on a GPU no copy to the device (tests/test_cuda.py)."""

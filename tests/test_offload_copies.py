@@ -25,6 +25,8 @@ from zerofn.runtime.copies import CopyStreams
 from zerofn.runtime.pinned import page_locked
 from zerofn.runtime.runtime import runtime_of
 
+pytestmark = pytest.mark.multirank
+
 ACCUM, STEPS, CLIP = 3, 4, 0.05
 # (stage, optimizer, offload options, compute dtype)
 CONFIGS = [(1, "adamw", {}, None), (2, "adamw", {}, None), (3, "adamw", {}, None),
@@ -319,7 +321,7 @@ def device_facing(rt) -> list[torch.Tensor]:
     return list(store.grads.values()) + [store.compute_rows(u) for u in rt.units]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("sleepy", [False, True])
 def test_cuda_copy_streams_train_like_blocking_copies(monkeypatch, tmp_path, sleepy):
     """Bit for bit, in every offload configuration; with every copy and collective held

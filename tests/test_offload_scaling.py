@@ -5,6 +5,7 @@ deferred scaling]). Training equals the same run without offload, and an overflo
 rank still skips the step on all."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import zerofn as zf
@@ -13,6 +14,8 @@ from support.loops import build_parity, train_sharded
 from support.models import batches
 from support.ranks import run_ranks
 from zerofn.runtime.runtime import runtime_of
+
+pytestmark = pytest.mark.multirank
 
 CLIP = 0.05
 

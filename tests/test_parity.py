@@ -50,6 +50,7 @@ EXTRA = [
 ]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_parity_matrix(world):
     """stage x optimizer x accumulation, plus checkpointing, clipping, no_sync, param groups."""

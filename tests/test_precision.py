@@ -45,6 +45,7 @@ def bf16_runs(rank, world):
     return out
 
 
+@pytest.mark.multirank
 def test_bf16_follows_fp32_and_matches_fsdp2():
     for by_stage in run_ranks(2, bf16_runs, timeout=400):
         for stage, (vs_fp32, vs_fsdp2) in by_stage.items():
@@ -74,6 +75,7 @@ def overflow_on_one_rank(rank, world):
     return out
 
 
+@pytest.mark.multirank
 def test_overflow_skips_the_step_on_every_rank():
     for by_stage in run_ranks(2, overflow_on_one_rank):
         for stage, (same, scale, moved) in by_stage.items():
@@ -125,6 +127,7 @@ def bf16_bytes(rank, world):
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
 def test_bf16_model_state_bytes_match_formulas(world):
     """2Ψ params, 2Ψ grads, 12Ψ master + Adam state, divided by N where the stage shards."""
@@ -173,6 +176,7 @@ def scaler_through_checkpoint(rank, world, path):
     return same, saved, fresh_opt.state_dict()["zerofn_loss_scaler"]
 
 
+@pytest.mark.multirank
 def test_loss_scale_and_offloaded_state_survive_a_checkpoint(tmp_path):
     for same, saved, loaded in run_ranks(2, scaler_through_checkpoint, str(tmp_path)):
         assert same
@@ -192,6 +196,7 @@ def fp16_defaults(rank, world):
     return scales, any(not torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.multirank
 def test_fp16_default_scale_backs_off_then_trains():
     results = run_ranks(2, fp16_defaults)
     assert results[0] == results[1]

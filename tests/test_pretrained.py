@@ -221,6 +221,8 @@ def check_saved(out: str, shard_size: str, dtype, trained: dict, logits, bf16: b
         assert err <= LOGITS_TOL[want], (out, err)
 
 
+@pytest.mark.hf
+@pytest.mark.multirank
 def test_round_trip_every_stage_precision_and_offload(tmp_path):
     src = str(tmp_path / "src")
     llama(seed=0).save_pretrained(src, max_shard_size="30KB")   # transformers' sharded layout
@@ -331,6 +333,7 @@ def _parity(seed: int = 0):
     return model, make_optimizer("adamw", model.parameters())
 
 
+@pytest.mark.multirank
 def test_consolidated_files_errors_and_atomic_saves(tmp_path):
     results = run_ranks(2, plain_files, str(tmp_path))
     for rank, r in enumerate(results):
@@ -377,6 +380,7 @@ def save_big(rank, world, root):
     return rise, total, sorted(os.listdir(out)), load_rise, same
 
 
+@pytest.mark.multirank
 def test_save_holds_one_unit_and_load_reads_a_share(tmp_path):
     unit = (WIDTH * WIDTH + WIDTH) * 4                  # one Linear: the largest unit
     for rank, (rise, total, files, load_rise, same) in enumerate(

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
 
 import zerofn as zf
+from support import SLOW
 from support.compare import worst
 from support.loops import zero
 from support.models import make_optimizer
@@ -43,7 +44,8 @@ from support.ranks import run_ranks
 from zerofn.runtime.runtime import runtime_of
 from zerofn.state_dict import get_model_state_dict
 
-SLOW = os.environ.get("ZEROFN_SLOW") == "1"
+pytestmark = pytest.mark.multirank
+
 EXAMPLES = int(os.environ.get("ZEROFN_HYPOTHESIS_EXAMPLES", "32" if SLOW else "8"))
 SEED = int(os.environ.get("ZEROFN_HYPOTHESIS_SEED", "0"))
 STEPS = 3

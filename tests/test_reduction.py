@@ -19,6 +19,8 @@ from support.ranks import run_ranks
 from zerofn.runtime.comm import Comm
 from zerofn.runtime.runtime import runtime_of
 
+pytestmark = pytest.mark.multirank
+
 
 class Work:
     def __init__(self, name, log):

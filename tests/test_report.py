@@ -36,6 +36,7 @@ def logdir(tmp_path_factory):
     return root
 
 
+@pytest.mark.multirank
 def test_report_writes_readable_pngs(logdir, capsys):
     assert cli.main(["report", logdir]) == 0
     printed = capsys.readouterr().out.split()
@@ -49,6 +50,7 @@ def test_report_writes_readable_pngs(logdir, capsys):
         assert image.std() > 0.05          # drawn on, not blank
 
 
+@pytest.mark.multirank
 def test_plots_show_the_logged_series(logdir):
     runs = report.load(logdir)
     assert [r.name for r in runs] == ["rank0", "rank1"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
@@ -11,6 +12,8 @@ from support.compare import assert_same_state
 from support.loops import build_parity, train_sharded
 from support.models import batches, make_models
 from support.ranks import run_ranks
+
+pytestmark = pytest.mark.multirank
 
 
 def trained(rank, world, stage, kind="adamw", steps=3, seed=0):

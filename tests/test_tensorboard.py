@@ -41,6 +41,7 @@ def logged_run(rank, world, root):
     return losses, comm, memory
 
 
+@pytest.mark.multirank
 def test_event_files_hold_what_the_run_did(tmp_path):
     root = str(tmp_path)
     results = run_ranks(2, logged_run, root)
@@ -134,6 +135,7 @@ def counted_syncs(rank, world, root):
     return per_step
 
 
+@pytest.mark.multirank
 def test_steps_that_do_not_log_add_no_synchronization(tmp_path):
     for per_step in run_ranks(2, counted_syncs, str(tmp_path)):
         off, on = per_step["off"], per_step["on"]
@@ -164,6 +166,7 @@ PER_UNIT = ["gather[forward]", "gather[backward]", "gather_wait", "reduce", "red
             "cpu_adam", "d2h", "h2d", "nvme_read", "nvme_write"]
 
 
+@pytest.mark.multirank
 def test_traces_label_every_phase_per_unit(tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
@@ -202,6 +205,7 @@ def refusals(rank, world, root):
     return out
 
 
+@pytest.mark.multirank
 def test_bad_options_and_values_are_refused(tmp_path):
     ranks, snapshot, shape, kind, builtin = run_ranks(1, refusals, str(tmp_path))[0]
     assert "there are only 1 ranks" in ranks
@@ -218,6 +222,7 @@ def test_bad_options_and_values_are_refused(tmp_path):
         build([zf.tensorboard("logs")])
 
 
+@pytest.mark.deepspeed
 def test_deepspeed_monitoring_sections_become_tensorboard():
     batch_size = {"train_batch_size": 8}
     with warnings.catch_warnings():
@@ -250,6 +255,7 @@ def test_deepspeed_monitoring_sections_become_tensorboard():
 
 
 # -- the main job ------------------------------------------------------------------------------
+@pytest.mark.multirank
 def test_train_job_logs_its_loss(tmp_path):
     logs = tmp_path / "tb"
     cmd = [sys.executable, "-m", "zerofn", "train", "--nproc", "1", "--model", "tiny",
