@@ -1,9 +1,9 @@
 """A rank that raises, dies or stalls: every other rank stops with a RankFailure naming it
 and its phase, within the collective timeout, and nothing stays alive.
 
-The ranks run in spawned processes (not ``run_ranks``: a rank killed with SIGKILL reports
-nothing, and a stalled one never returns); the parent waits for the survivor's report,
-then ends what is left and checks every process is gone.
+The ranks start as run_ranks's do, forked from its server, but are run here (a rank
+killed with SIGKILL reports nothing, and a stalled one never returns): the parent waits
+for the survivor's report, then ends what is left and checks every process is gone.
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import zerofn as zf
 from support.models import batches, make_models
+from support.ranks import context
 from zerofn.failures import Watch
 
 FAULT_STEP = 2   # the optimizer step (from 1) in which rank 1 fails
@@ -87,7 +87,7 @@ def _rank(rank, world, init, stage, kind, phase, timeout, results):
 def run_fault(stage: int, kind: str, phase: str, timeout: float = 60, bound: float = 90):
     """Two ranks, rank 1 failing; returns (rank 0's error, seconds from rank 0's last
     finished step to its error, rank 1's error or None)."""
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = "file://" + os.path.join(tmp, "store")

@@ -22,8 +22,9 @@ import torch.multiprocessing as mp
 PRELOAD = ["torch", "torch.distributed", "zerofn", "pytest", "support.models"]
 
 
-def _context():
-    ctx = mp.get_context("forkserver")   # one object, so one server, for both import names
+def context():
+    """The forkserver context ranks start from, its server (re)started as said above."""
+    ctx = mp.get_context("forkserver")   # one object, so one server
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     if getattr(ctx, "server_env", None) != env:
         forkserver._forkserver._stop()   # private, but the way to stop it; none: a no-op
@@ -57,7 +58,7 @@ def run_ranks(world: int, fn, *args, timeout: float = 180):
 
     Raises AssertionError with every failing rank's traceback, or on timeout.
     """
-    ctx = _context()
+    ctx = context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = "file://" + os.path.join(tmp, "store")
