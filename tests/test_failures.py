@@ -11,7 +11,6 @@ import datetime
 import os
 import queue
 import signal
-import tempfile
 import time
 import traceback
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 import zerofn as zf
 from support.models import batches, make_models
-from support.ranks import context
+from support.ranks import started
 from zerofn.failures import Watch
 
 FAULT_STEP = 2   # the optimizer step (from 1) in which rank 1 fails
@@ -87,14 +86,7 @@ def _rank(rank, world, init, stage, kind, phase, timeout, results):
 def run_fault(stage: int, kind: str, phase: str, timeout: float = 60, bound: float = 90):
     """Two ranks, rank 1 failing; returns (rank 0's error, seconds from rank 0's last
     finished step to its error, rank 1's error or None)."""
-    ctx = context()
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = "file://" + os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank, args=(r, 2, init, stage, kind, phase, timeout,
-                                                 results)) for r in range(2)]
-        for p in procs:
-            p.start()
+    with started(2, _rank, stage, kind, phase, timeout) as (procs, results):
         got, last_step = {}, None
         try:
             deadline = time.monotonic() + bound
