@@ -116,12 +116,14 @@ def run_fault(stage: int, kind: str, phase: str, timeout: float = 60, bound: flo
     return message, when - last_step, other
 
 
-MORE = pytest.mark.slow(reason="the same failure at more stages and phases")
+def and_slow(first, *more) -> list:
+    """(stage, phase) cases: ``first``, then ``more`` as slow variants."""
+    mark = pytest.mark.slow(reason="the same failure at more stages and phases")
+    return [first, *(pytest.param(*case, marks=mark) for case in more)]
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("stage,phase", [(3, "forward"), pytest.param(1, "step", marks=MORE),
-                                         pytest.param(2, "forward", marks=MORE)])
+@pytest.mark.parametrize("stage,phase", and_slow((3, "forward"), (1, "step"), (2, "forward")))
 def test_a_raise_is_named_by_every_other_rank(stage, phase):
     message, seconds, other = run_fault(stage, "raise", phase)
     print(f"\n[raise in {phase}, ZeRO-{stage}] rank 0 stopped {seconds:.2f} s after its last "
@@ -153,8 +155,7 @@ def test_a_raise_in_user_backward_code_is_named_by_every_other_rank():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("stage,phase", [(3, "backward"), pytest.param(2, "forward", marks=MORE),
-                                         pytest.param(1, "step", marks=MORE)])
+@pytest.mark.parametrize("stage,phase", and_slow((3, "backward"), (2, "forward"), (1, "step")))
 def test_a_killed_rank_is_named_gone(stage, phase):
     message, seconds, _ = run_fault(stage, "kill", phase)
     print(f"\n[SIGKILL in {phase}, ZeRO-{stage}] rank 0 stopped {seconds:.2f} s after its "
