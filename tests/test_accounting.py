@@ -6,23 +6,12 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer
-from multiproc import run_ranks
-from test_parity import transform
-from zerofn.core.units import SLOT_ALIGN
+from support.accounting import padding_bound
+from support.loops import step_once, zero
+from support.models import make_models, make_optimizer
+from support.ranks import run_ranks
 
-
-def padding_bound(model, world: int) -> int:
-    """Elements the layout may add across ranks: torch.chunk's padding (under ``world - 1``
-    rows per param) and each rank's slot alignment (under ``SLOT_ALIGN`` elements)."""
-    return sum((world - 1) * (p.numel() // p.shape[0]) + world * (SLOT_ALIGN - 1)
-               for p in model.parameters())
-
-
-def step_once(model, opt, rank, world):
-    x, y = batches(1, 1, world)[0][0]
-    model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-    opt.step()
+pytestmark = pytest.mark.multirank
 
 
 def memory_at(rank, world):
@@ -35,7 +24,7 @@ def memory_of_stage(rank, world, stage):
     pad = padding_bound(model, world)
     n_params = len(list(model.parameters()))
     opt = make_optimizer("adamw", model.parameters())
-    model, opt = transform(stage)(model, opt)
+    model, opt = zero(stage)(model, opt)
     step_once(model, opt, rank, world)   # grads and optimizer state now exist
     return psi, pad, n_params, zf.model_state_bytes(model)["cpu"]
 
@@ -100,7 +89,7 @@ def traffic_at(rank, world):
         psi = sum(p.numel() for p in model.parameters())
         pad = padding_bound(model, world)
         opt = make_optimizer("adamw", model.parameters())
-        model, opt = transform(stage)(model, opt)
+        model, opt = zero(stage)(model, opt)
         step_once(model, opt, rank, world)
         opt.zero_grad()
         zf.get_state_dict(model, opt)  # finishes the deferred ZeRO-1/2 all-gathers
@@ -139,7 +128,7 @@ def zero3_pool_and_send_order(rank, world):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=1024, width=64, heads=2, ffn=256, layers=3, context=16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = transform(3)(model, opt)
+    model, opt = zero(3)(model, opt)
     x = torch.randint(1024, (2, 17), generator=torch.Generator().manual_seed(rank))
     pool_bytes = []
     for _ in range(6):

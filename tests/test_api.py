@@ -9,10 +9,13 @@ import torch
 from torch import nn
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer, worst
-from odd_models import expected_units
-from multiproc import run_ranks
-from test_parity import max_errors, train_reference, train_sharded, transform
+from support.compare import max_errors, worst
+from support.errors import error_of
+from support.loops import build_parity, step_once, train_reference, train_sharded
+from support.models import batches, make_models, make_optimizer
+from support.odd_models import expected_units
+from support.offload import build_offloaded
+from support.ranks import run_ranks
 from zerofn.core.units import default_unit_modules
 
 
@@ -35,6 +38,7 @@ def one_at_a_time(rank, world):
     return results
 
 
+@pytest.mark.multirank
 def test_transforms_compose_one_at_a_time():
     for errs in run_ranks(2, one_at_a_time):
         for p_err, s_err in errs:
@@ -48,6 +52,7 @@ def shard_grads_alone(rank, world):
     return model._zerofn.stage
 
 
+@pytest.mark.multirank
 def test_shard_grads_implies_shard_optimizer():
     assert run_ranks(1, shard_grads_alone) == [2]
 
@@ -61,6 +66,7 @@ def applied_twice(rank, world):
     return True
 
 
+@pytest.mark.multirank
 def test_transform_applied_twice_is_an_error():
     run_ranks(1, applied_twice)
 
@@ -86,13 +92,10 @@ def disagreeing(rank, world, what):
     t = zf.shard_params(prefetch=1 + rank) if what == "plan" else zf.shard_params()
     if what == "optimizer" and rank == 1:
         opt = torch.optim.SGD(list(model.parameters()) + [nn.Parameter(torch.ones(2))], lr=0.1)
-    try:
-        t(model, opt)
-    except ValueError as e:
-        return str(e)
-    return None
+    return error_of(t, model, opt)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("what,message", [("model", "disagree"), ("plan", "prefetch"),
                                           ("optimizer", "not a parameter of the model")])
 def test_ranks_that_disagree_all_raise(what, message):
@@ -103,17 +106,13 @@ def test_ranks_that_disagree_all_raise(what, message):
 def full_params_only_while_running(rank, world):
     """ZeRO-3: inside a unit's forward its params are full tensors; outside, Shard(0) DTensors."""
     from torch.distributed.tensor import DTensor
-    _, model = make_models()
-    opt = make_optimizer("adamw", model.parameters())
-    model, opt = transform(3)(model, opt)
+    model, opt = build_parity(3)
     seen = []
     block = model.blocks[0]
     block.fc.register_forward_hook(
         lambda m, a, o: seen.append((type(m.weight) is nn.Parameter, tuple(m.weight.shape),
                                      isinstance(model.blocks[1].fc.weight, DTensor))))
-    x, y = batches(1, 1, world)[0][0]
-    model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-    opt.step()
+    step_once(model, opt, rank, world)
     assert seen == [(True, (130, 48), True)]
     assert isinstance(block.fc.weight, DTensor)
     assert zf.model_state_bytes(model)["cpu"]["params"] < 4 * sum(
@@ -121,6 +120,7 @@ def full_params_only_while_running(rank, world):
     return True
 
 
+@pytest.mark.multirank
 def test_zero3_full_params_exist_only_while_unit_runs():
     run_ranks(2, full_params_only_while_running)
 
@@ -131,12 +131,11 @@ def misaligned(rank, world, path):
     steps, whose address is not a multiple of 16 bytes ([Note: aligned slots]; CUDA's
     grouped GEMM refuses those). The parity model's odd sizes (an FFN of 130, a 3-element
     gain) would misalign every later parameter of a tightly packed unit."""
-    from test_offload import build
     out = []
     for precision, offload in ((None, None), (torch.bfloat16, None),
                                (torch.bfloat16, {"params": True}),
                                (torch.bfloat16, {"nvme": True, "params": True, "path": path})):
-        model, opt = build(3, "adamw", offload, precision)
+        model, opt = build_offloaded(3, "adamw", offload, precision)
         bad, seen = [], set()
 
         def check(module, *_):
@@ -148,16 +147,15 @@ def misaligned(rank, world, path):
         for m in model.modules():
             m.register_forward_pre_hook(check)
             m.register_full_backward_pre_hook(check)
-        for (x, y), in batches(2, 1, world):
-            model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-            opt.step()
-            opt.zero_grad()
+        for step in batches(2, 1, world):
+            train_sharded(model, opt, [step], rank, world)
             bad += [("shard", n, p.to_local().data_ptr() % 16) for n, p in model.named_parameters()
                     if p.to_local().numel() and p.to_local().data_ptr() % 16]
         out.append((precision, offload and sorted(offload), bad, len(seen)))
     return out
 
 
+@pytest.mark.multirank
 def test_zero3_parameters_and_shards_are_16_byte_aligned(tmp_path):
     for rank_result in run_ranks(2, misaligned, str(tmp_path)):
         for precision, offload, bad, seen in rank_result:
@@ -186,6 +184,7 @@ def sequential_vs_compose(rank, world, root):
     return max(worst(results[0][k] - results[1][k]) for k in results[0])
 
 
+@pytest.mark.multirank
 def test_precision_and_offload_compose_one_at_a_time(tmp_path):
     assert run_ranks(2, sequential_vs_compose, str(tmp_path)) == [0.0, 0.0]
 
@@ -197,9 +196,7 @@ def step_and_gather_order(rank, world, stage):
     events = []
     gather = Comm.all_gather
     Comm.all_gather = lambda self, *a, **k: events.append("gather") or gather(self, *a, **k)
-    _, model = make_models()
-    opt = make_optimizer("adamw", model.parameters())
-    model, opt = transform(stage)(model, opt)
+    model, opt = build_parity(stage)
     opt.register_step_pre_hook(lambda *_: events.append("step"))
     (x, y), = batches(1, 1, world)[0]
     model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
@@ -208,6 +205,7 @@ def step_and_gather_order(rank, world, stage):
     return events
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero12_gather_each_unit_while_the_next_steps(stage):
     """ZeRO-1/2 step the optimizer one unit at a time and launch that unit's all-gather
@@ -227,14 +225,8 @@ def dropped_models_are_freed(rank, world, path):
     for stage, extra in ((1, []), (2, [zf.mixed_precision(torch.bfloat16)]),
                          (3, [zf.offload("cpu", params=True)]),
                          (3, [zf.offload("nvme", path=path)])):
-        _, model = make_models()
-        opt = make_optimizer("adamw", model.parameters())
-        model, opt = zf.compose(transform(stage), *extra)(model, opt)
-        for micro in batches(2, 1, world):
-            for x, y in micro:
-                model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-            opt.step()
-            opt.zero_grad()
+        model, opt = build_parity(stage, "adamw", *extra)
+        train_sharded(model, opt, batches(2, 1, world), rank, world)
         refs = weakref.ref(model), weakref.ref(opt)
         del model, opt
         gc.collect()
@@ -242,6 +234,7 @@ def dropped_models_are_freed(rank, world, path):
     return alive
 
 
+@pytest.mark.multirank
 def test_a_dropped_model_frees_its_memory(tmp_path):
     """Gradient hooks live in C++, out of the collector's sight: one holding the runtime
     kept every model, its device memory and its pinned arenas, for the process's life."""
@@ -252,9 +245,7 @@ def test_a_dropped_model_frees_its_memory(tmp_path):
 def forward_graphs_are_freed(rank, world):
     """Weak references to the activations a block's forward saves (tanh saves its output),
     after forwards with gradients enabled whose loss is dropped, and after a step."""
-    _, model = make_models()
-    opt = make_optimizer("adamw", model.parameters())
-    model, opt = transform(3)(model, opt)
+    model, opt = build_parity(3)
     saved = []
     model.blocks[0].register_forward_hook(lambda m, a, out: saved.append(weakref.ref(out)))
     x, y = batches(1, 1, world)[0][0]
@@ -267,6 +258,7 @@ def forward_graphs_are_freed(rank, world):
     return [r() is not None for r in saved]
 
 
+@pytest.mark.multirank
 def test_a_forward_backward_never_reaches_frees_its_graph_under_zero3():
     """A saved-tensor hook that kept the tensors as given made each such forward's graph a
     cycle through C++: never freed, and, counted as a forward whose backward was still to

@@ -23,53 +23,31 @@ except ImportError:
     StatefulDataLoader = None
 
 import zerofn as zf
-from models import CONFIG, ParityGPT, batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
-from test_parity import TOL, train_sharded, transform
-from test_state_dict import assert_same_state
+from support.compare import TOL, assert_same_state, max_error
+from support.errors import expect_error
+from support.loops import build_parity, train_sharded, zero
+from support.models import CONFIG, ParityGPT, batches, make_optimizer
+from support.ranks import run_ranks
 from zerofn.checkpoint import RNGState, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from zerofn.consolidate import main
 from zerofn.nanogpt import GPT, GPTConfig
 
+pytestmark = pytest.mark.multirank
+
 ROWS = 4            # global batch rows, the same at every world size
 LATER = 2           # steps trained after a load
-
-
-def build(stage: int, seed: int = 7):
-    _, model = make_models(seed=seed)
-    return transform(stage)(model, make_optimizer("adamw", model.parameters()))
+FRESH = 7           # the seed of a model a checkpoint loads into: other weights than saved
 
 
 def later_batches(world: int):
     return batches(LATER, 1, world, per_rank=ROWS // world, seed=2)
 
 
-def max_error(a, b) -> float:
-    """Largest difference between two full (model, optimizer) states of the same layout."""
-    (ma, oa), (mb, ob) = a, b
-    assert ma.keys() == mb.keys() and oa["state"].keys() == ob["state"].keys()
-    err = max(worst(ma[k] - mb[k]) for k in ma)
-    for fqn, st in oa["state"].items():
-        for k, v in st.items():
-            err = max(err, worst(torch.as_tensor(v) - torch.as_tensor(ob["state"][fqn][k])))
-    return err
-
-
-def expect_error(fragments, fn, *args, **kw) -> str:
-    """Run ``fn``; it must raise ValueError whose message holds every fragment."""
-    try:
-        fn(*args, **kw)
-    except ValueError as e:
-        assert all(f in str(e) for f in fragments), (fragments, str(e))
-        return str(e)
-    raise AssertionError(f"no error; expected one mentioning {fragments}")
-
-
 # -- a world-2 checkpoint of every stage, shared by the tests below ----------------------
 def save_each_stage(rank, world, root):
     out = {}
     for stage in (1, 2, 3):
-        model, opt = build(stage, seed=0)
+        model, opt = build_parity(stage)
         train_sharded(model, opt, batches(3, 1, world, per_rank=ROWS // world), rank, world)
         save_checkpoint(os.path.join(root, f"zero{stage}"), model, opt, step=3, rng=RNGState())
         saved = zf.get_state_dict(model, opt, full=True)
@@ -111,13 +89,13 @@ def reshard(rank, world, root, back):
         saved, continued = refs[src]
         # Every pair at world 1; at other worlds, each stage once as source and as target.
         for dst in (1, 2, 3) if world == 1 else (src % 3 + 1,):
-            model, opt = build(dst)
+            model, opt = build_parity(dst, seed=FRESH)
             assert load_checkpoint(f"{root}/zero{src}", model, opt) == {"step": 3}
             assert_same_state(saved, zf.get_state_dict(model, opt, full=True))
             train_sharded(model, opt, later_batches(world), rank, world)
             errors[src, dst] = max_error(continued, zf.get_state_dict(model, opt, full=True))
     # The consolidated file, written back as a checkpoint, loads as the model alone.
-    model, opt = build(3)
+    model, opt = build_parity(3, seed=FRESH)
     load_checkpoint(back, model)
     msd = zf.get_state_dict(model, opt, full=True)[0]
     assert all(torch.equal(msd[k], v) for k, v in refs[3][0][0].items())
@@ -147,7 +125,7 @@ def gated_writes():
 
 
 def resume_parts(seed: int):
-    model, opt = build(3, seed=seed)
+    model, opt = build_parity(3, seed=seed)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     g = torch.Generator().manual_seed(1)
     v, t = CONFIG["vocab"], CONFIG["context"]
@@ -226,7 +204,7 @@ def child(root: str, stage: str) -> None:
     dies by SIGKILL in the middle of writing its save."""
     dist.init_process_group("gloo", init_method=f"file://{root}.store-{stage}", rank=0,
                             world_size=1, timeout=datetime.timedelta(seconds=60))
-    model, opt = build(2, seed=0)
+    model, opt = build_parity(2)
     train_sharded(model, opt, batches(2, 1, 1, per_rank=ROWS), 0, 1)
     if stage == "exit":
         torch.save(zf.get_state_dict(model, opt, full=True), f"{root}.expected")
@@ -251,7 +229,7 @@ def run_child(root: str, stage: str) -> int:
 
 
 def load_after_crash(rank, world, root):
-    model, opt = build(1)
+    model, opt = build_parity(1, seed=FRESH)
     assert load_checkpoint(root, model, opt) == {"step": 2}
     assert_same_state(torch.load(f"{root}.expected"), zf.get_state_dict(model, opt, full=True))
     return True
@@ -280,12 +258,12 @@ def wrong_checkpoints(rank, world, root, scratch):
         with open(f"{broken['metadata']}/.metadata", "wb") as f:
             f.write(b"not a checkpoint")
     dist.barrier()
-    model, opt = build(3)
+    model, opt = build_parity(3, seed=FRESH)
     deeper = GPT(GPTConfig(**{**CONFIG, "layers": 3}))
-    deeper, deeper_opt = transform(3)(deeper, make_optimizer("adamw", deeper.parameters()))
+    deeper, deeper_opt = zero(3)(deeper, make_optimizer("adamw", deeper.parameters()))
     expect_error(["model.blocks.2.", "another model"], load_checkpoint, good, deeper, deeper_opt)
     narrower = GPT(GPTConfig(**{**CONFIG, "ffn": 128}))
-    narrower, narrower_opt = transform(1)(narrower, make_optimizer("adamw", narrower.parameters()))
+    narrower, narrower_opt = zero(1)(narrower, make_optimizer("adamw", narrower.parameters()))
     expect_error(["model.blocks.0.fc.weight: saved (130, 48), here (128, 48)"],
                  load_checkpoint, good, narrower, narrower_opt)
     expect_error(["data file __1_0.distcp is missing"], load_checkpoint, broken["missing"], model, opt)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import zerofn as zf
-from multiproc import run_ranks
+from support.loops import zero
+from support.ranks import run_ranks
 from zerofn import cli, train
 from zerofn.estimate import estimate_placement, parse_count
 from zerofn.nanogpt import GPT, PRESETS
@@ -129,7 +130,7 @@ def measure(rank, world, configs):
             est = estimate_placement(model, world, stage, dtype, offload=offload,
                                      offload_params=params)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            ts = [zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()][:stage]
+            ts = [zero(stage)]
             ts += [zf.mixed_precision(dtype)] if dtype != torch.float32 else []
             ts += [zf.offload(offload, params=params, path=tmp)] if offload else []
             model, opt = zf.compose(*ts)(model, opt)
@@ -143,6 +144,7 @@ def measure(rank, world, configs):
     return out
 
 
+@pytest.mark.multirank
 def test_estimate_placement_matches_what_zerofn_holds():
     for (config, held, est, slack) in run_ranks(2, measure, CONFIGS, timeout=300)[0]:
         measured = {("device" if place == "cpu" else place): roles for place, roles in
@@ -155,6 +157,7 @@ def test_estimate_placement_matches_what_zerofn_holds():
 
 
 # -- convert and consolidate ---------------------------------------------------------------
+@pytest.mark.deepspeed
 def test_convert_deepspeed_and_consolidate_are_reachable(tmp_path, capsys):
     source = os.path.join(HERE, "data", "deepspeed_checkpoints", "zero1_fp32_w1", "checkpoint")
     out = tmp_path / "converted"

@@ -9,9 +9,12 @@ import pytest
 import torch
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer
-from multiproc import run_ranks
-from test_parity import STAGES, TOL, max_errors
+from support.compare import TOL, max_errors
+from support.loops import zero
+from support.models import batches, make_models, make_optimizer
+from support.ranks import run_ranks
+
+pytestmark = pytest.mark.multirank
 
 CLIP = 0.05
 CONFIGS = [(2, "sgd", None), (2, "sgd", {}), (3, "adamw", {"params": True})]
@@ -25,7 +28,7 @@ def clip_runs(rank, world, norm_type):
         ref_opt = make_optimizer(kind, ref.parameters())
         opt = make_optimizer(kind, model.parameters())
         extra = [] if offload is None else [zf.offload("cpu", **offload)]
-        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), *extra)(model, opt)
+        model, opt = zf.compose(zero(stage), *extra)(model, opt)
         norms = []
         for (x, y), in data:
             ref(x, y).backward()

@@ -15,9 +15,12 @@ import torch
 import torch._dynamo
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
-from test_parity import STAGES, TOL, train_sharded
+from support.compare import TOL, worst
+from support.loops import train_sharded, zero
+from support.models import batches, make_models, make_optimizer
+from support.ranks import run_ranks
+
+pytestmark = pytest.mark.multirank
 
 # (stage, accumulation, what is compiled, extras: transforms, or activation checkpointing)
 CONFIGS = [(1, 1, "model", ()), (2, 2, "model", ()), (3, 2, "model", ("checkpoint",)),
@@ -35,8 +38,8 @@ def run(stage: int, accum: int, compiled: str | None, extra, rank: int, world: i
         for block in model.blocks:
             block.compile(backend="aot_eager")
     opt = make_optimizer("adamw", model.parameters())
-    model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]),
-                            *(EXTRA[e](logs) for e in extra if e in EXTRA))(model, opt)
+    model, opt = zf.compose(zero(stage), *(EXTRA[e](logs) for e in extra if e in EXTRA))(
+        model, opt)
     if compiled == "model":
         model.compile(backend="aot_eager")
     train_sharded(model, opt, batches(3, accum, world), rank, world)
@@ -66,7 +69,7 @@ def test_compiled_models_train_as_eager_ones(tmp_path):
 def hugging_face(rank, world, name: str):
     """A transformers model (Llama with activation checkpointing, or GPT-2) under ZeRO-3 +
     bf16, compiled and not: full weights after three steps, and the graphs compiled."""
-    from test_hf_models import adamw, build, global_batches, train
+    from support.hf_models import adamw, build, global_batches, train
     out = []
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -83,6 +86,7 @@ def hugging_face(rank, world, name: str):
     return max(worst(compiled[k] - v) for k, v in eager.items()), graphs
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_compiled_hugging_face_models_train_as_eager_ones(name):
     pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zerofn.optim as zo
-from models import worst
+from support.compare import worst
 from zerofn.optim import kernels
 
 ISAS = zo.kernel_info()["available_isas"]
@@ -321,7 +321,7 @@ def test_bad_buffers_raise(mutate, error, match):
         zo.adam_step(*b, step=1, lr=1e-3)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_tensor_raises():
     b = bufs()
     b[1] = b[1].cuda()

@@ -13,13 +13,16 @@ import torch._dynamo
 import torch.distributed as dist
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer
-from multiproc import run_ranks
-from test_offload import offload_transform
-from test_parity import STAGES
+from support.compare import TOL, TOL_BF16_VS_FP32
+from support.experts import expert_runs
+from support.loops import zero
+from support.models import batches, make_models, make_optimizer
+from support.offload import offload_transform, sharded_state_locals
+from support.ranks import run_ranks
+from support.step_vote import vote
 from zerofn.runtime.runtime import runtime_of
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.cuda
 
 # (stage, offload options, compute dtype): every way offload touches the device.
 OFFLOADS = [(1, {}, None), (2, {}, torch.bfloat16), (3, {}, torch.bfloat16),
@@ -35,11 +38,9 @@ def on_nccl(path, stage, opts, dtype):
     _, model = make_models()
     model = model.cuda()
     opt = make_optimizer("adamw", model.parameters())
-    first, *rest = STAGES[stage]
     extra = ([zf.mixed_precision(dtype)] if dtype else []) + \
         ([offload_transform(dict(opts, path=path))] if opts is not None else [])
-    return zf.compose(getattr(zf, first)(group=group), *(getattr(zf, n)() for n in rest),
-                      *extra)(model, opt)
+    return zf.compose(zero(stage, group=group), *extra)(model, opt)
 
 
 def pinned_runs(rank, world, path):
@@ -70,6 +71,7 @@ def locked(t: torch.Tensor) -> tuple[bool, bool]:
     return pinned.page_locked(t), t.is_pinned()
 
 
+@pytest.mark.multirank
 def test_offload_arenas_are_pinned_at_their_exact_size(tmp_path):
     for config, (locks, count, registered, arena_bytes) in zip(
             OFFLOADS, run_ranks(1, pinned_runs, str(tmp_path))[0]):
@@ -103,6 +105,7 @@ def sync_runs(rank, world, path):
     return out
 
 
+@pytest.mark.multirank
 def test_forward_and_backward_never_wait_for_the_device(tmp_path):
     """Items 4 and 6 of issue 13: offloaded shards go up, gradient shards come down and
     reductions finish without the host waiting; the step waits only where it must read
@@ -133,13 +136,13 @@ def staging_runs(rank, world, root):
     return locked(staging), reused, same
 
 
+@pytest.mark.multirank
 def test_async_checkpoints_stage_device_tensors_through_one_pinned_buffer(tmp_path):
     lock, reused, same = run_ranks(1, staging_runs, str(tmp_path))[0]
     assert all(lock) and reused and same, (lock, reused, same)
 
 
 def host_state_runs(rank, world, path):
-    from test_offload import sharded_state_locals
     out = {}
     for opts in ({}, {"params": True}):
         model, opt = on_nccl(path, 3, opts, torch.bfloat16)
@@ -150,6 +153,7 @@ def host_state_runs(rank, world, path):
     return out
 
 
+@pytest.mark.multirank
 def test_sharded_state_dicts_under_offload_keep_their_shards_on_the_host(tmp_path):
     """DTensor.from_local would move a host shard onto the CUDA mesh's device: 12 B a
     parameter copied to the GPU for a state dict, exactly where offload is used."""
@@ -162,7 +166,6 @@ def test_a_rank_with_every_gradient_votes_without_waiting_for_the_device():
     """The step's vote at world > 1: a rank that got every gradient waits for the device
     only to read an overflow verdict (fp16); one lacking a gradient must read the union.
     Each wait is named by the line that made it."""
-    from test_step_vote import vote
     overflow, got, sent, waits = vote({"a", "b"}, [0.0, 0.0], "cuda")
     assert (overflow, got, sent, waits) == (False, {"a", "b"}, [1.0, 1.0], [])
     overflow, got, sent, waits, norm = vote({"a", "b"}, [2.0, 0.0, 0.0], "cuda",
@@ -178,43 +181,39 @@ def moe_runs(rank, world):
     """transformers' Qwen3 mixture of experts under ZeRO-3 + bf16 on an NCCL group, and in
     fp32 without zerofn, both on the GPU: the largest difference of the parameters after
     training, and how transformers ran the experts."""
-    import test_hf_models as hf
+    from support import hf_models as hf
     torch.cuda.set_device(0)
     group = dist.new_group(backend="nccl")
     data = [tuple(t.cuda() for t in step) for step in hf.global_batches("qwen3_moe")]
-    ref = hf.build("qwen3_moe").cuda()
-    ref_opt = hf.adamw(ref)
-    for ids, mask, labels in data:
-        ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    want = hf.reference("qwen3_moe", data, "cuda")
     model = hf.build("qwen3_moe").cuda()
-    model, opt = zf.compose(zf.shard_optimizer(group=group), zf.shard_grads(), zf.shard_params(),
-                            zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32))(
-        model, hf.adamw(model))
+    model, opt = zf.compose(zero(3, group=group), zf.mixed_precision(
+        torch.bfloat16, reduce_dtype=torch.float32))(model, hf.adamw(model))
     hf.train(model, opt, data)
     msd, _ = zf.get_state_dict(model, opt, full=True)
-    return hf.max_err(msd, ref.state_dict()), getattr(model.config, "_experts_implementation", None)
+    return hf.max_err(msd, want), getattr(model.config, "_experts_implementation", None)
 
 
+@pytest.mark.hf
+@pytest.mark.multirank
 def test_hugging_face_mixture_of_experts_trains_under_zero3():
     """CUDA's grouped GEMM, which transformers runs the experts with, refuses a weight at
     an address not a multiple of 16 bytes ([Note: aligned slots]): the q/k norms of 6
     bf16 elements before the experts in each layer's unit put them 8 bytes off when slots
     were packed tightly."""
-    import test_hf_models as hf
+    pytest.importorskip("transformers")
     err, experts = run_ranks(1, moe_runs, timeout=300)[0]
-    assert err < hf.TOL_BF16_VS_FP32, (err, experts)
+    assert err < TOL_BF16_VS_FP32, (err, experts)
 
 
+@pytest.mark.multirank
 def test_experts_some_ranks_leave_out_reduce_when_their_units_backward_is_done():
     """grads.py's [Note: a unit's backward is done] where the reductions run on a side
     stream: experts that sit out on one rank, ZeRO-3 with and without parameter offload,
     two ranks sharing the GPU over gloo, against plain PyTorch on the same GPU."""
-    import test_reduction as red
-    for by_name in run_ranks(2, red.expert_runs, ["zero3", "zero3+offload(params)"], "cuda"):
+    for by_name in run_ranks(2, expert_runs, ["zero3", "zero3+offload(params)"], "cuda"):
         for name, (p_err, s_err, sat_out) in by_name.items():
-            assert p_err < red.TOL and s_err < red.TOL and sat_out, (name, p_err, s_err)
+            assert p_err < TOL and s_err < TOL and sat_out, (name, p_err, s_err)
 
 
 def inductor_runs(rank, world, path):
@@ -241,6 +240,7 @@ def inductor_runs(rank, world, path):
     return out
 
 
+@pytest.mark.multirank
 def test_inductor_compiled_models_train_as_eager_ones(tmp_path):
     """tests/test_compile.py holds every stage to the uncompiled run exactly under
     aot_eager; here inductor's fused bf16 kernels round differently, so losses (in bf16,

@@ -3,7 +3,6 @@ DeepSpeed's batch rule, the diagnostics, and DeepSpeed's schedulers against its 
 (tests/data/deepspeed/schedulers.json, from tools/deepspeed_reference.py)."""
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -15,9 +14,11 @@ import torch
 from torch import nn
 
 import zerofn as zf
+from support.plans import plan_of
 from zerofn.deepspeed import DeepSpeedConfigWarning, checkpointing, from_deepspeed_config
 from zerofn.deepspeed.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
-from zerofn.core.plan import Plan
+
+pytestmark = pytest.mark.deepspeed
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "deepspeed")
 BATCH = {"train_micro_batch_size_per_gpu": 2}
@@ -38,11 +39,6 @@ def read_warned(config, world_size=1, model=None):
     return settings, [str(w.message) for w in caught if w.category is DeepSpeedConfigWarning]
 
 
-def plan_of(settings) -> Plan:
-    """The plan the settings' transform builds (what the runtime is made from)."""
-    return functools.reduce(lambda plan, edit: edit(plan), settings.transform._edits, Plan())
-
-
 def zero(**section):
     return {**BATCH, "zero_optimization": section}
 
@@ -55,41 +51,42 @@ def zero(**section):
 def test_stage(stage, transforms):
     s = read(zero(stage=stage))
     assert list(s.transforms) == transforms and s.stage == stage
-    assert plan_of(s).stage == max(stage, 1)     # stage 0 runs as ZeRO-1
+    assert plan_of(s.transform).stage == max(stage, 1)     # stage 0 runs as ZeRO-1
 
 
 def test_no_zero_section_is_stage_0():
     s = read(BATCH)
-    assert s.stage == 0 and plan_of(s).stage == 1
+    assert s.stage == 0 and plan_of(s.transform).stage == 1
 
 
 def test_bucket_sizes_map_to_bucket_size():
     s = read(zero(stage=2, reduce_bucket_size=3e5, allgather_bucket_size=7e5))
-    assert plan_of(s).sharding.bucket_size == 700_000
+    assert plan_of(s.transform).sharding.bucket_size == 700_000
     s = read(zero(stage=3, reduce_bucket_size=3e5, stage3_prefetch_bucket_size=9e5))
-    assert plan_of(s).sharding.bucket_size == 900_000
+    assert plan_of(s.transform).sharding.bucket_size == 900_000
     s = read(zero(stage=3, reduce_bucket_size=3e5, prefetch_bucket_size=1e5))
-    assert plan_of(s).sharding.bucket_size == 300_000
+    assert plan_of(s.transform).sharding.bucket_size == 300_000
     assert read(zero(stage=2)).transforms["shard_optimizer"] == {}   # zerofn's default
 
 
 def test_prefetch_bucket_size_zero_disables_prefetch():
-    assert plan_of(read(zero(stage=3, stage3_prefetch_bucket_size=0))).sharding.prefetch == 0
-    assert plan_of(read(zero(stage=3))).sharding.prefetch == 1
+    no_prefetch = read(zero(stage=3, stage3_prefetch_bucket_size=0))
+    assert plan_of(no_prefetch.transform).sharding.prefetch == 0
+    assert plan_of(read(zero(stage=3)).transform).sharding.prefetch == 1
 
 
 @pytest.mark.parametrize("key", ["stage3_param_persistence_threshold",
                                  "param_persistence_threshold"])
 def test_persistence_threshold_maps_to_persist_below(key):
     # DeepSpeed keeps params with numel <= threshold whole; zerofn those with numel < persist_below
-    plan = plan_of(read(zero(stage=3, **{key: 1000})))
+    plan = plan_of(read(zero(stage=3, **{key: 1000})).transform)
     assert plan.sharding.persist_below == 1001
 
 
 def test_persistent_params_are_those_deepspeed_keeps():
     from zerofn.core.units import build_units
     model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 9))   # 100, 10, 90, 9 elements
-    persist = plan_of(read(zero(stage=3, stage3_param_persistence_threshold=90)))
+    persist = plan_of(read(zero(stage=3, stage3_param_persistence_threshold=90)).transform)
     units = build_units(model, None, 2, 0, persist.sharding.persist_below)
     whole = sorted(s.fqn for u in units if u.replicated for s in u.slots)
     assert whole == ["0.bias", "1.bias", "1.weight"]          # numel <= 90
@@ -98,11 +95,11 @@ def test_persistent_params_are_those_deepspeed_keeps():
 def test_offload_optimizer():
     s = read(zero(stage=2, offload_optimizer={"device": "cpu", "pin_memory": True}))
     assert s.transforms["offload"] == {"device": "cpu", "params": False}
-    plan = plan_of(s)
+    plan = plan_of(s.transform)
     assert (plan.offload.device, plan.offload.params) == ("cpu", False)
     s = read(zero(stage=1, offload_optimizer={"device": "nvme", "nvme_path": "/nvme"}))
-    assert plan_of(s).offload.device == "nvme"
-    assert plan_of(s).offload.path == "/nvme"
+    assert plan_of(s.transform).offload.device == "nvme"
+    assert plan_of(s.transform).offload.path == "/nvme"
     assert "offload" not in read(zero(stage=2, offload_optimizer={"device": "none"})).transforms
 
 
@@ -111,7 +108,7 @@ def test_offload_param():
     assert s.transforms["offload"] == {"device": "cpu", "params": True}
     s = read(zero(stage=3, offload_param={"device": "nvme", "nvme_path": "/n", "buffer_count": 3},
                   offload_optimizer={"device": "nvme", "nvme_path": "/n"}))
-    plan = plan_of(s)
+    plan = plan_of(s.transform)
     assert (plan.offload.device, plan.offload.params, plan.offload.path,
             plan.offload.units_in_flight) == ("nvme", True, "/n", 3)
 
@@ -155,7 +152,7 @@ FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale
 
 def test_fp16_dynamic_loss_scaling_keys():
     s = read({**BATCH, "fp16": FP16, "zero_optimization": {"stage": 2}})
-    plan = plan_of(s)
+    plan = plan_of(s.transform)
     assert s.param_dtype == torch.float16 and plan.precision.param_dtype == torch.float16
     assert plan.precision.loss_scale is None            # DeepSpeed's 0: dynamic
     for key in ("initial_scale_power", "loss_scale_window", "hysteresis",
@@ -165,7 +162,7 @@ def test_fp16_dynamic_loss_scaling_keys():
 
 def test_fp16_static_loss_scale_and_auto_cast():
     s = read({**BATCH, "fp16": {"enabled": True, "loss_scale": 128, "auto_cast": True}})
-    assert plan_of(s).precision.loss_scale == 128 and s.fp16_auto_cast
+    assert plan_of(s.transform).precision.loss_scale == 128 and s.fp16_auto_cast
     assert not read({**BATCH, "fp16": {"enabled": False, "auto_cast": True}}).fp16_auto_cast
 
 
@@ -173,14 +170,15 @@ def test_fp16_static_loss_scale_and_auto_cast():
 def test_bf16(key):
     s = read({**BATCH, key: {"enabled": True}})
     assert s.param_dtype == torch.bfloat16
-    assert plan_of(s).precision.param_dtype == torch.bfloat16
+    assert plan_of(s.transform).precision.param_dtype == torch.bfloat16
 
 
 def test_communication_data_type_is_the_reduce_dtype():
-    plan = plan_of(read({**BATCH, "bf16": {"enabled": True}, "communication_data_type": "fp32"}))
+    s = read({**BATCH, "bf16": {"enabled": True}, "communication_data_type": "fp32"})
+    plan = plan_of(s.transform)
     assert (plan.precision.param_dtype, plan.precision.reduce_dtype) == \
         (torch.bfloat16, torch.float32)
-    plan = plan_of(read({**BATCH, "communication_data_type": "bf16"}))
+    plan = plan_of(read({**BATCH, "communication_data_type": "bf16"}).transform)
     assert (plan.precision.param_dtype, plan.precision.reduce_dtype) == \
         (torch.float32, torch.bfloat16)
 
@@ -300,7 +298,7 @@ def test_auto_hidden_size_keys(config, hidden):
     model.config = config
     s = read(AUTO_ZERO3, model=model)
     assert {k: s.config["zero_optimization"][k] for k in hf_fills(hidden)} == hf_fills(hidden)
-    plan = plan_of(s)
+    plan = plan_of(s.transform)
     assert plan.sharding.bucket_size == max(hidden * hidden, int(0.9 * hidden * hidden))
     assert plan.sharding.persist_below == 10 * hidden + 1
 

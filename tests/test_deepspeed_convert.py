@@ -19,11 +19,16 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-from models import worst
-from multiproc import run_ranks
+from support import SLOW
+from support.compare import worst
+from support.errors import expect_error
+from support.loops import zero
+from support.ranks import run_ranks
 from zerofn.deepspeed import ds_files, ds_read
 from zerofn.deepspeed.convert import convert, main, read_checkpoint
 from zerofn.runtime.optimizer import SCALER_KEY
+
+pytestmark = pytest.mark.deepspeed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "data", "deepspeed_checkpoints")
@@ -41,8 +46,6 @@ def _tool():
 
 TOOL = _tool()
 CASES = sorted(TOOL.CASES)
-STAGES = {1: ("shard_optimizer",), 2: ("shard_optimizer", "shard_grads"),
-          3: ("shard_optimizer", "shard_grads", "shard_params")}
 # zerofn's next two steps against DeepSpeed's. fp32: the losses within 1e-5 and the fp32
 # masters after them within 1e-6 (measured: 5e-7 and 1.2e-7, the latter DeepSpeed's C++ CPU
 # Adam against torch's AdamW; 4e-9 with torch's AdamW on both sides). bf16/fp16: DeepSpeed
@@ -56,7 +59,6 @@ LOSS_TOL = {"fp32": 1e-5, "bf16": 2 * 2 ** -6, "fp16": 2 * 2 ** -9}
 SAME_WORLD_LOSS_TOL = 1e-5
 MASTER_TOL = {"fp32": 1e-6, "bf16": 2e-4, "fp16": 2e-4}
 EXTRAS = ("epoch", "samples_seen", "deepspeed")
-SLOW = os.environ.get("ZEROFN_SLOW") == "1"
 
 
 def checkpoint_dir(name: str) -> str:
@@ -136,7 +138,7 @@ def build(name: str, stage: int, offload: bool, scaling: dict):
     model = TOOL.TinyLM()
     # Hyperparameters unlike DeepSpeed's: the checkpoint's must replace them.
     opt = torch.optim.AdamW(TOOL.param_groups(model), lr=0.5, weight_decay=0.0)
-    transforms = [getattr(zf, t)() for t in STAGES[stage]]
+    transforms = [zero(stage)]
     if case.dtype == "bf16":   # BF16_Optimizer reduces fp32 gradients, ZeRO in bf16
         transforms.append(zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32
                                              if case.grad_accum_fp32 else None))
@@ -208,6 +210,7 @@ def matrix(world: int) -> list[tuple[str, int, bool]]:
             for i, name in enumerate(CASES)]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
 def test_next_step_losses_equal_deepspeeds(converted, world):
     runs = [run(converted, *spec) for spec in matrix(world)]
@@ -216,6 +219,7 @@ def test_next_step_losses_equal_deepspeeds(converted, world):
     check_losses(runs, results[0], world)
 
 
+@pytest.mark.multirank
 def test_next_step_losses_at_world_4(converted):
     runs = [run(converted, "zero3_fp32_w3", 3, False)]
     check_losses(runs, run_ranks(4, continue_training, runs)[0], 4)
@@ -313,17 +317,11 @@ def copy_case(name: str, tmp_path) -> str:
     return str(dst / "global_step3")
 
 
-def expect_error(path, *fragments):
-    with pytest.raises(ValueError) as info:
-        read_checkpoint(path)
-    assert all(f in str(info.value) for f in fragments), str(info.value)
-
-
 def test_not_a_deepspeed_checkpoint(tmp_path):
-    expect_error(str(tmp_path), "is not a DeepSpeed checkpoint", "latest")
-    expect_error(str(tmp_path / "nowhere"), "is not a directory")
+    expect_error(["is not a DeepSpeed checkpoint", "latest"], read_checkpoint, str(tmp_path))
+    expect_error(["is not a directory"], read_checkpoint, str(tmp_path / "nowhere"))
     (tmp_path / "latest").write_text("global_step7")
-    expect_error(str(tmp_path), "names 'global_step7'", "does not exist")
+    expect_error(["names 'global_step7'", "does not exist"], read_checkpoint, str(tmp_path))
 
 
 @pytest.mark.parametrize("name, removed, fragments", [
@@ -338,7 +336,7 @@ def test_not_a_deepspeed_checkpoint(tmp_path):
 def test_missing_file(tmp_path, name, removed, fragments):
     step_dir = copy_case(name, tmp_path)
     os.remove(os.path.join(step_dir, removed))
-    expect_error(step_dir, *fragments)
+    expect_error(fragments, read_checkpoint, step_dir)
 
 
 @pytest.mark.parametrize("name, source, added, fragments", [
@@ -359,17 +357,18 @@ def test_missing_file(tmp_path, name, removed, fragments):
 def test_foreign_file(tmp_path, name, source, added, fragments):
     step_dir = copy_case(name, tmp_path)
     shutil.copy(os.path.join(DATA, source), os.path.join(step_dir, added))
-    expect_error(step_dir, *fragments)
+    expect_error(fragments, read_checkpoint, step_dir)
 
 
 def test_optimizer_state_offloaded_to_nvme(tmp_path):
     step_dir = copy_case("zero3_fp32_w3", tmp_path)
     os.makedirs(os.path.join(step_dir, "offloaded_tensors", "rank0"))
-    expect_error(step_dir, "offloaded_tensors", "NVMe")
+    expect_error(["offloaded_tensors", "NVMe"], read_checkpoint, step_dir)
 
 
 def test_corrupt_file(tmp_path):
     step_dir = copy_case("zero1_fp32_w1", tmp_path)
     with open(os.path.join(step_dir, "zero_pp_rank_0_mp_rank_00_optim_states.pt"), "wb") as f:
         f.write(b"not a checkpoint")
-    expect_error(step_dir, "cannot read", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    expect_error(["cannot read", "zero_pp_rank_0_mp_rank_00_optim_states.pt"], read_checkpoint,
+                 step_dir)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 import zerofn.deepspeed as deepspeed
-from multiproc import run_ranks
+from support.ranks import run_ranks
 from zerofn.deepspeed.engine import _config_from
 from zerofn.deepspeed.schedulers import WarmupLR
 from zerofn.runtime.runtime import runtime_of
@@ -34,6 +34,8 @@ sys.path.insert(0, SCRIPTS)
 
 import cases  # noqa: E402
 from tiny import make_dataset, make_model  # noqa: E402
+
+pytestmark = pytest.mark.deepspeed
 
 # Every rank trains on the CPU even where CUDA exists (DS_ACCELERATOR=cpu): the comparison
 # is with DeepSpeed's CPU accelerator, and two ranks must not share one GPU.
@@ -79,6 +81,7 @@ def _run_scripts(rank, world, runs):
     return stores
 
 
+@pytest.mark.multirank
 def test_deepspeed_scripts_match_real_deepspeed(tmp_path):
     runs, prefixes = [], {}
     for name in cases.CASES:
@@ -288,6 +291,7 @@ def _engine_ranks(rank, world, ckpt):
     dist.barrier()
 
 
+@pytest.mark.multirank
 def test_engine_loop_checkpoints_and_fp16(tmp_path):
     run_ranks(2, _engine_ranks, str(tmp_path / "ckpt"))
 

@@ -10,11 +10,13 @@ import torch
 
 import zerofn as zf
 import zerofn.deepspeed as deepspeed
-from multiproc import run_ranks
-from test_parity import TOL, max_errors
-from test_reduction import Experts, expert_choices
+from support.compare import TOL, max_errors
+from support.experts import Experts, expert_choices
+from support.ranks import run_ranks
 from zerofn.deepspeed.utils import leaf_units
 from zerofn.runtime.runtime import runtime_of
+
+pytestmark = pytest.mark.deepspeed
 
 
 class Layer(torch.nn.Module):
@@ -113,7 +115,7 @@ def test_the_configs_leaf_module_section_marks_and_makes_units():
 
 def leaf_engine_runs(rank, world):
     """Plain PyTorch on the global batch against the engine on this rank's share, the
-    experts sitting out on one rank per layer each step (test_reduction.expert_choices)."""
+    experts sitting out on one rank per layer each step (support.experts.expert_choices)."""
     torch.manual_seed(0)
     ref, model = MoENet(), MoENet()
     model.load_state_dict(ref.state_dict())
@@ -136,6 +138,7 @@ def leaf_engine_runs(rank, world):
     return units, max_errors(ref, ref_opt, engine.module, opt)
 
 
+@pytest.mark.multirank
 def test_a_mixture_with_its_blocks_marked_leaves_trains_through_initialize():
     for units, (p_err, s_err) in run_ranks(2, leaf_engine_runs):
         assert units == ["layers.0", "layers.0.moe", "layers.1", "layers.1.moe", "layers.2",

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import re
 
-from tests.multiproc import run_ranks
-from tests.torchrun_jobs import STEPS, finish, losses, run, survivors, torchrun, uninterrupted
+import pytest
+
+from support.jobs import STEPS, losses, run, survivors, uninterrupted
+from support.ranks import run_ranks
+
+pytestmark = pytest.mark.multirank
 
 
 def _restarted(tmp_path, fault: str, env: dict | None = None) -> tuple[str, dict]:

@@ -1,9 +1,9 @@
 """A rank that raises, dies or stalls: every other rank stops with a RankFailure naming it
 and its phase, within the collective timeout, and nothing stays alive.
 
-The ranks run in spawned processes (not ``run_ranks``: a rank killed with SIGKILL reports
-nothing, and a stalled one never returns); the parent waits for the survivor's report,
-then ends what is left and checks every process is gone.
+The ranks start as run_ranks's do, forked from its server, but are run here (a rank
+killed with SIGKILL reports nothing, and a stalled one never returns): the parent waits
+for the survivor's report, then ends what is left and checks every process is gone.
 """
 from __future__ import annotations
 
@@ -11,18 +11,17 @@ import datetime
 import os
 import queue
 import signal
-import tempfile
 import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import zerofn as zf
+from support.models import batches, make_models
+from support.ranks import started
 from zerofn.observe.failures import Watch
-from tests.models import batches, make_models
 
 FAULT_STEP = 2   # the optimizer step (from 1) in which rank 1 fails
 
@@ -45,7 +44,7 @@ def _inject(kind: str, phase: str, model, opt):
 
     model.register_forward_pre_hook(lambda m, a: steps.__setitem__("n", steps["n"] + 1))
     if phase == "save":      # inside the save's collectives: a hung or lost filesystem
-        from zerofn.io.checkpoint import api as checkpoint
+        import zerofn.checkpoint as checkpoint
         save = checkpoint.dcp.save
         checkpoint.dcp.save = lambda *a, **k: (at_step(), save(*a, **k))[1]
     elif phase == "forward":
@@ -87,14 +86,7 @@ def _rank(rank, world, init, stage, kind, phase, timeout, results):
 def run_fault(stage: int, kind: str, phase: str, timeout: float = 60, bound: float = 90):
     """Two ranks, rank 1 failing; returns (rank 0's error, seconds from rank 0's last
     finished step to its error, rank 1's error or None)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = "file://" + os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank, args=(r, 2, init, stage, kind, phase, timeout,
-                                                 results)) for r in range(2)]
-        for p in procs:
-            p.start()
+    with started(2, _rank, stage, kind, phase, timeout) as (procs, results):
         got, last_step = {}, None
         try:
             deadline = time.monotonic() + bound
@@ -124,10 +116,14 @@ def run_fault(stage: int, kind: str, phase: str, timeout: float = 60, bound: flo
     return message, when - last_step, other
 
 
-SLOW = os.environ.get("ZEROFN_SLOW") == "1"
+def and_slow(first, *more) -> list:
+    """(stage, phase) cases: ``first``, then ``more`` as slow variants."""
+    mark = pytest.mark.slow(reason="the same failure at more stages and phases")
+    return [first, *(pytest.param(*case, marks=mark) for case in more)]
 
 
-@pytest.mark.parametrize("stage,phase", [(3, "forward")] + [(1, "step"), (2, "forward")] * SLOW)
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage,phase", and_slow((3, "forward"), (1, "step"), (2, "forward")))
 def test_a_raise_is_named_by_every_other_rank(stage, phase):
     message, seconds, other = run_fault(stage, "raise", phase)
     print(f"\n[raise in {phase}, ZeRO-{stage}] rank 0 stopped {seconds:.2f} s after its last "
@@ -141,11 +137,12 @@ def test_a_raise_is_named_by_every_other_rank(stage, phase):
         f"{FAULT_STEP}" in tb
 
 
+@pytest.mark.multirank
 def test_a_raise_in_user_backward_code_is_named_by_every_other_rank():
     """A job's own loop under torchrun: an exception from the model's own backward code
     passes no zerofn hook, so zerofn records it as it ends the process (sys.excepthook);
     rank 0 names it and where, not just a rank gone."""
-    from tests.torchrun_jobs import ROOT, finish, torchrun
+    from support.jobs import ROOT, finish, torchrun
     script = os.path.join(ROOT, "tests", "user_loop_failure.py")
     code, out, seconds = finish(torchrun(["--standalone", "--nproc-per-node", "2"], [],
                                          script=script))
@@ -157,7 +154,8 @@ def test_a_raise_in_user_backward_code_is_named_by_every_other_rank():
     assert "zerofn: rank 1 raised this in backward of step 2" in out, out
 
 
-@pytest.mark.parametrize("stage,phase", [(3, "backward")] + [(2, "forward"), (1, "step")] * SLOW)
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage,phase", and_slow((3, "backward"), (2, "forward"), (1, "step")))
 def test_a_killed_rank_is_named_gone(stage, phase):
     message, seconds, _ = run_fault(stage, "kill", phase)
     print(f"\n[SIGKILL in {phase}, ZeRO-{stage}] rank 0 stopped {seconds:.2f} s after its "
@@ -167,6 +165,7 @@ def test_a_killed_rank_is_named_gone(stage, phase):
            f"{FAULT_STEP}" in message
 
 
+@pytest.mark.multirank
 def test_a_stalled_rank_is_named_after_the_timeout():
     message, seconds, _ = run_fault(3, "stall", "forward", timeout=4)
     print(f"\n[stall in forward, ZeRO-3, timeout=4] rank 0 stopped {seconds:.2f} s after its "
@@ -187,7 +186,7 @@ def _full_drive(rank, world, path):
     import errno
 
     import zerofn.runtime.offload.nvme_file as nvme
-    from tests.models import make_optimizer
+    from support.models import make_optimizer
 
     real = nvme.os.pwritev
     faults = {"enospc": lambda fd, bufs, off: (_ for _ in ()).throw(
@@ -212,8 +211,9 @@ def _full_drive(rank, world, path):
     return out
 
 
+@pytest.mark.multirank
 def test_a_full_drive_during_a_swap_write_is_named(tmp_path):
-    from tests.multiproc import run_ranks
+    from support.ranks import run_ranks
     got = run_ranks(1, _full_drive, str(tmp_path), timeout=120)[0]
     print("\n" + "\n".join(f"[{k}] errno {code}: {text}" for k, (code, text) in got.items()))
     for name, code in (("enospc", 28), ("short", 5)):
@@ -223,10 +223,11 @@ def test_a_full_drive_during_a_swap_write_is_named(tmp_path):
     assert "only 4,096 bytes went through" in got["short"][1]
 
 
+@pytest.mark.multirank
 def test_zerofn_train_with_a_stalled_rank_ends_and_leaves_nothing_running(tmp_path):
     """The main job under torchrun: rank 1 stalls in step 3's forward; rank 0 stops at
     --timeout with the error naming it, torchrun ends rank 1 and exits non-zero."""
-    from tests.torchrun_jobs import run, survivors
+    from support.jobs import run, survivors
     save_dir = str(tmp_path / "stalled")
     code, out, seconds = run(["--save-dir", save_dir, "--timeout", "5"], "stall:forward:3:1")
     print(f"\n[zerofn train, stall in forward, --timeout 5] torchrun exit {code} after "
@@ -238,10 +239,11 @@ def test_zerofn_train_with_a_stalled_rank_ends_and_leaves_nothing_running(tmp_pa
     assert not survivors(save_dir)
 
 
+@pytest.mark.multirank
 def test_zerofn_train_prints_a_value_error_raised_on_one_rank_only(tmp_path):
     """zerofn train prints a ValueError every rank raised once, from rank 0; one that only
     rank 1 raised is printed by rank 1, not lost."""
-    from tests.torchrun_jobs import run, survivors
+    from support.jobs import run, survivors
     save_dir = str(tmp_path / "value")
     code, out, _ = run(["--save-dir", save_dir, "--timeout", "20"], "valueerror:forward:2:1")
     assert code != 0
@@ -250,7 +252,9 @@ def test_zerofn_train_prints_a_value_error_raised_on_one_rank_only(tmp_path):
     assert not survivors(save_dir)
 
 
-@pytest.mark.parametrize("kind", ["stall"] + ["kill"] * SLOW)
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["stall", pytest.param("kill", marks=pytest.mark.slow(
+    reason="a killed rank in a save as well as a stalled one"))])
 def test_a_rank_failing_in_a_checkpoint_save_is_named(kind):
     message, seconds, _ = run_fault(1, kind, "save", timeout=4)
     print(f"\n[{kind} in checkpoint save, ZeRO-1] rank 0 stopped {seconds:.2f} s after its "

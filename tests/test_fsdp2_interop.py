@@ -3,52 +3,36 @@ but torch's own ``get_state_dict`` / ``dcp.save`` / ``dcp.load`` / ``set_state_d
 the FSDP2 side, and training continues as it would have without the move."""
 from __future__ import annotations
 
-import copy
 import os
 
-import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, \
-    set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+
+import pytest
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer
-from multiproc import run_ranks
-from test_checkpoint import max_error
-from test_parity import TOL, train_sharded, transform
-from test_state_dict import assert_same_state
+from support.compare import TOL, assert_same_state, max_error
+from support.fsdp2 import fsdp2_full, fsdp2_parity
+from support.loops import build_parity, train_sharded
+from support.models import batches
+from support.ranks import run_ranks
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
+
+pytestmark = pytest.mark.multirank
 
 STEPS = 3
 
 
-def fsdp2(world: int, seed: int):
-    """The parity model under FSDP2: each block, then the root, on a CPU mesh."""
-    _, model = make_models(seed=seed)
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, make_optimizer("adamw", model.parameters())
-
-
-def fsdp2_full(model, opt):
-    """Full tensors; copied, since torch's shares Adam's step counters with the optimizer."""
-    return copy.deepcopy(get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)))
-
-
 def zerofn_to_fsdp2(rank, world, root):
-    _, model = make_models()
-    model, opt = transform(3)(model, make_optimizer("adamw", model.parameters()))
+    model, opt = build_parity(3)
     train_sharded(model, opt, batches(STEPS, 1, world), rank, world)
     ckpt = save_checkpoint(root, model, opt, step=STEPS)
     saved = zf.get_state_dict(model, opt, full=True)
     later = batches(STEPS, 1, world, seed=2)
     train_sharded(model, opt, later, rank, world)
 
-    fmodel, fopt = fsdp2(world, seed=7)
+    fmodel, fopt = fsdp2_parity(init_device_mesh("cpu", (world,)), seed=7)
     msd, osd = get_state_dict(fmodel, fopt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=ckpt)
@@ -59,7 +43,7 @@ def zerofn_to_fsdp2(rank, world, root):
 
 
 def fsdp2_to_zerofn(rank, world, path):
-    fmodel, fopt = fsdp2(world, seed=0)
+    fmodel, fopt = fsdp2_parity(init_device_mesh("cpu", (world,)))
     train_sharded(fmodel, fopt, batches(STEPS, 1, world), rank, world)
     msd, osd = get_state_dict(fmodel, fopt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
@@ -69,8 +53,7 @@ def fsdp2_to_zerofn(rank, world, path):
     expected = fsdp2_full(fmodel, fopt)
     errors = {}
     for stage in (1, 2, 3):
-        _, model = make_models(seed=7)
-        model, opt = transform(stage)(model, make_optimizer("adamw", model.parameters()))
+        model, opt = build_parity(stage, seed=7)
         assert load_checkpoint(path, model, opt) == {}     # FSDP2 saved no step
         assert_same_state(saved, zf.get_state_dict(model, opt, full=True))
         train_sharded(model, opt, later, rank, world)

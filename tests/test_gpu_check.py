@@ -100,6 +100,7 @@ def test_copy_overlap_is_the_covered_share_of_the_copies():
     assert math.isnan(gc._covered([], [(0, 1)]))
 
 
+@pytest.mark.multirank
 def test_parity_at_world_3_with_cpu_tensors():
     """The GPU part runs this with CUDA tensors; rows of the parity model do not divide
     by 3."""

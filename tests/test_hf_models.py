@@ -1,8 +1,8 @@
 """Hugging Face transformers models in a plain loop: every stage, world 1 and 2, fp32 and bf16.
 
-Three tiny configs with awkward sizes: a Llama with grouped-query attention (2 key/value
-heads for 6 query heads), tied embeddings, left padding and gradient checkpointing; a
-Qwen3 mixture of experts (left padding; see ``qwen3_moe_config``); and a GPT-2 (Conv1D
+Three tiny configs with awkward sizes (support/hf_models.py): a Llama with grouped-query
+attention (2 key/value heads for 6 query heads), tied embeddings, left padding and
+gradient checkpointing; a Qwen3 mixture of experts (left padding); and a GPT-2 (Conv1D
 weights stored transposed, learned positions, tied embeddings) with right padding. All are
 built with ``AutoModelForCausalLM.from_config`` (no hub access).
 
@@ -16,105 +16,15 @@ import pytest
 import torch
 
 import zerofn as zf
-from models import worst
-from multiproc import run_ranks
-from test_parity import STAGES, TOL
+from support.compare import TOL, TOL_BF16_VS_FP32
+from support.loops import zero
+from support.ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")
+from support.hf_models import (MODELS, PAD, adamw, build, global_batches,  # noqa: E402
+                               max_err, reference, train)
 
-STEPS = 4
-ROWS, SEQ = 4, 11          # the global batch
-PAD = 0
-# bf16 against fp32 bounds gross errors only: AdamW moves an element by about lr per step
-# whatever its gradient's size, so where a gradient is near zero bf16 rounding can flip the
-# step, up to 2 * lr * STEPS = 8e-3 apart (measured: up to 3.5e-3). The check that matters
-# is FSDP2's, bit for bit.
-TOL_BF16_VS_FP32 = 1e-2
-VOCAB = {"llama": 101, "qwen3_moe": 89, "gpt2": 97}
-MODELS = tuple(VOCAB)
-
-
-def qwen3_moe_config(vocab: int):
-    """A mixture of experts: 5 experts, 2 per token, stacked into 3-D parameters (sharded
-    along the experts), a router, and per-head q/k norms of 6 elements placed before the
-    experts in each layer's unit. Widths are multiples of 8: transformers' grouped GEMM
-    wants 16-byte strides."""
-    return transformers.Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=24, intermediate_size=40, moe_intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=6,
-        num_experts=5, num_experts_per_tok=2, max_position_embeddings=32, pad_token_id=PAD)
-
-
-def build(name: str, seed: int = 0):
-    torch.manual_seed(seed)
-    if name == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB[name], hidden_size=36, intermediate_size=70, num_hidden_layers=2,
-            num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
-            max_position_embeddings=32, pad_token_id=PAD)
-    elif name == "qwen3_moe":
-        config = qwen3_moe_config(VOCAB[name])
-    else:
-        config = transformers.GPT2Config(
-            vocab_size=VOCAB[name], n_embd=30, n_head=3, n_layer=2, n_inner=50, n_positions=16,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=PAD,
-            bos_token_id=1, eos_token_id=2)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    if name == "llama":   # transformers 5's name; gradient_checkpointing_enable in 4.x
-        enable = getattr(model, "activation_checkpointing_enable", None) \
-            or model.gradient_checkpointing_enable
-        enable()
-    model.train()
-    return model
-
-
-def global_batches(name: str):
-    """Per step: token ids, attention mask and labels (-100 on padding) of the global batch.
-    Llama and the Qwen3 are padded on the left, GPT-2 on the right; every row has its own
-    length."""
-    vocab = VOCAB[name]
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(3, vocab, (ROWS, SEQ), generator=g)
-        lengths = torch.randint(4, SEQ + 1, (ROWS,), generator=g)
-        pos = torch.arange(SEQ).expand(ROWS, SEQ)
-        mask = (pos >= SEQ - lengths[:, None]) if name != "gpt2" else (pos < lengths[:, None])
-        ids = ids.masked_fill(~mask, PAD)
-        out.append((ids, mask.long(), ids.masked_fill(~mask, -100)))
-    return out
-
-
-def tokens_predicted(labels: torch.Tensor) -> int:
-    return int((labels[:, 1:] != -100).sum())
-
-
-def train(model, opt, data, rank=0, world=1):
-    """Each rank takes its rows; the loss is a sum over the rank's predicted tokens divided
-    by the global batch's count over the world, so averaging gradients over ranks gives the
-    gradient of the global batch's mean loss (as Trainer does with num_items_in_batch)."""
-    for ids, mask, labels in data:
-        n = tokens_predicted(labels) / world
-        mine = [t.chunk(world)[rank] for t in (ids, mask, labels)]
-        out = model(input_ids=mine[0], attention_mask=mine[1], labels=mine[2],
-                    num_items_in_batch=torch.tensor(n))
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-
-
-def reference(name: str, data) -> dict:
-    model = build(name)
-    opt = adamw(model)
-    for ids, mask, labels in data:
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return model.state_dict()
+pytestmark = pytest.mark.hf
 
 
 def fsdp2_bf16(name: str, data, rank: int, world: int) -> dict:
@@ -131,10 +41,6 @@ def fsdp2_bf16(name: str, data, rank: int, world: int) -> dict:
     return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
 
-def max_err(a: dict, b: dict) -> float:
-    return max(worst(a[k] - b[k]) for k in b)
-
-
 def every_config(rank, world):
     """Every model x every stage x fp32/bf16, in one process per rank."""
     out = {}
@@ -146,7 +52,7 @@ def every_config(rank, world):
             for bf16 in (False, True):
                 model = build(name)
                 opt = adamw(model)
-                parts = [getattr(zf, t)() for t in STAGES[stage]]
+                parts = [zero(stage)]
                 if bf16:
                     parts.append(zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32))
                 model, opt = zf.compose(*parts)(model, opt)
@@ -156,6 +62,7 @@ def every_config(rank, world):
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
 def test_hf_models_follow_plain_pytorch(world):
     for rank, results in enumerate(run_ranks(world, every_config, timeout=400)):

@@ -16,21 +16,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
-from test_checkpoint import max_error
-from test_fsdp2_interop import fsdp2_full
-from test_parity import TOL, train_reference, train_sharded, transform
-from test_precision import TOL_FP32
-from test_state_dict import assert_same_state
+from support.compare import TOL, TOL_BF16_VS_FP32, assert_same_state, max_error, worst
+from support.fsdp2 import fsdp2_full, fsdp2_parity
+from support.loops import build_parity, step_once, train_reference, train_sharded
+from support.models import batches, make_models, make_optimizer
+from support.ranks import run_ranks
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
 from zerofn.runtime.runtime import runtime_of
 
-SLOW = os.environ.get("ZEROFN_SLOW") == "1"
+pytestmark = pytest.mark.multirank
+
 STEPS = 3
 NAMES = ("replicate", "shard")
 # (stage, accumulation, transform options, extra transforms, train_sharded options)
@@ -54,12 +53,10 @@ def mesh_2d(shape=(2, 2), names=NAMES):
 def build(stage, group, opts=None, extra=(), path=None):
     """The parity model under ``stage`` on ``group``; ``extra`` adds "cpu" or "nvme" offload
     (the swap files under ``path``) or "bf16" mixed precision."""
-    _, model = make_models()
     more = {"cpu": lambda: zf.offload("cpu"), "nvme": lambda: zf.offload("nvme", path=path),
             "bf16": lambda: zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32)}
-    more = [more[e]() for e in extra]
-    return zf.compose(transform(stage, group=group, **(opts or {})), *more)(
-        model, make_optimizer("adamw", model.parameters()))
+    return build_parity(stage, "adamw", *(more[e]() for e in extra), group=group,
+                        **(opts or {}))
 
 
 def expected_traffic(model, stage: int, accum: int, no_sync: bool) -> dict:
@@ -99,7 +96,7 @@ def parity(rank, world, mesh, root):
 def check_parity(results):
     for rank, errs in enumerate(results):
         for config, (p_err, s_err, traffic) in zip(PARITY, errs):
-            tol = TOL_FP32 if "bf16" in config[3] else TOL
+            tol = TOL_BF16_VS_FP32 if "bf16" in config[3] else TOL
             assert p_err < tol and s_err < tol, (rank, config, p_err, s_err)
             for key, (got, want) in traffic.items():
                 assert got == want, (rank, config, key, got, want)
@@ -118,9 +115,7 @@ def layout(rank, world, mesh):
         (Replicate(), Shard(0))      # unnamed: dim 0 replicates, as FSDP2 reads it
     flat, flat_opt = build(3, mesh["shard"])
     for m, o in ((model, opt), (flat, flat_opt)):
-        x, y = batches(1, 1, world)[0][0]
-        m(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-        o.step()
+        step_once(m, o, rank, world)
     assert zf.model_state_bytes(model) == zf.model_state_bytes(flat)
 
 
@@ -140,24 +135,11 @@ def on_a_slice(rank, world) -> None:
     assert err < TOL, err
 
 
-def fsdp2_hsdp(mesh, seed: int):
-    """The parity model under FSDP2's HSDP: each block, then the root, on the 2-D mesh."""
-    _, model = make_models(seed=seed)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, make_optimizer("adamw", model.parameters())
-
-
 def bf16_vs_fsdp2(rank, world, mesh) -> dict[int, float]:
     """bf16 compute with fp32 reduction, each stage against FSDP2's HSDP with the same
     MixedPrecisionPolicy: the largest parameter difference (measured: none)."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    _, fsdp2 = make_models()
-    for block in fsdp2.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(fsdp2, mesh=mesh, mp_policy=policy)
-    fsdp2_opt = make_optimizer("adamw", fsdp2.parameters())
+    fsdp2, fsdp2_opt = fsdp2_parity(mesh, policy=policy)
     data = batches(STEPS, 1, world)
     train_sharded(fsdp2, fsdp2_opt, data, rank, world)
     want = fsdp2_full(fsdp2, fsdp2_opt)[0]
@@ -191,7 +173,7 @@ def checkpoints(rank, world, mesh, root):
     first, later = batches(STEPS, 1, world), batches(STEPS, 1, world, seed=2)
     errors = {}
     for name, make, stage in (("zerofn-hsdp", lambda: build(3, mesh), 3),
-                              ("fsdp2-hsdp", lambda: fsdp2_hsdp(mesh, 0), None),
+                              ("fsdp2-hsdp", lambda: fsdp2_parity(mesh, 0), None),
                               ("zerofn-1d", lambda: build(2, None), 2)):
         model, opt = make()
         train_sharded(model, opt, first, rank, world)
@@ -208,7 +190,7 @@ def checkpoints(rank, world, mesh, root):
             else zf.get_state_dict(model, opt, full=True)
         if name == "zerofn-hsdp":
             errors[(name, "zerofn-1d-world-2")] = at_world_2(mesh, path, saved, later, expected)
-        targets = {"fsdp2-hsdp": lambda: fsdp2_hsdp(mesh, 7), "zerofn-1d": lambda: build(3, None),
+        targets = {"fsdp2-hsdp": lambda: fsdp2_parity(mesh, 7), "zerofn-1d": lambda: build(3, None),
                    "zerofn-hsdp-1": lambda: build(1, mesh), "zerofn-hsdp-3": lambda: build(3, mesh)}
         for target, make_target in targets.items():
             if target.startswith(name):
@@ -239,12 +221,10 @@ def tensorboard_dirs(rank, world, mesh, root) -> tuple[list[str], dict, dict]:
     """zf.tensorboard(ranks="all") at 2 x 2: one directory per rank of the mesh (replicas
     share shard ranks, and must not write over each other); this rank's comm/ series of
     step 1, and zf.comm_stats."""
-    from test_tensorboard import read, scalars
-    _, model = make_models()
+    from support.tensorboard_runs import read, scalars
     logdir = os.path.join(root, "runs")
-    board = zf.tensorboard(logdir, every=1, ranks="all")
-    model, opt = zf.compose(transform(2, group=mesh), board)(
-        model, make_optimizer("adamw", model.parameters()))
+    model, opt = build_parity(2, "adamw", zf.tensorboard(logdir, every=1, ranks="all"),
+                              group=mesh)
     train_sharded(model, opt, batches(1, 1, world), rank, world)
     zf.flush_logs(model)
     dist.barrier()
@@ -321,16 +301,10 @@ def test_hsdp_2x2_parity_traffic_checkpoints_and_bad_meshes(tmp_path):
 
 def overflow_vote(rank, world, mesh):
     """fp16 loss scaling: an inf in one rank's loss skips the step on all four ranks."""
-    _, model = make_models()
-    model, opt = zf.compose(transform(2, group=mesh), zf.mixed_precision(
-        torch.float16, initial_scale_power=8, hysteresis=1))(
-        model, make_optimizer("adamw", model.parameters()))
+    model, opt = build_parity(2, "adamw", zf.mixed_precision(
+        torch.float16, initial_scale_power=8, hysteresis=1), group=mesh)
     before = zf.get_state_dict(model, opt, full=True)
-    x, y = batches(1, 1, world)[0][0]
-    loss = model(x.chunk(world)[rank], y.chunk(world)[rank])
-    opt.scale(loss * (float("inf") if rank == 3 else 1.0)).backward()
-    opt.step()
-    opt.zero_grad()
+    train_sharded(model, opt, batches(1, 1, world), rank, world, scale=True, inf_on=(0, 3))
     after = zf.get_state_dict(model, opt, full=True)
     return (all(torch.equal(before[0][k], after[0][k]) for k in before[0]),
             opt.state_dict()["zerofn_loss_scaler"]["scale"], zf.comm_stats(model))
@@ -340,6 +314,6 @@ def hsdp_2x4(rank, world, root):
     return parity(rank, world, mesh_2d((2, 4)), root)
 
 
-@pytest.mark.skipif(not SLOW, reason="eight processes on this machine: ZEROFN_SLOW=1")
+@pytest.mark.slow(reason="eight processes on this machine")
 def test_hsdp_2x4_parity(tmp_path):
     check_parity(run_ranks(8, hsdp_2x4, str(tmp_path), timeout=900))

@@ -10,14 +10,12 @@ import torch
 from torch import nn
 
 import zerofn as zf
-from multiproc import run_ranks
+from support.loops import train_sharded, zero
+from support.memory import reset_peak, status_bytes
+from support.ranks import run_ranks
 from zerofn.nanogpt import GPT, GPTConfig, init_weights
 from zerofn.runtime.materialize import reset_parameters
 from zerofn.runtime.runtime import runtime_of
-
-STAGES = {1: (zf.shard_optimizer,), 2: (zf.shard_optimizer, zf.shard_grads),
-          3: (zf.shard_optimizer, zf.shard_grads, zf.shard_params)}
-
 
 class Block(nn.Module):
     def __init__(self):
@@ -92,7 +90,8 @@ def on_meta(style: str) -> Net:
 
 
 def transform(stage: int, init, extra=()):
-    return zf.compose(*(t() for t in STAGES[stage][:-1]), STAGES[stage][-1](init=init), *extra)
+    """ZeRO-``stage`` initializing a meta-built model with ``init``, and ``extra``."""
+    return zf.compose(zero(stage, init=init), *extra)
 
 
 def extras(name: str, tmp: str):
@@ -103,19 +102,11 @@ def extras(name: str, tmp: str):
             "bf16+cpu": (zf.mixed_precision(torch.bfloat16), zf.offload("cpu"))}[name]
 
 
-def data(rank: int, world: int, steps: int = 2):
+def net_batches(world: int, steps: int = 2):
+    """Global batches for Net: one micro-batch of 2 rows per rank a step."""
     g = torch.Generator().manual_seed(3)
-    for _ in range(steps):
-        x = torch.randint(0, 37, (2 * world, 6), generator=g)
-        y = torch.randint(0, 37, (2 * world, 6), generator=g)
-        yield x.chunk(world)[rank], y.chunk(world)[rank]
-
-
-def train(model, opt, rank, world):
-    for x, y in data(rank, world):
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
+    return [[(torch.randint(0, 37, (2 * world, 6), generator=g),
+              torch.randint(0, 37, (2 * world, 6), generator=g))] for _ in range(steps)]
 
 
 def full_state(model, opt):
@@ -153,8 +144,8 @@ def meta_vs_eager(rank, world, configs):
             model, opt = transform(stage, init, extras(extra, tmp2))(model, opt)
             at_start = same(full_state(model, opt)[0], zf.get_state_dict(ref, ref_opt, full=True)[0])
             buffers = same(dict(model.named_buffers()), dict(ref.named_buffers()))
-            train(ref, ref_opt, rank, world)
-            train(model, opt, rank, world)
+            train_sharded(ref, ref_opt, net_batches(world), rank, world)
+            train_sharded(model, opt, net_batches(world), rank, world)
             after = same(dict(zip("mob", full_state(model, opt))),
                          dict(zip("mob", full_state(ref, ref_opt))))
             out.append((stage, style, extra, at_start, buffers, after))
@@ -166,6 +157,7 @@ CONFIGS = [(1, "fn", ""), (2, "fn", ""), (3, "fn", ""), (3, "reset", ""), (1, "r
            (2, "fn", "bf16"), (3, "reset", "bf16+cpu"), (2, "reset", "cpu")]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
 def test_meta_equals_eager_bit_for_bit(world):
     for rank_results in run_ranks(world, meta_vs_eager, CONFIGS, timeout=300):
@@ -217,6 +209,7 @@ def _raising_init(m):
     ("raising init", "broken init"),
     ("seeds differ", "random generators differ"),
 ])
+@pytest.mark.multirank
 def test_what_init_misses_is_an_error_on_every_rank(case, expected):
     for result in run_ranks(2, failures, case):
         assert result is not None, f"{case}: no error"
@@ -233,6 +226,7 @@ def mixed(rank, world):
         transform(2, None)(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+@pytest.mark.multirank
 def test_mixed_meta_and_real_parameters_are_refused():
     run_ranks(2, mixed)
 
@@ -262,6 +256,8 @@ def hf_meta_vs_eager(rank, world, kind):
     return diff, buffers, logits_equal
 
 
+@pytest.mark.hf
+@pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_hugging_face_meta_init_with_init_weights(kind):
     pytest.importorskip("transformers")
@@ -272,16 +268,6 @@ def test_hugging_face_meta_init_with_init_weights(kind):
 
 
 # -- memory ------------------------------------------------------------------------------------
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def setup_peak(rank, world, cfg_kwargs):
     """Peak RSS rise while a ~100M-parameter GPT built on meta is materialized under
     ZeRO-3, against its full fp32 parameters, the rank's share and its largest unit."""
@@ -290,16 +276,17 @@ def setup_peak(rank, world, cfg_kwargs):
         model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.manual_seed(0)
-    _reset_peak()
-    before = _status("VmRSS:")
+    reset_peak()
+    before = status_bytes("VmRSS")
     model, opt = transform(3, init_weights)(model, opt)
-    rise = _status("VmHWM:") - before
+    rise = status_bytes("VmHWM") - before
     rt = runtime_of(model)
     share = sum(u.shard_numel * 4 for u in rt.units)
     largest = max(u.shard_numel * world * 4 for u in rt.units)
     return rise, share, largest, sum(p.numel() for p in model.parameters()) * 4
 
 
+@pytest.mark.multirank
 def test_setup_peak_is_the_share_plus_a_unit_not_the_model():
     cfg = dict(vocab=256, width=1024, heads=8, ffn=4096, layers=8, context=64)
     assert GPTConfig(**cfg).params() >= 100_000_000
@@ -326,9 +313,9 @@ def train_under_cap(rank, world, eager_build: bool):
     # goes in the baseline rather than against the model's share.
     torch.ones(1, requires_grad=True).sum().backward()
     limits = resource.getrlimit(resource.RLIMIT_DATA)
-    resource.setrlimit(resource.RLIMIT_DATA, (_status("VmData:") + int(CAP * full), limits[1]))
+    resource.setrlimit(resource.RLIMIT_DATA, (status_bytes("VmData") + int(CAP * full), limits[1]))
     try:
-        return full, _train_two_steps(cfg, rank, world, eager_build), _status("VmData:")
+        return full, _train_two_steps(cfg, rank, world, eager_build), status_bytes("VmData")
     except RuntimeError as e:
         if "can't allocate memory" not in str(e):
             raise
@@ -357,6 +344,7 @@ def _train_two_steps(cfg, rank, world, eager_build):
     return losses
 
 
+@pytest.mark.multirank
 def test_a_model_larger_than_the_memory_cap_trains_at_world_4(monkeypatch):
     """glibc's mmap threshold is pinned low in the ranks (as a memory-capped deployment
     would, or with another allocator): its default raises the threshold as blocks are freed,

@@ -10,8 +10,11 @@ import uuid
 import pytest
 
 import zerofn as zf
-from tests.multiproc import run_ranks
-from tests.torchrun_jobs import finish, free_port, losses, survivors, torchrun, uninterrupted
+from support.errors import error_of
+from support.jobs import finish, free_port, losses, survivors, torchrun, uninterrupted
+from support.ranks import run_ranks
+
+pytestmark = pytest.mark.multirank
 
 
 def _two_nodes(flags: list[str], fault: str | None = None):
@@ -34,8 +37,7 @@ def test_two_nodes_train_like_one(tmp_path):
     assert not survivors(save_dir)
 
 
-@pytest.mark.skipif(os.environ.get("ZEROFN_SLOW") != "1", reason="ZEROFN_SLOW=1: "
-                    "test_failures.py covers RankFailure in zerofn train on one node")
+@pytest.mark.slow(reason="test_failures.py covers RankFailure in zerofn train on one node")
 def test_a_raise_on_one_node_stops_the_other(tmp_path):
     save_dir = str(tmp_path / "raise")
     results = _two_nodes(["--save-dir", save_dir, "--timeout", "30"], "raise:step:3:1")
@@ -52,16 +54,12 @@ def test_a_raise_on_one_node_stops_the_other(tmp_path):
 def _save_to_local_dirs(rank, world, root):
     """Each rank saves to its own "node-local" directory."""
     import torch
-    from tests.models import make_models
+    from support.models import make_models
 
     _, model = make_models()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = zf.shard_optimizer()(model, opt)
-    try:
-        zf.save_checkpoint(os.path.join(root, f"node{rank}"), model, opt, step=1)
-    except ValueError as e:
-        return str(e)
-    return None
+    return error_of(zf.save_checkpoint, os.path.join(root, f"node{rank}"), model, opt, step=1)
 
 
 def test_a_checkpoint_root_not_shared_is_an_error_on_every_rank(tmp_path):

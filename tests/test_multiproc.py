@@ -7,9 +7,12 @@ import atexit
 import ctypes
 import os
 
+import pytest
 import torch
 
-from multiproc import run_ranks
+from support.ranks import run_ranks
+
+pytestmark = pytest.mark.multirank
 
 
 class MallInfo(ctypes.Structure):   # glibc's struct mallinfo

@@ -2,49 +2,14 @@
 staging ring, by zerofn's accounting and by the process's peak resident memory."""
 from __future__ import annotations
 
+import pytest
 import torch
-from torch import nn
 
 import zerofn as zf
-from multiproc import run_ranks
+from support.memory import WIDTH, peak_rise_over, stack_trainer
+from support.ranks import run_ranks
 
-WIDTH, LAYERS = 3072, 10          # 94M params: master + Adam state = 1.13 GB in fp32
-
-
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x.square().mean()
-
-
-def rss_bytes(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def stack_trainer(*transforms):
-    """The Stack under ``transforms``, and a training step, taken once already so every
-    buffer exists and is touched."""
-    torch.manual_seed(0)
-    model = Stack()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, opt = zf.compose(*transforms)(model, opt)
-    x = torch.randn(8, WIDTH)
-
-    def step():
-        model(x).backward()
-        opt.step()
-        opt.zero_grad()
-
-    step()
-    return model, step
+pytestmark = pytest.mark.multirank
 
 
 def train_big(rank, world, path):
@@ -54,17 +19,6 @@ def train_big(rank, world, path):
     peak_rise = peak_rise_over(step, 2)
     moved = not torch.equal(weight, model.layers[0].weight)
     return zf.model_state_bytes(model), peak_rise, moved
-
-
-def peak_rise_over(step, times: int) -> int:
-    """How far the process's peak resident memory rises above its current use while
-    ``step`` runs ``times`` times."""
-    with open("/proc/self/clear_refs", "w") as f:   # reset the peak (VmHWM) to now
-        f.write("5")
-    before = rss_bytes("VmRSS")
-    for _ in range(times):
-        step()
-    return rss_bytes("VmHWM") - before
 
 
 def test_nvme_keeps_host_optimizer_memory_within_units_in_flight(tmp_path):

@@ -6,32 +6,20 @@ import os
 
 import pytest
 import torch
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
-from test_nvme_memory import LAYERS, WIDTH, peak_rise_over, stack_trainer
-from test_offload import offload_transform
-from test_parity import STAGES, max_errors, train_reference, train_sharded
 
 import zerofn as zf
+from support.compare import max_errors, state_errors
+from support.errors import error_of
+from support.loops import build_parity, train_reference, train_sharded
+from support.memory import LAYERS, WIDTH, peak_rise_over, stack_trainer
+from support.models import batches, make_models, make_optimizer
+from support.offload import build_offloaded
+from support.ranks import run_ranks
+
+pytestmark = pytest.mark.multirank
 
 CONFIGS = [({}, None, False), ({"units_in_flight": 1}, None, False), ({}, None, True),
            ({}, torch.bfloat16, False)]
-
-
-def build(stage, offload, precision=None, checkpoint=False):
-    _, model = make_models(checkpoint=checkpoint)
-    opt = make_optimizer("adamw", model.parameters())
-    extra = ([offload_transform(offload)] if offload is not None else []) + \
-        ([zf.mixed_precision(precision)] if precision else [])
-    return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), *extra)(model, opt)
-
-
-def full_diff(a, b) -> float:
-    """Largest difference of two full (model, optimizer) state dicts."""
-    return max(max(worst(a[0][k] - b[0][k]) for k in a[0]),
-               max(worst(v - b[1]["state"][f][k])
-                   for f, st in a[1]["state"].items() for k, v in st.items()
-                   if torch.is_tensor(v) and v.dim()))
 
 
 def count_read_ahead(model) -> dict:
@@ -58,15 +46,16 @@ def parity_runs(rank, world, path):
         # bf16 compares with CPU offload, which steps with the same C++ Adam: that kernel
         # agrees with torch's AdamW to an ulp per step (docs/cpu_adam.md), and one ulp of
         # a master can round its bf16 copy the other way, which backward then amplifies.
-        plain, plain_opt = build(3, None if precision is None else {"params": True},
-                                 precision, checkpoint)
-        off, off_opt = build(3, dict(opts, nvme=True, path=path, params=True), precision,
-                             checkpoint)
+        plain, plain_opt = build_offloaded(
+            3, offload=None if precision is None else {"params": True}, precision=precision,
+            checkpoint=checkpoint)
+        off, off_opt = build_offloaded(3, offload=dict(opts, nvme=True, path=path, params=True),
+                                       precision=precision, checkpoint=checkpoint)
         counts = count_read_ahead(off)
         train_sharded(plain, plain_opt, data, rank, world)
         train_sharded(off, off_opt, data, rank, world)
-        vs_plain = full_diff(zf.get_state_dict(plain, plain_opt, full=True),
-                             zf.get_state_dict(off, off_opt, full=True))
+        vs_plain = max(state_errors(zf.get_state_dict(plain, plain_opt, full=True),
+                                    zf.get_state_dict(off, off_opt, full=True)))
         vs_torch = max(max_errors(ref, ref_opt, off, off_opt)) if precision is None else None
         out.append((vs_plain, vs_torch, counts))
     return out
@@ -116,20 +105,20 @@ def test_nvme_params_keep_host_memory_at_the_staging_ring(tmp_path):
 
 def nvme_params_state_dicts(rank, world, path):
     """nvme params -> plain ZeRO-3 and plain ZeRO-3 -> nvme params; both keep training alike."""
-    src, src_opt = build(3, {"nvme": True, "path": path, "params": True})
+    src, src_opt = build_offloaded(3, offload={"nvme": True, "path": path, "params": True})
     train_sharded(src, src_opt, batches(3, 1, world), rank, world)
     msd, osd = zf.get_state_dict(src, src_opt)
-    plain, plain_opt = build(3, None)
+    plain, plain_opt = build_offloaded(3)
     zf.set_state_dict(plain, plain_opt, msd, osd)
-    loaded = full_diff(zf.get_state_dict(src, src_opt, full=True),
-                       zf.get_state_dict(plain, plain_opt, full=True))
-    back, back_opt = build(3, {"nvme": True, "path": path, "params": True})
+    loaded = max(state_errors(zf.get_state_dict(src, src_opt, full=True),
+                              zf.get_state_dict(plain, plain_opt, full=True)))
+    back, back_opt = build_offloaded(3, offload={"nvme": True, "path": path, "params": True})
     zf.set_state_dict(back, back_opt, *zf.get_state_dict(plain, plain_opt))
     data = batches(2, 1, world, seed=9)
     for model, opt in ((src, src_opt), (plain, plain_opt), (back, back_opt)):
         train_sharded(model, opt, data, rank, world)
     want = zf.get_state_dict(plain, plain_opt, full=True)
-    return loaded, [full_diff(want, zf.get_state_dict(m, o, full=True))
+    return loaded, [max(state_errors(want, zf.get_state_dict(m, o, full=True)))
                     for m, o in ((src, src_opt), (back, back_opt))]
 
 
@@ -140,14 +129,7 @@ def test_nvme_params_state_dict_round_trip(tmp_path):
 
 
 def nvme_params_below_zero3(rank, world, path, stage):
-    _, model = make_models()
-    opt = make_optimizer("adamw", model.parameters())
-    try:
-        zf.compose(*(getattr(zf, n)() for n in STAGES[stage]),
-                   zf.offload("nvme", path=path, params=True))(model, opt)
-    except ValueError as e:
-        return str(e)
-    return None
+    return error_of(build_parity, stage, "adamw", zf.offload("nvme", path=path, params=True))
 
 
 @pytest.mark.parametrize("stage", [1, 2])

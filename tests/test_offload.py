@@ -10,31 +10,18 @@ import pytest
 import torch
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
-from test_parity import STAGES, max_errors, train_reference, train_sharded
+from support.compare import max_errors, state_errors, worst
+from support.errors import error_of
+from support.loops import build_parity, step_once, train_reference, train_sharded
+from support.models import batches, make_models, make_optimizer
+from support.offload import build_offloaded, sharded_state_locals
+from support.ranks import run_ranks
 from zerofn.runtime.runtime import runtime_of
 
 CONFIGS = [(1, "adamw", {}), (2, "adamw", {}), (3, "adamw", {}), (3, "adamw", {"params": True}),
            (2, "sgd", {}), (3, "sgd", {"params": True}), (3, "adam", {"params": True}),
            (1, "adamw", {"nvme": True}), (2, "adamw", {"nvme": True}), (3, "adam", {"nvme": True}),
            (3, "adamw", {"nvme": True, "units_in_flight": 1})]
-
-
-def offload_transform(opts):
-    opts = dict(opts)
-    if opts.pop("nvme", False):
-        return zf.offload("nvme", path=opts.pop("path"), **opts)
-    opts.pop("path", None)
-    return zf.offload("cpu", **opts)
-
-
-def build(stage, kind, offload=None, precision=None):
-    _, model = make_models()
-    opt = make_optimizer(kind, model.parameters())
-    extra = ([offload_transform(offload)] if offload is not None else []) + \
-        ([zf.mixed_precision(precision)] if precision else [])
-    return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), *extra)(model, opt)
 
 
 def offload_runs(rank, world, path):
@@ -45,20 +32,18 @@ def offload_runs(rank, world, path):
         ref, _ = make_models()
         ref_opt = make_optimizer(kind, ref.parameters())
         train_reference(ref, ref_opt, data)
-        plain, plain_opt = build(stage, kind)
-        off, off_opt = build(stage, kind, opts)
+        plain, plain_opt = build_offloaded(stage, kind)
+        off, off_opt = build_offloaded(stage, kind, opts)
         train_sharded(plain, plain_opt, data, rank, world, clip=0.05)
         train_sharded(off, off_opt, data, rank, world, clip=0.05)
         a = zf.get_state_dict(plain, plain_opt, full=True)
         b = zf.get_state_dict(off, off_opt, full=True)
-        vs_plain = max(max(worst(a[0][k] - b[0][k]) for k in a[0]),
-                       max(worst(v - b[1]["state"][f][k])
-                           for f, st in a[1]["state"].items() for k, v in st.items()
-                           if torch.is_tensor(v) and v.dim()))
-        out.append((vs_plain, off_opt.state_dict()["param_groups"] == plain_opt.state_dict()["param_groups"]))
+        same_groups = off_opt.state_dict()["param_groups"] == plain_opt.state_dict()["param_groups"]
+        out.append((max(state_errors(a, b)), same_groups))
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
 def test_offload_matches_the_run_without_it(world, tmp_path):
     """cpu and nvme, every stage: equal to the run without offload (CPU Adam vs torch)."""
@@ -72,13 +57,14 @@ def test_offload_matches_the_run_without_it(world, tmp_path):
 def offload_vs_pytorch(rank, world):
     ref, _ = make_models()
     ref_opt = make_optimizer("adamw", ref.parameters())
-    model, opt = build(3, "adamw", {"params": True})
+    model, opt = build_offloaded(3, "adamw", {"params": True})
     data = batches(5, 1, world)
     train_reference(ref, ref_opt, data)
     train_sharded(model, opt, data, rank, world)
     return max_errors(ref, ref_opt, model, opt)
 
 
+@pytest.mark.multirank
 def test_offload_matches_plain_pytorch():
     for p_err, s_err in run_ranks(2, offload_vs_pytorch):
         assert p_err < 1e-5 and s_err < 1e-5
@@ -100,12 +86,8 @@ def persistent_offload_runs(rank, world, path):
     out = {}
     for where in ("cpu", "nvme"):
         for case, below in PERSIST.items():
-            _, model = make_models()
-            opt = make_optimizer("adamw", model.parameters())
-            model, opt = zf.compose(zf.shard_optimizer(), zf.shard_grads(),
-                                    zf.shard_params(persist_below=below),
-                                    zf.offload(where, params=True,
-                                               path=path if where == "nvme" else None))(model, opt)
+            model, opt = build_parity(3, "adamw", zf.offload(
+                where, params=True, path=path if where == "nvme" else None), persist_below=below)
             train_sharded(model, opt, data, rank, world, clip=0.05)
             out[(where, case)] = (*unit_layout(model), max_errors(ref, ref_opt, model, opt))
     return out
@@ -121,6 +103,7 @@ def unit_layout(model) -> tuple[list[str], list[str]]:
             [u.name for u in sharded if any(p in persistent for p in u.module.parameters())])
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_parameter_offload_with_persistent_parameters_matches_plain_pytorch(world, tmp_path):
     for rank_out in run_ranks(world, persistent_offload_runs, str(tmp_path), timeout=300):
@@ -136,14 +119,13 @@ def where_state_lives(rank, world, path):
     out = {}
     for stage, opts in ((1, {}), (2, {}), (3, {}), (3, {"params": True}),
                         (2, {"nvme": True, "path": path}), (3, {"nvme": True, "path": path})):
-        model, opt = build(stage, "adamw", opts, precision=torch.bfloat16)
-        x, y = batches(1, 1, world)[0][0]
-        model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-        opt.step()
+        model, opt = build_offloaded(stage, "adamw", opts, precision=torch.bfloat16)
+        step_once(model, opt, rank, world)
         out[(stage, tuple(sorted(opts)))] = zf.model_state_bytes(model)
     return out
 
 
+@pytest.mark.multirank
 def test_device_holds_no_optimizer_state_under_offload(tmp_path):
     for by_config in run_ranks(2, where_state_lives, str(tmp_path)):
         for (stage, opts), mem in by_config.items():
@@ -161,15 +143,10 @@ def test_parameter_offload_needs_zero3():
 
 
 def nvme_fault(rank, world, path):
-    _, model = make_models()
-    try:
-        zf.compose(zf.shard_optimizer(), zf.offload("nvme", path=path))(
-            model, make_optimizer("adamw", model.parameters()))
-    except ValueError as e:
-        return str(e)
-    return None
+    return error_of(build_parity, 1, "adamw", zf.offload("nvme", path=path))
 
 
+@pytest.mark.multirank
 def test_nvme_path_faults_fail_at_set_up_on_every_rank(tmp_path):
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("")
@@ -188,6 +165,7 @@ def test_nvme_too_small_drive_is_named():
         "/tmp", 1, make_optimizer("sgd", model.parameters()))[0]
 
 
+@pytest.mark.multirank
 def test_swap_files_of_a_killed_run_do_not_break_the_next(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -200,7 +178,7 @@ def test_swap_files_of_a_killed_run_do_not_break_the_next(tmp_path):
 def offload_vs_pytorch_nvme(rank, world, path):
     ref, _ = make_models()
     ref_opt = make_optimizer("adamw", ref.parameters())
-    model, opt = build(2, "adamw", {"nvme": True, "path": path})
+    model, opt = build_offloaded(2, "adamw", {"nvme": True, "path": path})
     data = batches(3, 1, world)
     train_reference(ref, ref_opt, data)
     train_sharded(model, opt, data, rank, world)
@@ -209,12 +187,12 @@ def offload_vs_pytorch_nvme(rank, world, path):
 
 def offload_state_dicts(rank, world, path):
     """State moves cpu-offload -> nvme-offload -> plain, and training continues identically."""
-    src, src_opt = build(3, "adamw", {"params": True})
+    src, src_opt = build_offloaded(3, "adamw", {"params": True})
     train_sharded(src, src_opt, batches(3, 1, world), rank, world)
     msd, osd = zf.get_state_dict(src, src_opt)
     results = []
     for opts in ({"nvme": True, "path": path}, None):
-        dst, dst_opt = build(2, "adamw", opts)
+        dst, dst_opt = build_offloaded(2, "adamw", opts)
         zf.set_state_dict(dst, dst_opt, msd, osd)
         data = batches(2, 1, world, seed=9)
         results.append((dst, dst_opt, data))
@@ -224,13 +202,11 @@ def offload_state_dicts(rank, world, path):
     for dst, dst_opt, data in results:
         train_sharded(dst, dst_opt, data, rank, world)
         got = zf.get_state_dict(dst, dst_opt, full=True)
-        errs.append(max(max(worst(want[0][k] - got[0][k]) for k in want[0]),
-                        max(worst(v - got[1]["state"][f][k])
-                            for f, st in want[1]["state"].items() for k, v in st.items()
-                            if torch.is_tensor(v) and v.dim())))
+        errs.append(max(state_errors(want, got)))
     return errs
 
 
+@pytest.mark.multirank
 def test_state_dicts_move_between_offload_modes(tmp_path):
     for errs in run_ranks(2, offload_state_dicts, str(tmp_path)):
         assert errs[0] < 1e-6 and errs[1] < 1e-6, errs
@@ -248,50 +224,30 @@ def bf16_offload_runs(rank, world, path):
         runs = []
         params = {"params": True} if stage == 3 else {}
         for opts in (None, {}, params) + ((nvme, dict(nvme, **params)) if kind == "adamw" else ()):
-            model, opt = build(stage, kind, opts, precision=torch.bfloat16)
+            model, opt = build_offloaded(stage, kind, opts, precision=torch.bfloat16)
             train_sharded(model, opt, data, rank, world)
             runs.append(zf.get_state_dict(model, opt, full=True)[0])
         out[(kind, stage)] = max(max(worst(runs[0][k] - r[k]) for k in r) for r in runs[1:])
     return out
 
 
+@pytest.mark.multirank
 def test_bf16_offload_follows_bf16_without_offload(tmp_path):
     for by_stage in run_ranks(2, bf16_offload_runs, str(tmp_path)):
         for config, err in by_stage.items():
             assert err < 1e-6, (config, err)
 
 
-def sharded_state_locals(model, opt) -> dict[str, tuple[str, bool]]:
-    """Each sharded state-dict tensor's local shard: its device type, and whether it is a
-    view of the offload's host arenas (no copy made)."""
-    from torch.distributed.tensor import DTensor
-    spans = [(a.buffer.data_ptr(), a.buffer.data_ptr() + a.buffer.nbytes)
-             for a in runtime_of(model).offload.arenas()]
-    msd, osd = zf.get_state_dict(model, opt)
-    entries = {f"model.{k}": v for k, v in msd.items()}
-    entries.update({f"optim.{name}.{k}": v for name, st in osd["state"].items()
-                    for k, v in st.items()})
-    out = {}
-    for key, value in entries.items():
-        if isinstance(value, DTensor) and value.to_local().numel():
-            local = value.to_local()
-            out[key] = (local.device.type,
-                        any(lo <= local.data_ptr() < hi for lo, hi in spans))
-    return out
-
-
 def state_locals_runs(rank, world):
     out = {}
     for name, params in (("offload", False), ("offload params", True)):
-        _, model = make_models()
-        opt = make_optimizer("adamw", model.parameters())
-        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[3]),
-                                zf.offload("cpu", params=params))(model, opt)
+        model, opt = build_parity(3, "adamw", zf.offload("cpu", params=params))
         train_sharded(model, opt, batches(1, 1, world), rank, world)
         out[name] = sharded_state_locals(model, opt)
     return out
 
 
+@pytest.mark.multirank
 def test_sharded_state_dicts_under_offload_are_views_of_the_host_arenas():
     """Sharded state dicts hand out the host rows themselves (DCP saves and loads through
     them): no copy, and on a GPU no copy to the device (tests/test_cuda.py)."""

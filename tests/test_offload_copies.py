@@ -13,16 +13,19 @@ from collections import defaultdict
 
 import pytest
 import torch
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
-from test_offload import offload_transform
-from test_parity import STAGES
 
 import zerofn as zf
 import zerofn.runtime.runtime as runtime_module
+from support.compare import state_errors
+from support.loops import build_parity, train_sharded, zero
+from support.models import batches, make_models, make_optimizer
+from support.offload import offload_transform
+from support.ranks import run_ranks
 from zerofn.runtime.copies import CopyStreams
 from zerofn.runtime.pinned import page_locked
 from zerofn.runtime.runtime import runtime_of
+
+pytestmark = pytest.mark.multirank
 
 ACCUM, STEPS, CLIP = 3, 4, 0.05
 # (stage, optimizer, offload options, compute dtype)
@@ -108,28 +111,11 @@ def train(stage, kind, offload, dtype, data, rank, world, copies=CopyStreams, gr
     opt = make_optimizer(kind, model.parameters())
     extra = ([offload_transform(offload)] if offload is not None else []) + \
         ([zf.mixed_precision(dtype)] if dtype else [])
-    first, *rest = STAGES[stage]
     with copies_class(copies):
-        model, opt = zf.compose(getattr(zf, first)(group=group), *(getattr(zf, n)() for n in rest),
-                                *extra)(model, opt)
-    for micro in data:
-        for x, y in micro:
-            x, y = x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
-            loss = model(x, y) / len(micro)
-            opt.scale(loss).backward()
-        zf.clip_grad_norm_(model, CLIP)
-        opt.step()
-        opt.zero_grad()
+        model, opt = zf.compose(zero(stage, group=group), *extra)(model, opt)
+    data = [[(x.to(device), y.to(device)) for x, y in micro] for micro in data]
+    train_sharded(model, opt, data, rank, world, CLIP, scale=True)
     return zf.get_state_dict(model, opt, full=True), runtime_of(model)
-
-
-def state_diff(a, b) -> float:
-    """Largest difference between two full (model, optimizer) state dicts."""
-    diffs = [worst(a[0][k].float() - b[0][k].float()) for k in a[0]]
-    diffs += [worst(v.float() - b[1]["state"][f][k].float())
-              for f, st in a[1]["state"].items() for k, v in st.items()
-              if torch.is_tensor(v) and v.dim()]
-    return max(diffs)
 
 
 def deferred_runs(rank, world, path, configs):
@@ -141,8 +127,8 @@ def deferred_runs(rank, world, path, configs):
         synced, _ = train(stage, kind, opts, dtype, data, rank, world)
         deferred, rt = train(stage, kind, opts, dtype, data, rank, world, DeferredCopies)
         copies = rt.copies
-        out.append({"vs_plain": state_diff(plain, deferred),
-                    "vs_synced": state_diff(synced, deferred), "performed": copies.performed,
+        out.append({"vs_plain": max(state_errors(plain, deferred)),
+                    "vs_synced": max(state_errors(synced, deferred)), "performed": copies.performed,
                     "most_pending": copies.most_pending, "left": copies.pending(),
                     "stale": copies.stale})
     return out
@@ -181,7 +167,7 @@ def missing_wait_runs(rank, world, path):
         opts = dict(opts, path=path)
         synced, _ = train(stage, kind, opts, dtype, data, rank, world)
         broken, _ = train(stage, kind, opts, dtype, data, rank, world, skipping(wait))
-        out.append(state_diff(synced, broken))
+        out.append(max(state_errors(synced, broken)))
     return out
 
 
@@ -231,16 +217,9 @@ def unpinned_runs(rank, world, path):
     for stage, opts, dtype in ((1, {}, None), (2, {}, torch.bfloat16),
                                (3, {"params": True}, torch.bfloat16),
                                (3, {"nvme": True, "path": path, "params": True}, None)):
-        _, model = make_models()
-        opt = make_optimizer("adamw", model.parameters())
         extra = [zf.mixed_precision(dtype)] if dtype else []
-        model, opt = zf.compose(*(getattr(zf, n)() for n in STAGES[stage]),
-                                offload_transform(opts), *extra)(model, opt)
-        for micro in data:
-            for x, y in micro:
-                model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-            opt.step()
-            opt.zero_grad()
+        model, opt = build_parity(stage, "adamw", offload_transform(opts), *extra)
+        train_sharded(model, opt, data, rank, world)
         rt = runtime_of(model)
         assert not rt.copies.streaming
         arenas += rt.offload.arenas()
@@ -330,7 +309,7 @@ def _streamed_against_synced(config, path, data, rank, world, group, sleepy):
     # Page-locked as the driver sees each view's data, and as is_pinned() reports it
     # (runtime/pinned.py's [Note: what is page-locked]).
     pinned = all(page_locked(t) and t.is_pinned() for t in device_facing(rt) if t.numel())
-    return state_diff(synced, streamed), rt.copies.streaming, pinned
+    return max(state_errors(synced, streamed)), rt.copies.streaming, pinned
 
 
 def device_facing(rt) -> list[torch.Tensor]:
@@ -342,7 +321,7 @@ def device_facing(rt) -> list[torch.Tensor]:
     return list(store.grads.values()) + [store.updated_rows(u) for u in rt.units]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("sleepy", [False, True])
 def test_cuda_copy_streams_train_like_blocking_copies(monkeypatch, tmp_path, sleepy):
     """Bit for bit, in every offload configuration; with every copy and collective held

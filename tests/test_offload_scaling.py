@@ -5,47 +5,26 @@ deferred scaling]). Training equals the same run without offload, and an overflo
 rank still skips the step on all."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
-from test_parity import STAGES
+from support.compare import state_errors
+from support.loops import build_parity, train_sharded
+from support.models import batches
+from support.ranks import run_ranks
 from zerofn.runtime.runtime import runtime_of
+
+pytestmark = pytest.mark.multirank
 
 CLIP = 0.05
 
 
 def build(stage, offload, dtype=torch.float16, **precision):
-    _, model = make_models()
-    opt = make_optimizer("adamw", model.parameters())
+    """The parity model under ZeRO-``stage``, ``dtype`` mixed precision and (``offload``)
+    CPU offload."""
     extra = [zf.offload("cpu")] if offload else []
-    return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]),
-                      zf.mixed_precision(dtype, **precision), *extra)(model, opt)
-
-
-def train(model, opt, data, rank, world, inf_on=None):
-    """Accumulation and clipping; a rank named by ``inf_on`` (step, rank) sees an inf loss."""
-    norms = []
-    for step, micro in enumerate(data):
-        for x, y in micro:
-            loss = model(x.chunk(world)[rank], y.chunk(world)[rank]) / len(micro)
-            if inf_on == (step, rank):
-                loss = loss * float("inf")
-            opt.scale(loss).backward()
-        norms.append(float(zf.clip_grad_norm_(model, CLIP)))
-        opt.step()
-        opt.zero_grad()
-    return norms
-
-
-def state_errors(a, b) -> tuple[float, float]:
-    """Largest differences of params and of Adam state between two full state dicts."""
-    p_err = max(worst(a[0][k].float() - b[0][k].float()) for k in a[0])
-    s_err = max(worst(v - b[1]["state"][f][k])
-                for f, st in a[1]["state"].items() for k, v in st.items()
-                if torch.is_tensor(v) and v.dim())
-    return p_err, s_err
+    return build_parity(stage, "adamw", zf.mixed_precision(dtype, **precision), *extra)
 
 
 def scaled_runs(rank, world):
@@ -58,17 +37,18 @@ def scaled_runs(rank, world):
         runs = {}
         for offload in (False, True):
             model, opt = build(stage, offload, dtype=torch.float32, loss_scale=1024.0)
-            norms = train(model, opt, data, rank, world)
-            runs[offload] = (norms, zf.get_state_dict(model, opt, full=True))
+            norms = train_sharded(model, opt, data, rank, world, CLIP, scale=True)
+            runs[offload] = ([float(n) for n in norms], zf.get_state_dict(model, opt, full=True))
         fp32 = (runs[False][0], runs[True][0], state_errors(runs[False][1], runs[True][1]))
         fp16 = {}
         for offload in (False, True):
             model, opt = build(stage, offload, initial_scale_power=10, hysteresis=1)
-            norms = train(model, opt, data, rank, world, inf_on=(1, 1))
+            norms = train_sharded(model, opt, data, rank, world, CLIP, scale=True,
+                                  inf_on=(1, 1))
             scale = opt.state_dict()["zerofn_loss_scaler"]["scale"]
-            fp16[offload] = (norms, scale, {str(g.dtype) for g in
-                                            (runtime_of(model).offload.grads.values()
-                                             if offload else ())})
+            fp16[offload] = ([float(n) for n in norms], scale,
+                             {str(g.dtype) for g in (runtime_of(model).offload.grads.values()
+                                                     if offload else ())})
         out[stage] = (fp32, fp16)
     return out
 

@@ -7,43 +7,23 @@ import pytest
 import torch
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
-from test_accounting import padding_bound, step_once
-from test_parity import STAGES, train_reference
+from support.accounting import padding_bound
+from support.compare import TOL_BF16_VS_FP32, worst
+from support.fsdp2 import fsdp2_parity
+from support.loops import build_parity, step_once, train_reference, train_sharded, zero
+from support.models import batches, make_models, make_optimizer
+from support.ranks import run_ranks
 from zerofn.runtime.precision import LossScaler
 
 STEPS = 50
-# bf16 keeps 8 bits of mantissa: over 50 AdamW steps at lr 1e-3 the bf16 run drifts from the
-# fp32 one by a few 1e-3 (measured: 2.6e-3). FSDP2 casts the same way (bf16 params and
-# all-gather, fp32 reduction, fp32 masters), and zerofn then matches it bit for bit.
-TOL_FP32 = 1e-2
-
-
-def mp_transform(stage, dtype=torch.bfloat16, **opts):
-    return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), zf.mixed_precision(dtype, **opts))
-
-
-def train(model, opt, data, rank, world, scale=False):
-    for micro in data:
-        x, y = micro[0]
-        loss = model(x.chunk(world)[rank], y.chunk(world)[rank])
-        (opt.scale(loss) if scale else loss).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def fsdp2_params(rank, world, data):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    _, model = make_models(frozen=False)
-    mesh = init_device_mesh("cpu", (world,))
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    opt = make_optimizer("adamw", model.parameters())
-    train(model, opt, data, rank, world)
+    model, opt = fsdp2_parity(init_device_mesh("cpu", (world,)), policy=policy, frozen=False)
+    train_sharded(model, opt, data, rank, world)
     # buffers stay plain tensors under FSDP2; parameters are DTensors
     return {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in model.state_dict().items()}
 
@@ -56,20 +36,20 @@ def bf16_runs(rank, world):
     fsdp2 = fsdp2_params(rank, world, data)
     out = {}
     for stage in (1, 2, 3):
-        _, model = make_models(frozen=False)
-        opt = make_optimizer("adamw", model.parameters())
-        model, opt = mp_transform(stage, reduce_dtype=torch.float32)(model, opt)
-        train(model, opt, data, rank, world)
+        model, opt = build_parity(stage, "adamw", zf.mixed_precision(
+            torch.bfloat16, reduce_dtype=torch.float32), frozen=False)
+        train_sharded(model, opt, data, rank, world)
         msd, _ = zf.get_state_dict(model, opt, full=True)
         out[stage] = (max(worst(msd[k] - v) for k, v in ref.state_dict().items()),
                       max(worst(msd[k] - v) for k, v in fsdp2.items()))
     return out
 
 
+@pytest.mark.multirank
 def test_bf16_follows_fp32_and_matches_fsdp2():
     for by_stage in run_ranks(2, bf16_runs, timeout=400):
         for stage, (vs_fp32, vs_fsdp2) in by_stage.items():
-            assert vs_fp32 < TOL_FP32, (stage, vs_fp32)
+            assert vs_fp32 < TOL_BF16_VS_FP32, (stage, vs_fp32)
             assert vs_fsdp2 == 0.0, (stage, vs_fsdp2)
 
 
@@ -77,32 +57,25 @@ def overflow_on_one_rank(rank, world):
     """An inf in rank 1's loss skips the step on every rank and leaves all state untouched."""
     out = {}
     for stage in (1, 2, 3):
-        _, model = make_models()
-        opt = make_optimizer("adamw", model.parameters())
-        model, opt = mp_transform(stage, torch.float16, initial_scale_power=8, hysteresis=1)(model, opt)
+        model, opt = build_parity(stage, "adamw", zf.mixed_precision(
+            torch.float16, initial_scale_power=8, hysteresis=1))
         data = batches(3, 1, world)
-        train(model, opt, data[:1], rank, world, scale=True)
+        train_sharded(model, opt, data[:1], rank, world, scale=True)
         before = zf.get_state_dict(model, opt, full=True)
-        x, y = data[1][0]
-        loss = model(x.chunk(world)[rank], y.chunk(world)[rank])
-        if rank == 1:
-            loss = loss * float("inf")
-        opt.scale(loss).backward()
-        zf.clip_grad_norm_(model, 1.0)
-        opt.step()
-        opt.zero_grad()
+        train_sharded(model, opt, data[1:2], rank, world, 1.0, scale=True, inf_on=(0, 1))
         after = zf.get_state_dict(model, opt, full=True)
         same = all(torch.equal(before[0][k], after[0][k]) for k in before[0]) and all(
             torch.equal(torch.as_tensor(v), torch.as_tensor(after[1]["state"][f][k]))
             for f, st in before[1]["state"].items() for k, v in st.items())
         scale_after_skip = opt.state_dict()["zerofn_loss_scaler"]["scale"]
-        train(model, opt, data[2:], rank, world, scale=True)   # and training goes on
+        train_sharded(model, opt, data[2:], rank, world, scale=True)   # and training goes on
         moved = any(not torch.equal(before[0][k], zf.get_state_dict(model, opt, full=True)[0][k])
                     for k in before[0])
         out[stage] = (same, scale_after_skip, moved)
     return out
 
 
+@pytest.mark.multirank
 def test_overflow_skips_the_step_on_every_rank():
     for by_stage in run_ranks(2, overflow_on_one_rank):
         for stage, (same, scale, moved) in by_stage.items():
@@ -147,13 +120,14 @@ def bf16_bytes(rank, world):
         _, model = make_models(frozen=False)
         psi, pad = sum(p.numel() for p in model.parameters()), padding_bound(model, world)
         opt = make_optimizer("adamw", model.parameters())
-        model, opt = mp_transform(stage)(model, opt)
+        model, opt = zf.compose(zero(stage), zf.mixed_precision(torch.bfloat16))(model, opt)
         step_once(model, opt, rank, world)   # gradients and optimizer state now exist
         out[stage] = (zf.model_state_bytes(model)["cpu"],
                       zf.estimate_model_state_bytes(psi, world, stage), pad, len(opt.state))
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
 def test_bf16_model_state_bytes_match_formulas(world):
     """2Ψ params, 2Ψ grads, 12Ψ master + Adam state, divided by N where the stage shards."""
@@ -186,7 +160,7 @@ def scaler_through_checkpoint(rank, world, path):
     opt = make_optimizer("adamw", model.parameters())
     model, opt = zf.compose(zf.shard_params(), zf.mixed_precision(torch.float16),
                             zf.offload("nvme", path=path))(model, opt)
-    train(model, opt, batches(4, 1, world), rank, world, scale=True)
+    train_sharded(model, opt, batches(4, 1, world), rank, world, scale=True)
     saved = opt.state_dict()["zerofn_loss_scaler"]
     save_checkpoint(path + "/ckpt", model, opt, step=4)
     want = zf.get_state_dict(model, opt, full=True)
@@ -202,6 +176,7 @@ def scaler_through_checkpoint(rank, world, path):
     return same, saved, fresh_opt.state_dict()["zerofn_loss_scaler"]
 
 
+@pytest.mark.multirank
 def test_loss_scale_and_offloaded_state_survive_a_checkpoint(tmp_path):
     for same, saved, loaded in run_ranks(2, scaler_through_checkpoint, str(tmp_path)):
         assert same
@@ -211,18 +186,17 @@ def test_loss_scale_and_offloaded_state_survive_a_checkpoint(tmp_path):
 def fp16_defaults(rank, world):
     """DeepSpeed's defaults (2**16, hysteresis 2): the first steps overflow, the scale backs
     off, and training then proceeds, identically on every rank."""
-    _, model = make_models()
-    opt = make_optimizer("adamw", model.parameters())
-    model, opt = mp_transform(3, torch.float16)(model, opt)
+    model, opt = build_parity(3, "adamw", zf.mixed_precision(torch.float16))
     before = zf.get_state_dict(model, opt, full=True)[0]
     scales = []
     for micro in batches(8, 1, world):
-        train(model, opt, [micro], rank, world, scale=True)
+        train_sharded(model, opt, [micro], rank, world, scale=True)
         scales.append(opt.state_dict()["zerofn_loss_scaler"]["scale"])
     after = zf.get_state_dict(model, opt, full=True)[0]
     return scales, any(not torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.multirank
 def test_fp16_default_scale_backs_off_then_trains():
     results = run_ranks(2, fp16_defaults)
     assert results[0] == results[1]

@@ -22,9 +22,12 @@ import torch.distributed as dist
 import zerofn as zf
 import zerofn.io.pretrained.load as pretrained_load
 import zerofn.io.pretrained.save as pretrained_save
-from models import ParityGPT, batches, make_models, make_optimizer, worst
-from multiproc import run_ranks
-from test_parity import STAGES, train_sharded, transform
+from support.compare import worst
+from support.errors import expect_error
+from support.loops import train_sharded, zero
+from support.memory import WIDTH, Stack, peak_rise_over
+from support.models import ParityGPT, batches, make_models, make_optimizer
+from support.ranks import run_ranks
 
 
 
@@ -55,8 +58,7 @@ def llama(seed: int, tie: bool = True, meta: bool = False):
 
 def zero_transform(stage: int, bf16=False, offload=None, path=None, init=None):
     """``init``: how the transforms initialize a meta-built model (a shared option)."""
-    parts = [getattr(zf, name)() for name in STAGES[stage][1:]]
-    parts.insert(0, getattr(zf, STAGES[stage][0])(**({"init": init} if init else {})))
+    parts = [zero(stage, **({"init": init} if init else {}))]
     if bf16:
         parts.append(zf.mixed_precision(torch.bfloat16))
     if offload == "cpu":
@@ -220,6 +222,8 @@ def check_saved(out: str, shard_size: str, dtype, trained: dict, logits, bf16: b
         assert err <= LOGITS_TOL[want], (out, err)
 
 
+@pytest.mark.hf
+@pytest.mark.multirank
 def test_round_trip_every_stage_precision_and_offload(tmp_path):
     src = str(tmp_path / "src")
     llama(seed=0).save_pretrained(src, max_shard_size="30KB")   # transformers' sharded layout
@@ -246,18 +250,10 @@ class BrokenConfig:
         raise OSError("disk full")
 
 
-def expect_raises(error, fn, *args, **kw) -> str:
-    try:
-        fn(*args, **kw)
-    except error as e:
-        return str(e)
-    raise AssertionError(f"{fn.__name__} did not raise {error.__name__}")
-
-
 def plain_files(rank, world, root):
     """ParityGPT (an integer buffer, a frozen and a tied parameter, a 3-row parameter)
     through a consolidated checkpoint, errors, rename and a failing save."""
-    model, opt = transform(3)(*_parity())
+    model, opt = zero(3)(*_parity())
     train_sharded(model, opt, batches(2, 1, world), rank, world)
     want, _ = zf.get_state_dict(model, opt, full=True)
     zf.save_checkpoint(os.path.join(root, "ckpt"), model, opt, step=2)
@@ -267,7 +263,7 @@ def plain_files(rank, world, root):
         to_full(os.path.join(root, "ckpt"), full)
     dist.barrier()
     out = {}
-    fresh, fresh_opt = transform(3, persist_below=200)(*_parity(seed=9))   # whole small params
+    fresh, fresh_opt = zero(3, persist_below=200)(*_parity(seed=9))   # whole small params
     zf.load_pretrained(fresh, full)
     got, _ = zf.get_state_dict(fresh, fresh_opt, full=True)
     out["consolidated_err"] = max(worst(got[k] - v) for k, v in want.items())
@@ -275,7 +271,7 @@ def plain_files(rank, world, root):
     # save_pretrained of a plain model, read back with rename
     saved = os.path.join(root, "saved")
     zf.save_pretrained(model, saved, max_shard_size=3000)
-    renamed, renamed_opt = transform(2)(*_parity(seed=11))
+    renamed, renamed_opt = zero(2)(*_parity(seed=11))
     keys = zf.load_pretrained(renamed, saved, rename=lambda k: k)
     got, _ = zf.get_state_dict(renamed, renamed_opt, full=True)
     out["saved_err"] = max(worst(got[k] - v) for k, v in want.items())
@@ -298,12 +294,12 @@ def plain_files(rank, world, root):
         save_file({("net." + k): v for k, v in sd.items()}, other)
     dist.barrier()
     strip = {("net." + k): k for k in want}
-    out["strict"] = expect_raises(ValueError, zf.load_pretrained, fresh, other, rename=strip)
-    out["lenient"] = expect_raises(ValueError, zf.load_pretrained, fresh, other, rename=strip,
-                                   strict=False)
-    out["no_rename"] = expect_raises(ValueError, zf.load_pretrained, fresh, saved,
-                                     rename=lambda k: "x." + k)
-    out["absent"] = expect_raises(ValueError, zf.load_pretrained, fresh, os.path.join(root, "no"))
+    out["strict"] = expect_error((), zf.load_pretrained, fresh, other, rename=strip)
+    out["lenient"] = expect_error((), zf.load_pretrained, fresh, other, rename=strip,
+                                  strict=False)
+    out["no_rename"] = expect_error((), zf.load_pretrained, fresh, saved,
+                                    rename=lambda k: "x." + k)
+    out["absent"] = expect_error((), zf.load_pretrained, fresh, os.path.join(root, "no"))
     skip_wrong = {**strip, "net.blocks.0.fc.weight": None}
     lenient = zf.load_pretrained(fresh, other, rename=lambda k: skip_wrong.get(k, k),
                                  strict=False)
@@ -312,7 +308,7 @@ def plain_files(rank, world, root):
     # a save that fails at the end leaves the old directory as it was, on every rank
     model.config = BrokenConfig()
     before = sorted(os.listdir(saved))
-    out["broken"] = expect_raises(OSError, zf.save_pretrained, model, saved)
+    out["broken"] = expect_error((), zf.save_pretrained, model, saved, error=OSError)
     out["intact"] = (sorted(os.listdir(saved)), before)
     out["tmp_gone"] = not any(n.startswith(".saved") for n in os.listdir(root))
     del model.config
@@ -338,6 +334,7 @@ def _parity(seed: int = 0):
     return model, make_optimizer("adamw", model.parameters())
 
 
+@pytest.mark.multirank
 def test_consolidated_files_errors_and_atomic_saves(tmp_path):
     results = run_ranks(2, plain_files, str(tmp_path))
     for rank, r in enumerate(results):
@@ -360,8 +357,7 @@ def test_consolidated_files_errors_and_atomic_saves(tmp_path):
 def test_shard_sizes_and_untransformed_models():
     with pytest.raises(ValueError, match="max_shard_size"):
         pretrained_save._shard_bytes("5 parsecs")
-    assert pretrained_save._shard_bytes("2GiB") == 2 * 2**30
-    assert pretrained_save._shard_bytes("5GB") == 5e9
+    assert pretrained_save._shard_bytes("2GiB") == 2 * 2**30 and pretrained_save._shard_bytes("5GB") == 5e9
     assert pretrained_save._shard_bytes(123) == 123
     with pytest.raises(ValueError, match="has not been transformed"):
         zf.save_pretrained(ParityGPT(), "x")
@@ -369,25 +365,24 @@ def test_shard_sizes_and_untransformed_models():
 
 # -- memory: a save holds one unit, a load touches this rank's rows -----------------------
 def save_big(rank, world, root):
-    from test_nvme_memory import Stack, peak_rise_over
     torch.manual_seed(0)
     model = Stack()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, opt = transform(3)(model, opt)
+    model, opt = zero(3)(model, opt)
     out = os.path.join(root, "big")
     rise = peak_rise_over(lambda: zf.save_pretrained(model, out, max_shard_size="100MB"), 1)
     total = sum(p.numel() for p in model.parameters()) * 4
     torch.manual_seed(1)
     fresh = Stack()
-    fresh, _ = transform(3)(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-4))
+    fresh, _ = zero(3)(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-4))
     load_rise = peak_rise_over(lambda: zf.load_pretrained(fresh, out), 1)
     same = all(torch.equal(a.to_local(), b.to_local())
                for a, b in zip(model.parameters(), fresh.parameters()))
     return rise, total, sorted(os.listdir(out)), load_rise, same
 
 
+@pytest.mark.multirank
 def test_save_holds_one_unit_and_load_reads_a_share(tmp_path):
-    from test_nvme_memory import WIDTH
     unit = (WIDTH * WIDTH + WIDTH) * 4                  # one Linear: the largest unit
     for rank, (rise, total, files, load_rise, same) in enumerate(
             run_ranks(2, save_big, str(tmp_path))):

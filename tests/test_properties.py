@@ -13,10 +13,10 @@ What is checked per example (fp32 and fp64 within 1e-5, bf16 blocks within their
 rounding, as tests/test_parity.py compares): the set-up outcome against what the spec
 predicts (refusals: 0-dim parameters, a unit mixing dtypes, NVMe without Adam or with
 float64 parameters, parameter offload below ZeRO-3); which unit every parameter lands
-in, against the documented rules (odd_models.expected_units); for meta-built models, the
-materialized state against eager construction + the same init, bit for bit; and after a
-few steps, parameters, buffers and optimizer state against plain single-process PyTorch
-on the same global batch.
+in, against the documented rules (support/odd_models.py's expected_units); for
+meta-built models, the materialized state against eager construction + the same init,
+bit for bit; and after a few steps, parameters, buffers and optimizer state against
+plain single-process PyTorch on the same global batch.
 """
 from __future__ import annotations
 
@@ -35,13 +35,17 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor
 
 import zerofn as zf
-from models import worst
-from multiproc import run_ranks
-from odd_models import WIDTH, OddNet, block_paths, expected_units, odd_init, runs
+from support import SLOW
+from support.compare import worst
+from support.loops import zero
+from support.models import make_optimizer
+from support.odd_models import WIDTH, OddNet, block_paths, expected_units, odd_init, runs
+from support.ranks import run_ranks
 from zerofn.runtime.runtime import runtime_of
 from zerofn.state_dict import get_model_state_dict
 
-SLOW = os.environ.get("ZEROFN_SLOW") == "1"
+pytestmark = pytest.mark.multirank
+
 EXAMPLES = int(os.environ.get("ZEROFN_HYPOTHESIS_EXAMPLES", "32" if SLOW else "8"))
 SEED = int(os.environ.get("ZEROFN_HYPOTHESIS_SEED", "0"))
 STEPS = 3
@@ -49,8 +53,6 @@ STEPS = 3
 # 6x6 projections, which leaves the root unit without parameters; 10**6 keeps every
 # parameter whole, as a DeepSpeed example's persistence threshold does to a small model.
 PERSIST_BELOW = [0, 0, 7, 37, 10**6]
-STAGES = {1: ("shard_optimizer",), 2: ("shard_optimizer", "shard_grads"),
-          3: ("shard_optimizer", "shard_grads", "shard_params")}
 # (absolute, relative to the tensor's largest magnitude). A bf16 block reduces its
 # gradients in bf16, and its backward on a rank's slice of the batch rounds otherwise than
 # on the whole batch, which reaches every parameter before it: in a model with one, every
@@ -190,17 +192,9 @@ def build(spec: dict, meta: bool) -> OddNet:
     return model.apply(odd_init)
 
 
-def make_optimizer(spec: dict, model) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad or spec["frozen_in_opt"]]
-    if spec["groups"]:
-        params = [{"params": params[::2]},
-                  {"params": params[1::2], "lr": 3e-4, "weight_decay": 0.0}]
-    kind = spec["optimizer"]
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=1e-3, weight_decay=0.01)
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
+def optimizer_of(spec: dict, model) -> torch.optim.Optimizer:
+    return make_optimizer(spec["optimizer"], model.parameters(), spec["groups"],
+                          frozen=spec["frozen_in_opt"], sgd_lr=0.05)
 
 
 def unit_policy(spec: dict, model):
@@ -221,15 +215,13 @@ def transform(spec: dict, model, tmp: str):
             if spec["units_in_flight"] else {}
         extra.append(zf.offload(where, params=bool(params),
                                 path=tmp if where == "nvme" else None, **in_flight))
-    names = STAGES[spec["stage"]]
     options = {"units": unit_policy(spec, model)}
     if spec["meta"]:
         options["init"] = odd_init
     if spec["stage"] == 3:
         options["persist_below"] = spec["persist_below"]
     options.update({k: spec[k] for k in ("bucket_size", "prefetch") if spec[k] is not None})
-    return zf.compose(*(getattr(zf, n)() for n in names[:-1]),
-                      getattr(zf, names[-1])(**options), *extra)
+    return zf.compose(zero(spec["stage"], **options), *extra)
 
 
 def predicted_refusals(spec: dict, model, expect: dict) -> list[str]:
@@ -387,7 +379,7 @@ def run_example(rank: int, world: int, spec: dict) -> dict:
     model = build(spec, meta=spec["meta"])
     expect = expected_units(model, unit_policy(spec, model), spec["persist_below"])
     report = {"predicted": predicted_refusals(spec, model, expect), "error": None}
-    ref_opt, opt = make_optimizer(spec, ref), make_optimizer(spec, model)
+    ref_opt, opt = optimizer_of(spec, ref), optimizer_of(spec, model)
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(spec["seed"] + 1)     # a meta-built model is initialized from it
         try:
@@ -583,7 +575,7 @@ def train_on_some_ranks(rank: int, world: int, options: list[dict]) -> list[list
         ref = UsedOnSomeRanks()
         model = UsedOnSomeRanks()
         model.load_state_dict(ref.state_dict())
-        ref_opt, opt = make_optimizer(opt_spec, ref), make_optimizer(opt_spec, model)
+        ref_opt, opt = optimizer_of(opt_spec, ref), optimizer_of(opt_spec, model)
         with tempfile.TemporaryDirectory() as tmp:
             model, opt = transform(opt_spec, model, tmp)(model, opt)
             g = torch.Generator().manual_seed(1)

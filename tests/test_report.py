@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import zerofn as zf
-from multiproc import run_ranks
-from test_tensorboard import CONFIG, build, train_step
+from support.ranks import run_ranks
+from support.tensorboard_runs import CONFIG, build, train_step
 from zerofn import cli, report
 
 matplotlib = pytest.importorskip("matplotlib")   # an optional dependency, as in the docs
@@ -36,6 +36,7 @@ def logdir(tmp_path_factory):
     return root
 
 
+@pytest.mark.multirank
 def test_report_writes_readable_pngs(logdir, capsys):
     assert cli.main(["report", logdir]) == 0
     printed = capsys.readouterr().out.split()
@@ -49,6 +50,7 @@ def test_report_writes_readable_pngs(logdir, capsys):
         assert image.std() > 0.05          # drawn on, not blank
 
 
+@pytest.mark.multirank
 def test_plots_show_the_logged_series(logdir):
     runs = report.load(logdir)
     assert [r.name for r in runs] == ["rank0", "rank1"]

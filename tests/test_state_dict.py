@@ -3,35 +3,23 @@ from __future__ import annotations
 
 import itertools
 
-import torch
-import torch.distributed as dist
+import pytest
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
 import zerofn as zf
-from models import batches, make_models, make_optimizer
-from multiproc import run_ranks
-from test_parity import train_sharded, transform
+from support.compare import assert_same_state
+from support.loops import build_parity, train_sharded
+from support.models import batches, make_models
+from support.ranks import run_ranks
+
+pytestmark = pytest.mark.multirank
 
 
 def trained(rank, world, stage, kind="adamw", steps=3, seed=0):
-    _, model = make_models(seed=seed)
-    opt = make_optimizer(kind, model.parameters())
-    model, opt = transform(stage)(model, opt)
+    model, opt = build_parity(stage, kind, seed=seed)
     train_sharded(model, opt, batches(steps, 1, world), rank, world)
     return model, opt
-
-
-def assert_same_state(a, b):
-    (ma, oa), (mb, ob) = a, b
-    assert ma.keys() == mb.keys()
-    for k in ma:
-        assert torch.equal(ma[k], mb[k]), k
-    assert oa["state"].keys() == ob["state"].keys()
-    for fqn, st in oa["state"].items():
-        for k, v in st.items():
-            assert torch.equal(torch.as_tensor(v), torch.as_tensor(ob["state"][fqn][k])), (fqn, k)
-    assert oa["param_groups"] == ob["param_groups"]
 
 
 def cross_stage(rank, world):
@@ -100,10 +88,7 @@ def test_dcp_round_trip_between_stages(tmp_path):
 def placed(rank, world):
     """A ZeRO-3 + offload(params=True) model's full state dict placed on one device: the
     meta device, which no tensor of zerofn's lies on by itself."""
-    _, model = make_models()
-    opt = make_optimizer("adamw", model.parameters())
-    model, opt = zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(),
-                            zf.offload("cpu", params=True))(model, opt)
+    model, opt = build_parity(3, "adamw", zf.offload("cpu", params=True))
     train_sharded(model, opt, batches(1, 1, world), rank, world)
     msd, osd = zf.get_state_dict(model, opt, full=True, device="meta")
     state = {k: v.device.type for st in osd["state"].values() for k, v in st.items()}

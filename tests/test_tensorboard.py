@@ -15,49 +15,12 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import zerofn as zf
-from multiproc import run_ranks
+from support.plans import plan_of
+from support.ranks import run_ranks
+from support.tensorboard_runs import CONFIG, build, read, scalars, text, train_step
 from zerofn.deepspeed.config import DeepSpeedConfigWarning
-from zerofn.nanogpt import GPT, GPTConfig
-from zerofn.core.plan import Plan
-
-# Large enough that a step's phases dwarf the loop's own few lines between them.
-CONFIG = GPTConfig(vocab=256, width=96, heads=4, ffn=384, layers=3, context=64)
-
-
-def read(path: str) -> EventAccumulator:
-    return EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0}).Reload()
-
-
-def scalars(acc: EventAccumulator, tag: str) -> dict[int, float]:
-    return {e.step: e.value for e in acc.Scalars(tag)}
-
-
-def text(acc: EventAccumulator, tag: str) -> str:
-    return acc.Tensors(f"{tag}/text_summary")[0].tensor_proto.string_val[0].decode()
-
-
-def build(transforms, seed: int = 0):
-    torch.manual_seed(seed)
-    model = GPT(CONFIG)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return zf.compose(*transforms)(model, opt)
-
-
-def batch(rank: int, step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, CONFIG.vocab, (4, CONFIG.context), generator=g)
-
-
-def train_step(model, opt, rank: int, step: int, fp16: bool = False) -> torch.Tensor:
-    x = batch(rank, step)
-    loss = model(x, x)
-    (opt.scale(loss) if fp16 else loss).backward()
-    zf.clip_grad_norm_(model, 1.0)
-    opt.step()
-    return loss.detach()
 
 
 # -- what is written ------------------------------------------------------------------------
@@ -78,6 +41,7 @@ def logged_run(rank, world, root):
     return losses, comm, memory
 
 
+@pytest.mark.multirank
 def test_event_files_hold_what_the_run_did(tmp_path):
     root = str(tmp_path)
     results = run_ranks(2, logged_run, root)
@@ -171,6 +135,7 @@ def counted_syncs(rank, world, root):
     return per_step
 
 
+@pytest.mark.multirank
 def test_steps_that_do_not_log_add_no_synchronization(tmp_path):
     for per_step in run_ranks(2, counted_syncs, str(tmp_path)):
         off, on = per_step["off"], per_step["on"]
@@ -201,6 +166,7 @@ PER_UNIT = ["gather[forward]", "gather[backward]", "gather_wait", "reduce", "red
             "cpu_adam", "d2h", "h2d", "nvme_read", "nvme_write"]
 
 
+@pytest.mark.multirank
 def test_traces_label_every_phase_per_unit(tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()
@@ -239,6 +205,7 @@ def refusals(rank, world, root):
     return out
 
 
+@pytest.mark.multirank
 def test_bad_options_and_values_are_refused(tmp_path):
     ranks, snapshot, shape, kind, builtin = run_ranks(1, refusals, str(tmp_path))[0]
     assert "there are only 1 ranks" in ranks
@@ -255,13 +222,7 @@ def test_bad_options_and_values_are_refused(tmp_path):
         build([zf.tensorboard("logs")])
 
 
-def plan_of(transform) -> Plan:
-    plan = Plan()
-    for edit in transform._edits:
-        plan = edit(plan)
-    return plan
-
-
+@pytest.mark.deepspeed
 def test_deepspeed_monitoring_sections_become_tensorboard():
     batch_size = {"train_batch_size": 8}
     with warnings.catch_warnings():
@@ -294,6 +255,7 @@ def test_deepspeed_monitoring_sections_become_tensorboard():
 
 
 # -- the main job ------------------------------------------------------------------------------
+@pytest.mark.multirank
 def test_train_job_logs_its_loss(tmp_path):
     logs = tmp_path / "tb"
     cmd = [sys.executable, "-m", "zerofn", "train", "--nproc", "1", "--model", "tiny",

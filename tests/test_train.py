@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import zerofn as zf
-from multiproc import run_ranks
+from support.ranks import run_ranks
 from zerofn import train
 from zerofn.deepspeed.schedulers import SCHEDULERS
 from zerofn.nanogpt import GPT, PRESETS
@@ -81,6 +81,8 @@ CONFIG = {
 }
 
 
+@pytest.mark.deepspeed
+@pytest.mark.multirank
 def test_config_file_with_offload_and_bf16_and_flags_over_it(tmp_path):
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(CONFIG))
@@ -106,6 +108,7 @@ def test_config_file_with_offload_and_bf16_and_flags_over_it(tmp_path):
     assert re.search(r"device \(cpu\) \S+ MiB \(params 0.0 MiB", measured), measured
 
 
+@pytest.mark.multirank
 def test_compiled_job_prints_the_uncompiled_curve():
     """--compile BACKEND: torch.compile over the sharded model (aot_eager here: inductor's
     kernels round differently), the same losses, rates and norms step for step."""
@@ -115,6 +118,7 @@ def test_compiled_job_prints_the_uncompiled_curve():
     assert curve(compiled) == curve(run_job("--log-every", "1", steps=4))
 
 
+@pytest.mark.multirank
 def test_nvme_offload_with_fp16_loss_scaling_on_cpu(tmp_path):
     out = run_job("--stage", "1", "--precision", "fp16", "--offload", "nvme",
                   "--nvme-path", str(tmp_path))
@@ -133,6 +137,7 @@ def test_nvme_offload_with_fp16_loss_scaling_on_cpu(tmp_path):
 RESUMED = ["--stage", "2", "--grad-accum", "2", "--activation-checkpointing"]
 
 
+@pytest.mark.multirank
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     # --resume on an empty save dir starts afresh (load_checkpoint returns None).
@@ -201,12 +206,15 @@ REFUSED = {
 }
 
 
+@pytest.mark.multirank
 def test_unrunnable_settings_are_refused_on_every_rank():
     for messages in run_ranks(2, refusals, list(REFUSED.values())):
         for expected, message in zip(REFUSED, messages):
             assert message is not None and expected in message, (expected, message)
 
 
+@pytest.mark.deepspeed
+@pytest.mark.multirank
 def test_config_values_yield_to_explicit_flags(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps(CONFIG))
@@ -267,6 +275,7 @@ def first_run(rank, world, root):
     return results, unchanged, error
 
 
+@pytest.mark.multirank
 def test_load_checkpoint_returns_none_where_there_is_no_checkpoint_yet(tmp_path):
     for results, unchanged, error in run_ranks(2, first_run, str(tmp_path)):
         assert results == {"missing": None, "empty": None, "unfinished": None}

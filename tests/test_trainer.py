@@ -16,12 +16,14 @@ import torch
 import torch._dynamo
 
 import zerofn as zf
-from multiproc import run_ranks
-from test_hf_models import build
-from test_parity import TOL
+from support.compare import TOL
+from support.ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")
+from support.hf_models import build  # noqa: E402 (needs transformers)
 from zerofn.integrations.transformers import ZeroTrainer  # noqa: E402 (needs transformers)
+
+pytestmark = pytest.mark.hf
 
 ROWS, SEQ, VOCAB = 24, 10, 97     # ids fit both test models
 STEPS, SAVE_AT = 6, 3
@@ -114,6 +116,7 @@ def zero_trainer(rank, world, root):
                 lr_steps=resumed.lr_scheduler.last_epoch, eval_loss=eval_loss)
 
 
+@pytest.mark.multirank
 def test_zero3_trainer_follows_trainer_and_resumes_exactly(tmp_path):
     losses, norms, want, eval_loss = run_ranks(1, plain_trainer, str(tmp_path / "plain"))[0]
     results = run_ranks(2, zero_trainer, str(tmp_path), timeout=400)
@@ -165,6 +168,7 @@ def fp16_offload(rank, world, out):
             rt.offload.cpu_adam and rt.offload.decoupled, moved)
 
 
+@pytest.mark.multirank
 def test_fp16_loss_scaling_is_zerofns(tmp_path):
     scale, lr_steps, steps, cpu_adamw, moved = run_ranks(1, fp16_offload, str(tmp_path))[0]
     skipped = steps - lr_steps
@@ -192,6 +196,7 @@ def compiled_trainer(rank, world, root):
     return out
 
 
+@pytest.mark.multirank
 def test_torch_compile_is_honoured_and_trains_as_uncompiled(tmp_path):
     """Trainer's torch_compile=True compiles the sharded model (accelerate compiles only a
     model it prepares, which ZeroTrainer's is not)."""

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-from tests.models import batches, make_models
+from support.models import batches, make_models
 
 FAULT_STEP = 2
 

@@ -245,8 +245,8 @@ def parity_rank(rank, world, device: str, configs) -> list[tuple[float, float]]:
     import torch
 
     import zerofn as zf
-    from models import batches, make_models, make_optimizer
-    from test_parity import STAGES, train_reference, train_sharded
+    from support.models import batches, make_models, make_optimizer
+    from support.loops import STAGES, train_reference, train_sharded
     if device == "cuda":
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -280,7 +280,7 @@ def _state_errors(ref, ref_opt, msd, osd) -> tuple[float, float]:
 def parity(worlds, device: str, configs=PARITY_CONFIGS, timeout: float = 600) -> dict:
     """Each world's ranks (killed after ``timeout`` seconds) against plain PyTorch."""
     sys.path[:0] = [p for p in (TESTS, TOOLS) if p not in sys.path]
-    from multiproc import run_ranks
+    from support.ranks import run_ranks
     figures, lines, ok = {}, [], True
     for world in worlds:
         per_rank = run_ranks(world, parity_rank, device, configs, timeout=timeout)

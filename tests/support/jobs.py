@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAULTY = os.path.join(ROOT, "tests", "faulty_train.py")
 STEPS = 6
 JOB = ["--model", "tiny", "--layers", "2", "--steps", str(STEPS), "--batch", "4",

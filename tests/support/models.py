@@ -42,24 +42,24 @@ def batches(steps: int, accum: int, world: int, per_rank: int = 2, seed: int = 1
             for _ in range(steps)]
 
 
-def make_optimizer(kind: str, params, groups: bool = False):
-    """Adam's lr is 1e-3: Adam divides each gradient by its own magnitude, so at 1e-2 the
+def make_optimizer(kind: str, params, groups: bool = False, *, frozen: bool = False,
+                   sgd_lr: float = 0.1):
+    """``kind`` ("adamw", "adam" or "sgd") over the ``params`` that require a gradient
+    (``frozen``: over all of them; torch.optim holds the others and never steps them);
+    ``groups``: in two groups with different lr and weight decay.
+
+    Adam's lr is 1e-3: Adam divides each gradient by its own magnitude, so at 1e-2 the
     rounding difference between one batch and the same batch split across ranks alone
     moves this model's params by up to 5e-5 in plain PyTorch; at 1e-3 it stays below 6e-6,
     leaving the 1e-5 parity tolerance meaningful."""
-    params = [p for p in params if p.requires_grad]
-    if groups:  # two groups with different lr and weight decay
+    params = [p for p in params if p.requires_grad or frozen]
+    if groups:
         params = [{"params": params[::2]}, {"params": params[1::2], "lr": 3e-4, "weight_decay": 0.0}]
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
     if kind == "adam":
         return torch.optim.Adam(params, lr=1e-3, weight_decay=0.01)
     if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+        return torch.optim.SGD(params, lr=sgd_lr, momentum=0.9, weight_decay=0.01)
     raise ValueError(kind)
 
-
-def worst(t: torch.Tensor) -> float:
-    """The largest magnitude in ``t`` (a difference), inf where it holds a NaN: Python's
-    ``max()`` over per-tensor figures would pass a NaN by, unless it came first."""
-    return t.abs().nan_to_num(nan=float("inf")).max().item()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import multiprocessing.forkserver as forkserver
 import os
@@ -19,11 +20,12 @@ import torch.multiprocessing as mp
 # that outlives a fork: numpy's OpenBLAS pool stops itself at fork). A fork keeps the
 # server's environment, some of it (MALLOC_*) read only at start, so when os.environ has
 # changed (a test's monkeypatch, torch setting TORCHINDUCTOR_CACHE_DIR) the server restarts.
-PRELOAD = ["torch", "torch.distributed", "zerofn", "pytest", "models"]
+PRELOAD = ["torch", "torch.distributed", "zerofn", "pytest", "support.models"]
 
 
-def _context():
-    ctx = mp.get_context("forkserver")   # one object, so one server, for both import names
+def context():
+    """The forkserver context ranks start from, its server (re)started as said above."""
+    ctx = mp.get_context("forkserver")   # one object, so one server
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     if getattr(ctx, "server_env", None) != env:
         forkserver._forkserver._stop()   # private, but the way to stop it; none: a no-op
@@ -52,19 +54,28 @@ def _worker(rank, world, init_method, fn, args, results):
         atexit._run_exitfuncs()
 
 
+@contextlib.contextmanager
+def started(world: int, target, *args, daemon: bool = False):
+    """``world`` processes forked from the server, each running ``target(rank, world, init,
+    *args, results)``, where ``init`` is a file store for ``init_process_group`` (in a
+    directory removed on leaving) and ``results`` a queue; yields (processes, results)."""
+    ctx = context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = "file://" + os.path.join(tmp, "store")
+        procs = [ctx.Process(target=target, args=(r, world, init, *args, results), daemon=daemon)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        yield procs, results
+
+
 def run_ranks(world: int, fn, *args, timeout: float = 180):
     """``[fn(rank, world, *args) for rank in range(world)]``, each in its own process.
 
     Raises AssertionError with every failing rank's traceback, or on timeout.
     """
-    ctx = _context()
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = "file://" + os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, init, fn, args, results), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
+    with started(world, _worker, fn, args, daemon=True) as (procs, results):
         out, errors = {}, {}
         try:
             for _ in range(world):

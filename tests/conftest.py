@@ -1,0 +1,43 @@
+"""pytest's set-up for tests/: the shared helpers on sys.path, the markers (select with
+``-m``; tests/README.md says which files each covers), and the skips two of them imply."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+# tests/ on sys.path, so the shared helpers import as ``support`` here, in the ranks that
+# run_ranks starts (they are given this process's sys.path) and in the interpreters tests
+# start with PYTHONPATH set from it. pytest's default import mode adds it as well, but
+# only as a side effect of how it imports test files.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
+from support import SLOW  # noqa: E402 (found through the path above)
+
+MARKERS = {
+    "multirank": "runs ranks in processes of their own (run_ranks, spawned ranks, torchrun "
+                 "or zerofn train jobs)",
+    "cuda": "needs a CUDA device; skipped without one",
+    "hf": "needs Hugging Face transformers",
+    "deepspeed": "DeepSpeed compatibility (zerofn.deepspeed, its configs and checkpoints); "
+                 "DeepSpeed itself is not needed",
+    "slow(reason)": "runs only with ZEROFN_SLOW=1; skipped otherwise, saying why it is slow",
+}
+
+
+def pytest_configure(config):
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+
+
+def pytest_runtest_setup(item):
+    slow = item.get_closest_marker("slow")
+    if slow and not SLOW:
+        pytest.skip(f"ZEROFN_SLOW=1 runs it: {slow.kwargs.get('reason', 'slow')}")
+    if item.get_closest_marker("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
