@@ -44,7 +44,7 @@ def _inject(kind: str, phase: str, model, opt):
 
     model.register_forward_pre_hook(lambda m, a: steps.__setitem__("n", steps["n"] + 1))
     if phase == "save":      # inside the save's collectives: a hung or lost filesystem
-        import zerofn.checkpoint as checkpoint
+        from zerofn.io.checkpoint import api as checkpoint
         save = checkpoint.dcp.save
         checkpoint.dcp.save = lambda *a, **k: (at_step(), save(*a, **k))[1]
     elif phase == "forward":
