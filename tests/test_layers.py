@@ -64,6 +64,47 @@ def imports_of(name: str, path: pathlib.Path, known) -> set[str]:
     return out
 
 
+def missing(known) -> list[str]:
+    """zerofn names imported that no module holds (a module moved, its importer not): a
+    stale import is found here, not only when its code happens to run."""
+    out = []
+    for name, path in known.items():
+        if path.suffix != ".py":
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "")
+                                                      .startswith("zerofn")):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                for a in node.names:
+                    if base not in known and f"{base}.{a.name}" not in known:
+                        out.append(f"{name}: from {base} import {a.name}")
+                    elif base in known and f"{base}.{a.name}" not in known and \
+                            known[base].name == "__init__.py" and not _defines(known[base], a.name):
+                        out.append(f"{name}: from {base} import {a.name}")
+    return out
+
+
+def _defines(init: pathlib.Path, name: str) -> bool:
+    """Whether a package's ``__init__`` binds ``name`` (or loads it lazily, PEP 562)."""
+    tree = ast.parse(init.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                (a.asname or a.name).split(".")[0] == name for a in node.names):
+            return True
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name
+                                                for t in node.targets):
+            return True
+        if isinstance(node, ast.Constant) and node.value == name:   # (a lazy name's string)
+            return True
+    return False
+
+
 def room(module: str) -> str:
     parts = module.split(".")
     return ROOM_OF["__init__"] if len(parts) == 1 else ROOM_OF[parts[1]]
@@ -128,6 +169,10 @@ def test_every_import_runs_down_a_layer_and_none_in_a_circle():
     assert not unplaced, f"rooms without a layer: {unplaced}; add them to ROOM_OF"
     assert forbidden(graph) == []
     assert circles(graph) == []
+
+
+def test_every_zerofn_import_names_something_that_exists():
+    assert missing(modules()) == []
 
 
 def test_the_check_finds_an_upward_import_and_a_circle():

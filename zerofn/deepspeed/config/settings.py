@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ... import transforms as zt
+from ...core import transforms as zt
 
 
 class DeepSpeedConfigWarning(UserWarning):
