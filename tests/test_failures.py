@@ -116,6 +116,15 @@ def run_fault(stage: int, kind: str, phase: str, timeout: float = 60, bound: flo
     return message, when - last_step, other
 
 
+def reported(stage: int, kind: str, phase: str, **options):
+    """``run_fault``'s (rank 0's error, rank 1's), rank 0's printed with how long it took to
+    stop (``pytest -s`` shows it)."""
+    message, seconds, other = run_fault(stage, kind, phase, **options)
+    print(f"\n[{kind} in {phase}, ZeRO-{stage}] rank 0 stopped {seconds:.2f} s after its "
+          f"last step:\n{message}")
+    return message, other
+
+
 def and_slow(first, *more) -> list:
     """(stage, phase) cases: ``first``, then ``more`` as slow variants."""
     mark = pytest.mark.slow(reason="the same failure at more stages and phases")
@@ -125,9 +134,7 @@ def and_slow(first, *more) -> list:
 @pytest.mark.multirank
 @pytest.mark.parametrize("stage,phase", and_slow((3, "forward"), (1, "step"), (2, "forward")))
 def test_a_raise_is_named_by_every_other_rank(stage, phase):
-    message, seconds, other = run_fault(stage, "raise", phase)
-    print(f"\n[raise in {phase}, ZeRO-{stage}] rank 0 stopped {seconds:.2f} s after its last "
-          f"step:\n{message}")
+    message, other = reported(stage, "raise", phase)
     assert f"rank 1 raised ValueError: injected failure in {phase} in {phase} of step " \
            f"{FAULT_STEP}" in message
     assert "rank 0 stopped in " in message
@@ -157,19 +164,15 @@ def test_a_raise_in_user_backward_code_is_named_by_every_other_rank():
 @pytest.mark.multirank
 @pytest.mark.parametrize("stage,phase", and_slow((3, "backward"), (2, "forward"), (1, "step")))
 def test_a_killed_rank_is_named_gone(stage, phase):
-    message, seconds, _ = run_fault(stage, "kill", phase)
-    print(f"\n[SIGKILL in {phase}, ZeRO-{stage}] rank 0 stopped {seconds:.2f} s after its "
-          f"last step:\n{message}")
+    message, _ = reported(stage, "kill", phase)
     assert "a peer's connection closed" in message
-    assert f"rank 1 is gone: its process" in message and f"ended in {phase} of step " \
+    assert "rank 1 is gone: its process" in message and f"ended in {phase} of step " \
            f"{FAULT_STEP}" in message
 
 
 @pytest.mark.multirank
 def test_a_stalled_rank_is_named_after_the_timeout():
-    message, seconds, _ = run_fault(3, "stall", "forward", timeout=4)
-    print(f"\n[stall in forward, ZeRO-3, timeout=4] rank 0 stopped {seconds:.2f} s after its "
-          f"last step:\n{message}")
+    message, _ = reported(3, "stall", "forward", timeout=4)
     assert "waited past the timeout (4 s)" in message
     assert f"rank 1 is stalled in forward of step {FAULT_STEP}" in message
     assert "zerofn train --timeout" in message
@@ -256,9 +259,7 @@ def test_zerofn_train_prints_a_value_error_raised_on_one_rank_only(tmp_path):
 @pytest.mark.parametrize("kind", ["stall", pytest.param("kill", marks=pytest.mark.slow(
     reason="a killed rank in a save as well as a stalled one"))])
 def test_a_rank_failing_in_a_checkpoint_save_is_named(kind):
-    message, seconds, _ = run_fault(1, kind, "save", timeout=4)
-    print(f"\n[{kind} in checkpoint save, ZeRO-1] rank 0 stopped {seconds:.2f} s after its "
-          f"last step:\n{message}")
+    message, _ = reported(1, kind, "save", timeout=4)
     assert f"rank 0 stopped in checkpoint save after step {FAULT_STEP}" in message
     verdict = "is stalled in" if kind == "stall" else "is gone: its process"
     assert f"rank 1 {verdict}" in message and \
