@@ -25,6 +25,12 @@ eps=1e-8, weight_decay=0.0, adamw_mode=True, grad_scale=1.0, out=None) -> None``
     Which ISA (``avx512``, ``avx2``, ``generic``) and how many OpenMP threads the kernels
     use; forcing a lower ISA is for tests. ``ZEROFN_CPU_ISA`` does the same at start.
 
+Low-precision state (``zerofn.optim.lowp``, docs/cpu_adam.md): ``QUANT_BLOCK`` (256),
+``signed_code()`` / ``unsigned_code()`` (the 8-bit dynamic-tree maps of exp_avg /
+exp_avg_sq), ``quantize_blockwise(x, signed) -> (codes, scales)``,
+``dequantize_blockwise(codes, scales, signed)``, ``round_bf16_stochastic(x, *, seed,
+step, stream)`` and ``reference_adam_step`` (the kernels' arithmetic in plain torch).
+
 All buffers must be contiguous CPU tensors of equal numel; violations raise
 ``TypeError`` / ``ValueError``, and a missing build raises ``RuntimeError`` on first use.
 Kernels release the GIL and use as many threads as ``torch.get_num_threads()``.
@@ -38,13 +44,29 @@ from zerofn.optim.kernels import (
     kernel_info,
     set_isa,
 )
+from zerofn.optim.lowp import (
+    QUANT_BLOCK,
+    dequantize_blockwise,
+    quantize_blockwise,
+    reference_adam_step,
+    round_bf16_stochastic,
+    signed_code,
+    unsigned_code,
+)
 
 __all__ = [
+    "QUANT_BLOCK",
     "CPUAdam",
     "adam_roofline",
     "adam_step",
     "clip_coefficient",
+    "dequantize_blockwise",
     "grad_sumsq_and_finite",
     "kernel_info",
+    "quantize_blockwise",
+    "reference_adam_step",
+    "round_bf16_stochastic",
     "set_isa",
+    "signed_code",
+    "unsigned_code",
 ]
