@@ -20,7 +20,7 @@ namespace py = pybind11;
 namespace zerofn {
 namespace {
 
-int elem_bytes(int dtype) { return dtype == kF32 ? 4 : 2; }
+int elem_bytes(int dtype) { return dtype == kF32 ? 4 : dtype == kU8 ? 1 : 2; }
 
 void check_dtype(int dtype, bool allow_none, const char* what) {
   if (dtype == kF32 || dtype == kBF16 || dtype == kF16 || (allow_none && dtype == kNone))
@@ -62,41 +62,87 @@ AdamCoeffs derive_coeffs(int64_t step, double lr, double beta1, double beta2, do
   return c;
 }
 
+// The stochastic-rounding stream keys of one call (zerofn/optim/lowp.py, stream_key):
+// key = mix32(mix32(mix32(seed_lo) ^ seed_hi) ^ step_lo), then one key per stream.
+void derive_keys(uint64_t seed, int64_t step, AdamCoeffs* c) {
+  const uint32_t key = mix32(mix32(mix32(uint32_t(seed)) ^ uint32_t(seed >> 32)) ^ uint32_t(step));
+  const uint32_t golden = 0x9E3779B9u;
+  c->key_p = mix32(key ^ golden * 1u);
+  c->key_m = mix32(key ^ golden * 2u);
+  c->key_v = mix32(key ^ golden * 3u);
+}
+
+// Midpoints of consecutive codes in fp32, laid out level by level (QuantTables).
+void build_levels(const float* code, float* levels) {
+  float mid[255];
+  for (int i = 0; i < 255; ++i) mid[i] = (code[i] + code[i + 1]) / 2.0f;
+  for (int level = 0; level < 8; ++level)
+    for (int j = 0; j < (1 << level); ++j)
+      levels[(1 << level) - 1 + j] = mid[j * (256 >> level) + (128 >> level) - 1];
+  levels[255] = mid[254];  // padding, never selected
+}
+
+void check_code(const float* code, const char* what) {
+  for (int i = 0; i < 255; ++i)
+    if (!(code[i] < code[i + 1]))
+      throw std::invalid_argument(std::string(what) + " must be strictly increasing");
+}
+
 struct AdamJob {
   const KernelTable* k;
-  float *p, *m, *v;
-  const char* g;
-  char* out;
-  int g_dtype, out_dtype;
+  AdamBufs b;
   AdamCoeffs c;
 };
 
 void adam_piece(void* ctx, int64_t, int64_t b, int64_t e) {
   auto* j = static_cast<AdamJob*>(ctx);
-  char* out = j->out ? j->out + b * 2 : nullptr;
-  j->k->adam(j->p + b, j->g + b * elem_bytes(j->g_dtype), j->g_dtype, j->m + b, j->v + b,
-             out, j->out_dtype, e - b, j->c);
+  j->k->adam(j->b, b, e, j->c);
 }
 
 void adam_step(uintptr_t p, uintptr_t g, int g_dtype, uintptr_t m, uintptr_t v,
                uintptr_t out, int out_dtype, int64_t n, int64_t step, double lr,
                double beta1, double beta2, double eps, double wd, bool adamw,
-               double grad_scale) {
+               double grad_scale, int p_dtype, int state_dtype, uintptr_t m_scale,
+               uintptr_t v_scale, uint64_t seed, uintptr_t code_signed,
+               uintptr_t code_unsigned) {
   if (n < 0) throw std::invalid_argument("numel must be >= 0");
   check_dtype(g_dtype, false, "grads");
   check_dtype(out_dtype, true, "out");
   if (out_dtype == kF32) throw std::invalid_argument("out must be bf16 or fp16");
   if ((out_dtype == kNone) != (out == 0))
     throw std::invalid_argument("out address and out dtype must be given together");
-  check_ptr(p, n, 4, "params");
+  if (p_dtype != kF32 && p_dtype != kBF16)
+    throw std::invalid_argument("params must be fp32 or bf16");
+  if (state_dtype != kF32 && state_dtype != kBF16 && state_dtype != kU8)
+    throw std::invalid_argument("exp_avg/exp_avg_sq must be fp32, bf16 or uint8 codes");
+  check_ptr(p, n, elem_bytes(p_dtype), "params");
   check_ptr(g, n, elem_bytes(g_dtype), "grads");
-  check_ptr(m, n, 4, "exp_avg");
-  check_ptr(v, n, 4, "exp_avg_sq");
+  check_ptr(m, n, elem_bytes(state_dtype), "exp_avg");
+  check_ptr(v, n, elem_bytes(state_dtype), "exp_avg_sq");
   if (out) check_ptr(out, n, 2, "out");
-  AdamJob job{&active_kernels(), reinterpret_cast<float*>(p), reinterpret_cast<float*>(m),
-              reinterpret_cast<float*>(v), reinterpret_cast<const char*>(g),
-              reinterpret_cast<char*>(out), g_dtype, out_dtype,
+  QuantTables q;
+  if (state_dtype == kU8) {
+    const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+    check_ptr(m_scale, blocks, 4, "exp_avg_scale");
+    check_ptr(v_scale, blocks, 4, "exp_avg_sq_scale");
+    if (code_signed == 0 || code_unsigned == 0)
+      throw std::invalid_argument("8-bit state needs both code tables");
+    const auto* cs = reinterpret_cast<const float*>(code_signed);
+    const auto* cu = reinterpret_cast<const float*>(code_unsigned);
+    check_code(cs, "the signed code");
+    check_code(cu, "the unsigned code");
+    for (int i = 0; i < 256; ++i) q.code_m[i] = cs[i], q.code_v[i] = cu[i];
+    build_levels(cs, q.levels_m);
+    build_levels(cu, q.levels_v);
+  }
+  AdamJob job{&active_kernels(),
+              AdamBufs{reinterpret_cast<void*>(p), reinterpret_cast<const void*>(g),
+                       reinterpret_cast<void*>(m), reinterpret_cast<void*>(v),
+                       reinterpret_cast<float*>(m_scale), reinterpret_cast<float*>(v_scale),
+                       out ? reinterpret_cast<void*>(out) : nullptr, p_dtype, g_dtype,
+                       state_dtype, out_dtype, &q},
               derive_coeffs(step, lr, beta1, beta2, eps, wd, adamw, grad_scale)};
+  derive_keys(seed, step, &job.c);
   py::gil_scoped_release nogil;
   parallel_ranges(n, adam_piece, &job);
 }
@@ -161,12 +207,17 @@ void register_adam(py::module_& m) {
   m.attr("DTYPE_F32") = int(kF32);
   m.attr("DTYPE_BF16") = int(kBF16);
   m.attr("DTYPE_F16") = int(kF16);
+  m.attr("DTYPE_U8") = int(kU8);
   m.attr("DTYPE_NONE") = int(kNone);
+  m.attr("QUANT_BLOCK") = kQuantBlock;
   m.def("adam_step", &adam_step, "Fused unscale + Adam/AdamW + optional low-precision copy.",
         py::arg("params"), py::arg("grads"), py::arg("grad_dtype"), py::arg("exp_avg"),
         py::arg("exp_avg_sq"), py::arg("out"), py::arg("out_dtype"), py::arg("numel"),
         py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-        py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("grad_scale"));
+        py::arg("weight_decay"), py::arg("adamw_mode"), py::arg("grad_scale"),
+        py::arg("param_dtype") = int(kF32), py::arg("state_dtype") = int(kF32),
+        py::arg("exp_avg_scale") = 0, py::arg("exp_avg_sq_scale") = 0, py::arg("seed") = 0,
+        py::arg("code_signed") = 0, py::arg("code_unsigned") = 0);
   m.def("grad_sumsq_and_finite", &grad_sumsq_and_finite,
         "(sum of squares in double, all finite) of a gradient buffer, in one pass.",
         py::arg("grads"), py::arg("grad_dtype"), py::arg("numel"));

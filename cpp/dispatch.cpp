@@ -47,8 +47,9 @@ constexpr int64_t kMinPerThread = 1 << 15;
 // Enough pieces per thread to rebalance when a core is busy elsewhere, few enough
 // that each stays megabytes long.
 constexpr int64_t kPiecesPerThread = 8;
-// Pieces start on multiples of 64 elements: whole cache lines for fp32 and 16-bit data.
-constexpr int64_t kAlign = 64;
+// Pieces start on multiples of 256 elements: whole cache lines for every dtype, and
+// whole 8-bit quantization blocks (kQuantBlock), whose scales one piece owns alone.
+constexpr int64_t kAlign = kQuantBlock;
 
 }  // namespace
 

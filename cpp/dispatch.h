@@ -18,7 +18,8 @@ std::vector<std::string> available_isas();
 int max_threads();
 
 // How [0, n) is cut: `pieces` contiguous ranges of `per` elements (the last shorter),
-// each a multiple of 64 elements so every piece starts on a cache line.
+// each a multiple of 256 elements so every piece starts on a cache line and on an
+// 8-bit quantization block.
 struct Split {
   int threads;
   int64_t pieces, per;

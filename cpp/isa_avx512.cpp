@@ -38,16 +38,24 @@ struct V {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   }
   using half = __m256i;  // W 16-bit values
-  // Round to nearest even on the bit pattern, like c10::BFloat16; a NaN keeps its sign
-  // and top payload bits with the quiet bit set (rounding could turn it into an inf).
-  static half bf16_bits(reg a) {
+  using ireg = __m512i;  // W uint32 values
+  // The top half of bits(a) + add: add = lsb + 0x7FFF rounds to nearest even, like
+  // c10::BFloat16; 16 random bits round stochastically. A NaN keeps its sign and top
+  // payload bits with the quiet bit set (rounding could turn it into an inf).
+  static half bf16_round(reg a, ireg add) {
     __m512i u = _mm512_castps_si512(a);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, add), 16);
     __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), q);
     return _mm512_cvtepi32_epi16(r);
+  }
+  static half bf16_bits(reg a) {
+    __m512i u = _mm512_castps_si512(a);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return bf16_round(a, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  }
+  static reg from_bf16(half h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
   static half f16_bits(reg a) {
     return _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -58,6 +66,43 @@ struct V {
     else _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), h);
   }
   static void store_fence() { _mm_sfence(); }
+
+  static ireg iset1(uint32_t a) { return _mm512_set1_epi32(int(a)); }
+  static ireg iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static ireg iadd(ireg a, ireg b) { return _mm512_add_epi32(a, b); }
+  static ireg ixor(ireg a, ireg b) { return _mm512_xor_si512(a, b); }
+  static ireg iand(ireg a, ireg b) { return _mm512_and_si512(a, b); }
+  static ireg imul(ireg a, ireg b) { return _mm512_mullo_epi32(a, b); }
+  template <int K>
+  static ireg isrl(ireg a) { return _mm512_srli_epi32(a, K); }
+  static ireg ilt_bit(reg a, reg b) {
+    return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), _mm512_set1_epi32(1));
+  }
+  static ireg load_u8(const uint8_t* x) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  }
+  static void store_u8(uint8_t* x, ireg a) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(x), _mm512_cvtepi32_epi8(a));
+  }
+  // table[j]: up to 16 entries one in-register permute, 32 a two-register permute, 64
+  // and 128 two or four of those blended on the higher index bits; past that a gather.
+  // (Tables are read 16 floats at a time; callers keep them readable that far.)
+  template <int N>
+  static reg lookup(const float* t, ireg j) {
+    if constexpr (N <= 16) {
+      return _mm512_permutexvar_ps(j, _mm512_loadu_ps(t));
+    } else if constexpr (N == 32) {
+      return _mm512_permutex2var_ps(_mm512_loadu_ps(t), j, _mm512_loadu_ps(t + 16));
+    } else if constexpr (N == 64 || N == 128) {
+      reg lo = lookup<N / 2>(t, j), hi = lookup<N / 2>(t + N / 2, j);
+      return _mm512_mask_blend_ps(_mm512_test_epi32_mask(j, _mm512_set1_epi32(N / 2)), lo, hi);
+    } else {
+      return _mm512_i32gather_ps(j, t, 4);
+    }
+  }
+  static reg abs(reg a) { return _mm512_abs_ps(a); }
+  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static float hmax(reg a) { return _mm512_reduce_max_ps(a); }
 
   struct Dacc { __m512d lo, hi; };
   static Dacc dacc_zero() { return {_mm512_setzero_pd(), _mm512_setzero_pd()}; }

@@ -47,10 +47,11 @@ inline uint16_t float_to_half(float f) {
   return sign | uint16_t((u + ((15u - 127u) << 23) + 0xFFF + odd) >> 13);
 }
 
-inline uint16_t float_to_bf16(float f) {
+// The top half of bits(f) + add (see the AVX-512 version); NaN becomes quiet.
+inline uint16_t bf16_round_bits(float f, uint32_t add) {
   const uint32_t u = bits_of(f);
   if (f != f) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  return uint16_t((u + add) >> 16);
 }
 
 struct V {
@@ -70,11 +71,31 @@ struct V {
   static reg load_bf16(const uint16_t* x) { return float_of(uint32_t(load_u16(x)) << 16); }
   static reg load_f16(const uint16_t* x) { return half_to_float(load_u16(x)); }
   using half = uint16_t;
-  static half bf16_bits(reg a) { return float_to_bf16(a); }
+  using ireg = uint32_t;
+  static half bf16_round(reg a, ireg add) { return bf16_round_bits(a, add); }
+  static half bf16_bits(reg a) { return bf16_round_bits(a, 0x7FFF + ((bits_of(a) >> 16) & 1)); }
+  static reg from_bf16(half h) { return float_of(uint32_t(h) << 16); }
   static half f16_bits(reg a) { return float_to_half(a); }
   template <bool STREAM>
   static void store_half(uint16_t* x, half h) { *x = h; }
   static void store_fence() {}
+
+  static ireg iset1(uint32_t a) { return a; }
+  static ireg iota() { return 0; }
+  static ireg iadd(ireg a, ireg b) { return a + b; }
+  static ireg ixor(ireg a, ireg b) { return a ^ b; }
+  static ireg iand(ireg a, ireg b) { return a & b; }
+  static ireg imul(ireg a, ireg b) { return a * b; }
+  template <int K>
+  static ireg isrl(ireg a) { return a >> K; }
+  static ireg ilt_bit(reg a, reg b) { return a < b ? 1 : 0; }
+  static ireg load_u8(const uint8_t* x) { return *x; }
+  static void store_u8(uint8_t* x, ireg a) { *x = uint8_t(a); }
+  template <int N>
+  static reg lookup(const float* t, ireg j) { return t[j]; }
+  static reg abs(reg a) { return float_of(bits_of(a) & 0x7FFFFFFFu); }
+  static reg max(reg a, reg b) { return a > b ? a : b; }  // b when either is NaN, like maxps
+  static float hmax(reg a) { return a; }
 
   struct Dacc { double s; };
   static Dacc dacc_zero() { return {0.0}; }

@@ -10,21 +10,67 @@
 // values), bf16_bits/f16_bits (round to nearest even), store_half<STREAM>, store_fence,
 // set1, add, sub, mul, div, sqrt, fma(a, b, c) = a*b + c rounded once, and the
 // double-precision sum-of-squares accumulator (Dacc, dacc_zero, dacc_add_sq, dacc_sum).
+// For low-precision state also: ireg (W uint32 lanes) with iset1, iota, iadd, ixor,
+// iand, imul (wrapping), isrl<k>, ilt_bit(a, b) = (a < b) ? 1 : 0; bf16_round(x, add)
+// (top half of bits(x) + add, NaN kept quiet), from_bf16, load_u8/store_u8 (one byte
+// per lane), lookup<N>(table, j) = table[j] for j < N, abs, max, hmax.
 
 namespace {
 
+using zerofn::AdamBufs;
 using zerofn::AdamCoeffs;
 using zerofn::kBF16;
 using zerofn::kF16;
 using zerofn::kF32;
 using zerofn::kNone;
+using zerofn::kQuantBlock;
+using zerofn::kU8;
+using zerofn::QuantTables;
 using reg = V::reg;
+using ireg = V::ireg;
 
-template <int G>
-inline reg load_grad(const void* g, int64_t i) {
-  if constexpr (G == kF32) return V::load(static_cast<const float*>(g) + i);
-  if constexpr (G == kBF16) return V::load_bf16(static_cast<const uint16_t*>(g) + i);
-  if constexpr (G == kF16) return V::load_f16(static_cast<const uint16_t*>(g) + i);
+constexpr int elem_size(int dtype) { return dtype == kF32 ? 4 : dtype == kU8 ? 1 : 2; }
+
+template <int D>
+inline void* at(void* x, int64_t i) { return static_cast<char*>(x) + i * elem_size(D); }
+template <int D>
+inline const void* at(const void* x, int64_t i) {
+  return static_cast<const char*>(x) + i * elem_size(D);
+}
+
+// Any fp32 / bf16 / fp16 buffer, widened to fp32 (exactly).
+template <int D>
+inline reg load_as(const void* x, int64_t i) {
+  if constexpr (D == kF32) return V::load(static_cast<const float*>(x) + i);
+  if constexpr (D == kBF16) return V::load_bf16(static_cast<const uint16_t*>(x) + i);
+  if constexpr (D == kF16) return V::load_f16(static_cast<const uint16_t*>(x) + i);
+}
+
+// lowbias32 of the element counter plus the stream key: the same bits for element i
+// whatever the thread split, vector width or ISA (zerofn/optim/lowp.py, random_bits).
+inline ireg random_bits(uint32_t key, int64_t i) {
+  ireg x = V::iadd(V::iota(), V::iset1(uint32_t(i) + key));
+  x = V::ixor(x, V::template isrl<16>(x));
+  x = V::imul(x, V::iset1(0x7feb352du));
+  x = V::ixor(x, V::template isrl<15>(x));
+  x = V::imul(x, V::iset1(0x846ca68bu));
+  return V::ixor(x, V::template isrl<16>(x));
+}
+
+// Stores x as D and returns the value stored. bf16 rounds stochastically: adding 16
+// random bits below the kept half rounds the magnitude up with probability (dropped
+// part) / 2^16, so the expected value is x. Round to nearest even would freeze
+// exp_avg_sq (beta2 = 0.999 moves it by less than half a bf16 ulp) and bf16 masters.
+template <int D>
+inline reg store_as(void* x, int64_t i, reg a, uint32_t key, int64_t index) {
+  if constexpr (D == kF32) {
+    V::store(static_cast<float*>(x) + i, a);
+    return a;
+  } else {
+    const auto h = V::bf16_round(a, V::iand(random_bits(key, index), V::iset1(0xFFFFu)));
+    V::template store_half<false>(static_cast<uint16_t*>(x) + i, h);
+    return V::from_bf16(h);
+  }
 }
 
 // The low-precision copy is written, never read: a streaming (non-temporal) store
@@ -37,38 +83,47 @@ inline void store_out(void* out, int64_t i, reg x) {
   if constexpr (O == kF16) V::template store_half<STREAM>(o, V::f16_bits(x));
 }
 
-constexpr int elem_size(int dtype) { return dtype == kF32 ? 4 : 2; }
-
 // The step constants broadcast once per call rather than once per vector.
 struct Regs {
   reg grad_scale, decay, l2, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step;
+  uint32_t key_p, key_m, key_v;
   explicit Regs(const AdamCoeffs& c)
       : grad_scale(V::set1(c.grad_scale)), decay(V::set1(c.decay)), l2(V::set1(c.l2)),
         lerp_w(V::set1(c.lerp_w)), beta2(V::set1(c.beta2)),
         one_minus_beta2(V::set1(c.one_minus_beta2)), bc2_sqrt(V::set1(c.bc2_sqrt)),
-        eps(V::set1(c.eps)), neg_step(V::set1(c.neg_step_size)) {}
+        eps(V::set1(c.eps)), neg_step(V::set1(c.neg_step_size)), key_p(c.key_p),
+        key_m(c.key_m), key_v(c.key_v) {}
+};
+
+// Compile-time shape of one instantiation: gradient, copy-out, params and moment
+// dtypes (S is kF32 or kBF16 here: 8-bit moments reach adam_vec decoded to fp32).
+template <int G_, int O_, bool L2_, bool SMALL_, int P_, int S_>
+struct Kind {
+  static constexpr int G = G_, O = O_, P = P_, S = S_;
+  static constexpr bool L2 = L2_, SMALL = SMALL_;
 };
 
 // One vector of Adam, in the order of operations of torch's single-tensor Adam on CPU
 // (vectorised ATen kernels): mul_(decay); add(p, alpha=wd) = fma; lerp_ = fma of the
 // difference; mul_(beta2).addcmul_ = fma((1-b2)*g, g, v*b2); sqrt / bc2_sqrt + eps;
 // addcdiv_ = p + (-step_size*m) / denom. Matching it keeps parity near one ulp.
-template <int G, int O, bool L2, bool SMALL, bool STREAM = false>
-inline void adam_vec(float* p, const void* g, float* m, float* v, void* out, int64_t i,
-                     const Regs& k) {
-  reg gr = V::mul(load_grad<G>(g, i), k.grad_scale);
-  reg pr = V::mul(V::load(p + i), k.decay);
-  if constexpr (L2) gr = V::fma(pr, k.l2, gr);
-  reg mr = V::load(m + i);
+// `index` is element i's position in the whole buffer (stochastic rounding's counter).
+template <class K, bool STREAM = false>
+inline void adam_vec(void* p, const void* g, void* m, void* v, void* out, int64_t i,
+                     int64_t index, const Regs& k) {
+  reg gr = V::mul(load_as<K::G>(g, i), k.grad_scale);
+  reg pr = V::mul(load_as<K::P>(p, i), k.decay);
+  if constexpr (K::L2) gr = V::fma(pr, k.l2, gr);
+  reg mr = load_as<K::S>(m, i);
   reg diff = V::sub(gr, mr);
-  mr = V::fma(k.lerp_w, diff, SMALL ? mr : gr);
-  reg vr = V::fma(V::mul(k.one_minus_beta2, gr), gr, V::mul(V::load(v + i), k.beta2));
+  mr = V::fma(k.lerp_w, diff, K::SMALL ? mr : gr);
+  reg vr = V::fma(V::mul(k.one_minus_beta2, gr), gr, V::mul(load_as<K::S>(v, i), k.beta2));
   reg denom = V::add(V::div(V::sqrt(vr), k.bc2_sqrt), k.eps);
   pr = V::add(pr, V::div(V::mul(k.neg_step, mr), denom));
-  V::store(p + i, pr);
-  V::store(m + i, mr);
-  V::store(v + i, vr);
-  if constexpr (O != kNone) store_out<O, STREAM>(out, i, pr);
+  pr = store_as<K::P>(p, i, pr, k.key_p, index);
+  store_as<K::S>(m, i, mr, k.key_m, index);
+  store_as<K::S>(v, i, vr, k.key_v, index);
+  if constexpr (K::O != kNone) store_out<K::O, STREAM>(out, i, pr);
 }
 
 inline void copy_bytes(void* dst, const void* src, int64_t bytes) {
@@ -77,65 +132,164 @@ inline void copy_bytes(void* dst, const void* src, int64_t bytes) {
   for (int64_t b = 0; b < bytes; ++b) d[b] = s[b];
 }
 
-// The last n % W elements: staged through full-width scratch so the tail gets the
+// The last r < W elements: staged through full-width scratch so the tail gets the
 // same instructions (and so the same rounding) as the body.
-template <int G, int O, bool L2, bool SMALL>
-void adam_tail(float* p, const void* g, float* m, float* v, void* out, int64_t r,
-               const Regs& k) {
+template <class K>
+void adam_tail(void* p, const void* g, void* m, void* v, void* out, int64_t r,
+               int64_t index, const Regs& k) {
   float ps[V::W] = {}, ms[V::W] = {}, vs[V::W] = {}, gs[V::W] = {};
   uint16_t os[V::W] = {};
-  copy_bytes(ps, p, r * 4);
-  copy_bytes(ms, m, r * 4);
-  copy_bytes(vs, v, r * 4);
-  copy_bytes(gs, g, r * elem_size(G));
-  adam_vec<G, O, L2, SMALL>(ps, gs, ms, vs, os, 0, k);
-  copy_bytes(p, ps, r * 4);
-  copy_bytes(m, ms, r * 4);
-  copy_bytes(v, vs, r * 4);
-  if constexpr (O != kNone) copy_bytes(out, os, r * 2);
+  copy_bytes(ps, p, r * elem_size(K::P));
+  copy_bytes(ms, m, r * elem_size(K::S));
+  copy_bytes(vs, v, r * elem_size(K::S));
+  copy_bytes(gs, g, r * elem_size(K::G));
+  adam_vec<K>(ps, gs, ms, vs, os, 0, index, k);
+  copy_bytes(p, ps, r * elem_size(K::P));
+  copy_bytes(m, ms, r * elem_size(K::S));
+  copy_bytes(v, vs, r * elem_size(K::S));
+  if constexpr (K::O != kNone) copy_bytes(out, os, r * 2);
 }
 
-template <int G, int O, bool L2, bool SMALL, bool STREAM>
-void adam_range(float* p, const void* g, float* m, float* v, void* out, int64_t n,
-                const AdamCoeffs& c) {
-  const Regs k(c);
+// fp32 or bf16 moments: [begin, end) vector by vector, the tail on a padded copy.
+template <class K, bool STREAM>
+void adam_range(const AdamBufs& b, int64_t begin, int64_t end, const Regs& k) {
+  const int64_t n = end - begin;
+  void* p = at<K::P>(b.p, begin);
+  const void* g = at<K::G>(b.g, begin);
+  void* m = at<K::S>(b.m, begin);
+  void* v = at<K::S>(b.v, begin);
+  void* out = K::O == kNone ? nullptr : at<kBF16>(b.out, begin);
   const int64_t body = n - n % V::W;
   for (int64_t i = 0; i < body; i += V::W)
-    adam_vec<G, O, L2, SMALL, STREAM>(p, g, m, v, out, i, k);
+    adam_vec<K, STREAM>(p, g, m, v, out, i, begin + i, k);
   if constexpr (STREAM) V::store_fence();
   if (body == n) return;
-  const void* gt = static_cast<const char*>(g) + body * elem_size(G);
-  void* ot = O == kNone ? out : static_cast<char*>(out) + body * 2;
-  adam_tail<G, O, L2, SMALL>(p + body, gt, m + body, v + body, ot, n - body, k);
+  adam_tail<K>(at<K::P>(p, body), at<K::G>(g, body), at<K::S>(m, body), at<K::S>(v, body),
+               K::O == kNone ? out : at<kBF16>(out, body), n - body, begin + body, k);
 }
 
-// Runtime flags -> one template instantiation, so the inner loop has no branches.
+// Nearest code of each lane of x (already divided by the block's absmax): the number
+// of midpoints strictly below x, as torch.bucketize(x, mids, right=False) counts them.
+// Eight levels of binary search, each one probe per lane: j = 2j + (probe < x).
+inline ireg nearest_code(reg x, const float* levels) {
+  ireg j = V::iset1(0);
+  j = V::iadd(j, V::ilt_bit(V::template lookup<1>(levels + 0, j), x));
+  j = V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<2>(levels + 1, j), x));
+  j = V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<4>(levels + 3, j), x));
+  j = V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<8>(levels + 7, j), x));
+  j = V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<16>(levels + 15, j), x));
+  j = V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<32>(levels + 31, j), x));
+  j = V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<64>(levels + 63, j), x));
+  return V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<128>(levels + 127, j), x));
+}
+
+// One block's codes -> fp32 scratch (code * scale); lanes from len on are zero.
+inline void decode_block(const uint8_t* codes, float scale, const float* code, float* x,
+                         int64_t len) {
+  const reg s = V::set1(scale);
+  for (int64_t i = 0; i < len - len % V::W; i += V::W)
+    V::store(x + i, V::mul(V::template lookup<256>(code, V::load_u8(codes + i)), s));
+  for (int64_t i = len - len % V::W; i < kQuantBlock; ++i)
+    x[i] = i < len ? code[codes[i]] * scale : 0.0f;
+}
+
+// fp32 scratch (zero beyond len) -> codes and the block's scale (its absmax). A block
+// of zeros divides by 1 so that every code is that of 0.
+inline void encode_block(const float* x, uint8_t* codes, float* scale, const float* levels,
+                         int64_t len) {
+  reg mx = V::set1(0.0f);
+  for (int64_t i = 0; i < kQuantBlock; i += V::W) mx = V::max(mx, V::abs(V::load(x + i)));
+  const float absmax = V::hmax(mx);
+  *scale = absmax;
+  const reg d = V::set1(absmax == 0.0f ? 1.0f : absmax);
+  alignas(64) uint8_t staged[kQuantBlock];
+  uint8_t* dst = len == kQuantBlock ? codes : staged;
+  for (int64_t i = 0; i < kQuantBlock; i += V::W)
+    V::store_u8(dst + i, nearest_code(V::div(V::load(x + i), d), levels));
+  if (dst == staged) copy_bytes(codes, staged, len);
+}
+
+// 8-bit moments, block by block: decode both into fp32 scratch that stays in L1, run
+// the fp32-moment vector code over it, then re-encode with the block's new absmax. A
+// short last block runs the whole block on a zero-padded copy of p and g as well.
+template <class K, bool STREAM>
+void adam_range_u8(const AdamBufs& b, int64_t begin, int64_t end, const Regs& k) {
+  using KF = Kind<K::G, K::O, K::L2, K::SMALL, K::P, kF32>;
+  const QuantTables& q = *b.q;
+  alignas(64) float ms[kQuantBlock], vs[kQuantBlock], ps[kQuantBlock], gs[kQuantBlock];
+  alignas(64) uint16_t os[kQuantBlock];
+  for (int64_t b0 = begin; b0 < end; b0 += kQuantBlock) {
+    const int64_t len = end - b0 < kQuantBlock ? end - b0 : kQuantBlock;
+    auto* mc = static_cast<uint8_t*>(b.m) + b0;
+    auto* vc = static_cast<uint8_t*>(b.v) + b0;
+    float* msc = b.m_scale + b0 / kQuantBlock;
+    float* vsc = b.v_scale + b0 / kQuantBlock;
+    decode_block(mc, *msc, q.code_m, ms, len);
+    decode_block(vc, *vsc, q.code_v, vs, len);
+    void* p = at<K::P>(b.p, b0);
+    const void* g = at<K::G>(b.g, b0);
+    void* out = K::O == kNone ? nullptr : at<kBF16>(b.out, b0);
+    if (len == kQuantBlock) {
+      for (int64_t i = 0; i < kQuantBlock; i += V::W)
+        adam_vec<KF, STREAM>(p, g, ms, vs, out, i, b0 + i, k);
+    } else {
+      for (int64_t i = 0; i < kQuantBlock; ++i) ps[i] = gs[i] = 0.0f;
+      copy_bytes(ps, p, len * elem_size(K::P));
+      copy_bytes(gs, g, len * elem_size(K::G));
+      for (int64_t i = 0; i < kQuantBlock; i += V::W)
+        adam_vec<KF>(ps, gs, ms, vs, os, i, b0 + i, k);
+      copy_bytes(p, ps, len * elem_size(K::P));
+      if constexpr (K::O != kNone) copy_bytes(out, os, len * 2);
+    }
+    encode_block(ms, mc, msc, q.levels_m, len);
+    encode_block(vs, vc, vsc, q.levels_v, len);
+  }
+  if constexpr (STREAM) V::store_fence();
+}
+
+// Runtime dtypes and flags -> one template instantiation, so the inner loop has no
+// branches. Each level fixes one template argument and calls the next.
+template <int G, int O, bool STREAM, bool L2, bool SMALL, int P>
+void adam_go_state(const AdamBufs& b, int64_t begin, int64_t end, const Regs& k) {
+  if (b.state_dtype == kU8)
+    return adam_range_u8<Kind<G, O, L2, SMALL, P, kF32>, STREAM>(b, begin, end, k);
+  if (b.state_dtype == kBF16)
+    return adam_range<Kind<G, O, L2, SMALL, P, kBF16>, STREAM>(b, begin, end, k);
+  adam_range<Kind<G, O, L2, SMALL, P, kF32>, STREAM>(b, begin, end, k);
+}
+
+template <int G, int O, bool STREAM, bool L2, bool SMALL>
+void adam_go_param(const AdamBufs& b, int64_t begin, int64_t end, const Regs& k) {
+  if (b.p_dtype == kBF16) return adam_go_state<G, O, STREAM, L2, SMALL, kBF16>(b, begin, end, k);
+  adam_go_state<G, O, STREAM, L2, SMALL, kF32>(b, begin, end, k);
+}
+
 template <int G, int O, bool STREAM>
-void adam_go(float* p, const void* g, float* m, float* v, void* out, int64_t n,
-             const AdamCoeffs& c) {
-  if (c.use_l2 && c.lerp_small) return adam_range<G, O, true, true, STREAM>(p, g, m, v, out, n, c);
-  if (c.use_l2) return adam_range<G, O, true, false, STREAM>(p, g, m, v, out, n, c);
-  if (c.lerp_small) return adam_range<G, O, false, true, STREAM>(p, g, m, v, out, n, c);
-  adam_range<G, O, false, false, STREAM>(p, g, m, v, out, n, c);
+void adam_go(const AdamBufs& b, int64_t begin, int64_t end, const AdamCoeffs& c) {
+  const Regs k(c);
+  if (c.use_l2 && c.lerp_small) return adam_go_param<G, O, STREAM, true, true>(b, begin, end, k);
+  if (c.use_l2) return adam_go_param<G, O, STREAM, true, false>(b, begin, end, k);
+  if (c.lerp_small) return adam_go_param<G, O, STREAM, false, true>(b, begin, end, k);
+  adam_go_param<G, O, STREAM, false, false>(b, begin, end, k);
 }
 
 template <int G>
-void adam_go_out(float* p, const void* g, float* m, float* v, void* out, int out_dtype,
-                 bool stream, int64_t n, const AdamCoeffs& c) {
-  if (out_dtype == kBF16 && stream) return adam_go<G, kBF16, true>(p, g, m, v, out, n, c);
-  if (out_dtype == kBF16) return adam_go<G, kBF16, false>(p, g, m, v, out, n, c);
-  if (out_dtype == kF16 && stream) return adam_go<G, kF16, true>(p, g, m, v, out, n, c);
-  if (out_dtype == kF16) return adam_go<G, kF16, false>(p, g, m, v, out, n, c);
-  adam_go<G, kNone, false>(p, g, m, v, out, n, c);
+void adam_go_out(const AdamBufs& b, bool stream, int64_t begin, int64_t end,
+                 const AdamCoeffs& c) {
+  if (b.out_dtype == kBF16 && stream) return adam_go<G, kBF16, true>(b, begin, end, c);
+  if (b.out_dtype == kBF16) return adam_go<G, kBF16, false>(b, begin, end, c);
+  if (b.out_dtype == kF16 && stream) return adam_go<G, kF16, true>(b, begin, end, c);
+  if (b.out_dtype == kF16) return adam_go<G, kF16, false>(b, begin, end, c);
+  adam_go<G, kNone, false>(b, begin, end, c);
 }
 
 // Streams the low-precision copy when every vector store of it will be aligned.
-void adam_kernel(float* p, const void* g, int g_dtype, float* m, float* v, void* out,
-                 int out_dtype, int64_t n, const AdamCoeffs& c) {
-  const bool stream = reinterpret_cast<uintptr_t>(out) % (V::W * 2) == 0;
-  if (g_dtype == kBF16) return adam_go_out<kBF16>(p, g, m, v, out, out_dtype, stream, n, c);
-  if (g_dtype == kF16) return adam_go_out<kF16>(p, g, m, v, out, out_dtype, stream, n, c);
-  adam_go_out<kF32>(p, g, m, v, out, out_dtype, stream, n, c);
+void adam_kernel(const AdamBufs& b, int64_t begin, int64_t end, const AdamCoeffs& c) {
+  const bool stream =
+      b.out != nullptr && reinterpret_cast<uintptr_t>(at<kBF16>(b.out, begin)) % (V::W * 2) == 0;
+  if (b.g_dtype == kBF16) return adam_go_out<kBF16>(b, stream, begin, end, c);
+  if (b.g_dtype == kF16) return adam_go_out<kF16>(b, stream, begin, end, c);
+  adam_go_out<kF32>(b, stream, begin, end, c);
 }
 
 // x - x is 0 for every finite x and NaN for inf or NaN, so a running sum of it stays
@@ -147,7 +301,7 @@ void sumsq_range(const void* g, int64_t n, double* sumsq, bool* finite) {
   reg bad = V::set1(0.0f);
   const int64_t body = n - n % V::W;
   for (int64_t i = 0; i < body; i += V::W) {
-    reg x = load_grad<G>(g, i);
+    reg x = load_as<G>(g, i);
     bad = V::add(bad, V::sub(x, x));
     acc = V::dacc_add_sq(acc, x);
   }
@@ -155,7 +309,7 @@ void sumsq_range(const void* g, int64_t n, double* sumsq, bool* finite) {
     float tail[V::W] = {};
     copy_bytes(tail, static_cast<const char*>(g) + body * elem_size(G),
                (n - body) * elem_size(G));
-    reg x = load_grad<G>(tail, 0);
+    reg x = load_as<G>(tail, 0);
     bad = V::add(bad, V::sub(x, x));
     acc = V::dacc_add_sq(acc, x);
   }

@@ -19,7 +19,12 @@
 namespace zerofn {
 
 // Element types a buffer may hold. Values are part of the Python ABI (_C.DTYPE_*).
-enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = -1 };
+// kU8: 8-bit blockwise codes (moments only), with an fp32 scale per kQuantBlock elements.
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kU8 = 3, kNone = -1 };
+
+// Elements per 8-bit block, counted from the start of the whole buffer (not of a
+// thread's piece: dispatch.cpp starts every piece on a block boundary).
+constexpr int64_t kQuantBlock = 256;
 
 // Per-step scalars in the exact fp32 form torch's single-tensor Adam applies them
 // (each derived in double, then rounded to float once), see derive_coeffs().
@@ -35,11 +40,44 @@ struct AdamCoeffs {
   float eps;
   float neg_step_size;  // -lr / (1 - beta1^step)
   bool use_l2;
+  // Stochastic-rounding keys of the params / exp_avg / exp_avg_sq streams: element i
+  // of a buffer rounds with the bits mix32(i + key) (zerofn/optim/lowp.py).
+  uint32_t key_p, key_m, key_v;
 };
 
-// Serial kernels over [0, n) of already-offset pointers.
-using AdamFn = void (*)(float* p, const void* g, int g_dtype, float* m, float* v,
-                        void* out, int out_dtype, int64_t n, const AdamCoeffs& c);
+// lowbias32: the counter hash of the stochastic rounding, here for deriving the keys.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  return x ^ (x >> 16);
+}
+
+// The 8-bit maps of exp_avg (signed) and exp_avg_sq (unsigned): code values, and the
+// midpoints between consecutive codes level by level for a branch-free binary search:
+// level L (0..7) holds 2^L probes at levels[2^L - 1 + j] = mid[j * (256 >> L) +
+// (128 >> L) - 1]; levels[255] pads the last level's 16-wide loads.
+struct QuantTables {
+  float code_m[256], code_v[256];
+  float levels_m[256], levels_v[256];
+};
+
+// One buffer set of adam_step, as the bindings received it (whole buffers).
+struct AdamBufs {
+  void* p;             // kF32 or kBF16 (bf16 masters round stochastically)
+  const void* g;       // kF32, kBF16 or kF16
+  void *m, *v;         // both kF32, both kBF16 or both kU8
+  float *m_scale, *v_scale;  // kU8: one per kQuantBlock elements
+  void* out;           // kBF16, kF16 or nullptr (kNone)
+  int p_dtype, g_dtype, state_dtype, out_dtype;
+  const QuantTables* q;  // kU8 only
+};
+
+// Serial Adam over elements [begin, end) of the buffers (begin is a multiple of
+// kQuantBlock when the state is 8-bit); the index also counts for stochastic rounding.
+using AdamFn = void (*)(const AdamBufs& b, int64_t begin, int64_t end, const AdamCoeffs& c);
+// Other kernels: serial over [0, n) of already-offset pointers.
 // Accumulates the sum of squares (in double) and whether every element was finite.
 using SumsqFn = void (*)(const void* g, int g_dtype, int64_t n, double* sumsq,
                          bool* finite);

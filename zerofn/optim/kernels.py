@@ -11,6 +11,8 @@ import warnings
 
 import torch
 
+from zerofn.optim import lowp
+
 try:
     from zerofn import _C
 except ImportError as e:  # a missing or broken build must not degrade silently
@@ -21,6 +23,8 @@ else:
 
 _GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
+_PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_STATE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 3}
 _warned_generic = False
 
 
@@ -90,6 +94,9 @@ def adam_step(
     adamw_mode: bool = True,
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
+    seed: int = 0,
 ) -> None:
     """One fused Adam/AdamW update of a contiguous buffer, in place, in one pass.
 
@@ -100,22 +107,38 @@ def adam_step(
     fp32. When ``out`` (bf16 or fp16, same numel) is given, it receives the updated
     params rounded to nearest even, like ``params.to(out.dtype)``.
 
+    Low-precision state (exact definitions in ``zerofn.optim.lowp``, which
+    ``reference_adam_step`` reproduces bit for bit): bf16 ``params`` are masters rounded
+    stochastically; ``exp_avg``/``exp_avg_sq`` may both be bf16 (stochastic rounding)
+    or both uint8 blockwise codes, each with its fp32 scale tensor (one per 256
+    elements from the buffer's start), updated in place. The random bits depend on
+    ``seed``, ``step`` and the element's index only, not on threads or ISA.
+
     Args:
-        params, exp_avg, exp_avg_sq: fp32 CPU contiguous buffers of equal numel.
+        params: fp32 or bf16 CPU contiguous buffer.
         grads: fp32, bf16 or fp16, same numel; read only.
+        exp_avg, exp_avg_sq: same numel, both fp32, both bf16 or both uint8.
         step: the number of this update, counting from 1 (bias correction).
         grad_scale: multiplies every gradient before anything else.
         out: optional low-precision copy of the updated params (e.g. for the device).
+        exp_avg_scale, exp_avg_sq_scale: fp32 scales of uint8 moments, ceil(n/256) each.
+        seed: stochastic rounding's seed, an int in [0, 2**64).
     """
     c = native()
     n = params.numel()
-    _check_buffer("params", params, (torch.float32,))
+    _check_buffer("params", params, tuple(_PARAM_DTYPES))
     _check_buffer("grads", grads, tuple(_GRAD_DTYPES), n)
-    _check_buffer("exp_avg", exp_avg, (torch.float32,), n)
-    _check_buffer("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    _check_buffer("exp_avg", exp_avg, tuple(_STATE_DTYPES), n)
+    _check_buffer("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n)
     if out is not None:
         _check_buffer("out", out, tuple(_OUT_DTYPES), n)
-    _check_distinct(params=params, grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, out=out)
+    quantized = exp_avg.dtype == torch.uint8
+    _check_scales(quantized, n, exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale)
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"seed must lie in [0, 2**64), got {seed}")
+    _check_distinct(params=params, grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, out=out,
+                    exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale)  # fmt: skip
+    codes = (lowp._code(True), lowp._code(False)) if quantized else None
     c.adam_step(
         params.data_ptr(), grads.data_ptr(), _GRAD_DTYPES[grads.dtype],
         exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
@@ -123,7 +146,27 @@ def adam_step(
         c.DTYPE_NONE if out is None else _OUT_DTYPES[out.dtype],
         n, int(step), float(lr), float(beta1), float(beta2), float(eps),
         float(weight_decay), bool(adamw_mode), float(grad_scale),
+        _PARAM_DTYPES[params.dtype], _STATE_DTYPES[exp_avg.dtype],
+        exp_avg_scale.data_ptr() if quantized else 0,
+        exp_avg_sq_scale.data_ptr() if quantized else 0, int(seed),
+        codes[0].data_ptr() if quantized else 0, codes[1].data_ptr() if quantized else 0,
     )  # fmt: skip
+
+
+def _check_scales(quantized: bool, n: int, **scales) -> None:
+    """uint8 moments need both fp32 scale tensors of ceil(n/256); others take none."""
+    blocks = -(-n // lowp.QUANT_BLOCK)
+    for name, t in scales.items():
+        if not quantized:
+            if t is not None:
+                raise ValueError(f"{name} is only for uint8 (8-bit) exp_avg/exp_avg_sq")
+            continue
+        if t is None:
+            raise ValueError(f"uint8 exp_avg/exp_avg_sq need {name} (fp32, {blocks} elements)")
+        _check_buffer(name, t, (torch.float32,))
+        if t.numel() != blocks:
+            raise ValueError(f"{name} has {t.numel()} elements; {n} elements need {blocks} "
+                             f"(one per {lowp.QUANT_BLOCK})")  # fmt: skip
 
 
 def grad_sumsq_and_finite(grads: torch.Tensor) -> tuple[float, bool]:
