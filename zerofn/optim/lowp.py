@@ -32,26 +32,40 @@ STREAM_PARAMS, STREAM_EXP_AVG, STREAM_EXP_AVG_SQ = 0, 1, 2
 
 
 def _dynamic_map(signed: bool) -> torch.Tensor:
-    """bitsandbytes' ``create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)``.
+    """bitsandbytes' ``create_dynamic_map(signed, max_exponent_bits=7, total_bits=8)``,
+    with one value changed in each (see below).
 
     Exponent i = 0..6 scales 10**(i-6); the fraction part at exponent i takes the
     midpoints of ``linspace(0.1, 1, k + 1)`` with k = 2**i values (signed, each also
     negated) or k = 2**(i+1) (unsigned). With 0 and 1.0 that is 127*2 + 2 = 256
-    (signed) or 254 + 2 = 256 (unsigned) values, sorted ascending. The signed code is
-    mirror-symmetric except at the top: it holds 1.0 but not -1.0 (its most negative
-    code is -(1 - 0.9/128) = -0.99296875), exactly as in bitsandbytes.
+    (signed) or 254 + 2 = 256 (unsigned) values, sorted ascending.
+
+    The changes:
+    - signed: the most negative value is -1.0, where bitsandbytes has -(1 - 0.9/128) =
+      -0.99296875. A block's largest magnitude then encodes exactly (to ±1 times the
+      scale) whatever its sign, so decoding and encoding again gives the same codes and
+      scale: an fp32 state dict or checkpoint resumes the stored state bit for bit.
+    - unsigned (``exp_avg_sq``): no zero. Its lowest value is 0.55e-7 (the tree taken one
+      decade further down, with one fraction value), where bitsandbytes has 0: a second
+      moment that rounds to 0 while the first moment does not makes the update
+      ``m / (sqrt(0) + eps)``, far too large (Li et al. 2023, "Memory Efficient
+      Optimizers with 4-bit States", the zero-point problem, fixed the same way). A
+      block of zeros still decodes to 0: its scale is 0.
 
     Computed here in fp64 (mean_j = 0.1 + 0.9*(j + 0.5)/k) and rounded to fp32 once;
     bitsandbytes computes in fp32 and can differ in the last bit of a few codes.
     """
-    data = [0.0, 1.0]
+    data = [0.0 if signed else 0.55e-7, 1.0]
     for i in range(7):
         k = 2**i if signed else 2 ** (i + 1)
         scale = 10.0 ** (i - 6)
         means = [scale * (0.1 + 0.9 * (j + 0.5) / k) for j in range(k)]
         data += means + ([-x for x in means] if signed else [])
     assert len(data) == 256
-    return torch.tensor(sorted(data), dtype=torch.float64).float()
+    data.sort()
+    if signed:
+        data[0] = -1.0
+    return torch.tensor(data, dtype=torch.float64).float()
 
 
 _CODES: dict[bool, torch.Tensor] = {}
