@@ -73,7 +73,8 @@ def model_state_bytes(rt) -> dict[str, dict[str, int]]:
         + list(rt.reducer.grad_shard.values()) \
         + (list(rt.offload.grads.values()) if rt.offload is not None else [])
     opt = [s.opt_param for s in slots] + [t for state in rt.optimizer.state.values()
-                                          for t in state.values()]
+                                          for t in state.values()] \
+        + (rt.offload.state_buffers() if rt.offload is not None else [])
     out = _by_role({role: _extents(ts, arenas) for role, ts in
                     (("params", params), ("grads", grads), ("optimizer", opt))})
     out[rt.device.type]["buffers"] += rt.pool.nbytes()

@@ -133,7 +133,30 @@ class Offload(abc.ABC):
         """Host copies of the rows in the compute dtype (model state, for accounting)."""
         return []
 
+    def state_buffers(self) -> list[torch.Tensor]:
+        """Where optimizer state is stored in another form than the optimizer's tensors
+        show it (fewer bits), for accounting."""
+        return []
+
     def unseen_bytes(self) -> dict[str, dict[str, int]]:
         """``{where: {role: bytes}}`` held outside any tensor accounting can see (a swap
         file, a staging ring standing for it)."""
         return {}
+
+
+def point_at(t: torch.Tensor, view, shape, stand_in) -> None:
+    """Point ``t`` (keeping its identity, which the optimizer keys on) at ``view``'s memory,
+    or at a one-element stand-in with stride 0."""
+    with torch.no_grad():
+        if view is None:
+            t.set_(stand_in.untyped_storage(), 0, shape, [0] * len(shape))
+        else:
+            t.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+
+def stand_in(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` backed by one element (zero strides) that can later be pointed
+    at real memory with ``set_``: what the optimizer's tensors are while the state lives
+    elsewhere (a swap file, fewer bits), so no second copy of the rows is held."""
+    one = torch.zeros(1, dtype=dtype)
+    return torch.empty(0, dtype=dtype).set_(one.untyped_storage(), 0, shape, [0] * len(shape))

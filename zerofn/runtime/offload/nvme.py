@@ -36,7 +36,7 @@ import torch
 from ..pinned import host_buffer, pins
 from ..timing import UNTIMED
 from .adam import adam_unit, groups_by_param
-from .base import HostArena, Offload, decoupled_weight_decay, device_of
+from .base import HostArena, Offload, decoupled_weight_decay, device_of, point_at, stand_in
 from .nvme_file import FLOAT, SwapFile, block_bytes, state_bytes
 from .param_reads import ParamReads
 
@@ -120,7 +120,7 @@ class NvmeOffload(Offload):
         master = torch.zeros(unit.shard_numel, dtype=unit.dtype)
         for s in unit.slots:
             s.shard_of(master).copy_(s.rows_of(s.param.detach()))
-            s.opt_param = _stand_in(s.local_shape, unit.dtype)
+            s.opt_param = stand_in(s.local_shape, unit.dtype)
         buf = self.staging[0]
         buf.zero_()
         buf[:unit.shard_numel].copy_(master)
@@ -237,31 +237,21 @@ class NvmeOffload(Offload):
     def _show_params(self, unit, flat) -> None:
         """Point the unit's compute shard and its registered DTensors at ``flat``, or back
         at the stand-in."""
-        stand_in = self._param_stand_in[self.params[unit]]
+        filler = self._param_stand_in[self.params[unit]]
         unit.shard = self.param_shard(unit, self.params[unit]) if flat is None else flat
         for s in unit.slots:
-            _set(s.sharded._local_tensor, None if flat is None else s.shard_of(flat),
-                 s.local_shape, stand_in)
+            point_at(s.sharded._local_tensor, None if flat is None else s.shard_of(flat),
+                     s.local_shape, filler)
 
     def _point(self, optimizer, flats) -> None:
         for u in self.units:
             for s in u.slots:
                 views = [s.shard_of(f) for f in flats[u]] if flats else [None] * 3
-                _set(s.opt_param, views[0], s.local_shape, self._stand_in)
+                point_at(s.opt_param, views[0], s.local_shape, self._stand_in)
                 state = optimizer.state.get(s.opt_param)
                 if state:
-                    _set(state["exp_avg"], views[1], s.local_shape, self._stand_in)
-                    _set(state["exp_avg_sq"], views[2], s.local_shape, self._stand_in)
-
-
-def _set(t: torch.Tensor, view, shape, stand_in) -> None:
-    """Point ``t`` (keeping its identity, which the optimizer keys on) at ``view``'s memory,
-    or at a one-element stand-in with stride 0."""
-    with torch.no_grad():
-        if view is None:
-            t.set_(stand_in.untyped_storage(), 0, shape, [0] * len(shape))
-        else:
-            t.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+                    point_at(state["exp_avg"], views[1], s.local_shape, self._stand_in)
+                    point_at(state["exp_avg_sq"], views[2], s.local_shape, self._stand_in)
 
 
 def _cast_the_rest(rows: torch.Tensor, master: torch.Tensor, written: list) -> None:
@@ -272,11 +262,3 @@ def _cast_the_rest(rows: torch.Tensor, master: torch.Tensor, written: list) -> N
         if start > at:
             rows[at:start].copy_(master[at:start])
         at = max(at, end)
-
-
-def _stand_in(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``shape`` backed by one element (zero strides) that can later be pointed
-    at real memory with ``set_``: what NVMe's optimizer tensors are between state reads,
-    so set-up never holds a second copy of the rank's master rows."""
-    one = torch.zeros(1, dtype=dtype)
-    return torch.empty(0, dtype=dtype).set_(one.untyped_storage(), 0, shape, [0] * len(shape))
