@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class ShardingPolicy:
@@ -45,6 +47,9 @@ class OffloadPolicy:
     path: str | None = None            # NVMe: the swap file's directory
     params: bool = False               # ZeRO-3: parameter shards too
     units_in_flight: int = 2           # NVMe: the staging ring's buffers
+    state_dtype: Any = torch.float32   # Adam's moments: fp32, bf16 or int8 (8-bit codes)
+    master_dtype: Any = torch.float32  # master rows: fp32 or bf16 (stochastic rounding)
+    seed: int = 0                      # the stochastic rounding's random stream
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,8 @@ OPTION_FIELDS = {
     **{f.name: ("precision", f.name) for f in dataclasses.fields(PrecisionPolicy)},
     "offload": ("offload", "device"), "offload_path": ("offload", "path"),
     "offload_params": ("offload", "params"), "units_in_flight": ("offload", "units_in_flight"),
+    "state_dtype": ("offload", "state_dtype"), "master_dtype": ("offload", "master_dtype"),
+    "offload_seed": ("offload", "seed"),
     "tensorboard": ("monitor", "log_dir"), "tensorboard_every": ("monitor", "every"),
     "tensorboard_ranks": ("monitor", "ranks"), "tensorboard_csv": ("monitor", "csv"),
     "profile": ("monitor", "profile"), "memory_snapshot": ("monitor", "memory_snapshot"),
@@ -73,7 +80,8 @@ POLICIES = {"sharding": ShardingPolicy, "precision": PrecisionPolicy,
 # The options each transform accepts (shared ones set the whole plan: give each once).
 SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states", "init", "timeout")
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
-OFFLOAD_OPTIONS = ("offload", "offload_path", "offload_params", "units_in_flight")
+OFFLOAD_OPTIONS = ("offload", "offload_path", "offload_params", "units_in_flight", "state_dtype",
+                   "master_dtype", "offload_seed")
 MONITOR_OPTIONS = ("tensorboard", "tensorboard_every", "tensorboard_ranks", "tensorboard_csv",
                    "profile", "memory_snapshot")
 PRECISION_OPTIONS = tuple(f.name for f in dataclasses.fields(PrecisionPolicy))

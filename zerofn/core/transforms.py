@@ -158,7 +158,8 @@ def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype=None
 
 
 def offload(device: str = "cpu", *, params: bool = False, path: str | None = None,
-            units_in_flight: int = 2) -> Transform:
+            units_in_flight: int = 2, state_dtype: torch.dtype = torch.float32,
+            master_dtype: torch.dtype = torch.float32, seed: int = 0) -> Transform:
     """Keep master parameters and optimizer state off the accelerator, and step there.
 
     ``offload("cpu")`` (ZeRO-Offload) holds them in host memory, pinned when an accelerator
@@ -179,14 +180,29 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
             room for the swap file). Swap files go when the process exits.
         units_in_flight: NVMe staging buffers (2: one unit steps while the next is read;
             with ``params=True`` also how many parameter shards are read ahead).
+        state_dtype: how Adam's moments are stored on the host: ``torch.float32``
+            (default), ``torch.bfloat16`` (stochastic rounding) or ``torch.int8`` (8-bit
+            blockwise dynamic codes, a scale per 256 elements). Adam/AdamW only.
+        master_dtype: how the master rows are stored: ``torch.float32`` (default) or
+            ``torch.bfloat16`` (stochastic rounding; needs a bf16 compute dtype, whose rows
+            the masters then are). State dicts and checkpoints hold fp32 either way.
+        seed: the stochastic rounding's random stream: a run and its resume round alike.
+        See docs/offload.md ("Low-precision host state") for bytes and accuracy.
     """
     if device not in ("cpu", "nvme"):
         raise ValueError(f"offload({device!r}): the device is 'cpu' or 'nvme'.")
     if units_in_flight < 1:
         raise ValueError("offload(): units_in_flight must be at least 1.")
+    if state_dtype not in (torch.float32, torch.bfloat16, torch.int8):
+        raise ValueError(f"offload(state_dtype={state_dtype!r}): Adam's moments are stored as "
+                         "torch.float32, torch.bfloat16 or torch.int8.")
+    if master_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"offload(master_dtype={master_dtype!r}): master rows are stored as "
+                         "torch.float32 or torch.bfloat16.")
     return _stage_transform("offload", 0, OFFLOAD_OPTIONS,
                             dict(offload=device, offload_params=params, offload_path=path,
-                                 units_in_flight=units_in_flight))
+                                 units_in_flight=units_in_flight, state_dtype=state_dtype,
+                                 master_dtype=master_dtype, offload_seed=int(seed)))
 
 
 def tensorboard(logdir, *, every: int = 10, ranks="0", profile: dict | None = None,

@@ -174,7 +174,8 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
             problems += kind.preflight(self.plan, self.device, dist.get_rank(self.group),
                                        dist.get_world_size(self.group))
         problems += offload_problems(self.plan.offload, self.optimizer, units,
-                                     self._offloaded_param_dtypes(units))
+                                     self._offloaded_param_dtypes(units),
+                                     self.plan.precision.param_dtype)
         return units, problems
 
     def _signature(self) -> list[str]:

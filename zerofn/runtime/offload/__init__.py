@@ -3,21 +3,49 @@
 runtime chooses the kind once, here, and never asks again."""
 from __future__ import annotations
 
+import torch
+
 from .base import ALIGN, HostArena, Offload, cpu_adam_steps
 from .host import HostOffload
+from .host_lowp import LowpHostOffload
 from .nvme import NvmeOffload
 from .nvme_file import nvme_problems, swap_bytes
 
-__all__ = ["ALIGN", "HostArena", "HostOffload", "NvmeOffload", "Offload", "cpu_adam_steps",
+__all__ = ["ALIGN", "HostArena", "HostOffload", "LowpHostOffload", "NvmeOffload", "Offload", "cpu_adam_steps",
            "make_offload", "offload_problems"]
 
 
-def offload_problems(policy, optimizer, units, param_dtypes: dict) -> list[str]:
+def offload_problems(policy, optimizer, units, param_dtypes: dict, compute_dtype) -> list[str]:
     """What stops the offload ``policy`` asks for: checked on every rank before any
     collective."""
-    if policy.device != "nvme":
+    problems = lowp_problems(policy, optimizer, units, compute_dtype)
+    if policy.device == "nvme":
+        problems += nvme_problems(policy.path, swap_bytes(units, param_dtypes), optimizer, units)
+    return problems
+
+
+def lowp_problems(policy, optimizer, units, compute_dtype) -> list[str]:
+    """Low-precision host state is stepped by zerofn's CPU Adam from fp32 masters' values."""
+    asked = [f"{name}={value}" for name, value in (("state_dtype", policy.state_dtype),
+                                                  ("master_dtype", policy.master_dtype))
+             if value != torch.float32]
+    if not asked or policy.device is None:
         return []
-    return nvme_problems(policy.path, swap_bytes(units, param_dtypes), optimizer, units)
+    what = f"offload({', '.join(asked)})"
+    problems = []
+    if not cpu_adam_steps(optimizer):
+        problems.append(f"{what} stores Adam's state, which zerofn's CPU Adam steps: use "
+                        f"torch.optim.Adam, AdamW or zerofn.optim.CPUAdam (without amsgrad), "
+                        f"not {type(optimizer).__name__}, or leave the dtypes at fp32.")
+    if policy.device == "nvme":
+        problems.append(f"{what} is for offload('cpu'); the NVMe swap file holds fp32 state.")
+    if any(u.dtype not in (None, torch.float32) for u in units):
+        problems.append(f"{what} needs an fp32 model (the masters' values): keep the model "
+                        "in fp32 and compute in bf16 with zf.mixed_precision(torch.bfloat16).")
+    if policy.master_dtype == torch.bfloat16 and compute_dtype != torch.bfloat16:
+        problems.append(f"{what}: bf16 masters are the rows the device computes with, so the "
+                        "compute dtype must be bf16: add zf.mixed_precision(torch.bfloat16).")
+    return problems
 
 
 def make_offload(policy, units, optimizer, grad_dtype_of, param_dtypes: dict,
@@ -27,6 +55,11 @@ def make_offload(policy, units, optimizer, grad_dtype_of, param_dtypes: dict,
     if policy.device == "nvme":
         return NvmeOffload(units, optimizer, policy.path, rank, policy.units_in_flight,
                            grad_dtype_of, param_dtypes, compute_dtype, timing)
+    if policy.device == "cpu" and (policy.state_dtype, policy.master_dtype) != (
+            torch.float32, torch.float32):
+        return LowpHostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing,
+                               state_dtype=policy.state_dtype,
+                               master_dtype=policy.master_dtype, seed=policy.seed)
     if policy.device == "cpu":
         return HostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing)
     return None

@@ -42,13 +42,8 @@ class HostOffload(Offload):
         self.compute_dtype = {u: compute_dtype or self.master_dtype[u] for u in units}
         self.master, self.exp_avg, self.exp_avg_sq = {}, {}, {}
         self._arenas = []
-        for dtype, mine in _by_dtype(self.master_dtype).items():
-            states = [self.master] + ([self.exp_avg, self.exp_avg_sq] if self.cpu_adam else [])
-            arena = HostArena([u.shard_numel for u in mine] * len(states), dtype, self.pin)
-            for state in states:
-                state.update({u: arena.take(u.shard_numel) for u in mine})
-            self._arenas.append(arena)
         self._units = units
+        self._allocate_state()
         self._steps = None
         # Under mixed precision the compute copy is kept in this (pinned) arena, where CPU
         # Adam writes it in its pass (another optimizer's rows are cast into it): what goes
@@ -65,6 +60,15 @@ class HostOffload(Offload):
         for dtype, mine in _by_dtype({u: grad_dtype_of(u) for u in units}).items():
             arena = HostArena([u.shard_numel for u in mine], dtype, self.pin)
             self.grads.update({u: arena.take(u.shard_numel) for u in mine})
+            self._arenas.append(arena)
+
+    def _allocate_state(self) -> None:
+        """Masters and (for CPU Adam) both moments, in the masters' dtype."""
+        for dtype, mine in _by_dtype(self.master_dtype).items():
+            states = [self.master] + ([self.exp_avg, self.exp_avg_sq] if self.cpu_adam else [])
+            arena = HostArena([u.shard_numel for u in mine] * len(states), dtype, self.pin)
+            for state in states:
+                state.update({u: arena.take(u.shard_numel) for u in mine})
             self._arenas.append(arena)
 
     def place_masters(self, unit: Unit, keep: bool) -> torch.Tensor:
@@ -130,8 +134,10 @@ class HostOffload(Offload):
         for u in self._units:
             adam_unit(optimizer, group_of, u, grads, self.master[u], self.exp_avg[u],
                       self.exp_avg_sq[u], self.decoupled, self.compute_copy.get(u),
-                      grad_scale, self.timing)
+                      grad_scale, self.timing, self.kernel_options)
             after_unit(u, self.updated_rows(u))
+
+    kernel_options = None   # slot -> adam_step's keywords for the state's stored form
 
 
 def _by_dtype(dtype_of: dict) -> dict:
