@@ -20,8 +20,10 @@ __all__ = ["DTYPES", "PLACES", "ROLES", "estimate_model_state_bytes", "estimate_
 
 
 def _description(n: int, world: int, precision: str, optimizer_states: int,
-                 offload: str | None, offload_params: bool) -> str:
-    masters = "" if precision == "fp32" else ", fp32 masters"
+                 offload: str | None, offload_params: bool, master: str = "fp32",
+                 state: str = "fp32") -> str:
+    masters = "" if precision == master == state else \
+        f", {master} masters" + (f" and {state} optimizer state" if state != master else "")
     where = "" if offload is None else f", offload {offload}" + \
         (" (params too)" if offload_params else "")
     return (f"{n / 1e9:,.3g}B parameters, {world} rank{'s' * (world != 1)}, {precision} compute"
@@ -47,6 +49,12 @@ def main(argv=None, prog: str = "python -m zerofn estimate") -> int:
     p.add_argument("--offload", choices=("cpu", "nvme"), help="offload the optimizer")
     p.add_argument("--offload-params", action="store_true",
                    help="ZeRO-3: offload the parameter shards too")
+    p.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
+                   help="how the optimizer's moments are stored (offload's state_dtype; "
+                        "int8: 8-bit codes and a scale per 256)")
+    p.add_argument("--master-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="how the masters are stored (offload's master_dtype; bf16 needs "
+                        "--precision bf16)")
     p.add_argument("--units-in-flight", type=int, default=2,
                    help="NVMe staging buffers in host memory (default 2, as offload's)")
     p.add_argument("--largest-unit",
@@ -63,13 +71,13 @@ def main(argv=None, prog: str = "python -m zerofn estimate") -> int:
             [3] if args.offload_params else [1, 2, 3] if args.offload else [0, 1, 2, 3]
         text = table(model, args.world, stages, DTYPES[args.precision], args.optimizer_states,
                      args.offload, args.offload_params, units_in_flight=args.units_in_flight,
-                     largest_unit=largest)
+                     largest_unit=largest, **_stored_dtypes(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     n = count_params(model)
     print(_description(n, args.world, args.precision, args.optimizer_states, args.offload,
-                       args.offload_params))
+                       args.offload_params, args.master_dtype, args.state_dtype))
     print(text)
     if args.offload == "nvme":
         counted = largest is not None or isinstance(model, nn.Module)
@@ -77,6 +85,21 @@ def main(argv=None, prog: str = "python -m zerofn estimate") -> int:
               + ("counted under host." if counted else
                  "not counted (give --largest-unit, or --model)."))
     return 0
+
+
+def _stored_dtypes(args) -> dict:
+    """``--master-dtype``/``--state-dtype`` as ``estimate_placement`` takes them, checked as
+    ``offload()`` checks them."""
+    if (args.master_dtype, args.state_dtype) == ("fp32", "fp32"):
+        return {}
+    if args.offload != "cpu":
+        raise ValueError("--master-dtype/--state-dtype describe offload('cpu')'s host state: "
+                         "add --offload cpu.")
+    if args.master_dtype == "bf16" and args.precision != "bf16":
+        raise ValueError("--master-dtype bf16 needs --precision bf16: bf16 masters are the "
+                         "rows the device computes with.")
+    state = torch.int8 if args.state_dtype == "int8" else DTYPES[args.state_dtype]
+    return dict(master_dtype=DTYPES[args.master_dtype], state_dtype=state)
 
 
 def _model(args) -> int | nn.Module:

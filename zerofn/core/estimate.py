@@ -53,7 +53,8 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
                        master_dtype: torch.dtype = torch.float32, optimizer_states: int = 2,
                        *, reduce_dtype: torch.dtype | None = None, offload: str | None = None,
                        offload_params: bool = False, units_in_flight: int = 2,
-                       largest_unit: int | None = None) -> dict[str, dict[str, float]]:
+                       largest_unit: int | None = None,
+                       state_dtype: torch.dtype | None = None) -> dict[str, dict[str, float]]:
     """Model-state bytes one rank holds, by place and role, as zerofn lays them out.
 
     Without offload everything is on the device. ``offload("cpu")`` moves the fp32
@@ -82,6 +83,10 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
         offload: None, "cpu" or "nvme".
         offload_params: ZeRO-3 only: offload the parameter shards too.
         units_in_flight: NVMe staging buffers, as ``offload`` takes it.
+        state_dtype: how the optimizer's moments are stored (default ``master_dtype``);
+            ``torch.int8`` is 8-bit codes with an fp32 scale per 256 (1.016 bytes).
+            ``offload("cpu", state_dtype=..., master_dtype=...)`` stores them so; bf16
+            masters under a bf16 compute dtype are the rows the device reads, no copy.
         largest_unit: parameters of the largest unit (e.g. one transformer block, or the
             root's embeddings and head), for NVMe's staging ring; by default found from
             ``params`` when it is a module (zerofn's default units: each module of an
@@ -100,6 +105,7 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
     _check(stage, offload, offload_params)
     n = count_params(params)
     c, m = param_dtype.itemsize, master_dtype.itemsize
+    states = optimizer_states * moment_bytes(state_dtype or master_dtype)
     r = (reduce_dtype or param_dtype).itemsize
     share = n / world
     out = {place: dict.fromkeys(ROLES, 0.0) for place in PLACES}
@@ -110,15 +116,14 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
     out["device"]["grads"] = c * n if stage <= 1 else r * share
     if offload is None:
         master = 0 if master_dtype == param_dtype else m
-        out["device"]["optimizer"] = (master + optimizer_states * m) * (share if stage else n)
+        out["device"]["optimizer"] = (master + states) * (share if stage else n)
     else:
         # offload("cpu", params=True) computes on the rows the step writes: the masters
         # themselves in the compute dtype (counted as params, as without offload), else
         # the compute-dtype copy below, which offload("cpu") keeps in any case.
         shard_is_rows = offload == "cpu" and offload_params
         master = 0 if shard_is_rows and c == m else m
-        out["nvme" if offload == "nvme" else "host"]["optimizer"] = \
-            (master + optimizer_states * m) * share
+        out["nvme" if offload == "nvme" else "host"]["optimizer"] = (master + states) * share
         landing = r if optimizer_states == 2 else m
         out["host"]["grads"] = landing * share
         if offload == "cpu" and c != m and not shard_is_rows:   # the copy the step sends up
@@ -132,6 +137,12 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
     for place in out.values():
         place["total"] = sum(place[role] for role in ROLES)
     return out
+
+
+def moment_bytes(dtype: torch.dtype) -> float:
+    """Bytes a parameter's optimizer moment takes in ``dtype``; int8 codes carry an fp32
+    scale per block of 256 (zerofn.optim.QUANT_BLOCK)."""
+    return 1 + 4 / 256 if dtype == torch.int8 else dtype.itemsize
 
 
 def count_params(params: int | nn.Module) -> int:
@@ -184,15 +195,15 @@ def parse_count(text: str) -> int:
 
 def table(params: int | nn.Module, world: int, stages, param_dtype: torch.dtype,
           optimizer_states: int = 2, offload: str | None = None, offload_params: bool = False,
-          **ring) -> str:
+          **more) -> str:
     """The estimate as a text table: one row per stage and place that holds bytes, in GB.
-    ``ring``: ``units_in_flight`` and ``largest_unit`` for NVMe's staging ring."""
+    ``more``: ``estimate_placement``'s keywords (the stored dtypes, NVMe's ring)."""
     header = f"{'stage':<8}{'place':<8}" + "".join(f"{h:>11}" for h in ROLES + ("total",))
     rows = [header, "-" * len(header)]
     for stage in stages:
         placed = estimate_placement(params, world, stage, param_dtype,
                                     optimizer_states=optimizer_states, offload=offload,
-                                    offload_params=offload_params, **ring)
+                                    offload_params=offload_params, **more)
         for place in PLACES:
             if place == "device" or placed[place]["total"]:
                 rows.append(f"{'ZeRO-' + str(stage):<8}{place:<8}" + "".join(
