@@ -109,6 +109,19 @@ def test_config_file_with_offload_and_bf16_and_flags_over_it(tmp_path):
 
 
 @pytest.mark.multirank
+def test_low_precision_host_state_from_the_command_line():
+    out = run_job("--stage", "2", "--precision", "bf16", "--offload", "cpu",
+                  "--state-dtype", "int8", "--master-dtype", "bf16")
+    assert "plan: ZeRO-2, bf16 compute, bf16 masters, int8 Adam state, offload cpu" in out, out
+    assert_learns(out, 12)
+    # The estimate and the measurement agree on the host's optimizer bytes (to the
+    # layout's padding): bf16 masters, 8-bit moments and their scales.
+    host = [float(x) for x in re.findall(r"host \S+ MiB \(params \S+ MiB, grads \S+ MiB, "
+                                         r"optimizer (\S+) MiB", out)]
+    assert len(host) == 2 and abs(host[0] - host[1]) < 0.05 * host[0], out
+
+
+@pytest.mark.multirank
 def test_compiled_job_prints_the_uncompiled_curve():
     """--compile BACKEND: torch.compile over the sharded model (aot_eager here: inductor's
     kernels round differently), the same losses, rates and norms step for step."""
@@ -203,6 +216,10 @@ REFUSED = {
     "--resume continues from --save-dir's latest checkpoint": ["--resume"],
     "--stop-at between 1 and --steps": ["--stop-at", "300"],
     "--width 100 must be a multiple of --heads 3": ["--width", "100", "--heads", "3"],
+    "low-precision state is stored in host memory; add --offload cpu": [
+        "--state-dtype", "int8"],
+    "--master-dtype bf16 needs --precision bf16": ["--offload", "cpu", "--master-dtype",
+                                                   "bf16"],
 }
 
 

@@ -50,6 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     zero.add_argument("--nvme-path", help="directory for --offload nvme's swap files")
     zero.add_argument("--offload-params", action=argparse.BooleanOptionalAction,
                       help="ZeRO-3 with --offload: the parameter shards too")
+    zero.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"),
+                      help="--offload cpu: how Adam's moments are stored on the host (bf16 "
+                           "rounds stochastically; int8: 8-bit blockwise codes; default fp32)")
+    zero.add_argument("--master-dtype", choices=("fp32", "bf16"),
+                      help="--offload cpu: how the masters are stored (bf16 needs --precision "
+                           "bf16; default fp32)")
     zero.add_argument("--grad-accum", type=int,
                       help="micro-batches per optimizer step (default 1)")
     zero.add_argument("--activation-checkpointing", action="store_true",

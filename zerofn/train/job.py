@@ -24,6 +24,8 @@ class Job:
     offload: str | None
     offload_params: bool
     nvme_path: str | None
+    state_dtype: str
+    master_dtype: str
     grad_accum: int
     batch: int
     clip: float
@@ -62,6 +64,8 @@ def resolve(args) -> Job:
         offload_params=_first(args.offload_params,
                               offload.get("params") if args.offload is None else None, False),
         nvme_path=_first(args.nvme_path, offload.get("path")),
+        state_dtype=_first(args.state_dtype, STORED.get(offload.get("state_dtype")), "fp32"),
+        master_dtype=_first(args.master_dtype, STORED.get(offload.get("master_dtype")), "fp32"),
         grad_accum=_first(args.grad_accum, settings and settings.gradient_accumulation_steps, 1),
         batch=_first(args.batch, settings and settings.train_batch_size, 16),
         clip=_first(args.clip, settings and settings.gradient_clipping, 1.0),
@@ -106,6 +110,12 @@ def _check(job: Job, args) -> None:
         raise ValueError(f"--offload-params needs --stage 3 and --offload cpu or nvme (here "
                          f"stage {job.stage}, offload {job.offload or 'none'}): only ZeRO-3 "
                          f"shards the parameters.")
+    if (job.state_dtype, job.master_dtype) != ("fp32", "fp32") and job.offload != "cpu":
+        raise ValueError(f"--state-dtype {job.state_dtype} --master-dtype {job.master_dtype}: "
+                         f"low-precision state is stored in host memory; add --offload cpu.")
+    if job.master_dtype == "bf16" and job.precision != "bf16":
+        raise ValueError("--master-dtype bf16 needs --precision bf16: bf16 masters are the "
+                         "rows the device computes with.")
     if args.save_every is not None and not args.save_dir:
         raise ValueError("--save-every needs --save-dir.")
     if args.resume and not args.save_dir:
@@ -117,6 +127,15 @@ def _check(job: Job, args) -> None:
     if job.cfg.width % job.cfg.heads:
         raise ValueError(f"--width {job.cfg.width} must be a multiple of --heads "
                          f"{job.cfg.heads}.")
+
+
+STORED = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}
+
+
+def _stored(job: Job) -> dict:
+    """offload()'s stored dtypes from the job's names for them."""
+    dtype = {name: dtype for dtype, name in STORED.items()}
+    return dict(state_dtype=dtype[job.state_dtype], master_dtype=dtype[job.master_dtype])
 
 
 def transforms(job: Job) -> list:
@@ -137,7 +156,7 @@ def transforms(job: Job) -> list:
     if job.offload is not None:
         in_flight = opts.get("offload", {}).get("units_in_flight", 2)
         out.append(zf.offload(job.offload, params=job.offload_params, path=job.nvme_path,
-                              units_in_flight=in_flight))
+                              units_in_flight=in_flight, **_stored(job)))
     if job.tensorboard is not None:
         options = dict(job.tensorboard)
         out.append(zf.tensorboard(options.pop("logdir"), **options))

@@ -51,7 +51,9 @@ def banner(job: Job, model, opt, args) -> str:
         f"{job.cfg.layers} layers, context {job.cfg.context}), {_ranks(world)} on "
         f"{dist.get_backend()}",
         f"plan: ZeRO-{job.stage}, {job.precision} compute" +
-        ("" if job.precision == "fp32" else ", fp32 masters") + f", offload {offload}, "
+        ("" if job.precision == "fp32" else f", {job.master_dtype} masters") +
+        ("" if job.state_dtype == "fp32" else f", {job.state_dtype} Adam state") +
+        f", offload {offload}, "
         f"{units} units, activation checkpointing {'on' if job.cfg.checkpoint else 'off'}"
         + (f", torch.compile ({job.compile})" if job.compile else ""),
         f"batch: {job.batch} sequences of {job.cfg.context} bytes per step ({job.grad_accum} "
@@ -64,9 +66,17 @@ def banner(job: Job, model, opt, args) -> str:
                                  reduce_dtype=reduce_dtype, offload=job.offload,
                                  offload_params=job.offload_params,
                                  units_in_flight=rt.plan.offload.units_in_flight,
-                                 largest_unit=world * max(u.shard_numel for u in rt.units))
+                                 largest_unit=world * max(u.shard_numel for u in rt.units),
+                                 **_stored_dtypes(rt.plan.offload))
         lines.append("model state per rank, estimated: " + _places(est))
     return "\n".join(lines)
+
+
+def _stored_dtypes(policy) -> dict:
+    """The estimate's keywords for offload's stored dtypes (fp32: the defaults)."""
+    if (policy.state_dtype, policy.master_dtype) == (torch.float32, torch.float32):
+        return {}
+    return dict(master_dtype=policy.master_dtype, state_dtype=policy.state_dtype)
 
 
 def _optimizer_name(job: Job, opt) -> str:
