@@ -173,6 +173,19 @@ def test_bf16(key):
     assert plan_of(s.transform).precision.param_dtype == torch.bfloat16
 
 
+def test_bf16_optimizer_states_and_masters_map_onto_the_host_state_dtypes():
+    bf16 = {"enabled": True, "bf16_optimizer_states": True,
+            "bf16_master_weights_and_grads": True}
+    s = read({**zero(stage=2, offload_optimizer={"device": "cpu"}), "bf16": bf16})
+    offload = plan_of(s.transform).offload
+    assert (offload.state_dtype, offload.master_dtype) == (torch.bfloat16, torch.bfloat16)
+    # Without host offload zerofn stores neither in bf16, and says so.
+    s, warned = read_warned({**zero(stage=2), "bf16": bf16})
+    assert "bf16.bf16_optimizer_states=True: zerofn stores bf16 optimizer state only in " \
+           "host memory" in warned[0] and "bf16.bf16_master_weights_and_grads" in warned[0]
+    assert "offload" not in s.transforms
+
+
 def test_communication_data_type_is_the_reduce_dtype():
     s = read({**BATCH, "bf16": {"enabled": True}, "communication_data_type": "fp32"})
     plan = plan_of(s.transform)

@@ -160,9 +160,12 @@ BF16_IGNORED = {
     "immediate_grad_update": Ignored("zerofn updates at the step", (False,)),
     "check_grad_overflow": Ignored("zerofn checks for overflow only under fp16 loss scaling",
                                    (False,)),
-    "bf16_master_weights_and_grads": Ignored("zerofn's masters and step gradients are fp32",
-                                             (False,)),
-    "bf16_optimizer_states": Ignored("zerofn's optimizer state is fp32", (False,)),
+    "bf16_master_weights_and_grads": Ignored(
+        "zerofn stores bf16 masters only in host memory: with offload_optimizer.device "
+        "\"cpu\"", (False,)),
+    "bf16_optimizer_states": Ignored(
+        "zerofn stores bf16 optimizer state only in host memory: with "
+        "offload_optimizer.device \"cpu\"", (False,)),
 }
 BF16_KNOWN = frozenset(("enabled",)) | frozenset(BF16_IGNORED)
 

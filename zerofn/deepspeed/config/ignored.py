@@ -6,7 +6,8 @@ from __future__ import annotations
 import warnings
 
 from .. import keys as K
-from .mapping import WRITERS, bf16_section, is_enabled, unprefixed, zero_section, zero_value
+from .mapping import (HOST_STATE_KEYS, WRITERS, bf16_section, host_state_options, is_enabled,
+                      unprefixed, zero_section, zero_value)
 from .settings import DeepSpeedConfigWarning
 
 # Measurements zf.tensorboard always writes (time/ and comm/ series), so they need a writer.
@@ -25,7 +26,10 @@ def ignored_keys(config: dict, stage: int) -> list[str]:
             out += _reportable(section, table, f"zero_optimization.{name}.")
     out += _stage_mismatches(zero, stage)
     out += _reportable(config.get("fp16", {}), K.FP16_IGNORED, "fp16.")
-    out += _reportable(bf16_section(config), K.BF16_IGNORED, "bf16.")
+    bf16 = bf16_section(config)
+    if host_state_options(config, (zero.get("offload_optimizer") or {}).get("device", "none")):
+        bf16 = {k: v for k, v in bf16.items() if k not in HOST_STATE_KEYS}   # (honoured)
+    out += _reportable(bf16, K.BF16_IGNORED, "bf16.")
     out += _reportable(config.get("activation_checkpointing", {}),
                        K.ACTIVATION_CHECKPOINTING_IGNORED, "activation_checkpointing.")
     if config.get("optimizer", {}).get("legacy_fusion"):

@@ -201,6 +201,20 @@ def _offload_options(zero: dict, stage: int) -> dict | None:
     return options
 
 
+# bf16 keys (DeepSpeed 0.19.8, with offload_optimizer.device "cpu") -> offload()'s options
+HOST_STATE_KEYS = {"bf16_optimizer_states": "state_dtype",
+                   "bf16_master_weights_and_grads": "master_dtype"}
+
+
+def host_state_options(config: dict, device: str) -> dict:
+    """offload("cpu")'s stored dtypes from DeepSpeed's bf16 section: bf16 moments, bf16
+    masters. (zerofn also has int8 moments, which DeepSpeed's config cannot name.)"""
+    bf16 = bf16_section(config)
+    if device != "cpu" or not bf16.get("enabled"):
+        return {}
+    return {option: torch.bfloat16 for key, option in HOST_STATE_KEYS.items() if bf16.get(key)}
+
+
 def _nvme_path(opt: dict, par: dict) -> str:
     paths = {name: s.get("nvme_path") for name, s in (("offload_optimizer", opt),
                                                        ("offload_param", par))
@@ -238,7 +252,7 @@ def transform_options(config: dict, stage: int, param_dtype, precision_opts: dic
                                       reduce_dtype=reduce_dtype)
     offload = _offload_options(zero, stage)
     if offload is not None:
-        out["offload"] = offload
+        out["offload"] = dict(offload, **host_state_options(config, offload["device"]))
     monitor = _monitor_options(config)
     if monitor is not None:
         out["tensorboard"] = monitor
