@@ -12,9 +12,9 @@ both steps of a pair alike. Reported:
 - every=10 against off: the ratio of mean step times over whole logging intervals
   (logging steps included: the cost a run pays), and the median of per-pair ratios (the
   cost of a step that does not log);
-- a trace window (torch.profiler, wait=3, warmup=1, active=2): the mean step time inside
-  the active window, and of the step after it (which writes the trace), over the same
-  monitor's steps outside the window;
+- a trace window (torch.profiler, wait=--warmup + 3, warmup=1, active=2): the mean step
+  time inside the active window, and of the step after it (which writes the trace), over
+  the same monitor's steps outside the window;
 - the labels-only hot path without a monitor: calls per step into runtime/timing.py's
   ``UNTIMED`` times the measured cost of one call, as a share of the step.
 """

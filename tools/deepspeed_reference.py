@@ -5,7 +5,7 @@ gloo ranks (CPU accelerator), every micro-step's loss recorded, and records Deep
 WarmupLR / WarmupDecayLR / WarmupCosineLR values. DeepSpeed is never a dependency of
 zerofn or its tests: run this with the interpreter that has it, e.g.
 
-    DS_ACCELERATOR=cpu /work/dsvenv/bin/python tools/deepspeed_reference.py
+    DS_ACCELERATOR=cpu /path/to/deepspeed-venv/bin/python tools/deepspeed_reference.py
 
 DeepSpeed cannot read "auto": the config handed to it has "auto" filled by Hugging Face's
 own integration (``HfTrainerDeepSpeedConfig``), given TrainingArguments that agree with

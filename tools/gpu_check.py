@@ -44,7 +44,7 @@ RESULTS = os.path.join(ROOT, "docs", "gpu_results.json")
 TRACE_DIR = os.path.join(ROOT, "build", "gpu_check")   # the profiler trace: too big for docs/
 TOL = 1e-5                     # parity, as tests/test_parity.py
 COMPARE_SIZE = "2048x24"       # zerofn against FSDP2 (and DeepSpeed)
-LARGE_CPU = "4096x34"          # 7.05B parameters: the >= 7B goal with Adam on the host
+LARGE_CPU = "4096x34"          # 7.06B parameters: the >= 7B goal with Adam on the host
 NVME_LADDER = ("5120x41", "4096x34", "3072x32", "2048x24")   # 13.2B first: the 13B goal
 # The host's Adam step takes seconds at 7B whatever the batch: a throughput figure needs
 # many tokens per step, accumulated under no_sync, as a real 7B run would.
@@ -77,7 +77,7 @@ PARTS = [
          "one rank on NCCL, with `--tensorboard`): stopped at step 100 of 200 with a checkpoint, "
          "then resumed from it to the end; the losses, throughput and peak memory it prints."),
     Part("largest", 3, f"`bench_offload.py --find-largest --sizes {LARGE_CPU} {THROUGHPUT}` "
-         "(7.05B parameters, fp32 master and Adam state on the host, activation "
+         "(7.06B parameters, fp32 master and Adam state on the host, activation "
          "checkpointing): it trains, and at 32 micro-batches of 4x1024 tokens a step (131k "
          "tokens, reduced and offloaded once) it gives the TFLOP/s at 7B."),
     Part("compare", 2, f"`tools/bench_offload.py --sizes {COMPARE_SIZE}`: zerofn offload('cpu') "

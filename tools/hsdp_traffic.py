@@ -51,7 +51,7 @@ def worker(rank: int, init: str, cfg: GPTConfig) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     if rank == 0:
-        print(f"nanoGPT {cfg.params() / 1e6:.2f}M params, fp32, {WORLD} ranks; MB per rank "
+        print(f"nanoGPT {cfg.params() / 1e6:.2f}M params, fp32, {WORLD} ranks; MiB per rank "
               "and step")
         print("stage layout  reduce_scatter all_gather replicate.all_reduce  wire(sent)")
     for stage in STAGES:

@@ -1,6 +1,6 @@
 """Generate the DeepSpeed checkpoints that tests/test_deepspeed_convert.py converts.
 
-    DS_ACCELERATOR=cpu /work/dsvenv/bin/python tools/make_deepspeed_checkpoints.py [--only NAME ...]
+    DS_ACCELERATOR=cpu /path/to/deepspeed-venv/bin/python tools/make_deepspeed_checkpoints.py [--only NAME ...]
 
 Run it with a python that has DeepSpeed installed (its CPU accelerator is enough). For each
 case in ``CASES`` it launches real DeepSpeed on ``case.world`` gloo ranks (torchrun), trains

@@ -1,8 +1,8 @@
 """The plan: a frozen description of what the composed transforms ask for.
 
 Transforms never touch a model themselves; each one edits a Plan, and the runtime is
-built from the finished plan. This is what makes applying transforms one at a time and
-through ``compose`` give the same result.
+built from the finished plan. This is what makes applying transforms one at a time (a
+sharding transform first) and through ``compose`` (any order) give the same result.
 """
 from __future__ import annotations
 

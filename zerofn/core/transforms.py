@@ -2,7 +2,9 @@
 
 A ``Transform`` is a callable ``(model, optimizer) -> (model, optimizer)`` holding only its
 options. Applying one to a model that an earlier transform already sharded rebuilds the
-runtime from the combined plan, so ``t2(*t1(m, o))`` equals ``compose(t1, t2)(m, o)``.
+runtime from the combined plan, so ``t2(*t1(m, o))`` equals ``compose(t1, t2)(m, o)``
+once ``t1`` shards: a transform that shards nothing by itself (mixed_precision, offload,
+tensorboard) raises on an untransformed model, where ``compose`` takes any order.
 """
 from __future__ import annotations
 
@@ -70,7 +72,9 @@ def shard_optimizer(**options) -> Transform:
             (modules that run: a ModuleList itself never does, so it is refused), or an
             int (a module becomes a unit once it holds that many parameters).
         bucket_size: elements of collective buffers allowed in flight at once (default
-            4M; at least one unit's collective is always allowed).
+            4M). A collective larger than that still runs; on a device the two newest
+            stay in flight whatever their size, on the host (gloo) older ones are waited
+            for as soon as a new buffer would exceed the bound (runtime/comm.py).
         sync_module_states: broadcast rank 0's parameters and buffers at set-up (like DDP);
             for a model built on the meta device, check instead that every rank's random
             generators agree, so every rank initializes the same weights.

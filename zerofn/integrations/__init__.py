@@ -1,3 +1,3 @@
 """Integrations with other libraries, each imported only by its own module (so the core
 package never imports them): ``zerofn.integrations.transformers`` for Hugging Face's
-``Trainer`` (install with ``pip install zerofn[hf]``)."""
+``Trainer`` (install with ``pip install -e '.[hf]'`` in the checkout)."""

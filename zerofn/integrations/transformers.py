@@ -66,7 +66,7 @@ class ZeroTrainer(transformers.Trainer):
         if int(transformers.__version__.split(".")[0]) < 5:
             raise ImportError(f"ZeroTrainer needs transformers 5 or later (found "
                               f"{transformers.__version__}): it overrides hooks 4.x does "
-                              "not have. pip install 'zerofn[hf]'.")
+                              "not have. pip install 'transformers>=5' accelerate.")
         if not isinstance(zerofn, Transform):
             raise TypeError(f"ZeroTrainer(zerofn=...) takes a zerofn transform such as "
                             f"zerofn.shard_params(), got {zerofn!r}.")

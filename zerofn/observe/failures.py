@@ -16,7 +16,8 @@ and say so within a short grace period). A rank that only stopped because anothe
 says so in its record, so it is never blamed.
 
 The bound on a stall is the process group's timeout: zerofn's ``timeout=`` option sets it
-for the group the model is sharded over (``zerofn train --timeout``, default 300 s).
+for the group the model is sharded over (default None: the group's own, 30 minutes for a
+gloo group made without one; ``zerofn train --timeout`` defaults to 300 s).
 """
 from __future__ import annotations
 

@@ -263,7 +263,8 @@ def _monitor_options(config: dict) -> dict | None:
     """``zf.tensorboard``'s options from the tensorboard and csv_monitor sections: each
     writes to ``output_path/job_name`` as in DeepSpeed (rank 0 only, as there), the event
     files to tensorboard's (or, with csv_monitor alone, to the CSV directory), every
-    ``steps_per_print`` steps (DeepSpeed's default 10)."""
+    ``steps_per_print`` steps (10 where the config has none; DeepSpeed's default is None,
+    and its own monitor writes every step)."""
     tb, csv_monitor = (config.get(name) if isinstance(config.get(name), dict) else {}
                        for name in WRITERS)
     if not (is_enabled(tb) or is_enabled(csv_monitor)):
