@@ -1,5 +1,7 @@
 """zerofn.optim low-precision state: the torch reference (codes, 8-bit blocks, stochastic
 rounding), the C++ kernels against it bit for bit, and CPUAdam's int8/bf16 state."""
+import copy
+
 import pytest
 import torch
 
@@ -128,3 +130,224 @@ def test_stochastic_rounding_specials():
     assert bool((r[:, 3] == float("inf")).all()) and bool((r[:, 4] == -float("inf")).all())
     assert bool(r[:, 5:7].isnan().all()) and bool((r[:, 6].view(torch.int32) < 0).all())
     assert bool((r[:, 7] > 2.9e38).all()) and bool((r[:, 8] >= 0).all())
+
+
+# ------------------------------------------------------------ kernels, bit for bit
+
+ISAS = zo.kernel_info()["available_isas"]
+F32, BF16, F16, U8 = torch.float32, torch.bfloat16, torch.float16, torch.uint8
+
+
+@pytest.fixture(autouse=True)
+def _quiet_generic_warning(monkeypatch):
+    from zerofn.optim import kernels
+
+    monkeypatch.setattr(kernels, "_warned_generic", True)
+
+
+def make_state(n, master, state, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=g).to(master)
+    m, v = torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01
+    if state == U8:
+        (m, ms), (v, vs) = lowp.quantize_blockwise(m, True), lowp.quantize_blockwise(v, False)
+        return [p, m, v, ms, vs]
+    return [p, m.to(state), v.to(state), None, None]
+
+
+def run_both(n, grad, master, state, out, adamw, steps=3, threads=None):
+    """Steps the kernel and the reference on copies of one state; returns both."""
+    ours = make_state(n, master, state)
+    ref = [None if t is None else t.clone() for t in ours]
+    outs = [None if out is None else torch.empty(n, dtype=out) for _ in range(2)]
+    gen = torch.Generator().manual_seed(1)
+    before = torch.get_num_threads()
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        for step in range(1, steps + 1):
+            g = torch.randn(n, generator=gen).to(grad)
+            kw = dict(step=step, lr=1e-2, weight_decay=0.1, adamw_mode=adamw, grad_scale=0.5,
+                      seed=2**40 + 7)  # fmt: skip
+            for fn, b, o in ((zo.adam_step, ours, outs[0]), (zo.reference_adam_step, ref, outs[1])):
+                fn(b[0], g, b[1], b[2], out=o, exp_avg_scale=b[3], exp_avg_sq_scale=b[4], **kw)
+    finally:
+        torch.set_num_threads(before)
+    return ours + [outs[0]], ref + [outs[1]]
+
+
+def assert_bits_equal(ours, ref):
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a is not None:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"buffer {i} differs"
+
+
+COMBOS = [(g, p, s, o, w) for g in (F32, BF16, F16) for p in (F32, BF16) for s in (F32, BF16, U8)
+          for o in (None, BF16, F16) for w in (True, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("grad, master, state, out, adamw", COMBOS)
+def test_kernel_equals_reference_bit_for_bit(isa, grad, master, state, out, adamw):
+    zo.set_isa(isa)
+    try:
+        for n in (1, 15, 255, 256, 257, 1000, 4099):
+            assert_bits_equal(*run_both(n, grad, master, state, out, adamw))
+    finally:
+        zo.set_isa(ISAS[0])
+
+
+@pytest.mark.parametrize("master, state", [(F32, U8), (BF16, U8), (BF16, BF16), (F32, F32)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_thread_split_keeps_blocks_and_random_bits(master, state, threads):
+    """Several pieces (n > 2 x 32K elements): pieces start on 8-bit blocks and count
+    random bits from the buffer's start, so the result equals the reference."""
+    assert_bits_equal(*run_both(3 * 2**15 + 333, BF16, master, state, BF16, True, steps=2,
+                                threads=threads))  # fmt: skip
+
+
+def test_bf16_exp_avg_sq_decays_under_stochastic_rounding():
+    """With zero gradients v *= beta2 each step: 0.999 is less than half a bf16 ulp of
+    change, so round-to-nearest would keep v forever; stochastic rounding decays it."""
+    n, steps = 4096, 200
+    p, g = torch.zeros(n), torch.zeros(n, dtype=BF16)
+    m, v = torch.zeros(n, dtype=BF16), torch.ones(n, dtype=BF16)
+    for step in range(1, steps + 1):
+        zo.adam_step(p, g, m, v, step=step, lr=0.0, beta2=0.999)
+    assert abs(v.float().mean().item() - 0.999**steps) < 0.01
+    assert v.float().mean().item() < 0.9  # RNE: 1.0
+
+
+def test_bf16_masters_accumulate_small_updates():
+    """lr * update below half a bf16 ulp: RNE masters would never move; SR moves them
+    by the right amount on average."""
+    n = 8192
+    p = torch.ones(n, dtype=BF16)
+    m, v = torch.zeros(n), torch.zeros(n)
+    g = torch.ones(n)
+    for step in range(1, 51):
+        zo.adam_step(p, g, m, v, step=step, lr=1e-4, beta2=0.999, eps=1e-8)
+    assert abs(p.float().mean().item() - (1 - 50 * 1e-4)) < 2e-4
+
+
+def test_lowp_argument_errors():
+    n = 300
+    p, g = torch.zeros(n), torch.zeros(n)
+    m8, v8 = torch.zeros(n, dtype=U8), torch.zeros(n, dtype=U8)
+    s = torch.zeros(2)
+    with pytest.raises(ValueError, match="exp_avg_scale"):
+        zo.adam_step(p, g, m8, v8, step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="need 2"):
+        zo.adam_step(p, g, m8, v8, step=1, lr=1e-3, exp_avg_scale=torch.zeros(1),
+                     exp_avg_sq_scale=s.clone())  # fmt: skip
+    with pytest.raises(TypeError, match="dtype"):
+        zo.adam_step(p, g, m8, torch.zeros(n), step=1, lr=1e-3, exp_avg_scale=s,
+                     exp_avg_sq_scale=s.clone())  # fmt: skip
+    with pytest.raises(ValueError, match="only for uint8"):
+        zo.adam_step(p, g, torch.zeros(n), torch.zeros(n), step=1, lr=1e-3, exp_avg_scale=s)
+    with pytest.raises(TypeError, match="dtype"):
+        zo.adam_step(p.half(), g, torch.zeros(n), torch.zeros(n), step=1, lr=1e-3)
+    with pytest.raises(ValueError, match="seed"):
+        zo.adam_step(p, g, torch.zeros(n), torch.zeros(n), step=1, lr=1e-3, seed=-1)
+
+
+# --------------------------------------------------------------------- CPUAdam
+
+
+def params(dtype=F32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype))
+            for s in ((37, 53), (1003,), (7,))]  # fmt: skip
+
+
+def train(opt, ps, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        opt.step()
+
+
+def bits(ps):
+    return [p.detach().clone().view(torch.uint8) for p in ps]
+
+
+@pytest.mark.parametrize("state_dtype", [F32, BF16, torch.int8])
+@pytest.mark.parametrize("master", [F32, BF16])
+def test_cpuadam_lowp_tracks_fp32_adamw(state_dtype, master):
+    ps, ref = params(master), params()
+    opt = zo.CPUAdam(ps, lr=1e-2, state_dtype=state_dtype)
+    train(opt, ps, 20)
+    train(torch.optim.AdamW(ref, lr=1e-2), ref, 20)
+    tol = 0.05 if master == F32 else 0.15  # bf16 masters: a random walk of ~1 ulp steps
+    for p, r in zip(ps, ref):
+        err = (p.detach().float() - r.detach()).abs()  # 20 steps of lr 1e-2 move ~0.2
+        assert err.max().item() < tol and err.mean().item() < tol / 5
+    if state_dtype == torch.int8:
+        st = opt.state[ps[1]]
+        assert st["exp_avg"].dtype == U8 and st["exp_avg_scale"].numel() == 4
+
+
+@pytest.mark.parametrize("state_dtype", [BF16, torch.int8])
+def test_cpuadam_state_dict_moves_to_torch_and_back(state_dtype):
+    ps = params()
+    opt = zo.CPUAdam(ps, lr=1e-2, state_dtype=state_dtype)
+    train(opt, ps, 5)
+    sd = opt.state_dict()
+    st = sd["state"][0]
+    assert st["exp_avg"].dtype == F32 and st["exp_avg"].shape == ps[0].shape
+    assert "exp_avg_scale" not in st
+    torch_opt = torch.optim.AdamW(ps, lr=1e-2)
+    torch_opt.load_state_dict(sd)
+    assert torch.equal(torch_opt.state[ps[0]]["exp_avg"], st["exp_avg"])
+    back = zo.CPUAdam(ps, lr=1e-2, state_dtype=torch.int8)
+    back.load_state_dict(torch_opt.state_dict())
+    b = back.state[ps[0]]
+    assert b["exp_avg"].dtype == U8 and b["exp_avg_sq_scale"].dtype == F32
+    assert (back.state_dict()["state"][0]["exp_avg"] - st["exp_avg"]).abs().max() <= (
+        0.02 * st["exp_avg"].abs().max())  # fmt: skip
+    train(back, ps, 2)
+
+
+@pytest.mark.parametrize("state_dtype, raw", [(BF16, False), (torch.int8, True), (F32, False)])
+@pytest.mark.parametrize("master", [F32, BF16])
+def test_resume_is_bit_identical(state_dtype, raw, master):
+    """A run resumed from a state dict rounds exactly as the uninterrupted one: the
+    random bits depend on seed, parameter index and step only. bf16 moments survive
+    the fp32 state dict exactly; 8-bit ones need raw=True (an exp_avg block whose
+    largest magnitude is negative decodes to less than its scale)."""
+    a, b = params(master), params(master)
+    opt_a = zo.CPUAdam(a, lr=1e-2, state_dtype=state_dtype, seed=5)
+    train(opt_a, a, 4)
+    sd = copy.deepcopy(opt_a.state_dict(raw=raw))  # as saved: shares no tensor with opt_a
+    for pb, pa in zip(b, a):
+        pb.data.copy_(pa.detach())
+    opt_b = zo.CPUAdam(b, lr=1e-2, state_dtype=state_dtype, seed=5)
+    opt_b.load_state_dict(sd)
+    train(opt_a, a, 3, seed=9)
+    train(opt_b, b, 3, seed=9)
+    for x, y in zip(bits(a), bits(b)):
+        assert torch.equal(x, y)
+    for pa, pb in zip(a, b):
+        for key in opt_a.state[pa]:
+            assert torch.equal(opt_a.state[pa][key], opt_b.state[pb][key]), key
+
+
+def test_cpuadam_lowp_options_are_checked():
+    with pytest.raises(ValueError, match="state_dtype"):
+        zo.CPUAdam(params(), state_dtype=torch.float16)
+    with pytest.raises(ValueError, match="master_dtype"):
+        zo.CPUAdam(params(), master_dtype=BF16)
+    with pytest.raises(ValueError, match="amsgrad"):
+        zo.CPUAdam(params(), amsgrad=True, state_dtype=torch.int8)
+    zo.CPUAdam(params(BF16), master_dtype=BF16)
+
+
+def test_parameters_round_with_different_streams():
+    """Two parameters with equal values and gradients still draw different bits."""
+    ps = [torch.nn.Parameter(torch.ones(4096, dtype=BF16)) for _ in range(2)]
+    opt = zo.CPUAdam(ps, lr=1e-3, weight_decay=0.0)
+    for p in ps:
+        p.grad = torch.full((4096,), 0.3, dtype=BF16)
+    opt.step()
+    assert not torch.equal(ps[0].detach(), ps[1].detach())

@@ -12,7 +12,11 @@ copy of the params: zerofn (``CPUAdam.clip_and_step``: one norm read + one fused
 against its torch equivalent (``clip_grad_norm_`` + fused AdamW unscaling through its
 ``grad_scale`` + ``copy_`` into bf16).
 
-Usage: python3 tools/bench_cpu_adam.py [--sizes 10,50,100] [--rounds 7] [--markdown]
+With ``--lowp``: instead, zerofn's kernel on every low-precision combination (moments
+fp32 / bf16 / int8 x masters fp32 / bf16; bf16 grads, bf16 copy-out) against the roofline
+kernel, in bytes moved per parameter and the fraction of the roofline's GB/s they reach.
+
+Usage: python3 tools/bench_cpu_adam.py [--sizes 10,50,100] [--rounds 7] [--markdown] [--lowp]
 """
 from __future__ import annotations
 
@@ -156,15 +160,76 @@ def print_table(rows: list[tuple], markdown: bool) -> None:
             print(f"{cells[0]:>5}  {cells[1]:<22} {cells[2]:>11} {cells[3]:>18} {cells[4]:>9}")
 
 
+STATE_BYTES = {"fp32": 8, "bf16": 4, "int8": 2}  # per moment: read + write
+
+
+def lowp_bytes(state: str, master: str) -> float:
+    """Bytes per param of one step: params, both moments (and 8-bit scales, 4 B read +
+    4 B written per 256 elements each) read and written, bf16 grads read, bf16 out
+    written (streamed: no read-for-ownership)."""
+    scales = 2 * 8 / zo.QUANT_BLOCK if state == "int8" else 0.0
+    return (8 if master == "fp32" else 4) + 2 * STATE_BYTES[state] + scales + 2 + 2
+
+
+def lowp_contenders(n: int) -> dict:
+    torch.manual_seed(0)
+    g16 = (torch.randn(n) * 1e-3).to(torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    master32 = torch.randn(n)
+    calls = {}
+    for master in ("fp32", "bf16"):
+        for state in ("fp32", "bf16", "int8"):
+            p = master32.clone() if master == "fp32" else master32.to(torch.bfloat16)
+            kw = dict(lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], out=out)
+            if state == "int8":
+                m, ms = zo.quantize_blockwise(torch.randn(n) * 1e-4, True)
+                v, vs = zo.quantize_blockwise(torch.rand(n) * 1e-8, False)
+                kw.update(exp_avg_scale=ms, exp_avg_sq_scale=vs)
+            else:
+                dt = torch.float32 if state == "fp32" else torch.bfloat16
+                m, v = (torch.randn(n) * 1e-4).to(dt), (torch.rand(n) * 1e-8).to(dt)
+            calls[(state, master)] = (lambda p=p, m=m, v=v, kw=kw:
+                                      zo.adam_step(p, g16, m, v, step=2, **kw))  # fmt: skip
+    bufs = [torch.randn(n) for _ in range(4)]
+    calls["roofline"] = lambda: zo.adam_roofline(*bufs)
+    return calls
+
+
+def bench_lowp(sizes: list[int], rounds: int, markdown: bool) -> None:
+    head = ("N", "moments", "masters", "G params/s", "B/param", "GB/s", "% roofline",
+            "x fp32 state")  # fmt: skip
+    print("| " + " | ".join(head) + " |\n|---|---|---|---:|---:|---:|---:|---:|" if markdown
+          else "  ".join(f"{h:>12}" for h in head))  # fmt: skip
+    for n in sizes:
+        med = interleave(lowp_contenders(n), rounds)
+        roof_gbs = n * ADAM_BYTES / med.pop("roofline") / 1e9
+        base = {master: n / med[("fp32", master)] for master in ("fp32", "bf16")}
+        fp32_rate = base["fp32"]
+        for (state, master), s in med.items():
+            rate, nbytes = n / s, lowp_bytes(state, master)
+            cells = (f"{n / 1e6:.0f}M", state, master, f"{rate / 1e9:.3f}", f"{nbytes:.2f}",
+                     f"{rate * nbytes / 1e9:.1f}", f"{rate * nbytes / 1e9 / roof_gbs * 100:.0f}%",
+                     f"{rate / fp32_rate:.2f}x")  # fmt: skip
+            print("| " + " | ".join(cells) + " |" if markdown
+                  else "  ".join(f"{c:>12}" for c in cells))  # fmt: skip
+        print(f"roofline kernel at N={n / 1e6:.0f}M: {roof_gbs:.1f} GB/s "
+              f"({roof_gbs / ADAM_BYTES:.3f} G params/s at {ADAM_BYTES} B/param)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="10,50,100", help="millions of params, comma-separated")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--markdown", action="store_true", help="print a table for docs/")
+    ap.add_argument("--lowp", action="store_true",
+                    help="low-precision state and masters (bf16 grads and copy-out)")
     args = ap.parse_args()
     info = zo.kernel_info()
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads; zerofn._C isa="
           f"{info['isa']} threads={info['threads']}; median of {args.rounds} interleaved rounds")
+    if args.lowp:
+        sizes = [int(float(size) * 1e6) for size in args.sizes.split(",")]
+        return bench_lowp(sizes, args.rounds, args.markdown)
     rows = []
     for size in args.sizes.split(","):
         rows += bench_size(int(float(size) * 1e6), args.rounds)
