@@ -9,11 +9,12 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-from support.compare import max_errors
+from support.compare import worst
 from support.errors import expect_error
 from support.loops import build_parity, train_reference, train_sharded
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
+from zerofn.optim import CPUAdam
 from zerofn.runtime.runtime import runtime_of
 
 COMBOS = [(torch.int8, torch.float32), (torch.bfloat16, torch.float32),
@@ -25,6 +26,31 @@ def _lowp(state, master, stage=2, seed=0, **options):
     if master == torch.bfloat16:
         extra.append(zf.mixed_precision(torch.bfloat16))
     return build_parity(stage, "adamw", *extra, seed=seed, **options)
+
+
+def _train_int8_like_cpu_adam(rank, world):
+    """World 1, fp32 masters, int8 moments: the same kernel over the same blocks as
+    CPUAdam(state_dtype=int8) on the reference model, so the same values."""
+    ref, _ = make_models()
+    ref_opt = CPUAdam([p for p in ref.parameters() if p.requires_grad], lr=1e-3,
+                      weight_decay=0.1, state_dtype=torch.int8)
+    model, opt = _lowp(torch.int8, torch.float32)
+    data = batches(3, 1, world)
+    train_reference(ref, ref_opt, data)
+    train_sharded(model, opt, data, rank, world)
+    msd, osd = zf.get_state_dict(model, opt, full=True)
+    names = {i: n for i, (n, p) in enumerate((n, p) for n, p in ref.named_parameters()
+                                              if p.requires_grad)}
+    ref_state = ref_opt.state_dict()["state"]        # (decoded to fp32, torch's format)
+    p_err = max(worst(msd[k] - v) for k, v in ref.state_dict().items())
+    s_err = max(worst(osd["state"][names[i]][k] - st[k]) for i, st in ref_state.items()
+                for k in ("exp_avg", "exp_avg_sq"))
+    return p_err, s_err
+
+
+def test_int8_moments_step_as_cpu_adam_does():
+    errors = run_ranks(1, _train_int8_like_cpu_adam)[0]
+    assert max(errors) < 1e-5, errors
 
 
 def _against_fp32(rank, world, stage, state, master):
