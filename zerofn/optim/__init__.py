@@ -5,11 +5,14 @@ kernels under it are public for the offload runtime, which steps whole flat per-
 buffers at once:
 
 ``adam_step(params, grads, exp_avg, exp_avg_sq, *, step, lr, beta1=0.9, beta2=0.999,
-eps=1e-8, weight_decay=0.0, adamw_mode=True, grad_scale=1.0, out=None) -> None``
+eps=1e-8, weight_decay=0.0, adamw_mode=True, grad_scale=1.0, out=None, exp_avg_scale=None,
+exp_avg_sq_scale=None, seed=0) -> None``
     One fused pass: ``grads * grad_scale``, AdamW (decoupled) or Adam (L2) weight decay,
     moments, bias-corrected update of fp32 ``params`` in place, and when ``out`` (bf16
     or fp16) is given, the updated params rounded to nearest even into it. Grads may be
-    fp32, bf16 or fp16. Same arithmetic as torch's single-tensor AdamW in fp32.
+    fp32, bf16 or fp16. Same arithmetic as torch's single-tensor AdamW in fp32. Params
+    may be bf16 masters and the moments bf16 or uint8 blockwise codes (with their
+    scales): stochastic rounding / 8-bit encoding, exactly as ``reference_adam_step``.
 
 ``grad_sumsq_and_finite(grads) -> (float sumsq, bool finite)``
     Sum of squares (accumulated in double) and an inf/NaN check in one read; add the
