@@ -8,6 +8,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -72,14 +76,74 @@ void derive_keys(uint64_t seed, int64_t step, AdamCoeffs* c) {
   c->key_v = mix32(key ^ golden * 3u);
 }
 
-// Midpoints of consecutive codes in fp32, laid out level by level (QuantTables).
-void build_levels(const float* code, float* levels) {
+void check_code(const float* code, const char* what);
+
+uint32_t bits32(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+float float32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// One sign's bucket of |x| in [lo, hi) ([Note: code search by table] in kernels.h):
+// (midpoints below it << 16) | the low bits of the one inside (0xFFFF: none). A negative
+// bucket is x in (-hi, -lo]; its low bits are complemented.
+int32_t lut_entry(const float* mid, bool negative, float lo, float hi, bool first) {
+  uint32_t below = 0, low = 0xFFFF;
+  int inside = 0;
+  for (int i = 0; i < 255; ++i) {
+    const float m = mid[i];
+    if (negative ? m <= -hi : m < lo) {
+      ++below;
+    } else if (negative ? m <= -lo : m < hi) {
+      ++inside;
+      low = negative ? 0xFFFF - (bits32(-m) & 0xFFFF) : bits32(m) & 0xFFFF;
+    }
+  }
+  if (inside > (first ? 0 : 1))
+    throw std::invalid_argument("the code's midpoints are too close (or too near 0) for its "
+                                "search table: codes must lie 2^-7 of their size apart");
+  return int32_t((below << 16) | low);
+}
+
+// The search table of a code: midpoints in fp32, as the reference computes them.
+void build_lut(const float* code, int32_t* lut) {
   float mid[255];
   for (int i = 0; i < 255; ++i) mid[i] = (code[i] + code[i + 1]) / 2.0f;
-  for (int level = 0; level < 8; ++level)
-    for (int j = 0; j < (1 << level); ++j)
-      levels[(1 << level) - 1 + j] = mid[j * (256 >> level) + (128 >> level) - 1];
-  levels[255] = mid[254];  // padding, never selected
+  for (int sign = 0; sign < 2; ++sign)
+    for (int t = 0; t < kLutSpan; ++t) {
+      const uint32_t key = kLutLow + uint32_t(t);
+      lut[sign * kLutSpan + t] = lut_entry(mid, sign, t == 0 ? 0.0f : float32(key << 16),
+                                           float32((key + 1) << 16), t == 0);
+    }
+}
+
+// The tables of each pair of codes seen, built once and kept (a run passes one pair;
+// building takes longer than stepping a small parameter). Never changed once built, so
+// kernels on other threads may read them while another pair is added.
+const QuantTables& tables_for(const float* cs, const float* cu) {
+  static std::mutex lock;
+  static std::map<std::vector<float>, std::unique_ptr<QuantTables>> built;
+  std::vector<float> key(cs, cs + 256);
+  key.insert(key.end(), cu, cu + 256);
+  std::lock_guard<std::mutex> hold(lock);
+  auto& tables = built[key];
+  if (!tables) {
+    check_code(cs, "the signed code");
+    check_code(cu, "the unsigned code");
+    auto fresh = std::make_unique<QuantTables>();
+    std::memcpy(fresh->code_m, cs, sizeof fresh->code_m);
+    std::memcpy(fresh->code_v, cu, sizeof fresh->code_v);
+    build_lut(cs, fresh->lut_m);
+    build_lut(cu, fresh->lut_v);
+    tables = std::move(fresh);
+  }
+  return *tables;
 }
 
 void check_code(const float* code, const char* what) {
@@ -120,27 +184,22 @@ void adam_step(uintptr_t p, uintptr_t g, int g_dtype, uintptr_t m, uintptr_t v,
   check_ptr(m, n, elem_bytes(state_dtype), "exp_avg");
   check_ptr(v, n, elem_bytes(state_dtype), "exp_avg_sq");
   if (out) check_ptr(out, n, 2, "out");
-  QuantTables q;
+  const QuantTables* q = nullptr;
   if (state_dtype == kU8) {
     const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
     check_ptr(m_scale, blocks, 4, "exp_avg_scale");
     check_ptr(v_scale, blocks, 4, "exp_avg_sq_scale");
     if (code_signed == 0 || code_unsigned == 0)
       throw std::invalid_argument("8-bit state needs both code tables");
-    const auto* cs = reinterpret_cast<const float*>(code_signed);
-    const auto* cu = reinterpret_cast<const float*>(code_unsigned);
-    check_code(cs, "the signed code");
-    check_code(cu, "the unsigned code");
-    for (int i = 0; i < 256; ++i) q.code_m[i] = cs[i], q.code_v[i] = cu[i];
-    build_levels(cs, q.levels_m);
-    build_levels(cu, q.levels_v);
+    q = &tables_for(reinterpret_cast<const float*>(code_signed),
+                    reinterpret_cast<const float*>(code_unsigned));
   }
   AdamJob job{&active_kernels(),
               AdamBufs{reinterpret_cast<void*>(p), reinterpret_cast<const void*>(g),
                        reinterpret_cast<void*>(m), reinterpret_cast<void*>(v),
                        reinterpret_cast<float*>(m_scale), reinterpret_cast<float*>(v_scale),
                        out ? reinterpret_cast<void*>(out) : nullptr, p_dtype, g_dtype,
-                       state_dtype, out_dtype, &q},
+                       state_dtype, out_dtype, q},
               derive_coeffs(step, lr, beta1, beta2, eps, wd, adamw, grad_scale)};
   derive_keys(seed, step, &job.c);
   py::gil_scoped_release nogil;

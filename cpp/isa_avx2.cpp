@@ -78,6 +78,11 @@ struct V {
   static ireg ilt_bit(reg a, reg b) {
     return _mm256_srli_epi32(_mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)), 31);
   }
+  static ireg ibits(reg a) { return _mm256_castps_si256(a); }
+  static ireg isub(ireg a, ireg b) { return _mm256_sub_epi32(a, b); }
+  static ireg imax0(ireg a) { return _mm256_max_epi32(a, _mm256_setzero_si256()); }
+  static ireg ilt_i(ireg a, ireg b) { return _mm256_srli_epi32(_mm256_cmpgt_epi32(b, a), 31); }
+  static ireg gather(const int32_t* t, ireg j) { return _mm256_i32gather_epi32(t, j, 4); }
   static ireg load_u8(const uint8_t* x) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
   }

@@ -78,6 +78,13 @@ struct V {
   static ireg ilt_bit(reg a, reg b) {
     return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), _mm512_set1_epi32(1));
   }
+  static ireg ibits(reg a) { return _mm512_castps_si512(a); }
+  static ireg isub(ireg a, ireg b) { return _mm512_sub_epi32(a, b); }
+  static ireg imax0(ireg a) { return _mm512_max_epi32(a, _mm512_setzero_si512()); }
+  static ireg ilt_i(ireg a, ireg b) {
+    return _mm512_maskz_mov_epi32(_mm512_cmplt_epi32_mask(a, b), _mm512_set1_epi32(1));
+  }
+  static ireg gather(const int32_t* t, ireg j) { return _mm512_i32gather_epi32(j, t, 4); }
   static ireg load_u8(const uint8_t* x) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
   }

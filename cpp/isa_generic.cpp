@@ -89,6 +89,11 @@ struct V {
   template <int K>
   static ireg isrl(ireg a) { return a >> K; }
   static ireg ilt_bit(reg a, reg b) { return a < b ? 1 : 0; }
+  static ireg ibits(reg a) { return bits_of(a); }
+  static ireg isub(ireg a, ireg b) { return a - b; }
+  static ireg imax0(ireg a) { return int32_t(a) > 0 ? a : 0; }
+  static ireg ilt_i(ireg a, ireg b) { return int32_t(a) < int32_t(b) ? 1 : 0; }
+  static ireg gather(const int32_t* t, ireg j) { return uint32_t(t[j]); }
   static ireg load_u8(const uint8_t* x) { return *x; }
   static void store_u8(uint8_t* x, ireg a) { *x = uint8_t(a); }
   template <int N>

@@ -169,18 +169,17 @@ void adam_range(const AdamBufs& b, int64_t begin, int64_t end, const Regs& k) {
 }
 
 // Nearest code of each lane of x (already divided by the block's absmax): the number
-// of midpoints strictly below x, as torch.bucketize(x, mids, right=False) counts them.
-// Eight levels of binary search, each one probe per lane: j = 2j + (probe < x).
-inline ireg nearest_code(reg x, const float* levels) {
-  ireg j = V::iset1(0);
-  j = V::iadd(j, V::ilt_bit(V::template lookup<1>(levels + 0, j), x));
-  j = V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<2>(levels + 1, j), x));
-  j = V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<4>(levels + 3, j), x));
-  j = V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<8>(levels + 7, j), x));
-  j = V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<16>(levels + 15, j), x));
-  j = V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<32>(levels + 31, j), x));
-  j = V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<64>(levels + 63, j), x));
-  return V::iadd(V::iadd(j, j), V::ilt_bit(V::template lookup<128>(levels + 127, j), x));
+// of midpoints strictly below x, as torch.bucketize(x, mids, right=False) counts them,
+// by one table lookup and one compare ([Note: code search by table] in kernels.h).
+inline ireg nearest_code(reg x, const int32_t* lut) {
+  const ireg u = V::ibits(x);
+  const ireg sign = V::template isrl<31>(u);
+  const ireg mag = V::iand(u, V::iset1(0x7FFFFFFFu));
+  ireg t = V::imax0(V::isub(V::template isrl<16>(mag), V::iset1(zerofn::kLutLow)));
+  t = V::iadd(t, V::imul(sign, V::iset1(zerofn::kLutSpan)));
+  const ireg e = V::gather(lut, t);
+  const ireg low = V::ixor(V::iand(mag, V::iset1(0xFFFFu)), V::imul(sign, V::iset1(0xFFFFu)));
+  return V::iadd(V::template isrl<16>(e), V::ilt_i(V::iand(e, V::iset1(0xFFFFu)), low));
 }
 
 // One block's codes -> fp32 scratch (code * scale); lanes from len on are zero.
@@ -195,7 +194,7 @@ inline void decode_block(const uint8_t* codes, float scale, const float* code, f
 
 // fp32 scratch (zero beyond len) -> codes and the block's scale (its absmax). A block
 // of zeros divides by 1 so that every code is that of 0.
-inline void encode_block(const float* x, uint8_t* codes, float* scale, const float* levels,
+inline void encode_block(const float* x, uint8_t* codes, float* scale, const int32_t* lut,
                          int64_t len) {
   reg mx = V::set1(0.0f);
   for (int64_t i = 0; i < kQuantBlock; i += V::W) mx = V::max(mx, V::abs(V::load(x + i)));
@@ -205,7 +204,7 @@ inline void encode_block(const float* x, uint8_t* codes, float* scale, const flo
   alignas(64) uint8_t staged[kQuantBlock];
   uint8_t* dst = len == kQuantBlock ? codes : staged;
   for (int64_t i = 0; i < kQuantBlock; i += V::W)
-    V::store_u8(dst + i, nearest_code(V::div(V::load(x + i), d), levels));
+    V::store_u8(dst + i, nearest_code(V::div(V::load(x + i), d), lut));
   if (dst == staged) copy_bytes(codes, staged, len);
 }
 
@@ -241,8 +240,8 @@ void adam_range_u8(const AdamBufs& b, int64_t begin, int64_t end, const Regs& k)
       copy_bytes(p, ps, len * elem_size(K::P));
       if constexpr (K::O != kNone) copy_bytes(out, os, len * 2);
     }
-    encode_block(ms, mc, msc, q.levels_m, len);
-    encode_block(vs, vc, vsc, q.levels_v, len);
+    encode_block(ms, mc, msc, q.lut_m, len);
+    encode_block(vs, vc, vsc, q.lut_v, len);
   }
   if constexpr (STREAM) V::store_fence();
 }

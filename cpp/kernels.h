@@ -54,13 +54,19 @@ inline uint32_t mix32(uint32_t x) {
   return x ^ (x >> 16);
 }
 
-// The 8-bit maps of exp_avg (signed) and exp_avg_sq (unsigned): code values, and the
-// midpoints between consecutive codes level by level for a branch-free binary search:
-// level L (0..7) holds 2^L probes at levels[2^L - 1 + j] = mid[j * (256 >> L) +
-// (128 >> L) - 1]; levels[255] pads the last level's 16-wide loads.
+// [Note: code search by table] The nearest code of a normalized value x (|x| <= 1) is
+// the number of midpoints below it. A table answers that in one lookup and one compare:
+// x's bucket is the top 16 bits of |x| (sign cleared; every |x| below 2^-23 shares the
+// first bucket), and no bucket holds two midpoints (buckets are 2^-7 of their binade
+// wide, the codes at least 0.7 % apart), so per bucket the table keeps how many
+// midpoints lie below it and the low 16 bits of the one inside it, if any. Negative
+// values have their own half, with those low bits complemented, so that one unsigned
+// compare decides for either sign. Built once per code (adam_bindings.cpp).
+constexpr uint32_t kLutLow = (127 - 23) << 7;     // the top 16 bits of 2^-23
+constexpr int kLutSpan = 0x3F80 - kLutLow + 1;    // buckets up to that of 1.0, per sign
 struct QuantTables {
   float code_m[256], code_v[256];
-  float levels_m[256], levels_v[256];
+  int32_t lut_m[2 * kLutSpan], lut_v[2 * kLutSpan];   // (below << 16) | low bits inside
 };
 
 // One buffer set of adam_step, as the bindings received it (whole buffers).
