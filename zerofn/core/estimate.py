@@ -53,8 +53,8 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
                        master_dtype: torch.dtype = torch.float32, optimizer_states: int = 2,
                        *, reduce_dtype: torch.dtype | None = None, offload: str | None = None,
                        offload_params: bool = False, units_in_flight: int = 2,
-                       largest_unit: int | None = None,
-                       state_dtype: torch.dtype | None = None) -> dict[str, dict[str, float]]:
+                       largest_unit: int | None = None, state_dtype: torch.dtype | None = None,
+                       ratio: float = 1.0) -> dict[str, dict[str, float]]:
     """Model-state bytes one rank holds, by place and role, as zerofn lays them out.
 
     Without offload everything is on the device. ``offload("cpu")`` moves the fp32
@@ -87,6 +87,9 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
             ``torch.int8`` is 8-bit codes with an fp32 scale per 256 (1.016 bytes).
             ``offload("cpu", state_dtype=..., master_dtype=...)`` stores them so; bf16
             masters under a bf16 compute dtype are the rows the device reads, no copy.
+        ratio: offload's share of the optimizer state (default all): the rest stays on
+            the device in fp32, with its own gradient landing buffer (and, under
+            ``offload_params``, its parameter shards).
         largest_unit: parameters of the largest unit (e.g. one transformer block, or the
             root's embeddings and head), for NVMe's staging ring; by default found from
             ``params`` when it is a module (zerofn's default units: each module of an
@@ -110,8 +113,10 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
     share = n / world
     out = {place: dict.fromkeys(ROLES, 0.0) for place in PLACES}
     params_bytes = c * (share if stage == 3 else n)
-    out["nvme" if offload == "nvme" and offload_params else
-        "host" if offload_params else "device"]["params"] = params_bytes
+    off = "nvme" if offload == "nvme" else "host"
+    out[off if offload_params else "device"]["params"] = params_bytes * (
+        ratio if offload_params else 1)
+    out["device"]["params"] += params_bytes * (1 - ratio) * offload_params
     # ZeRO-1 keeps the full gradients until the step; ZeRO-2/3 the reduced shard.
     out["device"]["grads"] = c * n if stage <= 1 else r * share
     if offload is None:
@@ -123,11 +128,15 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
         # the compute-dtype copy below, which offload("cpu") keeps in any case.
         shard_is_rows = offload == "cpu" and offload_params
         master = 0 if shard_is_rows and c == m else m
-        out["nvme" if offload == "nvme" else "host"]["optimizer"] = (master + states) * share
+        out[off]["optimizer"] = (master + states) * share * ratio
         landing = r if optimizer_states == 2 else m
-        out["host"]["grads"] = landing * share
+        out["host"]["grads"] = landing * share * ratio
         if offload == "cpu" and c != m and not shard_is_rows:   # the copy the step sends up
-            out["host"]["params"] += c * share
+            out["host"]["params"] += c * share * ratio
+        # ratio < 1: the device's share keeps fp32 masters and state, and a landing buffer
+        fp32 = torch.float32.itemsize
+        out["device"]["optimizer"] += (1 + optimizer_states) * fp32 * share * (1 - ratio)
+        out["device"]["grads"] += landing * share * (1 - ratio)
         if offload == "nvme":
             ring = units_in_flight * _largest_share(params, world, largest_unit)
             shard = c if offload_params else 0

@@ -163,7 +163,8 @@ def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype=None
 
 def offload(device: str = "cpu", *, params: bool = False, path: str | None = None,
             units_in_flight: int = 2, state_dtype: torch.dtype = torch.float32,
-            master_dtype: torch.dtype = torch.float32, seed: int = 0) -> Transform:
+            master_dtype: torch.dtype = torch.float32, seed: int = 0,
+            ratio: float = 1.0) -> Transform:
     """Keep master parameters and optimizer state off the accelerator, and step there.
 
     ``offload("cpu")`` (ZeRO-Offload) holds them in host memory, pinned when an accelerator
@@ -192,6 +193,10 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
             the masters then are). State dicts and checkpoints hold fp32 either way.
         seed: the stochastic rounding's random stream: a run and its resume round alike.
         See docs/offload.md ("Low-precision host state") for bytes and accuracy.
+        ratio: the share of the optimizer state (masters and moments) offloaded, from 0 to
+            1 (default: all). The units first in the model's parameter order keep theirs
+            on the device, up to 1 - ratio of the parameters, and step there while the
+            host steps the rest (docs/offload.md, "A share on the device").
     """
     if device not in ("cpu", "nvme"):
         raise ValueError(f"offload({device!r}): the device is 'cpu' or 'nvme'.")
@@ -200,13 +205,17 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
     if state_dtype not in (torch.float32, torch.bfloat16, torch.int8):
         raise ValueError(f"offload(state_dtype={state_dtype!r}): Adam's moments are stored as "
                          "torch.float32, torch.bfloat16 or torch.int8.")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise ValueError(f"offload(ratio={ratio!r}): the share of the optimizer state to "
+                         "offload is a number from 0 (none) to 1 (all, the default).")
     if master_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"offload(master_dtype={master_dtype!r}): master rows are stored as "
                          "torch.float32 or torch.bfloat16.")
     return _stage_transform("offload", 0, OFFLOAD_OPTIONS,
                             dict(offload=device, offload_params=params, offload_path=path,
                                  units_in_flight=units_in_flight, state_dtype=state_dtype,
-                                 master_dtype=master_dtype, offload_seed=int(seed)))
+                                 master_dtype=master_dtype, offload_seed=int(seed),
+                                 offload_ratio=float(ratio)))
 
 
 def tensorboard(logdir, *, every: int = 10, ranks="0", profile: dict | None = None,

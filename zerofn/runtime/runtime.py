@@ -77,8 +77,8 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
         ``backend``, ``mesh`` and ``placements`` (what sharded state is a DTensor over),
         ``units``, ``slot_of`` (parameter to its ParamSlot), ``observers``;
         the step: ``step_skipped()``, ``loss_scale()`` and ``scaler`` (fp16's LossScaler,
-        or None), ``comm_stats()``, ``model_state_bytes()``, ``time_series()``,
-        ``clip_grad_norm(...)``, ``set_step(step)``,
+        or None), ``comm_stats()``, ``model_state_bytes()``, ``units_on_device()``,
+        ``time_series()``, ``clip_grad_norm(...)``, ``set_step(step)``,
         ``in_phase(name, fn, *args)``, ``observer(cls)``, ``no_sync()``;
         state: ``slots_by_name()``, ``full_tensor(...)``, ``gather_unit(...)``,
         ``prepare_state_dict()``, ``refresh_params()``, ``init_optimizer_state()``.
@@ -175,7 +175,7 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
                                        dist.get_world_size(self.group))
         problems += offload_problems(self.plan.offload, self.optimizer, units,
                                      self._offloaded_param_dtypes(units),
-                                     self.plan.precision.param_dtype)
+                                     self.plan.precision.param_dtype, self._param_order())
         return units, problems
 
     def _signature(self) -> list[str]:
@@ -233,7 +233,10 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
     def _make_offload(self, units):
         return make_offload(self.plan.offload, units, self.optimizer, self._host_grad_dtype,
                             self._offloaded_param_dtypes(units), self.plan.precision.param_dtype,
-                            dist.get_rank(), self.timing)
+                            dist.get_rank(), self.timing, self._param_order(), self.device)
+
+    def _param_order(self) -> dict:
+        return {p: i for i, p in enumerate(self.model.parameters())}
 
     def zero_grad(self) -> None:
         self.step_grads.release()
@@ -259,6 +262,11 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
     def model_state_bytes(self) -> dict[str, dict[str, int]]:
         """``zf.model_state_bytes``, measured (runtime/memory.py)."""
         return model_state_bytes(self)
+
+    def units_on_device(self) -> list:
+        """Under offload's ``ratio``: the units that keep their optimizer state on the
+        device (none where everything is offloaded, or nothing is)."""
+        return self.offload.staying() if self.offload is not None else []
 
     def time_series(self) -> tuple[str, ...]:
         """The timing series the offload's work fills, beyond every run's."""

@@ -1,6 +1,7 @@
 """Offload: master rows and optimizer state off the device, behind one interface
-(``Offload``, base.py): in host memory (host.py) or in a swap file (nvme.py). The
-runtime chooses the kind once, here, and never asks again."""
+(``Offload``, base.py): in host memory (host.py, host_lowp.py for fewer bits) or in a swap
+file (nvme.py), for all units or, with ``ratio``, for a share of them (split.py). The
+runtime chooses once, here, and never asks again."""
 from __future__ import annotations
 
 import torch
@@ -10,17 +11,20 @@ from .host import HostOffload
 from .host_lowp import LowpHostOffload
 from .nvme import NvmeOffload
 from .nvme_file import nvme_problems, swap_bytes
+from .split import DeviceShare, SplitOffload, split_units
 
-__all__ = ["ALIGN", "HostArena", "HostOffload", "LowpHostOffload", "NvmeOffload", "Offload", "cpu_adam_steps",
-           "make_offload", "offload_problems"]
+__all__ = ["ALIGN", "HostArena", "HostOffload", "LowpHostOffload", "NvmeOffload", "Offload",
+           "cpu_adam_steps", "make_offload", "offload_problems", "split_units"]
 
 
-def offload_problems(policy, optimizer, units, param_dtypes: dict, compute_dtype) -> list[str]:
+def offload_problems(policy, optimizer, units, param_dtypes: dict, compute_dtype,
+                     order: dict) -> list[str]:
     """What stops the offload ``policy`` asks for: checked on every rank before any
-    collective."""
+    collective. ``order``: the model's parameters' indices (which units stay, split.py)."""
     problems = lowp_problems(policy, optimizer, units, compute_dtype)
     if policy.device == "nvme":
-        problems += nvme_problems(policy.path, swap_bytes(units, param_dtypes), optimizer, units)
+        host, _ = split_units(units, policy.ratio, order)
+        problems += nvme_problems(policy.path, swap_bytes(host, param_dtypes), optimizer, units)
     return problems
 
 
@@ -49,17 +53,29 @@ def lowp_problems(policy, optimizer, units, compute_dtype) -> list[str]:
 
 
 def make_offload(policy, units, optimizer, grad_dtype_of, param_dtypes: dict,
-                 compute_dtype, rank: int, timing) -> Offload | None:
+                 compute_dtype, rank: int, timing, order: dict, device) -> Offload | None:
     """The offload ``policy`` names (None where it names none), timed by ``timing``.
-    ``rank``, the global one, names NVMe's swap file: HSDP's replicas share shard ranks."""
+    ``rank``, the global one, names NVMe's swap file: HSDP's replicas share shard ranks.
+    ``order`` (parameter -> index in the model) decides which units stay on ``device``
+    under ``ratio`` < 1."""
+    if policy.device is None:
+        return None
+    offloaded, staying = split_units(units, policy.ratio, order)
+    params = {u: dtype for u, dtype in param_dtypes.items() if u in offloaded}
+    host = _offload_of(policy, offloaded, optimizer, grad_dtype_of, params, compute_dtype,
+                       rank, timing)
+    if not staying:
+        return host
+    return SplitOffload(host, DeviceShare(staying, grad_dtype_of, optimizer, device, timing))
+
+
+def _offload_of(policy, units, optimizer, grad_dtype_of, param_dtypes, compute_dtype, rank,
+                timing) -> Offload:
     if policy.device == "nvme":
         return NvmeOffload(units, optimizer, policy.path, rank, policy.units_in_flight,
                            grad_dtype_of, param_dtypes, compute_dtype, timing)
-    if policy.device == "cpu" and (policy.state_dtype, policy.master_dtype) != (
-            torch.float32, torch.float32):
+    if (policy.state_dtype, policy.master_dtype) != (torch.float32, torch.float32):
         return LowpHostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing,
                                state_dtype=policy.state_dtype,
                                master_dtype=policy.master_dtype, seed=policy.seed)
-    if policy.device == "cpu":
-        return HostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing)
-    return None
+    return HostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing)

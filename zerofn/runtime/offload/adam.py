@@ -15,20 +15,21 @@ def groups_by_param(optimizer) -> dict:
 
 def adam_unit(optimizer, group_of: dict, unit: Unit, grads: dict, master, exp_avg, exp_avg_sq,
               adamw_mode: bool, lowp=None, grad_scale: float = 1.0, timing=UNTIMED,
-              options=None) -> list:
+              options=None, on_device: bool = False) -> list:
     """zerofn's CPU Adam over each of the unit's parameters that has a gradient, on the
     rows of flat master and state buffers, with that parameter's group hyperparameters
     and its own step count (as torch.optim keeps them); each gradient times
     ``grad_scale`` as it is read. Returns the slots whose rows it wrote (into ``lowp``
     too, in its dtype, where given). ``options(slot)``, where given, adds the kernel's
-    keywords for state stored in fewer bits (scales, the rounding seed)."""
+    keywords for state stored in fewer bits (scales, the rounding seed). ``on_device``:
+    rows a device steps (offload's ``ratio``), in torch's arithmetic."""
     with timing.span("cpu_adam", "cpu_adam", unit.name):   # profiles show it against copies
         return _adam_slots(optimizer, group_of, unit, grads, master, exp_avg, exp_avg_sq,
-                           adamw_mode, lowp, grad_scale, options)
+                           adamw_mode, lowp, grad_scale, options, on_device)
 
 
 def _adam_slots(optimizer, group_of, unit, grads, master, exp_avg, exp_avg_sq, adamw_mode,
-                lowp, grad_scale, options) -> list:
+                lowp, grad_scale, options, on_device) -> list:
     written = []
     for s in unit.trainable:
         g, group = grads.get(s), group_of.get(s.opt_param)
@@ -41,9 +42,11 @@ def _adam_slots(optimizer, group_of, unit, grads, master, exp_avg, exp_avg_sq, a
         if not s.local_numel:
             continue
         written.append(s)
-        # (bf16 masters the user chose round stochastically in the kernel; a bf16 model's
-        # own masters step as torch.optim steps them)
-        kernel = adam_step if master.dtype == torch.float32 or options else _torch_adam_step
+        # The C++ kernel steps host rows (bf16 masters the user chose round stochastically
+        # in it); a bf16 model's own masters, and the device's share, step as torch.optim
+        # steps them.
+        kernel = adam_step if not on_device and (master.dtype == torch.float32 or options) \
+            else _torch_adam_step
         beta1, beta2 = group["betas"]
         kernel(s.shard_of(master).view(-1), g.reshape(-1), s.shard_of(exp_avg).view(-1),
                s.shard_of(exp_avg_sq).view(-1), step=int(state["step"]), lr=float(group["lr"]),

@@ -133,6 +133,10 @@ class Offload(abc.ABC):
         """Host copies of the rows in the compute dtype (model state, for accounting)."""
         return []
 
+    def staying(self) -> list[Unit]:
+        """The units whose masters and state stay on the device (``ratio`` < 1)."""
+        return []
+
     def state_buffers(self) -> list[torch.Tensor]:
         """Where optimizer state is stored in another form than the optimizer's tensors
         show it (fewer bits), for accounting."""

@@ -34,8 +34,8 @@ class ParamReads:
     def take(self, unit, copied=None) -> torch.Tensor:
         """The unit's shard on the host, valid until the next call here; ``copied()`` then
         waits for the caller's copy of it, if any, before the buffer is reused."""
-        if self.store.resident:
-            return unit.shard                 # may be newer than the file (a load)
+        if self.store.resident or unit not in self.store.params:
+            return unit.shard    # may be newer than the file (a load); or not in the file
         self._settle()
         if unit not in self.held:
             if not self.free:

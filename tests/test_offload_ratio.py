@@ -1,0 +1,110 @@
+"""offload(..., ratio=r): a share of the units keeps its optimizer state on the device.
+Every stage with host and NVMe offload, parameter offload too, against the run without
+offload; which units stay; host memory falling with the ratio; checkpoints that move
+between ratios and world sizes."""
+from __future__ import annotations
+
+import pytest
+
+import zerofn as zf
+from support.compare import state_errors
+from support.errors import expect_error
+from support.loops import train_sharded
+from support.models import batches, make_models
+from support.offload import build_offloaded
+from support.ranks import run_ranks
+from zerofn.core.units import build_units
+from zerofn.runtime.offload import split_units
+
+CONFIGS = [(1, "adamw", {}), (2, "adamw", {}), (3, "adamw", {}), (3, "adamw", {"params": True}),
+           (2, "sgd", {}), (3, "adam", {"params": True}), (2, "adamw", {"nvme": True}),
+           (3, "adamw", {"nvme": True, "params": True})]
+
+
+def ratio_runs(rank, world, path, ratio):
+    """Each config with ``ratio`` against the same run without offload; and the bytes of
+    optimizer state the device holds."""
+    data = batches(4, 1, world)
+    out = []
+    for stage, kind, opts in CONFIGS:
+        plain = build_offloaded(stage, kind)
+        split = build_offloaded(stage, kind, dict(opts, path=path, ratio=ratio))
+        train_sharded(*plain, data, rank, world, clip=0.05)
+        train_sharded(*split, data, rank, world, clip=0.05)
+        err = max(state_errors(zf.get_state_dict(*plain, full=True),
+                               zf.get_state_dict(*split, full=True)))
+        out.append(err)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("ratio", [0.5, 0.0])
+def test_a_share_on_the_device_matches_the_run_without_offload(ratio, tmp_path):
+    """(The device's share steps in torch's arithmetic, the host's in the C++ kernel, each
+    within an ulp or two of the other.)"""
+    for errors in run_ranks(2, ratio_runs, str(tmp_path), ratio, timeout=400):
+        for config, err in zip(CONFIGS, errors):
+            assert err < 1e-6, (config, err)
+
+
+def test_the_units_first_in_parameter_order_stay_up_to_the_share():
+    _, model = make_models()
+    units = build_units(model, None, 1, 0)
+    order = {p: i for i, p in enumerate(model.parameters())}
+    sizes = {u.name: sum(s.numel for s in u.slots) for u in units if u.slots}
+    total = sum(sizes.values())
+    first = sorted((u for u in units if u.slots),
+                   key=lambda u: min(order[s.param] for s in u.slots))
+    assert "tok.weight" in {s.fqn for s in first[0].slots}     # the embeddings come first
+    for ratio in (1.0, 0.8, 0.5, 0.2, 0.0):
+        host, device = split_units(units, ratio, order)
+        assert device == first[:len(device)]                 # a prefix in parameter order
+        kept = sum(sizes[u.name] for u in device)
+        assert kept <= (1 - ratio) * total                   # at most the share
+        if len(device) < len(first):                         # and the next would not fit
+            assert kept + sizes[first[len(device)].name] > (1 - ratio) * total
+        assert set(host) | set(device) == set(units) and not set(host) & set(device)
+
+
+def host_bytes(rank, world, path, ratio, nvme):
+    model, opt = build_offloaded(2, "adamw", dict(path=path, ratio=ratio, nvme=nvme))
+    train_sharded(model, opt, batches(1, 1, world), rank, world)
+    placed = zf.model_state_bytes(model)
+    return {where: roles["optimizer"] for where, roles in placed.items()}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("nvme", [False, True])
+def test_host_memory_falls_with_the_ratio(nvme, tmp_path):
+    """The host's arenas (or the swap file) hold only the host's share; the device holds
+    the rest, and the total stays."""
+    seen = [run_ranks(2, host_bytes, str(tmp_path), r, nvme)[0] for r in (1.0, 0.5, 0.0)]
+    off = "nvme" if nvme else "host"
+    assert seen[0][off] > seen[1][off] > seen[2].get(off, 0)
+    assert seen[0].get("cpu", 0) < seen[1]["cpu"] < seen[2]["cpu"]      # the CPU device
+
+
+def checkpoint_between_ratios(rank, world, path, ratio, how):
+    data = batches(4, 1, 2)
+    model, opt = build_offloaded(3, "adamw", {"ratio": ratio, "params": True})
+    if how == "save":
+        train_sharded(model, opt, data[:2], rank, world)
+        zf.save_checkpoint(path, model, opt, step=2)
+    else:
+        zf.load_checkpoint(path, model, opt)
+    train_sharded(model, opt, data[2:], rank, world)
+    return zf.get_state_dict(model, opt, full=True)
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_saved_at_one_ratio_loads_at_another_and_another_world(tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(2, checkpoint_between_ratios, path, 0.5, "save")[0]
+    for world, ratio in ((2, 1.0), (1, 0.0), (1, 0.7)):
+        loaded = run_ranks(world, checkpoint_between_ratios, path, ratio, "load")[0]
+        assert max(state_errors(saved, loaded)) < 1e-5, (world, ratio)
+
+
+def test_the_ratio_is_checked_where_it_is_given():
+    for bad in (-0.1, 1.5, "half", True):
+        expect_error(["ratio", "from 0 (none) to 1"], zf.offload, "cpu", ratio=bad)

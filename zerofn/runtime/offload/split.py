@@ -1,0 +1,160 @@
+"""offload(..., ratio=r): only a share of the optimizer state is offloaded; the rest of
+the units keep their masters and optimizer state on the device and step there, while the
+host steps its share.
+
+[Note: which units stay] The units whose first parameter comes first in the model's
+parameter order stay on the device, up to (1 - r) of the parameters: in a transformer
+those are the embeddings and the first blocks, whose gradients arrive last in backward
+(so the host has its share's gradients earliest) and whose parameters the next forward
+needs first (so they are refreshed on the device, with no copy up, before anything
+else). DeepSpeed's Twin-Flow keeps the first sub-groups in parameter order the same way.
+
+The device share steps Adam and AdamW in torch's own single-tensor arithmetic on the
+device (other optimizers step its masters themselves, as they step the host's), queued
+before the host's step so that on a GPU both run at once. Checkpoints do not see the
+split: state dicts hold the same keys and shapes whatever the ratio, so a checkpoint
+saved at one ratio loads at another.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...core.units import Unit
+from ..timing import UNTIMED
+from .adam import adam_unit, groups_by_param
+from .base import Offload, cpu_adam_steps, decoupled_weight_decay
+
+
+def split_units(units: list[Unit], ratio: float, order: dict) -> tuple[list, list]:
+    """``(offloaded, on the device)``: the device keeps the units first in parameter order
+    (``order``: parameter -> index) while they total at most (1 - ratio) of the
+    parameters ([Note: which units stay])."""
+    sized = [u for u in units if u.slots]
+    total = sum(s.numel for u in sized for s in u.slots)
+    room = (1 - ratio) * total
+    device = []
+    for u in sorted(sized, key=lambda u: min(order.get(s.param, 0) for s in u.slots)):
+        n = sum(s.numel for s in u.slots)
+        if n > room:
+            break
+        device.append(u)
+        room -= n
+    return [u for u in units if u not in device], device
+
+
+class DeviceShare(Offload):
+    """The units that keep their masters (and Adam's state) on the device: what
+    ``offload`` would hold for them, held in device memory instead."""
+
+    def __init__(self, units, grad_dtype_of, optimizer, device, timing=UNTIMED):
+        self.timing, self.units = timing, units
+        self.cpu_adam = cpu_adam_steps(optimizer)
+        self.decoupled = decoupled_weight_decay(optimizer)
+        self.master = {u: torch.zeros(u.shard_numel, dtype=u.dtype, device=device)
+                       for u in units}
+        self.grads = {u: torch.zeros(u.shard_numel, dtype=grad_dtype_of(u), device=device)
+                      for u in units}
+        self.shards: dict = {}     # ZeRO-3 params=True: the compute shards, on the device
+
+    def arenas(self) -> list:
+        return []
+
+    def place_masters(self, unit: Unit, keep: bool) -> torch.Tensor:
+        master = self.master[unit]
+        for s in unit.slots:
+            s.opt_param = s.shard_of(master).copy_(s.rows_of(s.param.detach()))
+        return master
+
+    def param_shard(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
+        """Parameter offload leaves these units' shards on the device."""
+        shard = self.master[unit] if dtype == unit.dtype else self.master[unit].to(dtype)
+        self.shards[unit] = shard
+        return shard
+
+    def register_state(self, optimizer) -> None:
+        """Adam's state as device tensors (its ``step`` on the host, as torch keeps it); a
+        torch optimizer makes its own, next to the masters."""
+        if not self.cpu_adam:
+            return
+        self.exp_avg = {u: torch.zeros_like(self.master[u]) for u in self.units}
+        self.exp_avg_sq = {u: torch.zeros_like(self.master[u]) for u in self.units}
+        for u in self.units:
+            for s in u.trainable:
+                before = optimizer.state.get(s.opt_param, {})
+                state = {"step": torch.zeros((), dtype=torch.float32),
+                         "exp_avg": s.shard_of(self.exp_avg[u]),
+                         "exp_avg_sq": s.shard_of(self.exp_avg_sq[u])}
+                for k, value in before.items():   # state the optimizer had (a load) moves in
+                    state[k].copy_(value)
+                optimizer.state[s.opt_param] = state
+
+    def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
+             copied=None) -> None:
+        group_of = groups_by_param(optimizer)
+        for u in self.units:
+            adam_unit(optimizer, group_of, u, grads, self.master[u], self.exp_avg[u],
+                      self.exp_avg_sq[u], self.decoupled, None, grad_scale, on_device=True)
+            after_unit(u, self.updated_rows(u))
+
+    def updated_rows(self, unit: Unit) -> torch.Tensor:
+        return self.master[unit]
+
+    def compute_copies(self) -> list[torch.Tensor]:
+        return [t for u, t in self.shards.items() if t is not self.master[u]]
+
+
+class SplitOffload(Offload):
+    """An offload (host or NVMe) for most units and a ``DeviceShare`` for the rest, as one
+    ``Offload``: each call goes to the part that holds the unit."""
+
+    def __init__(self, host: Offload, device: DeviceShare):
+        self.host, self.device = host, device
+        self.part = {u: device for u in device.units}
+        self.grads = {**host.grads, **device.grads}
+        self.cpu_adam = host.cpu_adam
+        self.param_reader = host.param_reader
+        self.time_series = host.time_series
+        self.timing = host.timing
+
+    def staying(self) -> list[Unit]:
+        return list(self.device.units)
+
+    def _of(self, unit) -> Offload:
+        return self.part.get(unit, self.host)
+
+    def arenas(self) -> list:
+        return self.host.arenas()
+
+    def place_masters(self, unit, keep: bool):
+        return self._of(unit).place_masters(unit, keep)
+
+    def param_shard(self, unit, dtype: torch.dtype) -> torch.Tensor:
+        return self._of(unit).param_shard(unit, dtype)
+
+    def register_state(self, optimizer) -> None:
+        self.host.register_state(optimizer)
+        self.device.register_state(optimizer)
+
+    def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
+             copied=None) -> None:
+        """The device's share first: on a GPU its kernels run while the host steps."""
+        self.device.step(optimizer, grads, after_unit, grad_scale, copied)
+        self.host.step(optimizer, grads, after_unit, grad_scale, copied)
+
+    def updated_rows(self, unit):
+        return self._of(unit).updated_rows(unit)
+
+    def recast(self) -> None:
+        self.host.recast()
+
+    def materialize(self, optimizer) -> None:
+        self.host.materialize(optimizer)
+
+    def compute_copies(self) -> list[torch.Tensor]:
+        return self.host.compute_copies() + self.device.compute_copies()
+
+    def state_buffers(self) -> list[torch.Tensor]:
+        return self.host.state_buffers()
+
+    def unseen_bytes(self) -> dict[str, dict[str, int]]:
+        return self.host.unseen_bytes()
