@@ -103,6 +103,14 @@ def test_offload_optimizer():
     assert "offload" not in read(zero(stage=2, offload_optimizer={"device": "none"})).transforms
 
 
+def test_offload_optimizer_ratio_is_the_share_offloaded_at_every_stage():
+    for stage in (1, 2, 3):
+        s = read(zero(stage=stage, offload_optimizer={"device": "cpu", "ratio": 0.3}))
+        assert plan_of(s.transform).offload.ratio == 0.3
+    assert plan_of(read(zero(stage=2, offload_optimizer={"device": "cpu"})).transform
+                   ).offload.ratio == 1.0
+
+
 def test_offload_param():
     s = read(zero(stage=3, offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"}))
     assert s.transforms["offload"] == {"device": "cpu", "params": True}

@@ -136,7 +136,6 @@ OFFLOAD_OPTIMIZER_IGNORED = {
     "pipeline_read": Ignored("zerofn always reads the next unit while one steps", (ANY,)),
     "pipeline_write": Ignored("zerofn always writes back while the next unit steps", (ANY,)),
     "fast_init": Ignored("zerofn writes the swap file once at set-up", (False,)),
-    "ratio": Ignored("zerofn offloads all of the optimizer state", (1, 1.0)),
     "super_offload": Ignored("zerofn has no SuperOffload", (False,)),
     "cpuadam_cores_perc": Ignored("zerofn's CPU Adam uses torch's thread count"),
 }
@@ -146,7 +145,7 @@ OFFLOAD_PARAM_IGNORED = {
     "max_in_cpu": Ignored("zerofn keeps no parameters in host memory under NVMe offload"),
 }
 OFFLOAD_USED = frozenset(("device", "nvme_path"))
-OFFLOAD_OPTIMIZER_KNOWN = OFFLOAD_USED | frozenset(OFFLOAD_OPTIMIZER_IGNORED)
+OFFLOAD_OPTIMIZER_KNOWN = OFFLOAD_USED | frozenset(("ratio",)) | frozenset(OFFLOAD_OPTIMIZER_IGNORED)
 OFFLOAD_PARAM_KNOWN = OFFLOAD_USED | frozenset(("buffer_count",)) | frozenset(OFFLOAD_PARAM_IGNORED)
 
 # -- precision ------------------------------------------------------------------------------

@@ -194,6 +194,8 @@ def _offload_options(zero: dict, stage: int) -> dict | None:
     if device == "none":
         return None
     options = {"device": device, "params": par["device"] != "none"}
+    if opt["device"] != "none" and "ratio" in opt:   # (DeepSpeed's Twin-Flow is ZeRO-3 only;
+        options["ratio"] = float(opt["ratio"])     # zerofn's share works at every stage)
     if device == "nvme":
         options["path"] = _nvme_path(opt, par)
         if par["device"] == "nvme" and "buffer_count" in par:
