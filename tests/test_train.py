@@ -122,6 +122,21 @@ def test_low_precision_host_state_from_the_command_line():
 
 
 @pytest.mark.multirank
+def test_a_share_of_the_state_on_the_device_from_the_command_line():
+    out = run_job("--stage", "3", "--offload", "cpu", "--offload-ratio", "0.5")
+    assert re.search(r"offload cpu, ratio 0.5 \(0\.\d\d in whole units\): \d of \d units "
+                     r"keep their state on the device \(<root>", out), out
+    assert_learns(out, 12)
+    # The estimate follows the placement: the same optimizer bytes on each side.
+    est, measured = (re.search(rf"^model state per rank, {w}.*$", out, re.M).group(0)
+                     for w in ("estimated", "measured"))
+    for place in (r"device", r"host"):
+        opt = [re.search(place + r"[^|]*optimizer (\S+) MiB", line).group(1)
+               for line in (est, measured)]
+        assert opt[0] == opt[1], (place, est, measured)
+
+
+@pytest.mark.multirank
 def test_compiled_job_prints_the_uncompiled_curve():
     """--compile BACKEND: torch.compile over the sharded model (aot_eager here: inductor's
     kernels round differently), the same losses, rates and norms step for step."""
@@ -220,6 +235,8 @@ REFUSED = {
         "--state-dtype", "int8"],
     "--master-dtype bf16 needs --precision bf16": ["--offload", "cpu", "--master-dtype",
                                                    "bf16"],
+    "--offload-ratio 0.5 is the share --offload keeps off the device": ["--offload-ratio",
+                                                                         "0.5"],
 }
 
 

@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     zero.add_argument("--nvme-path", help="directory for --offload nvme's swap files")
     zero.add_argument("--offload-params", action=argparse.BooleanOptionalAction,
                       help="ZeRO-3 with --offload: the parameter shards too")
+    zero.add_argument("--offload-ratio", type=float,
+                      help="the share of the optimizer state --offload keeps off the device, "
+                           "0 to 1; the rest stays on the device (default 1: all)")
     zero.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"),
                       help="--offload cpu: how Adam's moments are stored on the host (bf16 "
                            "rounds stochastically; int8: 8-bit blockwise codes; default fp32)")

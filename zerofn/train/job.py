@@ -26,6 +26,7 @@ class Job:
     nvme_path: str | None
     state_dtype: str
     master_dtype: str
+    offload_ratio: float
     grad_accum: int
     batch: int
     clip: float
@@ -66,6 +67,7 @@ def resolve(args) -> Job:
         nvme_path=_first(args.nvme_path, offload.get("path")),
         state_dtype=_first(args.state_dtype, STORED.get(offload.get("state_dtype")), "fp32"),
         master_dtype=_first(args.master_dtype, STORED.get(offload.get("master_dtype")), "fp32"),
+        offload_ratio=_first(args.offload_ratio, offload.get("ratio"), 1.0),
         grad_accum=_first(args.grad_accum, settings and settings.gradient_accumulation_steps, 1),
         batch=_first(args.batch, settings and settings.train_batch_size, 16),
         clip=_first(args.clip, settings and settings.gradient_clipping, 1.0),
@@ -113,6 +115,9 @@ def _check(job: Job, args) -> None:
     if (job.state_dtype, job.master_dtype) != ("fp32", "fp32") and job.offload != "cpu":
         raise ValueError(f"--state-dtype {job.state_dtype} --master-dtype {job.master_dtype}: "
                          f"low-precision state is stored in host memory; add --offload cpu.")
+    if job.offload_ratio != 1.0 and job.offload is None:
+        raise ValueError(f"--offload-ratio {job.offload_ratio} is the share --offload keeps "
+                         f"off the device: add --offload cpu or nvme.")
     if job.master_dtype == "bf16" and job.precision != "bf16":
         raise ValueError("--master-dtype bf16 needs --precision bf16: bf16 masters are the "
                          "rows the device computes with.")
@@ -156,7 +161,8 @@ def transforms(job: Job) -> list:
     if job.offload is not None:
         in_flight = opts.get("offload", {}).get("units_in_flight", 2)
         out.append(zf.offload(job.offload, params=job.offload_params, path=job.nvme_path,
-                              units_in_flight=in_flight, **_stored(job)))
+                              units_in_flight=in_flight, ratio=job.offload_ratio,
+                              **_stored(job)))
     if job.tensorboard is not None:
         options = dict(job.tensorboard)
         out.append(zf.tensorboard(options.pop("logdir"), **options))

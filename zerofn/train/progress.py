@@ -41,10 +41,10 @@ def banner(job: Job, model, opt, args) -> str:
     """Parameters, world, plan and the estimated model state per rank."""
     world = dist.get_world_size()
     n = job.cfg.params()
+    rt = runtime_of(model)
     offload = "none" if job.offload is None else job.offload + \
         (" (params too)" if job.offload_params else "") + \
-        (f" at {job.nvme_path}" if job.offload == "nvme" else "")
-    rt = runtime_of(model)
+        (f" at {job.nvme_path}" if job.offload == "nvme" else "") + _share(job, rt)
     units = len(rt.units)
     lines = [
         f"zerofn train: GPT '{args.model}' {n:,} parameters (width {job.cfg.width}, "
@@ -67,9 +67,27 @@ def banner(job: Job, model, opt, args) -> str:
                                  offload_params=job.offload_params,
                                  units_in_flight=rt.plan.offload.units_in_flight,
                                  largest_unit=world * max(u.shard_numel for u in rt.units),
+                                 ratio=offloaded_share(rt) if job.offload else 1.0,
                                  **_stored_dtypes(rt.plan.offload))
         lines.append("model state per rank, estimated: " + _places(est))
     return "\n".join(lines)
+
+
+def _share(job: Job, rt) -> str:
+    """Where offload's ``ratio`` put the units' optimizer state."""
+    if job.offload_ratio == 1.0:
+        return ""
+    staying = rt.units_on_device()
+    return (f", ratio {job.offload_ratio:g} ({offloaded_share(rt):.2f} in whole units): "
+            f"{len(staying)} of {sum(bool(u.slots) for u in rt.units)} units keep their "
+            f"state on the device" + (f" ({', '.join(u.name for u in staying)}: first in "
+                                      f"parameter order)" if staying else ""))
+
+
+def offloaded_share(rt) -> float:
+    """The share of the parameters whose optimizer state is offloaded, as placed."""
+    sizes = {u: sum(s.numel for s in u.slots) for u in rt.units}
+    return 1 - sum(sizes[u] for u in rt.units_on_device()) / max(1, sum(sizes.values()))
 
 
 def _stored_dtypes(policy) -> dict:
