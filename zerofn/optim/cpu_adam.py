@@ -44,7 +44,9 @@ class CPUAdam(torch.optim.Optimizer):
     ``state_dtype`` stores the moments as ``torch.float32`` (torch's layout),
     ``torch.bfloat16`` (stochastic rounding) or ``torch.int8`` (8-bit blockwise codes:
     ``exp_avg`` / ``exp_avg_sq`` hold uint8 codes, ``exp_avg_scale`` /
-    ``exp_avg_sq_scale`` one fp32 scale per 256 elements); see docs/cpu_adam.md.
+    ``exp_avg_sq_scale`` one fp32 scale per 256 elements; parameters of fewer than
+    4096 elements keep fp32 moments, as bitsandbytes' and torchao's do); see
+    docs/cpu_adam.md.
     Stochastic rounding draws counter-based bits from ``seed``, the parameter's index
     in the optimizer and the step, so a resumed run rounds exactly as the original.
     ``state_dict()`` holds fp32 moments (torch's format; ``raw=True`` keeps the stored
@@ -262,6 +264,7 @@ def _convert_moments(state: dict, p: torch.Tensor, state_dtype: torch.dtype) -> 
     """exp_avg / exp_avg_sq (and scales) in state_dtype for parameter p, from stored
     moments of any kind: kept as they are when already in that form (a raw resume)."""
     src = state["exp_avg"]
+    state_dtype = lowp.moment_dtype(state_dtype, p.numel())
     if state_dtype == torch.int8 and src.dtype == torch.uint8:
         return {k: state[k].clone() for k in ("exp_avg", "exp_avg_sq", "exp_avg_scale",
                                              "exp_avg_sq_scale")}  # fmt: skip

@@ -23,6 +23,16 @@ import math
 import torch
 
 QUANT_BLOCK = 256
+# Parameters with fewer elements keep fp32 moments under 8-bit state, as bitsandbytes'
+# min_8bit_size and torchao's low-bit optimizers do: layer norms, biases and other small
+# tensors hold a negligible share of the state's bytes, and rounding theirs costs accuracy.
+MIN_8BIT_NUMEL = 4096
+
+
+def moment_dtype(state_dtype: torch.dtype, numel: int) -> torch.dtype:
+    """How a parameter of ``numel`` elements stores its moments under ``state_dtype``."""
+    return torch.float32 if state_dtype == torch.int8 and numel < MIN_8BIT_NUMEL else state_dtype
+
 _MASK32 = 0xFFFFFFFF
 _GOLDEN32 = 0x9E3779B9
 STREAM_PARAMS, STREAM_EXP_AVG, STREAM_EXP_AVG_SQ = 0, 1, 2

@@ -48,12 +48,16 @@ def _adam_slots(optimizer, group_of, unit, grads, master, exp_avg, exp_avg_sq, a
         kernel = adam_step if not on_device and (master.dtype == torch.float32 or options) \
             else _torch_adam_step
         beta1, beta2 = group["betas"]
-        kernel(s.shard_of(master).view(-1), g.reshape(-1), s.shard_of(exp_avg).view(-1),
-               s.shard_of(exp_avg_sq).view(-1), step=int(state["step"]), lr=float(group["lr"]),
+        extra = options(s) if options else {}     # (may name the slot's own moments)
+        m = extra.pop("exp_avg", None)
+        v = extra.pop("exp_avg_sq", None)
+        kernel(s.shard_of(master).view(-1), g.reshape(-1),
+               s.shard_of(exp_avg).view(-1) if m is None else m,
+               s.shard_of(exp_avg_sq).view(-1) if v is None else v,
+               step=int(state["step"]), lr=float(group["lr"]),
                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                adamw_mode=adamw_mode, grad_scale=grad_scale,
-               out=None if lowp is None else s.shard_of(lowp).view(-1),
-               **(options(s) if options else {}))
+               out=None if lowp is None else s.shard_of(lowp).view(-1), **extra)
     return written
 
 

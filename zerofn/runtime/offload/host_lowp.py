@@ -14,6 +14,9 @@ Encoding back is exact for state the step wrote (a bf16 value is an fp32 value; 
 8-bit code times its block's scale decodes and encodes to the same code), so a state
 dict access changes nothing; fp32 state loaded from elsewhere rounds to nearest.
 
+Under int8, parameters of fewer than 4096 elements keep fp32 moments (zerofn.optim.lowp,
+MIN_8BIT_NUMEL), as bitsandbytes' and torchao's 8-bit optimizers do.
+
 [Note: rounding streams] bf16 state rounds stochastically in the kernel, from a
 counter-based stream keyed by (seed, parameter, shard rank, step): a run and its resume
 round alike, HSDP's replicas of a shard round alike, and no thread count changes it.
@@ -25,6 +28,7 @@ import zlib
 import torch
 
 from ...optim import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise, signed_code
+from ...optim.lowp import moment_dtype
 from ..timing import UNTIMED
 from .base import HostArena, point_at, stand_in
 from .host import HostOffload
@@ -39,6 +43,7 @@ class LowpHostOffload(HostOffload):
                  *, state_dtype=torch.float32, master_dtype=torch.float32, seed: int = 0):
         self.state_dtype, self.master_store, self.seed = state_dtype, master_dtype, seed
         self.scales: dict = {}      # slot -> (exp_avg's scales, exp_avg_sq's) for int8
+        self.fp32_moments: dict = {}  # slot -> (exp_avg, exp_avg_sq) of int8's small ones
         self.resident: dict = {}    # unit -> fp32 (master, exp_avg, exp_avg_sq) while decoded
         super().__init__(units, grad_dtype_of, optimizer, compute_dtype, timing)
 
@@ -61,11 +66,16 @@ class LowpHostOffload(HostOffload):
             self._allocate_scales()
 
     def _allocate_scales(self) -> None:
+        """int8's block scales; a small parameter's fp32 moments instead (MIN_8BIT_NUMEL)."""
         slots = [s for u in self._units for s in u.slots]
-        blocks = [-(-s.local_numel // QUANT_BLOCK) for s in slots]
-        arena = HostArena(blocks * 2, torch.float32)
-        for s, n in zip(slots, blocks):
+        small = [s for s in slots if moment_dtype(INT8, s.numel) == torch.float32]
+        big = [s for s in slots if s not in small]
+        blocks = [-(-s.local_numel // QUANT_BLOCK) for s in big]
+        arena = HostArena(blocks * 2 + [s.local_numel for s in small] * 2, torch.float32)
+        for s, n in zip(big, blocks):
             self.scales[s] = (arena.take(n), arena.take(n))
+        for s in small:
+            self.fp32_moments[s] = (arena.take(s.local_numel), arena.take(s.local_numel))
         zero = int(signed_code().abs().argmin())    # every moment starts at 0
         for u in self._units:          # (the unsigned code's 0 is its first: index 0)
             self.exp_avg[u].fill_(zero)
@@ -73,14 +83,17 @@ class LowpHostOffload(HostOffload):
 
     def state_buffers(self) -> list[torch.Tensor]:
         masters = list(self.master.values()) if self.master_store != torch.float32 else []
-        scales = [t for pair in self.scales.values() for t in pair]
-        return masters + list(self.exp_avg.values()) + list(self.exp_avg_sq.values()) + scales
+        pairs = [t for pair in (*self.scales.values(), *self.fp32_moments.values())
+                 for t in pair]
+        return masters + list(self.exp_avg.values()) + list(self.exp_avg_sq.values()) + pairs
 
     def kernel_options(self, slot) -> dict:
         """The stored form's keywords for ``adam_step``: block scales, the stream's seed."""
         options = {"seed": _stream_seed(self.seed, slot)}
         if slot in self.scales:
             options["exp_avg_scale"], options["exp_avg_sq_scale"] = self.scales[slot]
+        if slot in self.fp32_moments:
+            options["exp_avg"], options["exp_avg_sq"] = self.fp32_moments[slot]
         return options
 
     # -- set-up --------------------------------------------------------------------------
@@ -140,6 +153,8 @@ class LowpHostOffload(HostOffload):
         self.resident = {}
 
     def _decode(self, slot, unit, which: int) -> torch.Tensor:
+        if slot in self.fp32_moments:
+            return self.fp32_moments[slot][which].view(slot.local_shape)
         stored = slot.shard_of((self.exp_avg, self.exp_avg_sq)[which][unit]).reshape(-1)
         if slot not in self.scales:
             return stored.float().view(slot.local_shape)
@@ -148,6 +163,8 @@ class LowpHostOffload(HostOffload):
 
     def _encode(self, slot, unit, which: int, value: torch.Tensor) -> None:
         stored = slot.shard_of((self.exp_avg, self.exp_avg_sq)[which][unit])
+        if slot in self.fp32_moments:
+            stored = self.fp32_moments[slot][which].view(slot.local_shape)
         if slot not in self.scales:
             stored.copy_(value)
             return
