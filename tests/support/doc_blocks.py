@@ -169,16 +169,17 @@ def run_shell(code: str, cwd: Path, env: dict, timeout: float = 150) -> str:
 
 def differences(quoted: str, printed: str) -> str | None:
     """None if every quoted line matches a printed line in order (same_text: numbers
-    within rounding), `...` standing for any lines and both ends being whole; else why."""
-    want = quoted.rstrip("\n").splitlines()
-    got = printed.rstrip("\n").splitlines()
+    within rounding, runs of spaces as one), `...` standing for any lines and both ends
+    being whole; else why."""
+    want = [" ".join(ln.split()) for ln in quoted.rstrip("\n").splitlines()]
+    got = [" ".join(ln.split()) for ln in printed.rstrip("\n").splitlines()]
 
     def match(i: int, j: int) -> bool:
         if i == len(want):
             return j == len(got)
         if want[i].strip() == "...":
             return any(match(i + 1, k) for k in range(j, len(got) + 1))
-        return j < len(got) and same_text(want[i].rstrip(), got[j].rstrip()) and match(i + 1, j + 1)
+        return j < len(got) and same_text(want[i], got[j]) and match(i + 1, j + 1)
 
     if match(0, 0):
         return None
