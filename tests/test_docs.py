@@ -18,7 +18,7 @@ BLOCKS = all_blocks()
 RUNNABLE = [b for b in BLOCKS if b.kind != "no" and not b.problems]
 
 # The guides whose key examples must stay runnable (a marker dropped by mistake fails here).
-GUIDES = ["README.md", "docs/choosing.md", "docs/out_of_memory.md",
+GUIDES = ["README.md", "docs/choosing.md", "docs/out_of_memory.md", "docs/training_loop.md",
            "docs/command_line.md"]
 
 
