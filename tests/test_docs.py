@@ -18,7 +18,7 @@ BLOCKS = all_blocks()
 RUNNABLE = [b for b in BLOCKS if b.kind != "no" and not b.problems]
 
 # The guides whose key examples must stay runnable (a marker dropped by mistake fails here).
-GUIDES = ["README.md", "docs/choosing.md", "docs/out_of_memory.md", "docs/training_loop.md",
+GUIDES = ["README.md", "docs/choosing.md", "docs/out_of_memory.md", "docs/training_loop.md", "docs/from_deepspeed.md",
            "docs/command_line.md"]
 
 
@@ -48,6 +48,8 @@ def test_blocks_that_cannot_run_here_still_parse():
 
 @pytest.mark.parametrize("block", [_param(b) for b in RUNNABLE])
 def test_marked_block_runs_and_prints_what_the_text_quotes(block, tmp_path):
+    for name, text in block.files.items():        # <!-- file: NAME --> blocks before it
+        (tmp_path / name).write_text(text)
     if block.kind == "python":
         printed = run_ranks(block.ranks, run_python, block.code, block.name, str(tmp_path))[0]
     else:

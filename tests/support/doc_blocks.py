@@ -9,6 +9,8 @@ A marker is an HTML comment (invisible on GitHub) on the line before a fenced bl
     <!-- run: no, REASON -->         cannot run here (CUDA, several nodes, ...): REASON says why
     <!-- output -->                  the text block below is what the run block before it
                                      prints (rank 0's stdout for python); `...` is any lines
+    <!-- file: NAME -->              the block below is the file NAME, written into the
+                                     directory where the document's later run blocks run
 
 tests/README.md says the same for writers of docs.
 """
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 from run_tutorials import same_text  # noqa: E402 (floats within rounding, the rest equal)
 
-MARKER = re.compile(r"^<!--\s*(run|output)\s*(?::\s*(.*?))?\s*-->\s*$")
+MARKER = re.compile(r"^<!--\s*(run|output|file)\s*(?::\s*(.*?))?\s*-->\s*$")
 FENCE = re.compile(r"^(`{3,})\s*([\w+-]*)")
 
 
@@ -42,6 +44,7 @@ class Block:
     reason: str = ""
     lang: str = ""
     output: str | None = None       # what the text quotes, if it does
+    files: dict = field(default_factory=dict)   # file blocks before it: name -> text
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -73,12 +76,21 @@ def parse(path: Path) -> list[Block]:
     lines = path.read_text().splitlines()
     rel = str(path.relative_to(ROOT))
     blocks: list[Block] = []
+    files: dict[str, str] = {}
     for i, line in enumerate(lines):
         m = MARKER.match(line)
         if not m:
             continue
         what, args = m.group(1), [a.strip() for a in (m.group(2) or "").split(",")]
         fenced = _fenced(lines, i + 1)
+        if what == "file":
+            name = (m.group(2) or "").strip()
+            if fenced and re.fullmatch(r"[\w.-]+", name):
+                files[name] = fenced[1]
+            else:
+                blocks.append(Block(rel, i + 1, "no", "", problems=[
+                    "`<!-- file: NAME -->` needs a plain file name and a fenced block"]))
+            continue
         if what == "output":
             if blocks and blocks[-1].output is None and blocks[-1].kind != "no" and fenced:
                 blocks[-1].output = fenced[1]
@@ -87,7 +99,7 @@ def parse(path: Path) -> list[Block]:
                     "an output marker must follow a run block (and quote one fenced block)"]))
             continue
         block = Block(rel, i + 1, "no", fenced[1] if fenced else "",
-                      lang=fenced[0] if fenced else "")
+                      lang=fenced[0] if fenced else "", files=dict(files))
         if fenced is None:
             block.problems.append("no fenced block follows the marker")
         if args[0] == "no":
