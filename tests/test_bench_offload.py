@@ -1,16 +1,20 @@
 """tools/bench_offload.py runs for real on CPU: the comparison prints a table with a zerofn
 row that trained (positive tokens/s, finite losses), and --find-largest stops where it
-should, both at its own host-RAM check and at a real allocation failure. Behaviour only:
-no timing is asserted."""
+should, both at its own host-RAM check and at a real allocation failure; --state-dtype and
+--master-dtype reach offload("cpu", ...) and the host estimate. Behaviour only: no timing
+is asserted."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import re
 import resource
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "bench_offload.py"
 
@@ -103,3 +107,59 @@ def test_find_largest_reports_a_real_allocation_failure():
     assert_trained(table[("64x2", "zerofn offload")])
     assert table[("2048x8", "zerofn offload")][2].startswith("oom-host"), table
     assert "stopped at 2048x8: oom-host" in out
+
+
+def test_low_precision_host_state_lets_a_size_fit_that_fp32_state_does_not():
+    # --find-largest counts --state-dtype/--master-dtype in its host estimate: a limit that
+    # fp32 state of 128x2 exceeds but int8 moments with bf16 masters fit, and the run at
+    # that size trains with the flags forwarded to its worker.
+    bench = load_script()
+    lowp = bench.parse_args(["--device", "cpu", "--find-largest", "--state-dtype", "int8",
+                             "--master-dtype", "bf16"])
+    fp32 = bench.parse_args(["--device", "cpu", "--find-largest"])
+    params = {s: bench.model_config(s, fp32).params() for s in ("128x2", "256x8")}
+    small, full = bench.host_need(params["128x2"], lowp), bench.host_need(params["128x2"], fp32)
+    assert small < full
+    limit = (small + full) / 2
+    assert bench.host_need(params["256x8"], lowp) > limit
+    out = run("--find-largest", "--sizes", "128x2,256x8", "--steps", "1", "--state-dtype",
+              "int8", "--master-dtype", "bf16", "--host-limit-gb", f"{limit / 2**30:.6f}")
+    assert "offload('cpu', state_dtype=int8, master_dtype=bf16)" in out
+    table = rows(out)
+    assert_trained(table[("128x2", "zerofn offload")])
+    assert table[("256x8", "zerofn offload")][2].startswith("skipped"), table
+    assert "largest that trained: 128x2" in out
+
+
+def worker_result(*flags: str) -> dict:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--worker",
+                           "zerofn:64x2", "--sizes", "64x2", "--warmup", "1", "--steps", "1",
+                           *flags], capture_output=True, text=True, timeout=120)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, done.stdout + done.stderr[-4000:]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_the_stored_dtypes_reach_offload_and_its_host_bytes_are_the_estimates():
+    """The host state a run measures (zf.model_state_bytes) is what host_need counts before
+    its margin: the flags really go into offload("cpu", ...)."""
+    import torch
+
+    from zerofn.core.estimate import estimate_placement
+    bench = load_script()
+    for state, master in (("fp32", "fp32"), ("bf16", "fp32"), ("int8", "bf16")):
+        args = bench.parse_args(["--device", "cpu", "--state-dtype", state,
+                                 "--master-dtype", master])
+        r = worker_result("--state-dtype", state, "--master-dtype", master)
+        assert r["status"] == "ok" and math.isfinite(r["loss_last"]), r
+        placed = estimate_placement(r["params"], 1, 3, torch.bfloat16, offload="cpu",
+                                    **bench.stored_dtypes(args))
+        # int8 scales are per 256 of each parameter (rounded up), the estimate's 4/256 B
+        assert r["host_state"] == pytest.approx(placed["host"]["total"], rel=0.01), (state, r)
+
+
+def test_stored_dtypes_are_refused_with_nvme(capsys):
+    bench = load_script()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--nvme", "/tmp", "--state-dtype", "int8"])
+    assert "NVMe swap file holds fp32 state" in capsys.readouterr().err

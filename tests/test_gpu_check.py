@@ -33,7 +33,9 @@ def test_the_plan_lists_every_part_and_measures_nothing(tmp_path, monkeypatch):
     text = report.read_text()
     assert text.startswith("# zerofn on a GPU") and "**Not yet run.**" in text
     assert all(f"**{p.name}**" in text for p in gc.PARTS)
-    assert text.count("not measured") == 4 and "tokens/s |" not in text
+    assert text.count("not measured") == 5 and "tokens/s |" not in text
+    assert "| largest trainable, int8 Adam state and bf16 masters on the host | ≥ 13B | — | " \
+           "not measured |" in text
     assert "## What NCCL does that gloo does not" in text and "| Averaging reduce-scatter |" in text
     assert not (tmp_path / "r.json").exists()     # a plan records no results
 
@@ -49,6 +51,10 @@ RESULTS = {
         "largest": dict(status="ok", seconds=280.0,
                         figures={"params": 7.05e9, "tokens_per_s": 4100.0, "tflops": 173.0},
                         lines=["largest that trained: 4096x34 = 7.05B params"]),
+        "largest_int8": dict(status="ok", seconds=410.0,
+                             figures={"params": 11.59e9, "tokens_per_s": 2900.0, "tflops": 202.0},
+                             lines=["largest that trained: 5120x36 = 11.59B params, 2,900 "
+                                    "tokens/s, 202 TFLOP/s; stopped at 5120x41: oom-device (x)"]),
         "race": dict(status="failed", seconds=40.0, lines=["pytest: 1 failed"],
                      detail="AssertionError: ((3, 'adamw', {}, None), 0.25)"),
         # from an earlier session, on another machine and commit
@@ -64,8 +70,11 @@ def test_the_report_holds_the_device_each_part_and_the_goal_verdicts():
     assert "| offload('cpu') tokens/s / FSDP2 CPUOffloadPolicy, matched dtypes | ≥ 1.5× | " \
            "1.62× | meets |" in text
     assert "| ≥ 7B | 7.05B | meets |" in text and "| ≥ 300 | 173 | misses |" in text
-    assert "| ≥ 13B | — | not measured |" in text
-    assert "### 8. race: failed (40 s)" in text and "AssertionError: ((3" in text
+    assert "| largest trainable with NVMe | ≥ 13B | — | not measured |" in text
+    assert "| largest trainable, int8 Adam state and bf16 masters on the host | ≥ 13B | " \
+           "11.59B | misses |" in text
+    assert "### 6. largest_int8: ok (410 s)" in text and "stopped at 5120x41" in text
+    assert "### 9. race: failed (40 s)" in text and "AssertionError: ((3" in text
     assert "### 3. parity: ok (50 s, on NVIDIA H200, at 0ld0ne)" in text
     assert "### 1. build: not run yet" in text
     assert "| 2048x24 (1.3B) | zerofn offload | 9,000 | 70.1 |" in text   # tables as they are
@@ -117,7 +126,8 @@ def test_pending_stands_for_the_parts_not_passed_yet_in_order():
     done = {"build": {"status": "ok"}, "tests": {"status": "ok"}, "compare": {"status": "ok"},
             "race": {"status": "failed"}, "deepspeed": {"status": "skipped"}}
     assert gc.expand_pending(["build", "pending"], done) == \
-        ["build", "parity", "job", "largest", "profile", "race", "compile", "nvme", "deepspeed"]
+        ["build", "parity", "job", "largest", "largest_int8", "profile", "race", "compile",
+         "nvme", "deepspeed"]
     passed = {n: {"status": "ok"} for n in gc.PART_NAMES}
     assert gc.expand_pending(["pending", "race"], passed) == ["race"]
     assert gc.parse_args(["--parts", "build,pending"]).parts == ["build", "pending"]
@@ -165,7 +175,7 @@ def test_a_budget_starts_only_the_parts_whose_whole_limit_fits(tmp_path, monkeyp
                                       "--report", str(tmp_path / "gpu.md")])
     gc.main()
     assert ran == ["build", "parity", "job", "compare", "profile", "compile", "deepspeed"]
-    parts = json.loads(results.read_text())["parts"]    # largest, race and nvme do not fit
+    parts = json.loads(results.read_text())["parts"]  # largest(_int8), race, nvme do not fit
     assert set(parts) == {"tests"} | set(ran)
     env = gc.environment()
     assert all(parts["parity"][k] == env[k] for k in gc.RUN_KEYS)
@@ -207,3 +217,32 @@ def test_the_cpu_adam_spans_are_found_by_their_unit_labels():
                            device_type=SimpleNamespace(name="CUDA"),
                            time_range=SimpleNamespace(start=start, end=2 * end - start))
     assert gc.overlaps([*prof.events(), copy])["h2d_overlap_adam"] == pytest.approx(0.5)
+
+
+def test_the_int8_part_climbs_to_13b_with_low_precision_host_state(monkeypatch):
+    """largest_int8 runs bench_offload's ladder with int8 moments and bf16 masters at the
+    fp32 part's 131k tokens a step, within its limit; the ladder's top fits a 126 GB host
+    by bench_offload's own estimate (fp32 state would not); the summary becomes figures."""
+    import bench_offload as bo
+    seen = []
+    summary = ("largest that trained: 5120x41 = 13.16B params, 2,500 tokens/s, 197 TFLOP/s; "
+               "the ladder ended without a failure (add larger --sizes to go on)")
+    monkeypatch.setattr(gc, "bench", lambda flags, seconds: (
+        seen.append((flags, seconds)), (0, summary, ["| 5120x41 (13.16B) | zerofn offload |"]))[1])
+    result = gc.PART_RUNNERS["largest_int8"](None)
+    flags, seconds = seen[0]
+    assert seconds == gc.LIMIT["largest_int8"] and "--timeout" in flags
+    text = " ".join(flags)
+    assert "--state-dtype int8 --master-dtype bf16" in text and gc.THROUGHPUT in text
+    sizes = flags[flags.index("--sizes") + 1].split(",")
+    assert sizes[-1] == "5120x41"
+    assert sizes == sorted(sizes, key=lambda size: [int(v) for v in size.split("x")])
+    assert result["status"] == "ok" and result["figures"] == {
+        "params": 13.16e9, "tokens_per_s": 2500.0, "tflops": 197.0}
+    args = bo.parse_args(["--device", "cuda", *flags[:flags.index("--timeout")]])
+    assert (args.state_dtype, args.master_dtype, args.batch * args.accum) == ("int8", "bf16", 128)
+    top = bo.model_config("5120x41", args).params()
+    assert top > gc.GOALS["largest_int8"]
+    assert bo.host_need(top, args) < 126 * 2**30 < bo.host_need(top, bo.parse_args(
+        ["--device", "cuda", "--find-largest"]))
+    assert "largest_int8" in gc.expand_pending(["pending"], {})

@@ -6,13 +6,18 @@
     python tools/bench_offload.py --device cpu             # the CPU smoke run (< 1 minute)
     python tools/bench_offload.py --sizes 4096x34 --contenders zerofn --checkpoint on \
         --batch 4 --accum 32                               # throughput: 131k tokens/step
+    python tools/bench_offload.py --find-largest --state-dtype int8 --master-dtype bf16
+                                                           # 8-bit Adam state, bf16 masters
 
 The model is zerofn.nanogpt.GPT (width W, L blocks, W/64 heads, FFN 4W; a size is written
 ``WxL``), bf16 compute, AdamW, on one device with a world-1 process group (nccl on cuda,
 gloo on cpu). Contenders, each built fresh in its own process on the same seed and data:
 
   zerofn   ZeRO-3 + mixed_precision(bf16) + offload("cpu"): fp32 masters and Adam state in
-           one host arena, the step in zerofn's C++ CPU Adam.
+           one host arena, the step in zerofn's C++ CPU Adam. ``--state-dtype`` and
+           ``--master-dtype`` store the moments (bf16, or 8-bit codes) and the masters (bf16)
+           in fewer bytes: offload("cpu", state_dtype=..., master_dtype=...), see
+           docs/offload.md ("Low-precision host state"). FSDP2 keeps fp32 state either way.
   FSDP2    fully_shard per block and at the root, MixedPrecisionPolicy(param_dtype=bf16,
            reduce_dtype=bf16) (zerofn reduces in bf16 too: the same bytes on the wire and
            across PCIe), CPUOffloadPolicy(), torch AdamW(fused=True) on the host (torch's
@@ -49,6 +54,7 @@ import sys
 import time
 
 CONTENDERS = ("zerofn", "fsdp2")
+STORED = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}   # flag -> torch dtype
 LABEL = {"zerofn": "zerofn offload", "fsdp2": "FSDP2 CPUOffload"}
 TARGET = 1.5        # issue 4: zerofn at least 1.5x FSDP2's tokens/s
 # Per device: sizes compared, the find-largest ladder, and the batch shape. The cuda ladder
@@ -79,6 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nvme", metavar="DIR",
                    help="zerofn: offload('nvme', path=DIR): masters and Adam state in a swap "
                         "file there (with --offload-params the param shards too)")
+    p.add_argument("--state-dtype", choices=tuple(STORED), default="fp32",
+                   help="zerofn: offload('cpu', state_dtype=...), how Adam's moments are "
+                        "stored on the host (int8: 8-bit codes, a scale per 256)")
+    p.add_argument("--master-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="zerofn: offload('cpu', master_dtype=...), how the masters are stored "
+                        "on the host (bf16: the rows the device computes with)")
     p.add_argument("--find-largest", action="store_true",
                    help="climb the ladder of sizes with zerofn until one fails")
     p.add_argument("--host-limit-gb", type=float,
@@ -86,7 +98,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, help="seconds per run before it counts as failed")
     p.add_argument("--worker", help=argparse.SUPPRESS)    # "contender:size", internal
     args = p.parse_args(argv)
+    if args.nvme and lowp(args):
+        p.error("--state-dtype/--master-dtype store offload('cpu')'s host state; the NVMe "
+                "swap file holds fp32 state: leave them at fp32 with --nvme.")
     return _fill_defaults(args)
+
+
+def lowp(args) -> bool:
+    """Whether zerofn's host state is stored in fewer bits than fp32."""
+    return (args.state_dtype, args.master_dtype) != ("fp32", "fp32")
+
+
+def stored_dtypes(args) -> dict:
+    """``--state-dtype``/``--master-dtype`` as torch dtypes, the keywords offload() and
+    estimate_placement() take."""
+    import torch
+    return dict(state_dtype=getattr(torch, STORED[args.state_dtype]),
+                master_dtype=getattr(torch, STORED[args.master_dtype]))
 
 
 def _fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -156,7 +184,7 @@ def _offload(args):
     import zerofn as zf
     if args.nvme:
         return zf.offload("nvme", path=args.nvme, params=args.offload_params)
-    return zf.offload("cpu", params=args.offload_params)
+    return zf.offload("cpu", params=args.offload_params, **stored_dtypes(args))
 
 
 def sync(device: str) -> None:
@@ -258,8 +286,9 @@ def worker(args) -> None:
 
 # -- launcher ----------------------------------------------------------------------------
 def forwarded(args) -> list[str]:
-    keys = ("device", "vocab", "context", "batch", "accum", "warmup", "steps", "checkpoint")
-    flags = [a for k in keys for a in (f"--{k}", str(getattr(args, k)))]
+    keys = ("device", "vocab", "context", "batch", "accum", "warmup", "steps", "checkpoint",
+            "state_dtype", "master_dtype")
+    flags = [a for k in keys for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     return flags + (["--offload-params"] if args.offload_params else []) + \
         (["--nvme", args.nvme] if args.nvme else [])
 
@@ -289,17 +318,26 @@ def mem_available() -> int:
 
 
 def host_need(params: int, args) -> int:
-    """Host bytes zerofn offload needs, with a margin: fp32 master + Adam m, v (12 B/param),
-    the bf16 gradient landing buffer (2), the bf16 rows the step writes for the device (2;
-    with --offload-params they are the param shards); with --nvme only the landing buffer
-    (the rest is in the swap file, the staging ring is a few units); on a CPU device the
-    "device" bf16 shard and gradient shard (4) are host memory too. The margin is small on
-    CUDA, where those are page-locked arenas made once at their exact size, and larger on
-    the CPU, where the allocator keeps freed blocks of the training itself."""
-    per = (2 if args.nvme else 16) + 4 * (args.device == "cpu")
+    """Host bytes zerofn offload needs, with a margin: the host state as
+    ``estimate_placement`` counts it for ZeRO-3 at world 1 with ``--state-dtype`` and
+    ``--master-dtype`` (at fp32: master + Adam m, v, 12 B/param; the bf16 gradient landing
+    buffer, 2; the bf16 rows the step writes for the device, 2, which with
+    --offload-params are the param shards; with int8 moments and bf16 masters 6.03 in
+    all); with --nvme only the landing buffer (the rest is in the swap file, the staging
+    ring is a few units); on a CPU device the "device" bf16 shard and gradient shard (4)
+    are host memory too. The margin is small on CUDA, where those are page-locked arenas
+    made once at their exact size, and larger on the CPU, where the allocator keeps freed
+    blocks of the training itself."""
+    import torch
+
+    from zerofn.core.estimate import estimate_placement
+    placed = estimate_placement(params, 1, 3, torch.bfloat16,
+                                offload="nvme" if args.nvme else "cpu",
+                                offload_params=args.offload_params, **stored_dtypes(args))
+    need = placed["host"]["total"] + placed["device"]["total"] * (args.device == "cpu")
     if args.device == "cuda":
-        return int(1.05 * per * params) + 3 * 2**30      # + libraries, CUDA context
-    return int(1.15 * per * params) + 2**29
+        return int(1.05 * need) + 3 * 2**30      # + libraries, CUDA context
+    return int(1.15 * need) + 2**29
 
 
 def nvme_need(params: int, args) -> int:
@@ -381,8 +419,15 @@ def header(rows: list[dict], args) -> str:
             f"{args.accum}x{args.batch}x{args.context} tokens/step, vocab {args.vocab}, activation "
             f"checkpointing {args.checkpoint}; zerofn offload("
             f"{repr('nvme') + ', path=...' if args.nvme else repr('cpu')}"
-            f"{', params=True' if args.offload_params else ''}); median of {args.steps} timed "
-            f"steps after {args.warmup} warm-up; TFLOP/s = 6*N*tokens/s (model FLOPs)")
+            f"{', params=True' if args.offload_params else ''}{stored_text(args)}); "
+            f"median of {args.steps} timed steps after {args.warmup} warm-up; TFLOP/s = 6*N*tokens/s (model FLOPs)")
+
+
+def stored_text(args) -> str:
+    """offload()'s stored dtypes as the header names them: nothing at fp32."""
+    if not lowp(args):
+        return ""
+    return f", state_dtype={args.state_dtype}, master_dtype={args.master_dtype}"
 
 
 def summary(rows: list[dict], args) -> list[str]:

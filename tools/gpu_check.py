@@ -18,7 +18,9 @@ there. Nothing in the report is written by hand: every figure comes from a run.
 The parts come in the order of what a short lease should show first: that zerofn builds
 and trains correctly on CUDA, then the goals, then the stress and peer runs. A lease of
 15 minutes of device time (a start of a minute or two included) fits one command of
-``--parts build,pending --budget 540`` and a second, shorter one of what is left.
+``--parts build,pending --budget 540`` and a second, shorter one of what is left; the
+int8-state ladder (``largest_int8``, up to 13.2B, 8 minutes) takes a command of its own,
+``--parts build,largest_int8 --budget 540``.
 """
 from __future__ import annotations
 
@@ -45,11 +47,16 @@ TRACE_DIR = os.path.join(ROOT, "build", "gpu_check")   # the profiler trace: too
 TOL = 1e-5                     # parity, as tests/test_parity.py
 COMPARE_SIZE = "2048x24"       # zerofn against FSDP2 (and DeepSpeed)
 LARGE_CPU = "4096x34"          # 7.06B parameters: the >= 7B goal with Adam on the host
+# 8-bit Adam moments and bf16 masters: 6.03 host bytes a parameter (fp32 state: 16), so
+# 13.2B needs ~81 GiB of host; 7.06B first, the size of the fp32 part, to compare with.
+LARGE_INT8_LADDER = ("4096x34", "5120x36", "5120x41")
+INT8_STATE = "--state-dtype int8 --master-dtype bf16"
 NVME_LADDER = ("5120x41", "4096x34", "3072x32", "2048x24")   # 13.2B first: the 13B goal
 # The host's Adam step takes seconds at 7B whatever the batch: a throughput figure needs
 # many tokens per step, accumulated under no_sync, as a real 7B run would.
 THROUGHPUT = "--batch 4 --accum 32 --warmup 1 --steps 2"
-GOALS = {"ratio": 1.5, "largest_cpu": 7e9, "largest_nvme": 13e9, "tflops_7b": 300.0}
+GOALS = {"ratio": 1.5, "largest_cpu": 7e9, "largest_int8": 13e9, "largest_nvme": 13e9,
+         "tflops_7b": 300.0}
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,14 @@ PARTS = [
          "(7.06B parameters, fp32 master and Adam state on the host, activation "
          "checkpointing): it trains, and at 32 micro-batches of 4x1024 tokens a step (131k "
          "tokens, reduced and offloaded once) it gives the TFLOP/s at 7B."),
+    Part("largest_int8", 8, f"`bench_offload.py --find-largest --sizes "
+         f"{','.join(LARGE_INT8_LADDER)} {THROUGHPUT} {INT8_STATE}` (7.06B, 11.6B, then 13.2B "
+         "parameters; 8-bit Adam moments and bf16 masters on the host, "
+         "`offload('cpu', state_dtype=torch.int8, master_dtype=torch.bfloat16)`: 6.03 host "
+         "bytes a parameter against fp32 state's 16, ~81 GiB at 13.2B; activation "
+         "checkpointing): up the ladder until a size fails or would not fit the host, and "
+         "the TFLOP/s at the largest that trained, at the same 131k tokens a step as the "
+         "fp32-state part."),
     Part("compare", 2, f"`tools/bench_offload.py --sizes {COMPARE_SIZE}`: zerofn offload('cpu') "
          "against FSDP2 CPUOffloadPolicy, both bf16 compute and bf16 reduction, tokens/s and "
          "TFLOP/s."),
@@ -380,6 +395,11 @@ def part_largest(args) -> dict:
                     LIMIT["largest"])
 
 
+def part_largest_int8(args) -> dict:
+    return _largest(["--find-largest", "--sizes", ",".join(LARGE_INT8_LADDER),
+                     *THROUGHPUT.split(), *INT8_STATE.split()], LIMIT["largest_int8"])
+
+
 # A run of the NVMe part writes the swap file once, then each of its 3 steps reads and
 # writes all of it; the rest (building the model, the first compute) takes about a minute.
 NVME_PASSES, NVME_SET_UP = 7, 60
@@ -488,7 +508,8 @@ def _deepspeed_available(args) -> bool | str:
 
 
 PART_RUNNERS = {"build": part_build, "tests": part_tests, "parity": part_parity,
-                "job": part_job, "largest": part_largest, "compare": part_compare,
+                "job": part_job, "largest": part_largest, "largest_int8": part_largest_int8,
+                "compare": part_compare,
                 "profile": part_profile, "race": part_race, "compile": part_compile,
                 "nvme": part_nvme, "deepspeed": part_deepspeed}
 
@@ -718,11 +739,15 @@ def goals(parts: dict) -> list[str]:
         return "not measured" if value is None else ("meets" if value >= target else "misses")
 
     ratio, cpu, nvme = fig("compare", "ratio"), fig("largest", "params"), fig("nvme", "params")
+    int8 = fig("largest_int8", "params")
     tflops = fig("largest", "tflops") if cpu is not None and cpu >= GOALS["largest_cpu"] else None
     rows = [("offload('cpu') tokens/s / FSDP2 CPUOffloadPolicy, matched dtypes", "≥ 1.5×",
              None if ratio is None else f"{ratio:.2f}×", verdict(ratio, GOALS["ratio"])),
             ("largest trainable, fp32 Adam state on the host", "≥ 7B",
              None if cpu is None else f"{cpu / 1e9:.2f}B", verdict(cpu, GOALS["largest_cpu"])),
+            ("largest trainable, int8 Adam state and bf16 masters on the host", "≥ 13B",
+             None if int8 is None else f"{int8 / 1e9:.2f}B",
+             verdict(int8, GOALS["largest_int8"])),
             ("largest trainable with NVMe", "≥ 13B",
              None if nvme is None else f"{nvme / 1e9:.2f}B", verdict(nvme, GOALS["largest_nvme"])),
             ("TFLOP/s (6N) at 7B", "≥ 300", None if tflops is None else f"{tflops:.0f}",
