@@ -98,6 +98,45 @@ def test_low_precision_state_trains_like_fp32_state_and_shows_fp32(stage, state,
         assert update < STRAY[state, master][0] and moments < STRAY[state, master][1]
 
 
+def _host_and_nvme(rank, world, path, stage, params):
+    """The same stored form on the host and in the swap file: the same state, bit for bit
+    (one kernel, one layout of each slot's stored parts, one rounding stream)."""
+    data = batches(3, 1, world)
+    out = []
+    for device in ("cpu", "nvme"):
+        options = dict(state_dtype=torch.int8, master_dtype=torch.bfloat16, params=params)
+        offload = zf.offload(device, path=path if device == "nvme" else None, **options)
+        model, opt = build_parity(stage, "adamw", offload, zf.mixed_precision(torch.bfloat16))
+        train_sharded(model, opt, data, rank, world)
+        out.append(zf.get_state_dict(model, opt, full=True))
+    (ma, oa), (mb, ob) = out
+    same_params = all(torch.equal(ma[k], mb[k]) for k in ma)
+    same_state = all(torch.equal(oa["state"][n][k], ob["state"][n][k])
+                     for n in oa["state"] for k in oa["state"][n])
+    return same_params and same_state
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage,params", [(2, False), (3, False), (3, True)])
+def test_nvme_stores_the_same_form_as_the_host(stage, params, tmp_path):
+    assert all(run_ranks(2, _host_and_nvme, str(tmp_path), stage, params))
+
+
+def _swap_bytes(rank, world, path, state, master):
+    offload = zf.offload("nvme", path=path, state_dtype=state, master_dtype=master)
+    model, opt = build_parity(2, "adamw", offload, zf.mixed_precision(torch.bfloat16))
+    return zf.model_state_bytes(model)["nvme"]["optimizer"]
+
+
+@pytest.mark.multirank
+def test_the_swap_file_shrinks_with_the_stored_form(tmp_path):
+    """Per element: 12 bytes at fp32; bf16 masters and int8 moments 4 and an fp32 scale per
+    256 (small parameters' fp32 moments, and the layout's alignment, on top)."""
+    fp32, lowp = (run_ranks(2, _swap_bytes, str(tmp_path), *dtypes)[0]
+                  for dtypes in ((torch.float32, torch.float32), (torch.int8, torch.bfloat16)))
+    assert lowp < 0.5 * fp32, (lowp, fp32)
+
+
 def _resume(rank, world, path, how):
     """4 steps of bf16 masters and 8-bit moments: "through", or the last 2 after loading
     the checkpoint "save" wrote after the first 2 (at world 2)."""

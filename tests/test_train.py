@@ -231,7 +231,7 @@ REFUSED = {
     "--resume continues from --save-dir's latest checkpoint": ["--resume"],
     "--stop-at between 1 and --steps": ["--stop-at", "300"],
     "--width 100 must be a multiple of --heads 3": ["--width", "100", "--heads", "3"],
-    "low-precision state is stored in host memory; add --offload cpu": [
+    "low-precision state is stored off the device; add --offload cpu or nvme": [
         "--state-dtype", "int8"],
     "--master-dtype bf16 needs --precision bf16": ["--offload", "cpu", "--master-dtype",
                                                    "bf16"],

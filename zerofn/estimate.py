@@ -92,9 +92,9 @@ def _stored_dtypes(args) -> dict:
     ``offload()`` checks them."""
     if (args.master_dtype, args.state_dtype) == ("fp32", "fp32"):
         return {}
-    if args.offload != "cpu":
-        raise ValueError("--master-dtype/--state-dtype describe offload('cpu')'s host state: "
-                         "add --offload cpu.")
+    if args.offload is None:
+        raise ValueError("--master-dtype/--state-dtype describe the state offload stores: "
+                         "add --offload cpu or nvme.")
     if args.master_dtype == "bf16" and args.precision != "bf16":
         raise ValueError("--master-dtype bf16 needs --precision bf16: bf16 masters are the "
                          "rows the device computes with.")

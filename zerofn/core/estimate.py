@@ -85,8 +85,9 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
         units_in_flight: NVMe staging buffers, as ``offload`` takes it.
         state_dtype: how the optimizer's moments are stored (default ``master_dtype``);
             ``torch.int8`` is 8-bit codes with an fp32 scale per 256 (1.016 bytes).
-            ``offload("cpu", state_dtype=..., master_dtype=...)`` stores them so; bf16
-            masters under a bf16 compute dtype are the rows the device reads, no copy.
+            ``offload("cpu" | "nvme", state_dtype=..., master_dtype=...)`` stores them
+            so; bf16 masters under a bf16 compute dtype are the rows the device reads, no
+            copy.
         ratio: offload's share of the optimizer state (default all): the rest stays on
             the device in fp32, with its own gradient landing buffer (and, under
             ``offload_params``, its parameter shards).
@@ -142,7 +143,7 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
             shard = c if offload_params else 0
             rows = c if c != m and not offload_params else 0
             out["host"]["params"] += ring * shard
-            out["host"]["optimizer"] += ring * ((1 + optimizer_states) * m + rows)
+            out["host"]["optimizer"] += ring * (m + states + rows)
     for place in out.values():
         place["total"] = sum(place[role] for role in ROLES)
     return out

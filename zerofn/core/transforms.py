@@ -185,7 +185,7 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
             room for the swap file). Swap files go when the process exits.
         units_in_flight: NVMe staging buffers (2: one unit steps while the next is read;
             with ``params=True`` also how many parameter shards are read ahead).
-        state_dtype: how Adam's moments are stored on the host: ``torch.float32``
+        state_dtype: how Adam's moments are stored (host or swap file): ``torch.float32``
             (default), ``torch.bfloat16`` (stochastic rounding) or ``torch.int8`` (8-bit
             blockwise dynamic codes, a scale per 256 elements). Adam/AdamW only.
         master_dtype: how the master rows are stored: ``torch.float32`` (default) or

@@ -54,10 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="the share of the optimizer state --offload keeps off the device, "
                            "0 to 1; the rest stays on the device (default 1: all)")
     zero.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"),
-                      help="--offload cpu: how Adam's moments are stored on the host (bf16 "
+                      help="--offload: how Adam's moments are stored off the device (bf16 "
                            "rounds stochastically; int8: 8-bit blockwise codes; default fp32)")
     zero.add_argument("--master-dtype", choices=("fp32", "bf16"),
-                      help="--offload cpu: how the masters are stored (bf16 needs --precision "
+                      help="--offload: how the masters are stored (bf16 needs --precision "
                            "bf16; default fp32)")
     zero.add_argument("--grad-accum", type=int,
                       help="micro-batches per optimizer step (default 1)")

@@ -112,9 +112,10 @@ def _check(job: Job, args) -> None:
         raise ValueError(f"--offload-params needs --stage 3 and --offload cpu or nvme (here "
                          f"stage {job.stage}, offload {job.offload or 'none'}): only ZeRO-3 "
                          f"shards the parameters.")
-    if (job.state_dtype, job.master_dtype) != ("fp32", "fp32") and job.offload != "cpu":
+    if (job.state_dtype, job.master_dtype) != ("fp32", "fp32") and job.offload is None:
         raise ValueError(f"--state-dtype {job.state_dtype} --master-dtype {job.master_dtype}: "
-                         f"low-precision state is stored in host memory; add --offload cpu.")
+                         f"low-precision state is stored off the device; add --offload cpu "
+                         f"or nvme.")
     if job.offload_ratio != 1.0 and job.offload is None:
         raise ValueError(f"--offload-ratio {job.offload_ratio} is the share --offload keeps "
                          f"off the device: add --offload cpu or nvme.")

@@ -12,6 +12,7 @@ from .host_lowp import LowpHostOffload
 from .nvme import NvmeOffload
 from .nvme_file import nvme_problems, swap_bytes
 from .split import DeviceShare, SplitOffload, split_units
+from .stored import StoredForm
 
 __all__ = ["ALIGN", "HostArena", "HostOffload", "LowpHostOffload", "NvmeOffload", "Offload",
            "cpu_adam_steps", "make_offload", "offload_problems", "split_units"]
@@ -24,12 +25,19 @@ def offload_problems(policy, optimizer, units, param_dtypes: dict, compute_dtype
     problems = lowp_problems(policy, optimizer, units, compute_dtype)
     if policy.device == "nvme":
         host, _ = split_units(units, policy.ratio, order)
-        problems += nvme_problems(policy.path, swap_bytes(host, param_dtypes), optimizer, units)
+        problems += nvme_problems(policy.path, swap_bytes(host, param_dtypes, form_of(policy)),
+                                  optimizer, units)
     return problems
 
 
+def form_of(policy) -> StoredForm:
+    """How the offload stores masters and moments (stored.py)."""
+    return StoredForm(policy.state_dtype, policy.master_dtype, policy.seed)
+
+
 def lowp_problems(policy, optimizer, units, compute_dtype) -> list[str]:
-    """Low-precision host state is stepped by zerofn's CPU Adam from fp32 masters' values."""
+    """Low-precision offloaded state is stepped by zerofn's CPU Adam from fp32 masters'
+    values."""
     asked = [f"{name}={value}" for name, value in (("state_dtype", policy.state_dtype),
                                                   ("master_dtype", policy.master_dtype))
              if value != torch.float32]
@@ -41,8 +49,6 @@ def lowp_problems(policy, optimizer, units, compute_dtype) -> list[str]:
         problems.append(f"{what} stores Adam's state, which zerofn's CPU Adam steps: use "
                         f"torch.optim.Adam, AdamW or zerofn.optim.CPUAdam (without amsgrad), "
                         f"not {type(optimizer).__name__}, or leave the dtypes at fp32.")
-    if policy.device == "nvme":
-        problems.append(f"{what} is for offload('cpu'); the NVMe swap file holds fp32 state.")
     if any(u.dtype not in (None, torch.float32) for u in units):
         problems.append(f"{what} needs an fp32 model (the masters' values): keep the model "
                         "in fp32 and compute in bf16 with zf.mixed_precision(torch.bfloat16).")
@@ -73,7 +79,7 @@ def _offload_of(policy, units, optimizer, grad_dtype_of, param_dtypes, compute_d
                 timing) -> Offload:
     if policy.device == "nvme":
         return NvmeOffload(units, optimizer, policy.path, rank, policy.units_in_flight,
-                           grad_dtype_of, param_dtypes, compute_dtype, timing)
+                           grad_dtype_of, param_dtypes, compute_dtype, timing, form_of(policy))
     if (policy.state_dtype, policy.master_dtype) != (torch.float32, torch.float32):
         return LowpHostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing,
                                state_dtype=policy.state_dtype,

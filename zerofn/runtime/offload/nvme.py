@@ -37,7 +37,8 @@ from ..pinned import host_buffer, pins
 from ..timing import UNTIMED
 from .adam import adam_unit, groups_by_param
 from .base import HostArena, Offload, decoupled_weight_decay, device_of, point_at, stand_in
-from .nvme_file import FLOAT, SwapFile, block_bytes, state_bytes
+from .nvme_file import FLOAT, FP32, SwapFile, block_bytes, state_bytes
+from .stored import StoredForm
 from .param_reads import ParamReads
 
 
@@ -50,7 +51,7 @@ class NvmeOffload(Offload):
 
     def __init__(self, units, optimizer, path: str, rank: int, in_flight: int, grad_dtype_of,
                  param_dtypes: dict | None = None, compute_dtype: torch.dtype | None = None,
-                 timing=UNTIMED):
+                 timing=UNTIMED, form: StoredForm = FP32):
         self.timing = timing     # (its I/O threads use its host clock)
         self.decoupled = decoupled_weight_decay(optimizer)
         pin = pins(device_of(units))     # what the device reads and writes is page-locked
@@ -62,12 +63,14 @@ class NvmeOffload(Offload):
             self._arenas.append(arena)
         self.units = units
         self.params = dict(param_dtypes or {})   # unit -> compute dtype of its shard in the file
-        self.file = SwapFile(path, rank, units, self.params)
+        self.form = form                          # how masters and moments are stored
+        self.file = SwapFile(path, rank, units, self.params, form)
         # [Note: compute rows in the ring]: past the state, as a parameter shard lies.
         dtypes = {u: compute_dtype or u.dtype for u in units if u.slots and u not in self.params}
-        self.ring_rows = {u: dt for u, dt in dtypes.items() if dt != torch.float32}
+        self.ring_rows = {u: dt for u, dt in dtypes.items() if dt != form.master_dtype}
         biggest = max([*self.file.block.values(),
-                       *(block_bytes(u, dt) for u, dt in self.ring_rows.items())], default=0)
+                       *(block_bytes(u, dt, form) for u, dt in self.ring_rows.items())],
+                      default=0)
         # Page-aligned and a multiple of BLOCK long, for O_DIRECT; pinned for the device.
         self.staging = [host_buffer(biggest // FLOAT, torch.float32, pin)
                         for _ in range(in_flight)]
@@ -85,7 +88,7 @@ class NvmeOffload(Offload):
     def unseen_bytes(self) -> dict[str, dict[str, int]]:
         """The file, and the part of the staging ring standing for each of its roles."""
         ring = sum(b.numel() * FLOAT for b in self.staging)
-        param_part = max((self.file.block[u] - state_bytes(u) for u in self.params),
+        param_part = max((self.file.block[u] - state_bytes(u, self.form) for u in self.params),
                          default=0) * len(self.staging)
         return {"nvme": {"optimizer": self.file.size - self.file.param_bytes,
                          "params": self.file.param_bytes},
@@ -111,7 +114,8 @@ class NvmeOffload(Offload):
         dtype = self.params.get(unit) or self.ring_rows.get(unit)
         if dtype is None:
             return None
-        return buf[state_bytes(unit) // FLOAT:].view(dtype)[:unit.shard_numel]
+        start = state_bytes(unit, self.form)
+        return buf.view(torch.uint8)[start:].view(dtype)[:unit.shard_numel]
 
     # -- set-up ------------------------------------------------------------------------
     def place_masters(self, unit, keep: bool) -> torch.Tensor | None:
@@ -123,7 +127,9 @@ class NvmeOffload(Offload):
             s.opt_param = stand_in(s.local_shape, unit.dtype)
         buf = self.staging[0]
         buf.zero_()
-        buf[:unit.shard_numel].copy_(master)
+        state = self.form.views(unit, buf)
+        state.master.copy_(master)
+        self.form.zero(state)
         if unit in self.params:
             self._compute_part(unit, buf).copy_(master)
         self._write(unit, buf)
@@ -169,15 +175,18 @@ class NvmeOffload(Offload):
         for i, unit in enumerate(units):
             if i not in reads:
                 start_read(i)
-            flat = reads.pop(i).result()
+            buf = reads.pop(i).result()
             if ring > 1 and i + 1 < len(units):
                 start_read(i + 1)              # read ahead while this unit steps
-            master, m, v = flat.view(3, unit.shard_numel)
-            rows = self._compute_part(unit, self.staging[i % ring])
+            state = self.form.views(unit, buf)
+            master = state.master
+            rows = self._compute_part(unit, buf)
             lowp = rows if rows is not None and rows.dtype != master.dtype else None
-            written = adam_unit(optimizer, group_of, unit, grads, master, m, v,
-                                self.decoupled, lowp=lowp, grad_scale=grad_scale,
-                                timing=self.timing)
+            options = (lambda s, st=state: self.form.kernel_options(st, s)) \
+                if self.form.lowp else None
+            written = adam_unit(optimizer, group_of, unit, grads, master, state.exp_avg,
+                                state.exp_avg_sq, self.decoupled, lowp=lowp,
+                                grad_scale=grad_scale, timing=self.timing, options=options)
             if rows is not None:       # (an fp32 compute shard: all of it)
                 _cast_the_rest(rows, master, written if lowp is not None else [])
             self._refresh(unit, master if rows is None else rows, after_unit)
@@ -217,7 +226,7 @@ class NvmeOffload(Offload):
             buf = host_buffer(self.file.block[u] // FLOAT, torch.float32, pin=False)
             self.file.read_block(u, buf)
             self._resident_blocks[u] = buf
-            self.resident[u] = buf[:3 * u.shard_numel].view(3, u.shard_numel)
+            self.resident[u] = self._decoded(u, buf)
             if u in self.params:
                 self._show_params(u, self._compute_part(u, buf))
         self._point(optimizer, self.resident)
@@ -228,11 +237,22 @@ class NvmeOffload(Offload):
         if not self.resident:
             return
         for u, buf in self._resident_blocks.items():
+            if self.form.lowp:      # (fp32 state was loaded into the block itself)
+                self.form.encode(u, self.form.views(u, buf), self.resident[u], masters=True)
             self._write(u, buf)
             if u in self.params:
                 self._show_params(u, None)
         self._point(self._optimizer, None)
         self.resident, self._resident_blocks = {}, {}
+
+    def _decoded(self, unit, buf: torch.Tensor) -> torch.Tensor:
+        """The unit's fp32 master | exp_avg | exp_avg_sq: views of the block where they are
+        stored in fp32, else decoded (stored.py)."""
+        if not self.form.lowp:
+            return buf[:3 * unit.shard_numel].view(3, unit.shard_numel)
+        flat = torch.zeros(3, unit.shard_numel)
+        self.form.decode(unit, self.form.views(unit, buf), flat, masters=True)
+        return flat
 
     def _show_params(self, unit, flat) -> None:
         """Point the unit's compute shard and its registered DTensors at ``flat``, or back

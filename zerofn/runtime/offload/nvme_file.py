@@ -20,6 +20,7 @@ import torch
 
 from ..pinned import host_buffer
 from .base import cpu_adam_steps
+from .stored import StoredForm
 
 BLOCK = 4096                     # bytes: O_DIRECT alignment of buffers, offsets and sizes
 FLOAT = 4
@@ -33,19 +34,23 @@ def swap_name(path: str, rank: int) -> str:
     return os.path.join(path, f"zerofn-rank{rank}-{os.getpid()}.swap")
 
 
-def state_bytes(unit) -> int:
-    """A block's master | exp_avg | exp_avg_sq."""
-    return _round(3 * unit.shard_numel * FLOAT)
+FP32 = StoredForm()
 
 
-def block_bytes(unit, param_dtype: torch.dtype | None = None) -> int:
+def state_bytes(unit, form: StoredForm = FP32) -> int:
+    """A block's master | exp_avg | exp_avg_sq (and the form's extras, stored.py)."""
+    return _round(form.state_bytes(unit))
+
+
+def block_bytes(unit, param_dtype: torch.dtype | None = None, form: StoredForm = FP32) -> int:
     """A unit's block: its state, then its compute shard in ``param_dtype`` under
     parameter offload."""
-    return state_bytes(unit) + (_round(unit.shard_numel * param_dtype.itemsize) if param_dtype else 0)
+    return state_bytes(unit, form) + \
+        (_round(unit.shard_numel * param_dtype.itemsize) if param_dtype else 0)
 
 
-def swap_bytes(units, param_dtypes: dict) -> int:
-    return sum(block_bytes(u, param_dtypes.get(u)) for u in units)
+def swap_bytes(units, param_dtypes: dict, form: StoredForm = FP32) -> int:
+    return sum(block_bytes(u, param_dtypes.get(u), form) for u in units)
 
 
 def nvme_problems(path, need_bytes: int, optimizer, units=()) -> list[str]:
@@ -93,17 +98,18 @@ class SwapFile:
         rank: the global rank, which names the file (HSDP's replicas share shard ranks).
         units: every unit, in order; each gets a block.
         params: ``{unit: compute dtype}`` of the units whose ZeRO-3 shard lives here too.
+        form: how masters and moments are stored (stored.py).
     """
 
-    def __init__(self, path: str, rank: int, units, params: dict):
-        self.params = params
-        self.block = {u: block_bytes(u, params.get(u)) for u in units}
+    def __init__(self, path: str, rank: int, units, params: dict, form: StoredForm = FP32):
+        self.params, self.form = params, form
+        self.block = {u: block_bytes(u, params.get(u), form) for u in units}
         self.offset, size = {}, 0
         for u in units:
             self.offset[u] = size
             size += self.block[u]
         self.size = size
-        self.param_bytes = sum(self.block[u] - state_bytes(u) for u in params)
+        self.param_bytes = sum(self.block[u] - state_bytes(u, form) for u in params)
         remove_stale(path, rank)
         self.name = swap_name(path, rank)
         self.fd, self.direct = _open(self.name)
@@ -113,9 +119,9 @@ class SwapFile:
 
     def read_state(self, unit, buf: torch.Tensor) -> torch.Tensor:
         """The unit's master|m|v into ``buf`` (the step never needs the old compute shard)."""
-        self._io(os.preadv, "reading", unit, as_bytes(buf)[:state_bytes(unit)],
+        self._io(os.preadv, "reading", unit, as_bytes(buf)[:state_bytes(unit, self.form)],
                  self.offset[unit])
-        return buf[:3 * unit.shard_numel]
+        return buf
 
     def read_block(self, unit, buf: torch.Tensor) -> None:
         self._io(os.preadv, "reading", unit, as_bytes(buf)[:self.block[unit]], self.offset[unit])
@@ -126,7 +132,7 @@ class SwapFile:
                  self.offset[unit])
 
     def read_param(self, unit, buf: torch.Tensor) -> torch.Tensor:
-        start = state_bytes(unit)
+        start = state_bytes(unit, self.form)
         self._io(os.preadv, "reading", unit, as_bytes(buf)[:self.block[unit] - start],
                  self.offset[unit] + start)
         return buf.view(self.params[unit])[:unit.shard_numel]
