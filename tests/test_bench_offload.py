@@ -154,12 +154,21 @@ def test_the_stored_dtypes_reach_offload_and_its_host_bytes_are_the_estimates():
         assert r["status"] == "ok" and math.isfinite(r["loss_last"]), r
         placed = estimate_placement(r["params"], 1, 3, torch.bfloat16, offload="cpu",
                                     **bench.stored_dtypes(args))
-        # int8 scales are per 256 of each parameter (rounded up), the estimate's 4/256 B
-        assert r["host_state"] == pytest.approx(placed["host"]["total"], rel=0.01), (state, r)
+        # int8 scales are per 256 of each parameter (rounded up), the estimate's 4/256 B;
+        # and parameters under 4096 elements keep fp32 moments, which a count cannot
+        # know: in this tiny model (not in a large one) they are a few percent more.
+        rel = 0.05 if state == "int8" else 0.01
+        assert r["host_state"] == pytest.approx(placed["host"]["total"], rel=rel), (state, r)
+        assert r["host_state"] >= 0.99 * placed["host"]["total"], (state, r)
 
 
-def test_stored_dtypes_are_refused_with_nvme(capsys):
+def test_the_swap_file_estimate_counts_the_stored_form():
     bench = load_script()
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--device", "cpu", "--nvme", "/tmp", "--state-dtype", "int8"])
-    assert "NVMe swap file holds fp32 state" in capsys.readouterr().err
+    fp32 = bench.parse_args(["--device", "cpu", "--nvme", "/tmp"])
+    lowp = bench.parse_args(["--device", "cpu", "--nvme", "/tmp", "--state-dtype", "int8",
+                             "--master-dtype", "bf16"])
+    assert bench.nvme_need(10**9, fp32) == pytest.approx(1.01 * 12e9, abs=1)
+    assert bench.nvme_need(10**9, lowp) == pytest.approx(1.01 * (2 + 2 * (1 + 4 / 256)) * 1e9,
+                                                         abs=1)
+
+

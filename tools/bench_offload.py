@@ -86,10 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="zerofn: offload('nvme', path=DIR): masters and Adam state in a swap "
                         "file there (with --offload-params the param shards too)")
     p.add_argument("--state-dtype", choices=tuple(STORED), default="fp32",
-                   help="zerofn: offload('cpu', state_dtype=...), how Adam's moments are "
+                   help="zerofn: offload(..., state_dtype=...), how Adam's moments are "
                         "stored on the host (int8: 8-bit codes, a scale per 256)")
     p.add_argument("--master-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="zerofn: offload('cpu', master_dtype=...), how the masters are stored "
+                   help="zerofn: offload(..., master_dtype=...), how the masters are stored "
                         "on the host (bf16: the rows the device computes with)")
     p.add_argument("--find-largest", action="store_true",
                    help="climb the ladder of sizes with zerofn until one fails")
@@ -98,15 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, help="seconds per run before it counts as failed")
     p.add_argument("--worker", help=argparse.SUPPRESS)    # "contender:size", internal
     args = p.parse_args(argv)
-    if args.nvme and lowp(args):
-        p.error("--state-dtype/--master-dtype store offload('cpu')'s host state; the NVMe "
-                "swap file holds fp32 state: leave them at fp32 with --nvme.")
     return _fill_defaults(args)
-
-
-def lowp(args) -> bool:
-    """Whether zerofn's host state is stored in fewer bits than fp32."""
-    return (args.state_dtype, args.master_dtype) != ("fp32", "fp32")
 
 
 def stored_dtypes(args) -> dict:
@@ -183,7 +175,8 @@ def build(contender: str, cfg, args):
 def _offload(args):
     import zerofn as zf
     if args.nvme:
-        return zf.offload("nvme", path=args.nvme, params=args.offload_params)
+        return zf.offload("nvme", path=args.nvme, params=args.offload_params,
+                          **stored_dtypes(args))
     return zf.offload("cpu", params=args.offload_params, **stored_dtypes(args))
 
 
@@ -341,9 +334,14 @@ def host_need(params: int, args) -> int:
 
 
 def nvme_need(params: int, args) -> int:
-    """Swap-file bytes: fp32 master, exp_avg, exp_avg_sq (12 B/param), + the bf16 param
-    shards with --offload-params (2), rounded up a little for per-unit alignment."""
-    return int(1.01 * (12 + 2 * args.offload_params) * params)
+    """Swap-file bytes: masters and moments as stored (12 B/param at fp32, as
+    ``estimate_placement`` counts them), + the bf16 param shards with --offload-params
+    (2), rounded up a little for per-unit alignment."""
+    import torch
+    from zerofn.core.estimate import estimate_placement
+    state = estimate_placement(params, 1, 3, torch.bfloat16, offload="nvme",
+                               **stored_dtypes(args))["nvme"]["optimizer"]
+    return int(1.01 * (state + 2 * args.offload_params * params))
 
 
 def compare(args) -> list[dict]:
@@ -425,7 +423,7 @@ def header(rows: list[dict], args) -> str:
 
 def stored_text(args) -> str:
     """offload()'s stored dtypes as the header names them: nothing at fp32."""
-    if not lowp(args):
+    if (args.state_dtype, args.master_dtype) == ("fp32", "fp32"):
         return ""
     return f", state_dtype={args.state_dtype}, master_dtype={args.master_dtype}"
 
