@@ -61,7 +61,9 @@ def _stage_transform(name: str, stage: int, allowed: tuple[str, ...], options: d
 def shard_optimizer(**options) -> Transform:
     """ZeRO-1: each rank keeps and steps only its shard of the optimizer state.
 
-    Options (shared by all stages; give each at most once):
+    The options below are shared by all stages; give each at most once.
+
+    Options:
         group: a ProcessGroup or 1-D DeviceMesh to shard over (default: the world), or a
             2-D DeviceMesh for hybrid sharding (HSDP): shard over its "shard" dim and
             average gradients over its "replicate" dim (dims named so, else dim 0
@@ -116,9 +118,11 @@ def shard_params(**options) -> Transform:
     """ZeRO-3: parameters are sharded too and gathered per unit only while it runs.
 
     Implies ``shard_grads()`` and ``shard_optimizer()``. Between steps the model's
-    parameters are ``DTensor``s with ``Shard(0)``, as FSDP2's are.
+    parameters are ``DTensor`` objects with ``Shard(0)``, as FSDP2's are.
 
-    Options, besides the shared ones:
+    Takes the shared options of ``shard_optimizer``, and these.
+
+    Options:
         prefetch: how many units ahead to gather while one computes (default 1).
         reshard_after_forward: free a unit's full parameters after its forward and gather
             them again in backward (default True; False trades memory for one all-gather).
@@ -144,10 +148,15 @@ def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype=None
     traffic and memory, but the sums are rounded to bf16: close to FSDP2, not bit for bit.
 
     fp16 needs loss scaling: ``opt.scale(loss).backward()`` (the same call is a no-op for
-    bf16 and fp32, so one loop serves all). Options, with DeepSpeed's names and defaults:
+    bf16 and fp32, so one loop serves all).
+
+    Options:
         loss_scale: None for dynamic scaling under fp16 (none under bf16), or a static scale.
-        initial_scale_power (16), loss_scale_window (1000), hysteresis (2),
-        consecutive_hysteresis (False), min_loss_scale (1.0).
+        initial_scale_power: the dynamic scale starts at ``2 ** initial_scale_power``
+            (default 16).
+        loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale: DeepSpeed's,
+            with its names and defaults (1000, 2, False, 1.0).
+
     An overflow (inf/nan in any rank's gradients) skips the step on every rank. The scaler's
     state rides in ``optimizer.state_dict()``.
     """

@@ -10,6 +10,7 @@ those who keep their own loop. See docs/deepspeed.md.
 """
 import importlib
 
+#: ``torch.distributed`` itself, standing in for DeepSpeed's ``deepspeed.comm``.
 from torch import distributed as comm
 
 from . import checkpointing, utils

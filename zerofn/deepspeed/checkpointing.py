@@ -16,6 +16,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .config import activation_checkpointing, load_config
 
+__all__ = ["configure", "is_configured", "checkpoint"]
+
 _state = {"configured": False, "cpu_checkpointing": False}
 
 
@@ -33,6 +35,7 @@ def configure(mpu_, deepspeed_config=None, partition_activations=None,
 
 
 def is_configured() -> bool:
+    """Whether ``configure`` has been called."""
     return _state["configured"]
 
 

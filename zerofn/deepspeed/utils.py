@@ -20,6 +20,10 @@ from torch import nn
 
 from ..core.units import default_unit_modules
 
+# DeepSpeed's calls; mark_from_config and leaf_units serve the config reader.
+__all__ = ["z3_leaf_module", "get_z3_leaf_modules", "set_z3_leaf_modules",
+           "unset_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix"]
+
 FLAG = "_z3_leaf"
 
 

@@ -43,6 +43,8 @@ from ..pretrained import load_pretrained, save_pretrained
 from ..runtime import is_transformed, runtime_of
 from ..core.transforms import Transform
 
+__all__ = ["ZeroTrainer"]
+
 STATE_DIR = "zerofn"          # the zerofn checkpoint inside Trainer's checkpoint-N
 
 
@@ -53,8 +55,10 @@ class ZeroTrainer(transformers.Trainer):
         zerofn: the transform to apply, e.g. ``zf.compose(zf.shard_params(),
             zf.mixed_precision(torch.bfloat16))``; applied when Trainer builds the
             optimizer. Mixed precision belongs here, not in ``TrainingArguments``.
-        *args, **kwargs: as for ``transformers.Trainer``. Launch with ``torchrun`` (one
-            process per device); a single process needs no launcher.
+        *args: as for ``transformers.Trainer``.
+        **kwargs: as for ``transformers.Trainer``.
+
+    Launch with ``torchrun`` (one process per device); a single process needs no launcher.
 
     Example:
         >>> trainer = ZeroTrainer(model=model, args=args, train_dataset=ds,

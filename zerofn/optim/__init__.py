@@ -4,9 +4,10 @@
 kernels under it are public for the offload runtime, which steps whole flat per-unit
 buffers at once:
 
-``adam_step(params, grads, exp_avg, exp_avg_sq, *, step, lr, beta1=0.9, beta2=0.999,
-eps=1e-8, weight_decay=0.0, adamw_mode=True, grad_scale=1.0, out=None, exp_avg_scale=None,
-exp_avg_sq_scale=None, seed=0) -> None``
+``adam_step(params, grads, exp_avg, exp_avg_sq, *, step, lr, ...) -> None``
+    (keywords and defaults: ``beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+    adamw_mode=True, grad_scale=1.0, out=None, exp_avg_scale=None, exp_avg_sq_scale=None,
+    seed=0``.)
     One fused pass: ``grads * grad_scale``, AdamW (decoupled) or Adam (L2) weight decay,
     moments, bias-corrected update of fp32 ``params`` in place, and when ``out`` (bf16
     or fp16) is given, the updated params rounded to nearest even into it. Grads may be

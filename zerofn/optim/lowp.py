@@ -22,6 +22,7 @@ import math
 
 import torch
 
+#: Elements per block of 8-bit moments: each block has one fp32 scale, its absmax.
 QUANT_BLOCK = 256
 # Parameters with fewer elements keep fp32 moments under 8-bit state, as bitsandbytes'
 # min_8bit_size and torchao's low-bit optimizers do: layer norms, biases and other small
@@ -123,7 +124,7 @@ def _div(a: torch.Tensor, b) -> torch.Tensor:
 def quantize_blockwise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes uint8 [n], scales fp32 [ceil(n/256)])`` of a 1-D fp32 tensor.
 
-    Per block: scale = max |x|; normalized = x / scale in fp32 (0 where scale is 0);
+    Per block: scale = ``max |x|``; normalized = x / scale in fp32 (0 where scale is 0);
     code index = number of midpoints strictly below normalized (``bucketize``,
     ``right=False``), so a value exactly on a midpoint takes the lower code.
     """
