@@ -14,6 +14,7 @@ NEEDS=(
   "pybind11=pybind11" "setuptools=setuptools" "wheel=wheel"
   "pytest=pytest" "hypothesis=hypothesis" "nbclient=nbclient" "ipykernel=ipykernel"
   "matplotlib=matplotlib" "transformers=transformers>=5,<6" "accelerate=accelerate"
+  "sphinx=sphinx>=9,<10" "furo=furo>=2025,<2027"
 )
 missing=()
 for pair in "${NEEDS[@]}"; do
