@@ -28,7 +28,7 @@ STEPS = 3
 # zerofn's side of a checkpoint FSDP2 reads: plain ZeRO-3, a share of the optimizer state
 # on the device and the rest offloaded, and Adam's moments stored in 8-bit codes (FSDP2
 # reads them decoded, as fp32).
-SAVERS = {"zero3": lambda: (), "ratio": lambda: (zf.offload("cpu", ratio=0.5),),
+SAVERS = {"zero3": lambda: (), "ratio": lambda: (zf.offload("cpu", ratio=0.3),),
           "int8": lambda: (zf.offload("cpu", state_dtype=torch.int8),)}
 
 
