@@ -173,7 +173,7 @@ def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype=None
 def offload(device: str = "cpu", *, params: bool = False, path: str | None = None,
             units_in_flight: int = 2, state_dtype: torch.dtype = torch.float32,
             master_dtype: torch.dtype = torch.float32, seed: int = 0,
-            ratio: float = 1.0) -> Transform:
+            ratio: float = 1.0, overlap_step: bool = False) -> Transform:
     """Keep master parameters and optimizer state off the accelerator, and step there.
 
     ``offload("cpu")`` (ZeRO-Offload) holds them in host memory, pinned when an accelerator
@@ -206,6 +206,11 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
             1 (default: all). The units first in the model's parameter order keep theirs
             on the device, up to 1 - ratio of the parameters, and step there while the
             host steps the rest (docs/offload.md, "A share on the device").
+        overlap_step: ZeRO-2/3 with offload("cpu"): the host steps each unit as soon as
+            its gradients are reduced, during the rest of backward. The same step, on
+            conditions (each checked): no clipping, no fp16 scaling, and one reducing
+            backward per step (accumulate under ``model.no_sync()``). A backward then
+            commits to its step (docs/offload.md, "The host step during backward").
     """
     if device not in ("cpu", "nvme"):
         raise ValueError(f"offload({device!r}): the device is 'cpu' or 'nvme'.")
@@ -224,7 +229,7 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
                             dict(offload=device, offload_params=params, offload_path=path,
                                  units_in_flight=units_in_flight, state_dtype=state_dtype,
                                  master_dtype=master_dtype, offload_seed=int(seed),
-                                 offload_ratio=float(ratio)))
+                                 offload_ratio=float(ratio), overlap_step=bool(overlap_step)))
 
 
 def tensorboard(logdir, *, every: int = 10, ranks="0", profile: dict | None = None,

@@ -14,6 +14,8 @@ from .step import by_device_and_dtype
 @torch.no_grad()
 def clip_grads(rt, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
     """``zf.clip_grad_norm_`` on ``rt``'s gradients: the total norm before clipping."""
+    if rt.early is not None:
+        rt.early.refuse_clipping()
     grads = rt.step_grads
     grads.prepare()   # reduced, in the master dtype, unscaled (or to be)
     with rt.timing.span(None, "clip_grad_norm"):

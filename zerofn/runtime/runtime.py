@@ -27,6 +27,7 @@ from .layout import FlatBuffers, Layout
 from .materialize import meta_state, rng_digest, target_device
 from .memory import model_state_bytes
 from .mesh import layout_of
+from .early_step import EarlySteps, overlap_problems
 from .offload import make_offload, offload_problems
 from .optimizer import OptimizerWiring, check_optimizer
 from .params import ParamGatherer
@@ -145,9 +146,14 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
             forward_order=(lambda g=self.gatherer: g.order) if self.gatherer else None,
             timing=timing, guard=guard)
         self.scaler = _loss_scaler(plan)
+        # [Note: the host step during backward] (early_step.py)
+        self.early = EarlySteps(self.offload, self.optimizer, self.copies, self.reducer) \
+            if plan.offload.overlap_step else None
+        if self.early is not None:
+            self.offload.attach_early(self.early)
         self.step_grads = StepGrads(self.comm, self.pool, units, self.reducer, self.scaler,
                                     self.device, self.copies, self.offload, self.replicas,
-                                    timing)
+                                    timing, self.early)
         self.opt = OptimizerWiring(self.optimizer, self.slot_of, self.before_step,
                                    self.after_step, self.zero_grad, self.scaler,
                                    guard, self.observers.step_begin)
@@ -173,6 +179,7 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
         for kind in kinds():    # [Note: observers]
             problems += kind.preflight(self.plan, self.device, dist.get_rank(self.group),
                                        dist.get_world_size(self.group))
+        problems += overlap_problems(self.plan, self.optimizer)
         problems += offload_problems(self.plan.offload, self.optimizer, units,
                                      self._offloaded_param_dtypes(units),
                                      self.plan.precision.param_dtype, self._param_order())

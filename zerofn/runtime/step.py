@@ -53,11 +53,12 @@ class StepGrads:
     """
 
     def __init__(self, comm, pool, units, reducer, scaler, device, copies, offload=None,
-                 replicas=None, timing=UNTIMED):
+                 replicas=None, timing=UNTIMED, early=None):
         self.comm, self.pool, self.units, self.reducer = comm, pool, units, reducer
         self.timing = timing
         self.replicas = replicas   # HSDP: the verdict is voted over both dimensions
         self.scaler, self.device, self.copies, self.offload = scaler, device, copies, offload
+        self.early = early   # overlap_step: steps each landed unit during backward
         self.grads: dict[ParamSlot, torch.Tensor | None] = {}
         self.overflow = False
         self.ready = False
@@ -77,6 +78,8 @@ class StepGrads:
         the last copy is the one the step reads."""
         self.copies.to_host(unit, self.offload.grads[unit], shard)
         self._streamed.add(unit)
+        if self.early is not None:
+            self.early.landed(unit)
 
     @torch.no_grad()
     def prepare(self) -> None:
@@ -228,6 +231,8 @@ class StepGrads:
         still on their way (a ``zero_grad`` without a step) are waited for first: the device
         shards they read go back to the pool."""
         self._wait_copies(list(self._streamed))
+        if self.early is not None:
+            self.early.clear()
         for buf in self._buffers:
             self.pool.give(buf)
         self._buffers.clear()

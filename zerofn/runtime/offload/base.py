@@ -133,6 +133,21 @@ class Offload(abc.ABC):
         """Host copies of the rows in the compute dtype (model state, for accounting)."""
         return []
 
+    early = None   # runtime/early_step.py's EarlySteps, under overlap_step
+
+    def steps_early(self, unit: Unit) -> bool:
+        """Whether ``step_unit`` can step ``unit`` alone, during backward
+        ([Note: the host step during backward])."""
+        return False
+
+    def step_unit(self, optimizer, unit: Unit, grads: dict) -> None:
+        """Step ``unit``'s rows alone (``grads``: its slots' host rows), leaving the copy
+        back to ``step``, which skips the units ``early`` has stepped."""
+        raise NotImplementedError(f"{type(self).__name__} steps whole steps only")
+
+    def attach_early(self, early) -> None:
+        self.early = early
+
     def staying(self) -> list[Unit]:
         """The units whose masters and state stay on the device (``ratio`` < 1)."""
         return []

@@ -132,10 +132,19 @@ class HostOffload(Offload):
         by the next step, which settles those copies first: ``copied`` is not needed."""
         group_of = groups_by_param(optimizer)
         for u in self._units:
-            adam_unit(optimizer, group_of, u, grads, self.master[u], self.exp_avg[u],
-                      self.exp_avg_sq[u], self.decoupled, self.compute_copy.get(u),
-                      grad_scale, self.timing, self.kernel_options)
+            if self.early is None or not self.early.take(u):   # (stepped during backward)
+                adam_unit(optimizer, group_of, u, grads, self.master[u], self.exp_avg[u],
+                          self.exp_avg_sq[u], self.decoupled, self.compute_copy.get(u),
+                          grad_scale, self.timing, self.kernel_options)
             after_unit(u, self.updated_rows(u))
+
+    def steps_early(self, unit: Unit) -> bool:
+        return self.cpu_adam and unit in self.master
+
+    def step_unit(self, optimizer, unit: Unit, grads: dict) -> None:
+        adam_unit(optimizer, groups_by_param(optimizer), unit, grads, self.master[unit],
+                  self.exp_avg[unit], self.exp_avg_sq[unit], self.decoupled,
+                  self.compute_copy.get(unit), 1.0, self.timing, self.kernel_options)
 
     kernel_options = None   # slot -> adam_step's keywords for the state's stored form
 

@@ -135,6 +135,10 @@ class LowpHostOffload(HostOffload):
                     point_at(state["exp_avg_sq"], views[2], s.local_shape, self._filler)
 
     # -- the step ------------------------------------------------------------------------
+    def steps_early(self, unit) -> bool:
+        """(Not while a state dict has the state decoded: the step encodes it first.)"""
+        return not self.resident and super().steps_early(unit)
+
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
              copied=None) -> None:
         self.evict()

@@ -119,6 +119,15 @@ class SplitOffload(Offload):
     def staying(self) -> list[Unit]:
         return list(self.device.units)
 
+    def steps_early(self, unit) -> bool:
+        return unit not in self.part and self.host.steps_early(unit)
+
+    def step_unit(self, optimizer, unit, grads: dict) -> None:
+        self.host.step_unit(optimizer, unit, grads)
+
+    def attach_early(self, early) -> None:
+        self.host.attach_early(early)
+
     def _of(self, unit) -> Offload:
         return self.part.get(unit, self.host)
 
