@@ -163,6 +163,14 @@ class Offload(abc.ABC):
         return {}
 
 
+def rows_into(unit: Unit, master: torch.Tensor) -> torch.Tensor:
+    """This rank's initial rows of ``unit`` (from its full parameters) into the flat
+    ``master``, each slot's ``opt_param`` a view of them; returns ``master``."""
+    for s in unit.slots:
+        s.opt_param = s.shard_of(master).copy_(s.rows_of(s.param.detach()))
+    return master
+
+
 def point_at(t: torch.Tensor, view, shape, stand_in) -> None:
     """Point ``t`` (keeping its identity, which the optimizer keys on) at ``view``'s memory,
     or at a one-element stand-in with stride 0."""

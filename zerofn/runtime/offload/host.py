@@ -21,7 +21,8 @@ from ..pinned import pins
 from ..timing import UNTIMED
 from ...core.units import Unit
 from .adam import adam_unit, groups_by_param
-from .base import HostArena, Offload, cpu_adam_steps, decoupled_weight_decay, device_of
+from .base import (HostArena, Offload, cpu_adam_steps, decoupled_weight_decay, device_of,
+                   rows_into)
 
 
 class HostOffload(Offload):
@@ -72,10 +73,7 @@ class HostOffload(Offload):
             self._arenas.append(arena)
 
     def place_masters(self, unit: Unit, keep: bool) -> torch.Tensor:
-        master = self.master[unit]
-        for s in unit.slots:
-            s.opt_param = s.shard_of(master).copy_(s.rows_of(s.param.detach()))
-        return master
+        return rows_into(unit, self.master[unit])
 
     def param_shard(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
         """ZeRO-3 parameter offload: the unit's compute shard on the host is the copy the

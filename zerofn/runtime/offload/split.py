@@ -22,7 +22,7 @@ import torch
 from ...core.units import Unit
 from ..timing import UNTIMED
 from .adam import adam_unit, groups_by_param
-from .base import Offload, cpu_adam_steps, decoupled_weight_decay
+from .base import Offload, cpu_adam_steps, decoupled_weight_decay, rows_into
 
 
 def split_units(units: list[Unit], ratio: float, order: dict) -> tuple[list, list]:
@@ -60,10 +60,7 @@ class DeviceShare(Offload):
         return []
 
     def place_masters(self, unit: Unit, keep: bool) -> torch.Tensor:
-        master = self.master[unit]
-        for s in unit.slots:
-            s.opt_param = s.shard_of(master).copy_(s.rows_of(s.param.detach()))
-        return master
+        return rows_into(unit, self.master[unit])
 
     def param_shard(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
         """Parameter offload leaves these units' shards on the device."""
