@@ -137,6 +137,20 @@ def test_a_share_of_the_state_on_the_device_from_the_command_line():
 
 
 @pytest.mark.multirank
+def test_the_host_step_during_backward_from_the_command_line():
+    """--overlap-step accumulates under no_sync and steps the host's units in backward:
+    the same curve as the job that reduces every micro-batch and steps after backward
+    (sums of the same gradients in another order: equal to the printed digits or one)."""
+    flags = ["--stage", "2", "--offload", "cpu", "--clip", "0", "--grad-accum", "2"]
+    overlapped = run_job(*flags, "--overlap-step")
+    assert "offload cpu, host step during backward" in overlapped, overlapped
+    after = curve(run_job(*flags))
+    for step, (loss, lr, gnorm) in curve(overlapped).items():
+        assert gnorm == "-" and lr == after[step][1]
+        assert abs(float(loss) - float(after[step][0])) <= 2e-4, (step, loss, after[step])
+
+
+@pytest.mark.multirank
 def test_compiled_job_prints_the_uncompiled_curve():
     """--compile BACKEND: torch.compile over the sharded model (aot_eager here: inductor's
     kernels round differently), the same losses, rates and norms step for step."""
@@ -237,6 +251,8 @@ REFUSED = {
                                                    "bf16"],
     "--offload-ratio 0.5 is the share --offload keeps off the device": ["--offload-ratio",
                                                                          "0.5"],
+    "--overlap-step steps the host's units during backward: it needs --offload cpu, "
+    "--stage 2 or 3, --clip 0": ["--offload", "cpu", "--overlap-step"],
 }
 
 

@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     zero.add_argument("--offload-ratio", type=float,
                       help="the share of the optimizer state --offload keeps off the device, "
                            "0 to 1; the rest stays on the device (default 1: all)")
+    zero.add_argument("--overlap-step", action="store_true",
+                      help="--offload cpu, ZeRO-2/3, --clip 0: the host steps each unit during "
+                           "backward (micro-batches but the last accumulate under no_sync)")
     zero.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"),
                       help="--offload: how Adam's moments are stored off the device (bf16 "
                            "rounds stochastically; int8: 8-bit blockwise codes; default fp32)")

@@ -27,6 +27,7 @@ class Job:
     state_dtype: str
     master_dtype: str
     offload_ratio: float
+    overlap_step: bool
     grad_accum: int
     batch: int
     clip: float
@@ -68,6 +69,7 @@ def resolve(args) -> Job:
         state_dtype=_first(args.state_dtype, STORED.get(offload.get("state_dtype")), "fp32"),
         master_dtype=_first(args.master_dtype, STORED.get(offload.get("master_dtype")), "fp32"),
         offload_ratio=_first(args.offload_ratio, offload.get("ratio"), 1.0),
+        overlap_step=args.overlap_step,
         grad_accum=_first(args.grad_accum, settings and settings.gradient_accumulation_steps, 1),
         batch=_first(args.batch, settings and settings.train_batch_size, 16),
         clip=_first(args.clip, settings and settings.gradient_clipping, 1.0),
@@ -119,6 +121,12 @@ def _check(job: Job, args) -> None:
     if job.offload_ratio != 1.0 and job.offload is None:
         raise ValueError(f"--offload-ratio {job.offload_ratio} is the share --offload keeps "
                          f"off the device: add --offload cpu or nvme.")
+    if job.overlap_step and (job.offload != "cpu" or job.stage < 2 or job.clip
+                             or job.precision == "fp16"):
+        raise ValueError(f"--overlap-step steps the host's units during backward: it needs "
+                         f"--offload cpu, --stage 2 or 3, --clip 0 and no fp16 (here offload "
+                         f"{job.offload or 'none'}, stage {job.stage}, clip {job.clip}, "
+                         f"{job.precision}).")
     if job.master_dtype == "bf16" and job.precision != "bf16":
         raise ValueError("--master-dtype bf16 needs --precision bf16: bf16 masters are the "
                          "rows the device computes with.")
@@ -163,7 +171,7 @@ def transforms(job: Job) -> list:
         in_flight = opts.get("offload", {}).get("units_in_flight", 2)
         out.append(zf.offload(job.offload, params=job.offload_params, path=job.nvme_path,
                               units_in_flight=in_flight, ratio=job.offload_ratio,
-                              **_stored(job)))
+                              overlap_step=job.overlap_step, **_stored(job)))
     if job.tensorboard is not None:
         options = dict(job.tensorboard)
         out.append(zf.tensorboard(options.pop("logdir"), **options))

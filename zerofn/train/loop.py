@@ -2,6 +2,8 @@
 checkpoints it saves and resumes from."""
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import torch
@@ -56,13 +58,13 @@ def train(args, device) -> None:
         # This rank's loss and data (kept as tensors; read on zf.tensorboard's logging steps).
         zf.log(model, loss=loss, tokens=job.batch * job.cfg.context // dist.get_world_size(),
                samples=job.batch // dist.get_world_size())
-        progress.skipped += not torch.isfinite(norm)
+        progress.skipped += norm is not None and not torch.isfinite(norm)
         if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0)
                               or step + 1 == end):
             save(args, model, opt, sched, data, step + 1)
         if progress.wants(step, end):
             mean_loss, peak = gather_stats(loss, device)
-            progress.show(step, mean_loss, lr, norm.item(), peak)
+            progress.show(step, mean_loss, lr, None if norm is None else norm.item(), peak)
     progress.close()
     zf.flush_logs(model)
     final, _ = gather_stats(loss, device)
@@ -71,12 +73,21 @@ def train(args, device) -> None:
 
 def train_step(model, opt, sched, batch, job: Job, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over the micro-batches, clip, step. Returns this rank's mean
-    loss and the global gradient norm (inf or nan where fp16 overflowed: step skipped)."""
+    loss and the global gradient norm (inf or nan where fp16 overflowed: step skipped;
+    None under --overlap-step, which takes none)."""
     loss = torch.zeros((), device=device)
-    for x, y in micro_batches(*batch, job.grad_accum, device):
-        micro_loss = model(x, y) / job.grad_accum
-        opt.scale(micro_loss).backward()     # fp16 loss scaling; a no-op otherwise
+    micro = list(micro_batches(*batch, job.grad_accum, device))
+    for i, (x, y) in enumerate(micro):
+        # (under --overlap-step only the last backward reduces: the host steps on it)
+        quiet = job.overlap_step and i < len(micro) - 1
+        with model.no_sync() if quiet else contextlib.nullcontext():
+            micro_loss = model(x, y) / job.grad_accum
+            opt.scale(micro_loss).backward()     # fp16 loss scaling; a no-op otherwise
         loss += micro_loss.detach().float()
+    if job.overlap_step:     # stepped during backward: there is no norm to take first
+        opt.step()
+        sched.step()
+        return loss, None
     # The norm is reported every step, so without clipping it is measured with no limit.
     norm = zf.clip_grad_norm_(model, job.clip if job.clip > 0 else math.inf)
     opt.step()

@@ -44,7 +44,8 @@ def banner(job: Job, model, opt, args) -> str:
     rt = runtime_of(model)
     offload = "none" if job.offload is None else job.offload + \
         (" (params too)" if job.offload_params else "") + \
-        (f" at {job.nvme_path}" if job.offload == "nvme" else "") + _share(job, rt)
+        (f" at {job.nvme_path}" if job.offload == "nvme" else "") + _share(job, rt) + \
+        (", host step during backward" if job.overlap_step else "")
     units = len(rt.units)
     lines = [
         f"zerofn train: GPT '{args.model}' {n:,} parameters (width {job.cfg.width}, "
@@ -143,7 +144,7 @@ class Progress:
         """Whether to report this step (reporting costs a small all-gather)."""
         return self.tty or (step + 1) % self.job.log_every == 0 or step in (self.start, end - 1)
 
-    def show(self, step: int, loss: float, lr: float, norm: float, peak: int) -> None:
+    def show(self, step: int, loss: float, lr: float, norm: float | None, peak: int) -> None:
         now = time.perf_counter()
         if self.first_loss is None:
             self.first_loss = loss
@@ -154,7 +155,7 @@ class Progress:
         if dist.get_rank() != 0:
             return
         line = (f"step {step + 1:>5}/{self.args.steps}  loss {loss:.4f}  lr {lr:.3e}  "
-                f"gnorm {norm:.3f}{' (skipped: fp16 overflow)' if not math.isfinite(norm) else ''}"
+                f"gnorm {_norm_text(norm)}"
                 f"  {step_s * 1e3:,.0f} ms  {self.tokens_per_rank / step_s:,.0f} tok/s/rank  "
                 f"peak {peak / 2**20:,.0f} MiB  eta {self._eta(now, step)}")
         print(f"\r{line}", end="", flush=True) if self.tty else print(line, flush=True)
@@ -188,3 +189,10 @@ def measured(model) -> None:
         held = zf.model_state_bytes(model)
         print("model state per rank, measured on rank 0 (zf.model_state_bytes): "
               + _places(held, runtime_of(model).device.type), flush=True)
+
+
+def _norm_text(norm: float | None) -> str:
+    """The gradient norm as the progress line shows it ("-": none was taken)."""
+    if norm is None:
+        return "-"
+    return f"{norm:.3f}" + ("" if math.isfinite(norm) else " (skipped: fp16 overflow)")
