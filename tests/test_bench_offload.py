@@ -162,6 +162,15 @@ def test_the_stored_dtypes_reach_offload_and_its_host_bytes_are_the_estimates():
         assert r["host_state"] >= 0.99 * placed["host"]["total"], (state, r)
 
 
+def test_a_share_on_the_device_and_the_overlapped_step_reach_offload():
+    """--offload-ratio moves optimizer state back to the (CPU) device, as the estimate
+    says, and --overlap-step trains."""
+    full = worker_result()
+    split = worker_result("--offload-ratio", "0.5", "--overlap-step")
+    assert split["host_state"] < full["host_state"]
+    assert split["loss_last"] == pytest.approx(full["loss_last"], abs=0.05)
+
+
 def test_the_swap_file_estimate_counts_the_stored_form():
     bench = load_script()
     fp32 = bench.parse_args(["--device", "cpu", "--nvme", "/tmp"])

@@ -91,6 +91,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--master-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="zerofn: offload(..., master_dtype=...), how the masters are stored "
                         "on the host (bf16: the rows the device computes with)")
+    p.add_argument("--offload-ratio", type=float, default=1.0,
+                   help="zerofn: offload(..., ratio=...), the share of the optimizer state "
+                        "offloaded; the rest stays on the device (default 1: all)")
+    p.add_argument("--overlap-step", action="store_true",
+                   help="zerofn: offload('cpu', overlap_step=True), the host steps each unit "
+                        "during backward")
     p.add_argument("--find-largest", action="store_true",
                    help="climb the ladder of sizes with zerofn until one fails")
     p.add_argument("--host-limit-gb", type=float,
@@ -98,15 +104,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, help="seconds per run before it counts as failed")
     p.add_argument("--worker", help=argparse.SUPPRESS)    # "contender:size", internal
     args = p.parse_args(argv)
+    if args.overlap_step and args.nvme:
+        p.error("--overlap-step steps the host offload's units; the NVMe swap file is "
+                "stepped in its own order: drop one of them.")
     return _fill_defaults(args)
 
 
 def stored_dtypes(args) -> dict:
-    """``--state-dtype``/``--master-dtype`` as torch dtypes, the keywords offload() and
-    estimate_placement() take."""
+    """``--state-dtype``/``--master-dtype`` as torch dtypes, and ``--offload-ratio``: the
+    keywords offload() and estimate_placement() take."""
     import torch
     return dict(state_dtype=getattr(torch, STORED[args.state_dtype]),
-                master_dtype=getattr(torch, STORED[args.master_dtype]))
+                master_dtype=getattr(torch, STORED[args.master_dtype]),
+                ratio=args.offload_ratio)
 
 
 def _fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -177,7 +187,8 @@ def _offload(args):
     if args.nvme:
         return zf.offload("nvme", path=args.nvme, params=args.offload_params,
                           **stored_dtypes(args))
-    return zf.offload("cpu", params=args.offload_params, **stored_dtypes(args))
+    return zf.offload("cpu", params=args.offload_params, overlap_step=args.overlap_step,
+                      **stored_dtypes(args))
 
 
 def sync(device: str) -> None:
@@ -423,9 +434,10 @@ def header(rows: list[dict], args) -> str:
 
 def stored_text(args) -> str:
     """offload()'s stored dtypes as the header names them: nothing at fp32."""
-    if (args.state_dtype, args.master_dtype) == ("fp32", "fp32"):
-        return ""
-    return f", state_dtype={args.state_dtype}, master_dtype={args.master_dtype}"
+    text = "" if (args.state_dtype, args.master_dtype) == ("fp32", "fp32") else \
+        f", state_dtype={args.state_dtype}, master_dtype={args.master_dtype}"
+    text += f", ratio={args.offload_ratio:g}" if args.offload_ratio != 1.0 else ""
+    return text + (", overlap_step=True" if args.overlap_step else "")
 
 
 def summary(rows: list[dict], args) -> list[str]:
