@@ -164,6 +164,32 @@ def test_a_resumed_run_is_the_run_bit_for_bit_and_reshards(tmp_path):
     assert max((through[k] - one[k]).abs().max().item() for k in through) < 2e-2
 
 
+def _across_stages(rank, world, path, stage):
+    """Saved by 8-bit ZeRO-2 at world 2; loaded by 8-bit ZeRO-``stage`` (here at world 1):
+    the same fp32 face of the state."""
+    model, opt = _lowp(torch.int8, torch.float32, stage=stage)
+    if world == 2:
+        train_sharded(model, opt, batches(2, 1, world), rank, world)
+        zf.save_checkpoint(path, model, opt, step=2)
+    else:
+        zf.load_checkpoint(path, model, opt)
+    return zf.get_state_dict(model, opt, full=True)
+
+
+def test_an_8_bit_checkpoint_moves_across_stages_and_world_sizes(tmp_path):
+    """The masters arrive exactly; the moments are encoded once more, in the blocks of the
+    new layout (a rank's rows of each parameter), so within the codes' rounding."""
+    path = str(tmp_path / "ckpt")
+    (msd, osd) = run_ranks(2, _across_stages, path, 2)[0]
+    for stage in (2, 3):
+        lmsd, losd = run_ranks(1, _across_stages, path, stage)[0]
+        assert all(torch.equal(msd[k], lmsd[k]) for k in msd), stage
+        for name, state in osd["state"].items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                a, b = state[k], losd["state"][name][k]
+                assert ((a - b).norm() / a.norm().clamp_min(1e-30)).item() < 0.05, (stage, name, k)
+
+
 def _state_dict_round_trip(rank, world):
     """A state-dict access decodes and encodes back; nothing changes, bit for bit."""
     model, opt = _lowp(torch.int8, torch.bfloat16)
