@@ -5,6 +5,7 @@ between ratios and world sizes."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import zerofn as zf
 from support.compare import max_errors, state_errors
@@ -15,6 +16,7 @@ from support.offload import build_offloaded
 from support.ranks import run_ranks
 from zerofn.core.units import build_units
 from zerofn.runtime.offload import split_units
+from zerofn.runtime.runtime import runtime_of
 
 CONFIGS = [(1, "adamw", {}), (2, "adamw", {}), (3, "adamw", {}), (3, "adamw", {"params": True}),
            (2, "sgd", {}), (3, "adam", {"params": True}), (2, "adamw", {"nvme": True}),
@@ -107,3 +109,53 @@ def test_a_checkpoint_saved_at_one_ratio_loads_at_another_and_another_world(tmp_
 def test_the_ratio_is_checked_where_it_is_given():
     for bad in (-0.1, 1.5, "half", True):
         expect_error(["ratio", "from 0 (none) to 1"], zf.offload, "cpu", ratio=bad)
+
+
+def auto_runs(rank, world, budget):
+    """ratio="auto" with ``budget`` bytes: what moved after the first step, the host's
+    optimizer bytes after it, and the distance from plain PyTorch over 4 steps."""
+    data = batches(4, 1, world)
+    ref, _ = make_models()
+    ref_opt = make_optimizer("adamw", ref.parameters())
+    train_reference(ref, ref_opt, data)
+    model, opt = build_offloaded(2, "adamw", {"ratio": "auto", "device_budget": budget})
+    train_sharded(model, opt, data, rank, world)
+    rt = runtime_of(model)
+    return (len(rt.units_on_device()), sum(bool(u.slots) for u in rt.units),
+            zf.model_state_bytes(model)["host"]["optimizer"], max(max_errors(ref, ref_opt,
+                                                                           model, opt)))
+
+
+@pytest.mark.multirank
+def test_auto_moves_what_the_budget_holds_after_the_first_step():
+    """(On a CPU device the host is the device: the budget is in bytes, against the
+    process's peak less what offload holds.)"""
+    moved, units, host, err = run_ranks(2, auto_runs, 10**13)[0]
+    assert moved == units and err < 1e-5
+    assert host < 1024            # only the step counters stay: the arenas went back
+    moved, units, host, err = run_ranks(2, auto_runs, 1)[0]
+    assert moved == 0 and host > 10_000 and err < 1e-5
+
+
+def auto_refused(rank, world, options):
+    _, model = make_models()
+    opt = make_optimizer("adamw", model.parameters())
+    expect_error(["ratio='auto'"], lambda: zf.compose(
+        zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(),
+        zf.offload(**options))(model, opt))
+
+
+@pytest.mark.parametrize("options", [
+    dict(device="nvme", path="/tmp", ratio="auto", device_budget=10**9),
+    dict(device="cpu", ratio="auto", device_budget=10**9, state_dtype=torch.int8),
+    dict(device="cpu", ratio="auto", device_budget=10**9, params=True),
+    dict(device="cpu", ratio="auto", device_budget=0.5),     # a share: CUDA's free memory
+    dict(device="cpu", ratio="auto"),
+])
+def test_what_auto_cannot_do_yet_is_refused(options):
+    run_ranks(1, auto_refused, options)
+
+
+def test_a_device_budget_needs_auto():
+    expect_error(["device_budget", "ratio='auto'"], zf.offload, "cpu", ratio=0.5,
+                 device_budget=10**9)

@@ -50,7 +50,8 @@ class OffloadPolicy:
     state_dtype: Any = torch.float32   # Adam's moments: fp32, bf16 or int8 (8-bit codes)
     master_dtype: Any = torch.float32  # master rows: fp32 or bf16 (stochastic rounding)
     seed: int = 0                      # the stochastic rounding's random stream
-    ratio: float = 1.0                 # the share of the optimizer state offloaded
+    ratio: Any = 1.0                   # the share of the optimizer state offloaded, or "auto"
+    device_budget: Any = None          # ratio="auto": device bytes, or a share of free memory
     overlap_step: bool = False         # the host steps each unit during backward
 
 
@@ -73,7 +74,7 @@ OPTION_FIELDS = {
     "offload_params": ("offload", "params"), "units_in_flight": ("offload", "units_in_flight"),
     "state_dtype": ("offload", "state_dtype"), "master_dtype": ("offload", "master_dtype"),
     "offload_seed": ("offload", "seed"), "offload_ratio": ("offload", "ratio"),
-    "overlap_step": ("offload", "overlap_step"),
+    "overlap_step": ("offload", "overlap_step"), "device_budget": ("offload", "device_budget"),
     "tensorboard": ("monitor", "log_dir"), "tensorboard_every": ("monitor", "every"),
     "tensorboard_ranks": ("monitor", "ranks"), "tensorboard_csv": ("monitor", "csv"),
     "profile": ("monitor", "profile"), "memory_snapshot": ("monitor", "memory_snapshot"),
@@ -84,7 +85,8 @@ POLICIES = {"sharding": ShardingPolicy, "precision": PrecisionPolicy,
 SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states", "init", "timeout")
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
 OFFLOAD_OPTIONS = ("offload", "offload_path", "offload_params", "units_in_flight", "state_dtype",
-                   "master_dtype", "offload_seed", "offload_ratio", "overlap_step")
+                   "master_dtype", "offload_seed", "offload_ratio", "overlap_step",
+                   "device_budget")
 MONITOR_OPTIONS = ("tensorboard", "tensorboard_every", "tensorboard_ranks", "tensorboard_csv",
                    "profile", "memory_snapshot")
 PRECISION_OPTIONS = tuple(f.name for f in dataclasses.fields(PrecisionPolicy))

@@ -173,7 +173,8 @@ def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype=None
 def offload(device: str = "cpu", *, params: bool = False, path: str | None = None,
             units_in_flight: int = 2, state_dtype: torch.dtype = torch.float32,
             master_dtype: torch.dtype = torch.float32, seed: int = 0,
-            ratio: float = 1.0, overlap_step: bool = False) -> Transform:
+            ratio: float | str = 1.0, overlap_step: bool = False,
+            device_budget: int | float | None = None) -> Transform:
     """Keep master parameters and optimizer state off the accelerator, and step there.
 
     ``offload("cpu")`` (ZeRO-Offload) holds them in host memory, pinned when an accelerator
@@ -206,6 +207,10 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
             1 (default: all). The units first in the model's parameter order keep theirs
             on the device, up to 1 - ratio of the parameters, and step there while the
             host steps the rest (docs/offload.md, "A share on the device").
+            ``"auto"``: after the first step, as many units as fit ``device_budget`` move
+            to the device, first in parameter order; then the placement stays.
+        device_budget: ratio="auto": the device memory the run may use, in bytes, or as a
+            share of the memory free at set-up (default 0.9; CUDA devices only).
         overlap_step: ZeRO-2/3 with offload("cpu"): the host steps each unit as soon as
             its gradients are reduced, during the rest of backward. The same step, on
             conditions (each checked): no clipping, no fp16 scaling, and one reducing
@@ -219,9 +224,17 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
     if state_dtype not in (torch.float32, torch.bfloat16, torch.int8):
         raise ValueError(f"offload(state_dtype={state_dtype!r}): Adam's moments are stored as "
                          "torch.float32, torch.bfloat16 or torch.int8.")
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+    if ratio != "auto" and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+                            or not 0 <= ratio <= 1):
         raise ValueError(f"offload(ratio={ratio!r}): the share of the optimizer state to "
-                         "offload is a number from 0 (none) to 1 (all, the default).")
+                         "offload is a number from 0 (none) to 1 (all, the default), or "
+                         "'auto'.")
+    if device_budget is not None and (ratio != "auto" or isinstance(device_budget, bool) or
+                                      not isinstance(device_budget, (int, float)) or
+                                      device_budget <= 0 or
+                                      (isinstance(device_budget, float) and device_budget > 1)):
+        raise ValueError(f"offload(device_budget={device_budget!r}): give ratio='auto' a "
+                         "number of bytes (an int), or a share of the free memory in (0, 1].")
     if master_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"offload(master_dtype={master_dtype!r}): master rows are stored as "
                          "torch.float32 or torch.bfloat16.")
@@ -229,7 +242,8 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
                             dict(offload=device, offload_params=params, offload_path=path,
                                  units_in_flight=units_in_flight, state_dtype=state_dtype,
                                  master_dtype=master_dtype, offload_seed=int(seed),
-                                 offload_ratio=float(ratio), overlap_step=bool(overlap_step)))
+                                 offload_ratio=ratio if ratio == "auto" else float(ratio),
+                                 overlap_step=bool(overlap_step), device_budget=device_budget))
 
 
 def tensorboard(logdir, *, every: int = 10, ranks="0", profile: dict | None = None,

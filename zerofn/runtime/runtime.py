@@ -28,7 +28,8 @@ from .materialize import meta_state, rng_digest, target_device
 from .memory import model_state_bytes
 from .mesh import layout_of
 from .early_step import EarlySteps, overlap_problems
-from .offload import make_offload, offload_problems
+from .offload import auto_problems, make_offload, offload_problems
+from .placement import AutoPlacement
 from .optimizer import OptimizerWiring, check_optimizer
 from .params import ParamGatherer
 from .pool import BufferPool
@@ -154,6 +155,9 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
         self.step_grads = StepGrads(self.comm, self.pool, units, self.reducer, self.scaler,
                                     self.device, self.copies, self.offload, self.replicas,
                                     timing, self.early)
+        # [Note: placing by the first step] (placement.py)
+        self.placement = AutoPlacement(self, plan.offload.device_budget) \
+            if offloaded and plan.offload.ratio == "auto" else None
         self.opt = OptimizerWiring(self.optimizer, self.slot_of, self.before_step,
                                    self.after_step, self.zero_grad, self.scaler,
                                    guard, self.observers.step_begin)
@@ -180,6 +184,7 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
             problems += kind.preflight(self.plan, self.device, dist.get_rank(self.group),
                                        dist.get_world_size(self.group))
         problems += overlap_problems(self.plan, self.optimizer)
+        problems += auto_problems(self.plan.offload, self.device, self.replicas is not None)
         problems += offload_problems(self.plan.offload, self.optimizer, units,
                                      self._offloaded_param_dtypes(units),
                                      self.plan.precision.param_dtype, self._param_order())

@@ -69,6 +69,8 @@ class Stepping:
         self.comm.end_step()
         if self.replicas is not None:
             self.replicas.end_step()
+        if self.placement is not None and not skipped:
+            self.placement.after_step()     # ratio="auto", once: placement.py
         self.observers.step_done()
 
     def _host_grad_dtype(self, unit) -> torch.dtype:

@@ -15,7 +15,8 @@ from .split import DeviceShare, SplitOffload, split_units
 from .stored import StoredForm
 
 __all__ = ["ALIGN", "HostArena", "HostOffload", "LowpHostOffload", "NvmeOffload", "Offload",
-           "cpu_adam_steps", "make_offload", "offload_problems", "split_units"]
+           "auto_problems", "cpu_adam_steps", "make_offload", "offload_problems",
+           "split_units"]
 
 
 def offload_problems(policy, optimizer, units, param_dtypes: dict, compute_dtype,
@@ -33,6 +34,22 @@ def offload_problems(policy, optimizer, units, param_dtypes: dict, compute_dtype
 def form_of(policy) -> StoredForm:
     """How the offload stores masters and moments (stored.py)."""
     return StoredForm(policy.state_dtype, policy.master_dtype, policy.seed)
+
+
+def auto_problems(policy, device, replicated: bool) -> list[str]:
+    """What ratio="auto" cannot do yet, or cannot measure."""
+    if policy.ratio != "auto" or policy.device is None:
+        return []
+    why = []
+    if policy.device != "cpu" or policy.params or (policy.state_dtype, policy.master_dtype) != (
+            torch.float32, torch.float32):
+        why.append("it moves offload('cpu')'s fp32 state; the swap file, parameter offload "
+                   "and state in fewer bits take a number")
+    if replicated:
+        why.append("under HSDP give a number: the replicas would each measure their own peak")
+    if device.type != "cuda" and not isinstance(policy.device_budget, int):
+        why.append("on a CPU device the host is the device: give device_budget in bytes")
+    return [f"offload(ratio='auto'): {w}." for w in why]
 
 
 def lowp_problems(policy, optimizer, units, compute_dtype) -> list[str]:
@@ -70,7 +87,7 @@ def make_offload(policy, units, optimizer, grad_dtype_of, param_dtypes: dict,
     params = {u: dtype for u, dtype in param_dtypes.items() if u in offloaded}
     host = _offload_of(policy, offloaded, optimizer, grad_dtype_of, params, compute_dtype,
                        rank, timing)
-    if not staying:
+    if not staying and policy.ratio != "auto":
         return host
     return SplitOffload(host, DeviceShare(staying, grad_dtype_of, optimizer, device, timing))
 
@@ -84,4 +101,5 @@ def _offload_of(policy, units, optimizer, grad_dtype_of, param_dtypes, compute_d
         return LowpHostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing,
                                state_dtype=policy.state_dtype,
                                master_dtype=policy.master_dtype, seed=policy.seed)
-    return HostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing)
+    return HostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing,
+                       per_unit=policy.ratio == "auto")

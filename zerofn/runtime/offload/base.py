@@ -145,6 +145,10 @@ class Offload(abc.ABC):
         back to ``step``, which skips the units ``early`` has stepped."""
         raise NotImplementedError(f"{type(self).__name__} steps whole steps only")
 
+    def release(self, units) -> None:
+        """Stop holding ``units``, which another part took over (ratio="auto")."""
+        raise NotImplementedError(f"{type(self).__name__} keeps every unit it was given")
+
     def attach_early(self, early) -> None:
         self.early = early
 

@@ -31,8 +31,12 @@ class HostOffload(Offload):
     time_series = ("d2h", "h2d")
 
     def __init__(self, units: list[Unit], grad_dtype_of, optimizer, compute_dtype=None,
-                 timing=UNTIMED):
+                 timing=UNTIMED, per_unit: bool = False):
         self.timing = timing
+        # per_unit: an arena for each unit (not one for all), so that ``release`` gives a
+        # unit's host memory back (offload's ratio="auto" moves units to the device).
+        self._groups = _per_unit if per_unit else _by_dtype
+        self._arenas_of: dict = {}
         self.cpu_adam = cpu_adam_steps(optimizer)
         self.decoupled = decoupled_weight_decay(optimizer)
         if self.cpu_adam:
@@ -53,24 +57,42 @@ class HostOffload(Offload):
         # Under parameter offload this copy is the parameter shard (``param_shard``).
         self.compute_copy = {}
         lowp = [u for u in units if self.compute_dtype[u] != self.master_dtype[u]]
-        for dtype, mine in _by_dtype({u: self.compute_dtype[u] for u in lowp}).items():
+        for dtype, mine in self._groups({u: self.compute_dtype[u] for u in lowp}):
             arena = HostArena([u.shard_numel for u in mine], dtype, self.pin)
             self.compute_copy.update({u: arena.take(u.shard_numel) for u in mine})
-            self._arenas.append(arena)
+            self._keep(arena, mine)
         self.grads = {}
-        for dtype, mine in _by_dtype({u: grad_dtype_of(u) for u in units}).items():
+        for dtype, mine in self._groups({u: grad_dtype_of(u) for u in units}):
             arena = HostArena([u.shard_numel for u in mine], dtype, self.pin)
             self.grads.update({u: arena.take(u.shard_numel) for u in mine})
-            self._arenas.append(arena)
+            self._keep(arena, mine)
 
     def _allocate_state(self) -> None:
         """Masters and (for CPU Adam) both moments, in the masters' dtype."""
-        for dtype, mine in _by_dtype(self.master_dtype).items():
+        for dtype, mine in self._groups(self.master_dtype):
             states = [self.master] + ([self.exp_avg, self.exp_avg_sq] if self.cpu_adam else [])
             arena = HostArena([u.shard_numel for u in mine] * len(states), dtype, self.pin)
             for state in states:
                 state.update({u: arena.take(u.shard_numel) for u in mine})
-            self._arenas.append(arena)
+            self._keep(arena, mine)
+
+    def _keep(self, arena: HostArena, units) -> None:
+        self._arenas.append(arena)
+        for u in units:
+            self._arenas_of.setdefault(u, []).append(arena)
+
+    def release(self, units) -> None:
+        """Stop holding ``units`` (another part took them over): with per-unit arenas their
+        host memory goes back once the optimizer no longer views it."""
+        gone = set(units)
+        self._units = [u for u in self._units if u not in gone]
+        for u in gone:
+            for table in (self.master, self.exp_avg, self.exp_avg_sq, self.compute_copy,
+                          self.grads):
+                table.pop(u, None)
+            for arena in self._arenas_of.pop(u, []):
+                if all(arena not in held for held in self._arenas_of.values()):
+                    self._arenas.remove(arena)
 
     def place_masters(self, unit: Unit, keep: bool) -> torch.Tensor:
         return rows_into(unit, self.master[unit])
@@ -147,9 +169,14 @@ class HostOffload(Offload):
     kernel_options = None   # slot -> adam_step's keywords for the state's stored form
 
 
-def _by_dtype(dtype_of: dict) -> dict:
-    """``{dtype: [units]}`` from ``{unit: dtype}``, in the units' order."""
+def _by_dtype(dtype_of: dict) -> list:
+    """``[(dtype, [units])]`` from ``{unit: dtype}``, in the units' order: one arena each."""
     out: dict = {}
     for u, dtype in dtype_of.items():
         out.setdefault(dtype, []).append(u)
-    return out
+    return list(out.items())
+
+
+def _per_unit(dtype_of: dict) -> list:
+    """``[(dtype, [unit])]``: an arena for each unit."""
+    return [(dtype, [u]) for u, dtype in dtype_of.items()]

@@ -25,15 +25,20 @@ from .adam import adam_unit, groups_by_param
 from .base import Offload, cpu_adam_steps, decoupled_weight_decay, rows_into
 
 
-def split_units(units: list[Unit], ratio: float, order: dict) -> tuple[list, list]:
+def in_parameter_order(units, order: dict) -> list:
+    """``units`` by their first parameter's place in the model ([Note: which units stay])."""
+    return sorted(units, key=lambda u: min(order.get(s.param, 0) for s in u.slots))
+
+
+def split_units(units: list[Unit], ratio, order: dict) -> tuple[list, list]:
     """``(offloaded, on the device)``: the device keeps the units first in parameter order
     (``order``: parameter -> index) while they total at most (1 - ratio) of the
     parameters ([Note: which units stay])."""
     sized = [u for u in units if u.slots]
     total = sum(s.numel for u in sized for s in u.slots)
-    room = (1 - ratio) * total
+    room = 0 if ratio == "auto" else (1 - ratio) * total     # (auto: placed after a step)
     device = []
-    for u in sorted(sized, key=lambda u: min(order.get(s.param, 0) for s in u.slots)):
+    for u in in_parameter_order(sized, order):
         n = sum(s.numel for s in u.slots)
         if n > room:
             break
@@ -47,13 +52,15 @@ class DeviceShare(Offload):
     ``offload`` would hold for them, held in device memory instead."""
 
     def __init__(self, units, grad_dtype_of, optimizer, device, timing=UNTIMED):
-        self.timing, self.units = timing, units
+        self.timing, self.units, self.device = timing, list(units), device
         self.cpu_adam = cpu_adam_steps(optimizer)
         self.decoupled = decoupled_weight_decay(optimizer)
         self.master = {u: torch.zeros(u.shard_numel, dtype=u.dtype, device=device)
                        for u in units}
         self.grads = {u: torch.zeros(u.shard_numel, dtype=grad_dtype_of(u), device=device)
                       for u in units}
+        self.exp_avg: dict = {}
+        self.exp_avg_sq: dict = {}
         self.shards: dict = {}     # ZeRO-3 params=True: the compute shards, on the device
 
     def arenas(self) -> list:
@@ -73,8 +80,8 @@ class DeviceShare(Offload):
         torch optimizer makes its own, next to the masters."""
         if not self.cpu_adam:
             return
-        self.exp_avg = {u: torch.zeros_like(self.master[u]) for u in self.units}
-        self.exp_avg_sq = {u: torch.zeros_like(self.master[u]) for u in self.units}
+        self.exp_avg.update({u: torch.zeros_like(self.master[u]) for u in self.units})
+        self.exp_avg_sq.update({u: torch.zeros_like(self.master[u]) for u in self.units})
         for u in self.units:
             for s in u.trainable:
                 before = optimizer.state.get(s.opt_param, {})
@@ -84,6 +91,26 @@ class DeviceShare(Offload):
                 for k, value in before.items():   # state the optimizer had (a load) moves in
                     state[k].copy_(value)
                 optimizer.state[s.opt_param] = state
+
+    @torch.no_grad()
+    def adopt(self, unit: Unit, optimizer, grad_dtype: torch.dtype) -> None:
+        """Take ``unit`` over from the offload: its masters and Adam's moments, as the
+        optimizer shows them, copied to the device, and the optimizer's tensors moved
+        there in place (``.data``: the optimizer's keys keep their identity)."""
+        master = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=self.device)
+        for s in unit.slots:
+            s.shard_of(master).copy_(s.opt_param)
+            s.opt_param.data = s.shard_of(master)
+        self.master[unit] = master
+        self.grads[unit] = torch.zeros(unit.shard_numel, dtype=grad_dtype, device=self.device)
+        if self.cpu_adam:
+            moments = (torch.zeros_like(master), torch.zeros_like(master))
+            for s in unit.trainable:
+                state = optimizer.state[s.opt_param]
+                for key, flat in zip(("exp_avg", "exp_avg_sq"), moments):
+                    state[key] = s.shard_of(flat).copy_(state[key])
+            self.exp_avg[unit], self.exp_avg_sq[unit] = moments
+        self.units.append(unit)
 
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
              copied=None) -> None:
@@ -115,6 +142,16 @@ class SplitOffload(Offload):
 
     def staying(self) -> list[Unit]:
         return list(self.device.units)
+
+    def move(self, units, optimizer) -> None:
+        """Move ``units`` from the offload to the device, state and all (ratio="auto");
+        the offload gives their host memory back."""
+        self.host.materialize(optimizer)
+        for u in units:
+            self.device.adopt(u, optimizer, self.host.grads[u].dtype)
+            self.part[u] = self.device
+            self.grads[u] = self.device.grads[u]
+        self.host.release(units)
 
     def steps_early(self, unit) -> bool:
         return unit not in self.part and self.host.steps_early(unit)

@@ -1,0 +1,87 @@
+"""offload(ratio="auto"): after the first step, as many units as the device budget holds
+move their optimizer state to the device; then the placement stays.
+
+[Note: placing by the first step] Set-up offloads every unit (an arena each, so a moved
+unit's host memory goes back). The first step shows what the device needs besides
+optimizer state: parameters, gradients, buffers and the activations' peak. What the
+budget leaves beyond that peak goes to units in parameter order ([Note: which units stay]
+in offload/split.py), each costing its fp32 masters and moments and a gradient landing
+buffer. The ranks take the smallest count any of them can hold (one all-reduce), and the
+units move once. On CUDA the peak is the caching allocator's; on a CPU device, where the
+host is the device, it is the process's peak resident memory less what offload holds.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .offload.split import in_parameter_order
+
+DEFAULT_SHARE = 0.9     # of the device memory free at set-up, where no budget is given
+
+
+class AutoPlacement:
+    """Decides and makes ratio="auto"'s placement, once, after the first step."""
+
+    def __init__(self, rt, budget):
+        self.rt = rt
+        self.budget = self._bytes(budget)
+        self.placed = False
+        self.reason = ""
+
+    def _bytes(self, budget) -> int:
+        if isinstance(budget, int):
+            return budget
+        device = self.rt.device
+        free, _ = torch.cuda.mem_get_info(device)
+        return torch.cuda.memory_allocated(device) + int((budget or DEFAULT_SHARE) * free)
+
+    def after_step(self) -> None:
+        if self.placed:
+            return
+        self.placed = True
+        rt = self.rt
+        room = self.budget - self._peak()
+        order = {p: i for i, p in enumerate(rt.model.parameters())}
+        candidates = [u for u in in_parameter_order(
+            [u for u in rt.units if u.slots and u not in rt.units_on_device()], order)]
+        count, used = 0, 0
+        for u in candidates:
+            cost = self._cost(u)
+            if used + cost > room:
+                break
+            count, used = count + 1, used + cost
+        count = self._agree(count)
+        rt.offload.move(candidates[:count], rt.optimizer)
+        self.reason = (f"ratio auto: first step's device peak {self._peak_seen / 2**20:,.0f} "
+                       f"MiB of a {self.budget / 2**20:,.0f} MiB budget; {count} of "
+                       f"{len(candidates)} units moved their optimizer state to the device "
+                       f"({used / 2**20:,.0f} MiB)")
+
+    def _peak(self) -> int:
+        device = self.rt.device
+        if device.type == "cuda":
+            self._peak_seen = torch.cuda.max_memory_allocated(device)
+        else:      # the host is the device: the process's peak, less what offload holds
+            held = sum(a.buffer.nbytes for a in self.rt.offload.arenas())
+            self._peak_seen = _peak_resident_bytes() - held
+        return self._peak_seen
+
+    def _cost(self, unit) -> int:
+        """A unit's device bytes once moved: fp32 masters and two moments, and a landing
+        buffer for its gradients."""
+        landing = self.rt.offload.grads[unit].element_size()
+        return unit.shard_numel * (3 * torch.float32.itemsize + landing)
+
+    def _agree(self, count: int) -> int:
+        t = torch.tensor([count], device=self.rt.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.rt.group)
+        return int(t.item())
+
+
+def _peak_resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
