@@ -41,31 +41,30 @@ class AutoPlacement:
             return
         self.placed = True
         rt = self.rt
-        room = self.budget - self._peak()
-        order = {p: i for i, p in enumerate(rt.model.parameters())}
-        candidates = [u for u in in_parameter_order(
-            [u for u in rt.units if u.slots and u not in rt.units_on_device()], order)]
+        peak = self._peak()
+        staying = rt.units_on_device()
+        candidates = in_parameter_order([u for u in rt.units if u.slots and u not in staying],
+                                        rt.param_order())
         count, used = 0, 0
         for u in candidates:
             cost = self._cost(u)
-            if used + cost > room:
+            if used + cost > self.budget - peak:
                 break
             count, used = count + 1, used + cost
         count = self._agree(count)
         rt.offload.move(candidates[:count], rt.optimizer)
-        self.reason = (f"ratio auto: first step's device peak {self._peak_seen / 2**20:,.0f} "
-                       f"MiB of a {self.budget / 2**20:,.0f} MiB budget; {count} of "
-                       f"{len(candidates)} units moved their optimizer state to the device "
+        self.reason = (f"ratio auto: first step's device peak {peak / 2**20:,.0f} MiB of a "
+                       f"{self.budget / 2**20:,.0f} MiB budget; {count} of {len(candidates)} "
+                       f"units moved their optimizer state to the device "
                        f"({used / 2**20:,.0f} MiB)")
 
     def _peak(self) -> int:
         device = self.rt.device
         if device.type == "cuda":
-            self._peak_seen = torch.cuda.max_memory_allocated(device)
-        else:      # the host is the device: the process's peak, less what offload holds
-            held = sum(a.buffer.nbytes for a in self.rt.offload.arenas())
-            self._peak_seen = _peak_resident_bytes() - held
-        return self._peak_seen
+            return torch.cuda.max_memory_allocated(device)
+        # the host is the device: the process's peak, less what offload holds
+        held = sum(a.buffer.nbytes for a in self.rt.offload.arenas())
+        return _peak_resident_bytes() - held
 
     def _cost(self, unit) -> int:
         """A unit's device bytes once moved: fp32 masters and two moments, and a landing

@@ -80,7 +80,7 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
         ``units``, ``slot_of`` (parameter to its ParamSlot), ``observers``;
         the step: ``step_skipped()``, ``loss_scale()`` and ``scaler`` (fp16's LossScaler,
         or None), ``comm_stats()``, ``model_state_bytes()``, ``units_on_device()``,
-        ``time_series()``, ``clip_grad_norm(...)``, ``set_step(step)``,
+        ``param_order()``, ``time_series()``, ``clip_grad_norm(...)``, ``set_step(step)``,
         ``in_phase(name, fn, *args)``, ``observer(cls)``, ``no_sync()``;
         state: ``slots_by_name()``, ``full_tensor(...)``, ``gather_unit(...)``,
         ``prepare_state_dict()``, ``refresh_params()``, ``init_optimizer_state()``.
@@ -187,7 +187,7 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
         problems += auto_problems(self.plan.offload, self.device, self.replicas is not None)
         problems += offload_problems(self.plan.offload, self.optimizer, units,
                                      self._offloaded_param_dtypes(units),
-                                     self.plan.precision.param_dtype, self._param_order())
+                                     self.plan.precision.param_dtype, self.param_order())
         return units, problems
 
     def _signature(self) -> list[str]:
@@ -245,9 +245,11 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
     def _make_offload(self, units):
         return make_offload(self.plan.offload, units, self.optimizer, self._host_grad_dtype,
                             self._offloaded_param_dtypes(units), self.plan.precision.param_dtype,
-                            dist.get_rank(), self.timing, self._param_order(), self.device)
+                            dist.get_rank(), self.timing, self.param_order(), self.device)
 
-    def _param_order(self) -> dict:
+    def param_order(self) -> dict:
+        """Each of the model's parameters' place in ``model.parameters()`` (which units
+        offload's ratio keeps on the device: offload/split.py)."""
         return {p: i for i, p in enumerate(self.model.parameters())}
 
     def zero_grad(self) -> None:

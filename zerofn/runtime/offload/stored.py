@@ -43,6 +43,7 @@ class StoredForm:
         # Where each part starts: on a cache line for the vector kernels; fp32 parts
         # follow each other, master | exp_avg | exp_avg_sq as one (3, shard) tensor.
         self.align = 64 if self.lowp else 4
+        self._seeds: dict = {}                   # slot -> its rounding stream's seed
 
     # -- layout --------------------------------------------------------------------------
     def _extras(self, unit) -> list[tuple]:
@@ -96,7 +97,9 @@ class StoredForm:
     def kernel_options(self, st: UnitState, slot) -> dict:
         """``adam_step``'s keywords for ``slot``: block scales, a small parameter's own fp32
         moments, the rounding stream's seed."""
-        options = {"seed": stream_seed(self.seed, slot)}
+        if slot not in self._seeds:          # (a hash of the name: once, not every step)
+            self._seeds[slot] = stream_seed(self.seed, slot)
+        options = {"seed": self._seeds[slot]}
         if slot in st.scales:
             options["exp_avg_scale"], options["exp_avg_sq_scale"] = st.scales[slot]
         if slot in st.fp32:
