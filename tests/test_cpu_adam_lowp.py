@@ -197,6 +197,26 @@ def test_kernel_equals_reference_bit_for_bit(isa, grad, master, state, out, adam
         zo.set_isa(ISAS[0])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("master, state", [(F32, U8), (BF16, U8), (BF16, BF16), (F32, F32)])
+@pytest.mark.parametrize("half", [BF16, F16])
+def test_the_copy_out_may_overwrite_the_gradients_in_place(isa, master, state, half):
+    """Offload's host ring writes a unit's updated rows over its gradients: the same bits
+    as a separate copy, the tails and short last blocks included."""
+    zo.set_isa(isa)
+    try:
+        for n in (15, 257, 1000, 4099):
+            apart, inplace = make_state(n, master, state), make_state(n, master, state)
+            g = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(half)
+            out, rows = torch.empty(n, dtype=half), g.clone()
+            for b, o, grads in ((apart, out, g), (inplace, rows, rows)):
+                zo.adam_step(b[0], grads, b[1], b[2], out=o, exp_avg_scale=b[3],
+                             exp_avg_sq_scale=b[4], step=2, lr=1e-2, grad_scale=0.5, seed=5)
+            assert_bits_equal(apart + [out], inplace + [rows])
+    finally:
+        zo.set_isa(ISAS[0])
+
+
 @pytest.mark.parametrize("master, state", [(F32, U8), (BF16, U8), (BF16, BF16), (F32, F32)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_thread_split_keeps_blocks_and_random_bits(master, state, threads):

@@ -79,6 +79,10 @@ def _check_distinct(**tensors) -> None:
             raise ValueError(f"{a} and {b} overlap in memory; they must be separate buffers")
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.nbytes == b.nbytes
+
+
 def adam_step(
     params: torch.Tensor,
     grads: torch.Tensor,
@@ -120,7 +124,8 @@ def adam_step(
         exp_avg, exp_avg_sq: same numel, both fp32, both bf16 or both uint8.
         step: the number of this update, counting from 1 (bias correction).
         grad_scale: multiplies every gradient before anything else.
-        out: optional low-precision copy of the updated params (e.g. for the device).
+        out: optional low-precision copy of the updated params (e.g. for the device);
+            may be ``grads`` itself (same memory and dtype size), overwritten in one pass.
         exp_avg_scale, exp_avg_sq_scale: fp32 scales of uint8 moments, ceil(n/256) each.
         seed: stochastic rounding's seed, an int in [0, 2**64).
     """
@@ -136,8 +141,12 @@ def adam_step(
     _check_scales(quantized, n, exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale)
     if not 0 <= int(seed) < 2**64:
         raise ValueError(f"seed must lie in [0, 2**64), got {seed}")
-    _check_distinct(params=params, grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, out=out,
-                    exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale)  # fmt: skip
+    # out may be grads itself: each element's gradient is read before its row is written
+    # (offload's host ring steps a unit's gradients into its updated rows in place).
+    in_place = out is not None and _same_memory(out, grads)
+    _check_distinct(params=params, grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                    out=None if in_place else out, exp_avg_scale=exp_avg_scale,
+                    exp_avg_sq_scale=exp_avg_sq_scale)
     codes = (lowp._code(True), lowp._code(False)) if quantized else None
     c.adam_step(
         params.data_ptr(), grads.data_ptr(), _GRAD_DTYPES[grads.dtype],
