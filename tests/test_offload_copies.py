@@ -22,6 +22,7 @@ from support.models import batches, make_models, make_optimizer
 from support.offload import offload_transform
 from support.ranks import run_ranks
 from zerofn.runtime.copies import CopyStreams
+from zerofn.runtime.offload.ring import DEPTH
 from zerofn.runtime.pinned import page_locked
 from zerofn.runtime.runtime import runtime_of
 
@@ -102,11 +103,12 @@ def copies_class(cls):
         runtime_module.CopyStreams = before
 
 
-def train(stage, kind, offload, dtype, data, rank, world, copies=CopyStreams, group=None):
+def train(stage, kind, offload, dtype, data, rank, world, copies=CopyStreams, group=None,
+          layers=None):
     """Accumulation over each step's micro-batches and clipping; on the device of ``group``
     (the world's gloo group by default: the CPU)."""
     device = "cuda" if group is not None else "cpu"
-    _, model = make_models()
+    _, model = make_models(**({"layers": layers} if layers else {}))
     model = model.to(device)
     opt = make_optimizer(kind, model.parameters())
     extra = ([offload_transform(offload)] if offload is not None else []) + \
@@ -179,17 +181,39 @@ def test_a_missing_wait_shows(tmp_path):
 
 def rewrite_runs(rank, world, path):
     data = batches(STEPS, ACCUM, world)
-    _, rt = train(2, "adamw", {"path": path}, None, data, rank, world,
+    _, rt = train(2, "adamw", {"path": path, "nvme": True}, None, data, rank, world,
                   skipping("before_device_write"))
     return rt.copies.stale
 
 
 def test_a_reduction_adds_into_a_shard_only_after_its_copy_read_it(tmp_path):
     """Under accumulation each backward's reduction adds into the shard the last one sent
-    to the host. Without ``before_device_write`` the addition overtakes the copy still
-    reading it: on a GPU, the race the CUDA sanitizer reported between the reduce stream
-    and the copy stream."""
+    to the host (gradients that land during backward: NVMe's here). Without
+    ``before_device_write`` the addition overtakes the copy still reading it: on a GPU,
+    the race the CUDA sanitizer reported between the reduce stream and the copy stream."""
     assert run_ranks(1, rewrite_runs, str(tmp_path))[0] > 0
+
+
+def ring_runs(rank, world, path):
+    """ZeRO-3 under bf16 with offload("cpu"): more units than the host ring has slots, so
+    within a step a slot takes the next unit's gradients while ZeRO-3's copies up are
+    waited for only after the step."""
+    data = batches(STEPS, ACCUM, world)
+    config = (3, "adamw", {"path": path}, torch.bfloat16)
+    synced, _ = train(*config, data, rank, world, layers=2 * DEPTH)
+    deferred, rt = train(*config, data, rank, world, DeferredCopies, layers=2 * DEPTH)
+    broken, _ = train(*config, data, rank, world, skipping("before_host_write"),
+                      layers=2 * DEPTH)
+    return (max(state_errors(synced, deferred)), rt.copies.stale,
+            max(state_errors(synced, broken)))
+
+
+def test_a_ring_slot_takes_new_gradients_only_after_its_rows_went_up(tmp_path):
+    """[Note: the host ring]: each slot's next gradients come down only after the rows in it
+    went up; without ``before_host_write`` they overwrite rows a copy had yet to read."""
+    for vs_synced, stale, vs_broken in run_ranks(2, ring_runs, str(tmp_path)):
+        assert vs_synced == 0 and stale == 0
+        assert not vs_broken < 1e-4
 
 
 def unpinned_runs(rank, world, path):

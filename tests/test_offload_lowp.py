@@ -16,6 +16,7 @@ from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
 from zerofn.optim import CPUAdam
 from zerofn.optim.lowp import MIN_8BIT_NUMEL
+from zerofn.runtime.offload.ring import DEPTH
 from zerofn.runtime.runtime import runtime_of
 
 COMBOS = [(torch.int8, torch.float32), (torch.bfloat16, torch.float32),
@@ -236,24 +237,29 @@ def _host_bytes(rank, world, state, master):
     big = [s for s in slots if s.numel >= MIN_8BIT_NUMEL]
     return (zf.model_state_bytes(model)["host"], sum(u.shard_numel for u in rt.units),
             sum(s.local_numel for s in slots), sum(-(-s.local_numel // 256) for s in big),
-            sum(s.local_numel for s in slots if s not in big), sum(s.requires_grad for s in slots))
+            sum(s.local_numel for s in slots if s not in big), sum(s.requires_grad for s in slots),
+            max(u.shard_numel for u in rt.units))
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("state,master", COMBOS)
 def test_model_state_bytes_counts_the_stored_form(state, master):
     """Host bytes per element of the shard: masters 4 or 2, each moment 1 (and an fp32
-    scale per 256; small parameters 4) or 2, the gradient landing buffer in the reduce dtype; no compute copy
-    (bf16 masters are the compute rows; fp32 ones here compute in fp32). (fp32 masters
-    count as the optimizer's parameters, their rows without the layout's padding.)"""
-    host, shard, rows, blocks, small, trainable = run_ranks(2, _host_bytes, state, master)[0]
+    scale per 256; small parameters 4) or 2; the gradients pass through the host ring, its
+    slots each the largest unit's shard in the reduce dtype, in whole 256-byte lines; no
+    compute copy (bf16 masters are the compute rows; fp32 ones here compute in fp32).
+    (fp32 masters count as the optimizer's parameters, their rows without the layout's
+    padding.)"""
+    host, shard, rows, blocks, small, trainable, largest = run_ranks(2, _host_bytes, state,
+                                                                     master)[0]
     # (int8: codes for the whole shard, then an fp32 scale per block of the parameters of
     # 4096 elements or more, and fp32 moments for the smaller ones)
     moments = 2 * shard + 8 * blocks + 8 * small if state == torch.int8 else 4 * shard
     expected = (2 * shard if master == torch.bfloat16 else 4 * rows) + moments
     steps = 4 * (trainable + 1)                  # each parameter's step count, a stand-in
     assert expected <= host["optimizer"] <= expected + steps, (host, expected)
-    assert host["grads"] == shard * (2 if master == torch.bfloat16 else 4)
+    reduced = 2 if master == torch.bfloat16 else 4
+    assert host["grads"] == DEPTH * -(-largest * reduced // 256) * 256
     assert host["params"] == 0
 
 

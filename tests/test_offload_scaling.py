@@ -46,9 +46,10 @@ def scaled_runs(rank, world):
             norms = train_sharded(model, opt, data, rank, world, CLIP, scale=True,
                                   inf_on=(1, 1))
             scale = opt.state_dict()["zerofn_loss_scaler"]["scale"]
+            # (what comes down through the host ring: each unit's gradients' dtype)
             fp16[offload] = ([float(n) for n in norms], scale,
-                             {str(g.dtype) for g in (runtime_of(model).offload.grads.values()
-                                                     if offload else ())})
+                             {str(d) for d in (runtime_of(model).offload.ring.grad_dtype.values()
+                                               if offload else ())})
         out[stage] = (fp32, fp16)
     return out
 

@@ -14,8 +14,8 @@ CONFIG = dict(vocab=97, width=48, heads=3, ffn=130, layers=2, context=12)
 
 
 class ParityGPT(GPT):
-    def __init__(self, checkpoint: bool = False, frozen: bool = True):
-        super().__init__(GPTConfig(**CONFIG, checkpoint=checkpoint))
+    def __init__(self, checkpoint: bool = False, frozen: bool = True, layers: int = 2):
+        super().__init__(GPTConfig(**dict(CONFIG, layers=layers), checkpoint=checkpoint))
         self.gain = nn.Parameter(torch.tensor([1.0, 0.9, 1.1]))
         self.register_buffer("temperature", torch.tensor([1.25]))
         if frozen:

@@ -48,9 +48,9 @@ def _clip(rt, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool
 def _local_norm(grads, norm_type: float, device: torch.device) -> torch.Tensor:
     """This rank's part of the norm, as a new fp32 tensor on ``device``: the largest
     magnitude for the inf-norm, else the sum of ``|g|**norm_type``. Host gradients of the
-    Adam offload use the sums of squares their overflow check already read."""
-    if grads.deferred and norm_type == 2.0:   # (made on the device: no blocking copy up)
-        return torch.full((), sum(sq for sq, _ in grads.host_stats()), device=device)
+    Adam offload use the sum of squares their overflow check already read."""
+    if grads.deferred and norm_type == 2.0:
+        return grads.deferred_stats()[0].float()
     shards = grads.present()
     if not shards:
         return torch.zeros((), device=device)

@@ -8,12 +8,17 @@ that copy during backward, as soon as the unit's shard is reduced (``shard_ready
 it overlaps the backward of the units still to come; ZeRO-1, which reduces here, starts
 every unit's copy before waiting for the first.
 
+Where the offload brings gradients down in its own step (offload/ring.py's [Note: the
+host ring]) nothing lands here: the step reads the device's rows, and the offload copies
+them.
+
 [Note: deferred scaling] Where zerofn's CPU Adam steps (offload of Adam/AdamW), the
 gradients cross to the host in the reduce dtype (bf16, or fp16 still loss-scaled), and
 nothing rewrites them there: the unscale factor and the clip coefficient multiply
 ``grad_scale``, which the Adam kernel applies as it reads each gradient. The overflow
-check and the L2 norm come from one read of the host gradients (``grad_sumsq_and_finite``,
-summed in double). Elsewhere the gradients are unscaled and checked in place by one
+check and the L2 norm come from one read of each gradient: of the host's rows by
+``grad_sumsq_and_finite``, summed in double, of the rows left on the device by torch
+there, also in double. Elsewhere the gradients are unscaled and checked in place by one
 fused foreach kernel per device and dtype.
 
 [Note: parameters without a gradient] torch.optim skips a parameter whose ``.grad`` is
@@ -67,7 +72,8 @@ class StepGrads:
         # [Note: deferred scaling]: the factor the step's gradients still need.
         self.deferred = offload is not None and offload.cpu_adam
         self.grad_scale = 1.0
-        self._stats: list[tuple[float, bool]] | None = None   # per present() grad, cached
+        self._stats: tuple[torch.Tensor, torch.Tensor] | None = None   # deferred_stats()
+        self._left: set[ParamSlot] = set()     # slots whose step reads the device's rows
         self._buffers: list[torch.Tensor] = []
         self._streamed: set = set()    # units whose shard is on its way to the host
         self._trainable = [s for u in units for s in u.trainable]
@@ -75,7 +81,10 @@ class StepGrads:
     def shard_ready(self, unit, shard: torch.Tensor) -> None:
         """Offload: a backward's reduced shard of ``unit`` is final; copy it to the host now.
         Under accumulation each backward copies again: the shard sums on the device and
-        the last copy is the one the step reads."""
+        the last copy is the one the step reads. (A unit without a landing buffer crosses
+        in the offload's step.)"""
+        if unit not in self.offload.grads:
+            return
         self.copies.to_host(unit, self.offload.grads[unit], shard)
         self._streamed.add(unit)
         if self.early is not None:
@@ -121,8 +130,10 @@ class StepGrads:
         dest = None
         for s in unit.slots:
             g = self.reducer.grad_of(unit, s)
-            if g is not None and (self.offload is not None or g.dtype != s.opt_param.dtype
-                                  or scaled):
+            if g is not None and self.offload is not None and unit not in self.offload.grads:
+                self._left.add(s)     # (the offload's step copies the device's rows)
+            elif g is not None and (self.offload is not None or g.dtype != s.opt_param.dtype
+                                    or scaled):
                 if dest is None:
                     dest = self._landing(unit, s.opt_param.dtype)
                 if unit not in self._streamed:   # (without offload: device to device, in order)
@@ -143,10 +154,9 @@ class StepGrads:
     def _found_inf(self) -> torch.Tensor:
         """1 where any gradient is inf or nan, else 0 (a tensor: no sync here). Unscales the
         gradients on the way unless scaling is deferred."""
+        if self.deferred:
+            return self.deferred_stats()[1]
         grads = self.present()
-        if self.deferred:   # made on the device: a copy up from pageable memory would sync
-            return torch.full((), float(not all(ok for _, ok in self.host_stats())),
-                              device=self.device)
         found = torch.zeros((), device=self.device)
         for (device, _), group in by_device_and_dtype(grads).items():
             flag = torch.zeros(1, device=device)
@@ -202,11 +212,25 @@ class StepGrads:
             if not got:
                 self.grads[s] = None
 
-    def host_stats(self) -> list[tuple[float, bool]]:
-        """Deferred scaling: ``(sum of squares, all finite)`` of each ``present()`` gradient
-        as it lies on the host (still scaled), from one read; cached until ``release``."""
+    def deferred_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Deferred scaling: the sum of squares of the step's gradients (still scaled) and
+        1 where any is inf or nan, as 0-d tensors on the device, from one read of each
+        gradient where it lies; cached until ``release``."""
         if self._stats is None:
-            self._stats = [grad_sumsq_and_finite(g.reshape(-1)) for g in self.present()]
+            host, left = [], []
+            for s, g in self.grads.items():
+                if g is not None and g.numel():
+                    (left if s in self._left else host).append(g.reshape(-1))
+            sums = [grad_sumsq_and_finite(g) for g in host]
+            # made on the device: a copy up from pageable memory would block
+            sumsq = torch.full((), sum(sq for sq, _ in sums), dtype=torch.float64,
+                               device=self.device)
+            bad = torch.full((), float(not all(ok for _, ok in sums)), device=self.device)
+            if left:   # (no sum of squares of bf16 or fp16 values overflows a double)
+                norms = torch._foreach_norm(left, 2.0, dtype=torch.float64)
+                sq = torch.stack(norms).square().sum()
+                sumsq, bad = sumsq + sq, bad + (~sq.isfinite()).float()
+            self._stats = (sumsq, bad)
         return self._stats
 
     def scale_by(self, factor) -> None:
@@ -237,6 +261,7 @@ class StepGrads:
             self.pool.give(buf)
         self._buffers.clear()
         self.grads.clear()
+        self._left.clear()
         self._stats = None
         self.grad_scale = 1.0
         self.ready = False

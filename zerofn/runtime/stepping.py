@@ -22,9 +22,9 @@ class Stepping:
             # Each unit's updated rows head back to the device as soon as CPU Adam is done
             # with the unit, overlapping the step of the next one; the kernel unscales and
             # clips the gradients as it reads them. Memory the offload reuses within the
-            # step (NVMe's staging ring) waits for those copies (``copied``).
+            # step (the host ring, NVMe's staging ring) waits for those copies.
             self.offload.step(self.optimizer, self.step_grads.grads, self._refresh_unit,
-                              self.step_grads.grad_scale, copied=self.copies.before_host_write)
+                              self.step_grads.grad_scale, self.copies)
             self._await_shards()
         elif self._refreshed:
             self._step_unit_by_unit()

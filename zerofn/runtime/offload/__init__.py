@@ -99,7 +99,15 @@ def _offload_of(policy, units, optimizer, grad_dtype_of, param_dtypes, compute_d
                            grad_dtype_of, param_dtypes, compute_dtype, timing, form_of(policy))
     if (policy.state_dtype, policy.master_dtype) != (torch.float32, torch.float32):
         return LowpHostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing,
-                               state_dtype=policy.state_dtype,
+                               ring=_rings(policy), state_dtype=policy.state_dtype,
                                master_dtype=policy.master_dtype, seed=policy.seed)
     return HostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing,
-                       per_unit=policy.ratio == "auto")
+                       per_unit=policy.ratio == "auto", ring=_rings(policy))
+
+
+def _rings(policy) -> bool:
+    """Whether the host's gradients and updated rows pass through a ring (offload/ring.py):
+    not where they must land during backward (the host steps then, under overlap_step),
+    where ratio="auto" may move a unit's landing buffer to the device, or where the
+    compute rows live on the host (params=True: they are the parameter shards)."""
+    return not (policy.overlap_step or policy.ratio == "auto" or policy.params)

@@ -61,6 +61,17 @@ def _adam_slots(optimizer, group_of, unit, grads, master, exp_avg, exp_avg_sq, a
     return written
 
 
+def cast_the_rest(rows: torch.Tensor, master: torch.Tensor, written: list) -> None:
+    """Cast ``master`` into ``rows`` (flat, of one unit) outside the ``written`` slots: the
+    rows the kernel did not write are the masters' current values too."""
+    at = 0
+    for start, end in sorted((s.offset, s.offset + s.local_numel) for s in written) + \
+            [(rows.numel(), rows.numel())]:
+        if start > at:
+            rows[at:start].copy_(master[at:start])
+        at = max(at, end)
+
+
 @torch.no_grad()
 def _torch_adam_step(params, grads, exp_avg, exp_avg_sq, *, step: int, lr: float, beta1: float,
                      beta2: float, eps: float, weight_decay: float, adamw_mode: bool,

@@ -77,7 +77,8 @@ class Offload(abc.ABC):
     """A place off the device for master rows and optimizer state (see the module note).
 
     Attributes:
-        grads: ``{unit: host buffer}`` the unit's reduced gradient rows land in.
+        grads: ``{unit: host buffer}`` the unit's reduced gradient rows land in during
+            backward; a unit not in it keeps them on the device until the step.
         cpu_adam: zerofn's CPU Adam steps (step.py then defers unscaling and clipping to
             its kernel); else the user's torch.optim optimizer steps host masters.
         param_reader: ZeRO-3 parameter shards read ahead of their gathers (``take(unit)``)
@@ -111,11 +112,13 @@ class Offload(abc.ABC):
 
     @abc.abstractmethod
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
-             copied=None) -> None:
-        """Step every unit with a gradient in ``grads`` (``{slot: host rows}``), gradients
-        times ``grad_scale`` as they are read; ``after_unit(unit, rows)`` takes each unit's
-        updated compute rows at once, and ``copied(unit)`` waits for any asynchronous copy
-        out of them before this offload rewrites that memory within the step."""
+             copies=None) -> None:
+        """Step every unit with a gradient in ``grads`` (``{slot: rows}``: host rows where
+        the unit's gradients landed in ``self.grads``, else the device's, which the step
+        copies down itself), gradients times ``grad_scale`` as they are read;
+        ``after_unit(unit, rows)`` takes each unit's updated compute rows at once.
+        ``copies`` (runtime/copies.py) orders this offload's own copies, and memory it
+        rewrites within the step after the copies up from it."""
 
     @abc.abstractmethod
     def updated_rows(self, unit: Unit) -> torch.Tensor | None:
@@ -134,6 +137,7 @@ class Offload(abc.ABC):
         return []
 
     early = None   # runtime/early_step.py's EarlySteps, under overlap_step
+    ring = None    # ring.py's HostRing, where gradients and rows cross through one
 
     def steps_early(self, unit: Unit) -> bool:
         """Whether ``step_unit`` can step ``unit`` alone, during backward

@@ -20,9 +20,10 @@ import torch
 from ..pinned import pins
 from ..timing import UNTIMED
 from ...core.units import Unit
-from .adam import adam_unit, groups_by_param
+from .adam import adam_unit, cast_the_rest, groups_by_param
 from .base import (HostArena, Offload, cpu_adam_steps, decoupled_weight_decay, device_of,
                    rows_into)
+from .ring import HostRing
 
 
 class HostOffload(Offload):
@@ -31,7 +32,7 @@ class HostOffload(Offload):
     time_series = ("d2h", "h2d")
 
     def __init__(self, units: list[Unit], grad_dtype_of, optimizer, compute_dtype=None,
-                 timing=UNTIMED, per_unit: bool = False):
+                 timing=UNTIMED, per_unit: bool = False, ring: bool = False):
         self.timing = timing
         # per_unit: an arena for each unit (not one for all), so that ``release`` gives a
         # unit's host memory back (offload's ratio="auto" moves units to the device).
@@ -50,22 +51,35 @@ class HostOffload(Offload):
         self._units = units
         self._allocate_state()
         self._steps = None
+        self.compute_copy = {}
+        self.grads = {}
+        # ring: the step brings each unit's gradients down and sends its rows up through a
+        # few slots ([Note: the host ring] in ring.py), so there is no per-unit host buffer
+        # for either. CPU Adam only: a torch optimizer steps from gradients on the host.
+        self.ring = HostRing([u for u in units if u.slots], grad_dtype_of, self._rows_dtype,
+                             self.pin) if ring and self.cpu_adam else None
+        if self.ring is not None:
+            self._arenas.append(self.ring.arena)
+            return
         # Under mixed precision the compute copy is kept in this (pinned) arena, where CPU
         # Adam writes it in its pass (another optimizer's rows are cast into it): what goes
         # back to the device is already in its dtype, and page-locked. A copy that also
         # casts would cast on the host into pageable memory and hold the step meanwhile.
         # Under parameter offload this copy is the parameter shard (``param_shard``).
-        self.compute_copy = {}
-        lowp = [u for u in units if self.compute_dtype[u] != self.master_dtype[u]]
+        lowp = [u for u in units if self._rows_dtype(u) is not None]
         for dtype, mine in self._groups({u: self.compute_dtype[u] for u in lowp}):
             arena = HostArena([u.shard_numel for u in mine], dtype, self.pin)
             self.compute_copy.update({u: arena.take(u.shard_numel) for u in mine})
             self._keep(arena, mine)
-        self.grads = {}
         for dtype, mine in self._groups({u: grad_dtype_of(u) for u in units}):
             arena = HostArena([u.shard_numel for u in mine], dtype, self.pin)
             self.grads.update({u: arena.take(u.shard_numel) for u in mine})
             self._keep(arena, mine)
+
+    def _rows_dtype(self, unit: Unit) -> torch.dtype | None:
+        """The dtype of the unit's rows that go up, where the masters are not those rows."""
+        compute = self.compute_dtype[unit]
+        return compute if compute != self.master_dtype[unit] else None
 
     def _allocate_state(self) -> None:
         """Masters and (for CPU Adam) both moments, in the masters' dtype."""
@@ -110,8 +124,12 @@ class HostOffload(Offload):
 
     def updated_rows(self, unit: Unit) -> torch.Tensor:
         """CPU Adam writes the compute copy in its pass; a torch optimizer stepped the
-        masters only, so they are cast into it first."""
+        masters only, so they are cast into it first. With the ring (no compute copy: a
+        load's refresh) the masters are cast into a new tensor, which the copy up has
+        read by the time it returns (pageable memory)."""
         copy = self.compute_copy.get(unit)
+        if self.ring is not None and self._rows_dtype(unit) is not None:
+            return self.master[unit].to(self._rows_dtype(unit))
         if copy is None:
             return self.master[unit]
         if not self.cpu_adam:
@@ -125,6 +143,10 @@ class HostOffload(Offload):
             return
         for u, copy in self.compute_copy.items():
             copy.copy_(self.master[u])
+
+    def unseen_bytes(self) -> dict[str, dict[str, int]]:
+        """The ring's slots, which no tensor views between steps."""
+        return {"host": self.ring.bytes_by_role()} if self.ring is not None else {}
 
     def compute_copies(self) -> list[torch.Tensor]:
         return list(self.compute_copy.values())
@@ -147,9 +169,11 @@ class HostOffload(Offload):
                 optimizer.state[s.opt_param] = state
 
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
-             copied=None) -> None:
-        """Unit by unit. The rows each unit's ``after_unit`` copies out are rewritten only
-        by the next step, which settles those copies first: ``copied`` is not needed."""
+             copies=None) -> None:
+        """Unit by unit. Without the ring, the rows each unit's ``after_unit`` copies out
+        are rewritten only by the next step, which settles those copies first."""
+        if self.ring is not None:
+            return self._step_through_ring(optimizer, grads, after_unit, grad_scale, copies)
         group_of = groups_by_param(optimizer)
         for u in self._units:
             if self.early is None or not self.early.take(u):   # (stepped during backward)
@@ -158,8 +182,44 @@ class HostOffload(Offload):
                           grad_scale, self.timing, self.kernel_options)
             after_unit(u, self.updated_rows(u))
 
+    def _step_through_ring(self, optimizer, grads: dict, after_unit, grad_scale: float,
+                           copies) -> None:
+        """[Note: the host ring]: each unit's gradients come down (``grads`` holds the
+        device's rows) while the unit before steps; its rows go up from the same slot."""
+        group_of = groups_by_param(optimizer)
+        units = [u for u in self._units if u.slots]
+        for i, u in enumerate(units):
+            if i == 0:
+                self._bring_down(0, u, grads, copies)
+            if i + 1 < len(units):
+                self._bring_down(i + 1, units[i + 1], grads, copies)
+            copies.host_wait(u)
+            landed = self.ring.grads(i, u)
+            rows = self.ring.rows(i, u)
+            written = adam_unit(optimizer, group_of, u, {s: s.shard_of(landed) for s in u.slots
+                                                          if grads.get(s) is not None},
+                                self.master[u], self.exp_avg[u], self.exp_avg_sq[u],
+                                self.decoupled, rows, grad_scale, self.timing,
+                                self.kernel_options)
+            if rows is None:
+                rows = self.master[u]
+            else:
+                cast_the_rest(rows, self.master[u], written)
+            after_unit(u, rows)
+
+    def _bring_down(self, i: int, unit: Unit, grads: dict, copies) -> None:
+        """Start copying ``unit``'s device gradients into slot ``i``, once the rows that
+        last went up from it have left."""
+        before = self.ring.take(i, unit)
+        if before is not None:
+            copies.before_host_write(before)
+        landed = self.ring.grads(i, unit)
+        for s in unit.trainable:
+            if grads.get(s) is not None and s.local_numel:
+                copies.to_host(unit, s.shard_of(landed), grads[s])
+
     def steps_early(self, unit: Unit) -> bool:
-        return self.cpu_adam and unit in self.master
+        return self.cpu_adam and unit in self.grads
 
     def step_unit(self, optimizer, unit: Unit, grads: dict) -> None:
         adam_unit(optimizer, groups_by_param(optimizer), unit, grads, self.master[unit],

@@ -37,12 +37,13 @@ class LowpHostOffload(HostOffload):
     """``HostOffload`` with the state stored in fewer bits (see the module notes)."""
 
     def __init__(self, units, grad_dtype_of, optimizer, compute_dtype=None, timing=UNTIMED,
-                 *, state_dtype=torch.float32, master_dtype=torch.float32, seed: int = 0):
+                 *, ring: bool = False, state_dtype=torch.float32, master_dtype=torch.float32,
+                 seed: int = 0):
         self.form = StoredForm(state_dtype, master_dtype, seed)
         self.state: dict = {}       # unit -> its UnitState (views of the arenas)
         self._unit_of = {s: u for u in units for s in u.slots}
         self.resident: dict = {}    # unit -> fp32 (master, exp_avg, exp_avg_sq) while decoded
-        super().__init__(units, grad_dtype_of, optimizer, compute_dtype, timing)
+        super().__init__(units, grad_dtype_of, optimizer, compute_dtype, timing, ring=ring)
 
     # -- storage -------------------------------------------------------------------------
     def _allocate_state(self) -> None:
@@ -140,9 +141,9 @@ class LowpHostOffload(HostOffload):
         return not self.resident and super().steps_early(unit)
 
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
-             copied=None) -> None:
+             copies=None) -> None:
         self.evict()
-        super().step(optimizer, grads, after_unit, grad_scale, copied)
+        super().step(optimizer, grads, after_unit, grad_scale, copies)
 
     def recast(self) -> None:
         """Loaded fp32 state goes back to its stored form first."""

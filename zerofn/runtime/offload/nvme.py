@@ -35,7 +35,7 @@ import torch
 
 from ..pinned import host_buffer, pins
 from ..timing import UNTIMED
-from .adam import adam_unit, groups_by_param
+from .adam import adam_unit, cast_the_rest, groups_by_param
 from .base import HostArena, Offload, decoupled_weight_decay, device_of, point_at, stand_in
 from .nvme_file import FLOAT, FP32, SwapFile, block_bytes, state_bytes
 from .stored import StoredForm
@@ -146,11 +146,11 @@ class NvmeOffload(Offload):
 
     # -- the step --------------------------------------------------------------------
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
-             copied=None) -> None:
+             copies=None) -> None:
         """Adam over every unit, streamed; ``after_unit(unit, master)`` refreshes the compute
-        params from the updated master while it is in memory, and ``copied(unit)`` waits
-        for any asynchronous copy that refresh started, before its buffer is read into
-        again. Gradients are multiplied by ``grad_scale`` (unscale x clip) in the kernel."""
+        params from the updated master while it is in memory, and the copy that refresh
+        started is waited for (``copies``) before its buffer is read into again. Gradients
+        are multiplied by ``grad_scale`` (unscale x clip) in the kernel."""
         if self.param_reader is not None:
             self.param_reader.forget()          # the ring is ours again; the file changes now
         self.evict()
@@ -165,8 +165,8 @@ class NvmeOffload(Offload):
             if writes[i % ring] is not None:
                 writes[i % ring].result()
                 writes[i % ring] = None
-                if copied is not None:
-                    copied(units[i - ring])
+                if copies is not None:
+                    copies.before_host_write(units[i - ring])
 
         def start_read(i: int) -> None:
             release(i)
@@ -188,7 +188,7 @@ class NvmeOffload(Offload):
                                 state.exp_avg_sq, self.decoupled, lowp=lowp,
                                 grad_scale=grad_scale, timing=self.timing, options=options)
             if rows is not None:       # (an fp32 compute shard: all of it)
-                _cast_the_rest(rows, master, written if lowp is not None else [])
+                cast_the_rest(rows, master, written if lowp is not None else [])
             self._refresh(unit, master if rows is None else rows, after_unit)
             writes[i % ring] = self.io.submit(self._write, unit, self.staging[i % ring])
         for i in range(len(units), len(units) + ring):   # the ring is idle again after
@@ -272,13 +272,3 @@ class NvmeOffload(Offload):
                 if state:
                     point_at(state["exp_avg"], views[1], s.local_shape, self._stand_in)
                     point_at(state["exp_avg_sq"], views[2], s.local_shape, self._stand_in)
-
-
-def _cast_the_rest(rows: torch.Tensor, master: torch.Tensor, written: list) -> None:
-    """Cast ``master`` into ``rows`` (flat, of one unit) outside the ``written`` slots."""
-    at = 0
-    for start, end in sorted((s.offset, s.offset + s.local_numel) for s in written) + \
-            [(rows.numel(), rows.numel())]:
-        if start > at:
-            rows[at:start].copy_(master[at:start])
-        at = max(at, end)

@@ -113,7 +113,7 @@ class DeviceShare(Offload):
         self.units.append(unit)
 
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
-             copied=None) -> None:
+             copies=None) -> None:
         group_of = groups_by_param(optimizer)
         for u in self.units:
             adam_unit(optimizer, group_of, u, grads, self.master[u], self.exp_avg[u],
@@ -136,6 +136,7 @@ class SplitOffload(Offload):
         self.part = {u: device for u in device.units}
         self.grads = {**host.grads, **device.grads}
         self.cpu_adam = host.cpu_adam
+        self.ring = host.ring
         self.param_reader = host.param_reader
         self.time_series = host.time_series
         self.timing = host.timing
@@ -179,10 +180,10 @@ class SplitOffload(Offload):
         self.device.register_state(optimizer)
 
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
-             copied=None) -> None:
+             copies=None) -> None:
         """The device's share first: on a GPU its kernels run while the host steps."""
-        self.device.step(optimizer, grads, after_unit, grad_scale, copied)
-        self.host.step(optimizer, grads, after_unit, grad_scale, copied)
+        self.device.step(optimizer, grads, after_unit, grad_scale, copies)
+        self.host.step(optimizer, grads, after_unit, grad_scale, copies)
 
     def updated_rows(self, unit):
         return self._of(unit).updated_rows(unit)
