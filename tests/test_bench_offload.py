@@ -73,8 +73,7 @@ def load_script():
 def test_find_largest_stops_at_the_host_limit():
     bench = load_script()
     args = bench.parse_args(["--device", "cpu", "--find-largest"])
-    small, large = (bench.host_need(bench.model_config(s, args).params(), args)
-                    for s in ("64x2", "128x2"))
+    small, large = (bench.host_need(bench.model_config(s, args), args) for s in ("64x2", "128x2"))
     limit_gb = (small + large) / 2 / 2**30   # room for the first size only
     out = run("--find-largest", "--sizes", "64x2,128x2,128x4", "--steps", "1",
               "--host-limit-gb", f"{limit_gb:.6f}")
@@ -117,11 +116,11 @@ def test_low_precision_host_state_lets_a_size_fit_that_fp32_state_does_not():
     lowp = bench.parse_args(["--device", "cpu", "--find-largest", "--state-dtype", "int8",
                              "--master-dtype", "bf16"])
     fp32 = bench.parse_args(["--device", "cpu", "--find-largest"])
-    params = {s: bench.model_config(s, fp32).params() for s in ("128x2", "256x8")}
-    small, full = bench.host_need(params["128x2"], lowp), bench.host_need(params["128x2"], fp32)
+    configs = {s: bench.model_config(s, fp32) for s in ("128x2", "256x8")}
+    small, full = bench.host_need(configs["128x2"], lowp), bench.host_need(configs["128x2"], fp32)
     assert small < full
     limit = (small + full) / 2
-    assert bench.host_need(params["256x8"], lowp) > limit
+    assert bench.host_need(configs["256x8"], lowp) > limit
     out = run("--find-largest", "--sizes", "128x2,256x8", "--steps", "1", "--state-dtype",
               "int8", "--master-dtype", "bf16", "--host-limit-gb", f"{limit / 2**30:.6f}")
     assert "offload('cpu', state_dtype=int8, master_dtype=bf16)" in out
@@ -146,13 +145,16 @@ def test_the_stored_dtypes_reach_offload_and_its_host_bytes_are_the_estimates():
     import torch
 
     from zerofn.core.estimate import estimate_placement
+    from zerofn.nanogpt import GPT
     bench = load_script()
     for state, master in (("fp32", "fp32"), ("bf16", "fp32"), ("int8", "bf16")):
         args = bench.parse_args(["--device", "cpu", "--state-dtype", state,
                                  "--master-dtype", master])
         r = worker_result("--state-dtype", state, "--master-dtype", master)
         assert r["status"] == "ok" and math.isfinite(r["loss_last"]), r
-        placed = estimate_placement(r["params"], 1, 3, torch.bfloat16, offload="cpu",
+        with torch.device("meta"):    # the shape, for the host ring's largest unit
+            shape = GPT(bench.model_config("64x2", args))
+        placed = estimate_placement(shape, 1, 3, torch.bfloat16, offload="cpu",
                                     **bench.stored_dtypes(args))
         # int8 scales are per 256 of each parameter (rounded up), the estimate's 4/256 B;
         # and parameters under 4096 elements keep fp32 moments, which a count cannot

@@ -321,21 +321,24 @@ def mem_available() -> int:
         return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
 
 
-def host_need(params: int, args) -> int:
-    """Host bytes zerofn offload needs, with a margin: the host state as
-    ``estimate_placement`` counts it for ZeRO-3 at world 1 with ``--state-dtype`` and
-    ``--master-dtype`` (at fp32: master + Adam m, v, 12 B/param; the bf16 gradient landing
-    buffer, 2; the bf16 rows the step writes for the device, 2, which with
-    --offload-params are the param shards; with int8 moments and bf16 masters 6.03 in
-    all); with --nvme only the landing buffer (the rest is in the swap file, the staging
-    ring is a few units); on a CPU device the "device" bf16 shard and gradient shard (4)
-    are host memory too. The margin is small on CUDA, where those are page-locked arenas
-    made once at their exact size, and larger on the CPU, where the allocator keeps freed
-    blocks of the training itself."""
+def host_need(config, args) -> int:
+    """Host bytes zerofn offload needs for the GPT ``config``, with a margin: the host
+    state as ``estimate_placement`` counts it for ZeRO-3 at world 1 with ``--state-dtype``
+    and ``--master-dtype`` (at fp32: master + Adam m, v, 12 B/param, and the host ring of
+    three units' bf16 gradients, over which the step writes their bf16 rows; with
+    --offload-params a landing buffer, 2, and the param shards, 2; with int8 moments and
+    bf16 masters 4.03 + the ring); with --nvme only the landing buffer (the rest is in the
+    swap file, the staging ring is a few units); on a CPU device the "device" bf16 shard
+    and gradient shard (4) are host memory too. The margin is small on CUDA, where those
+    are page-locked arenas made once at their exact size, and larger on the CPU, where the
+    allocator keeps freed blocks of the training itself."""
     import torch
 
     from zerofn.core.estimate import estimate_placement
-    placed = estimate_placement(params, 1, 3, torch.bfloat16,
+    from zerofn.nanogpt import GPT
+    with torch.device("meta"):        # the shape only, for the largest unit
+        model = GPT(config)
+    placed = estimate_placement(model, 1, 3, torch.bfloat16,
                                 offload="nvme" if args.nvme else "cpu",
                                 offload_params=args.offload_params, **stored_dtypes(args))
     need = placed["host"]["total"] + placed["device"]["total"] * (args.device == "cpu")
@@ -372,7 +375,7 @@ def find_largest(args) -> list[dict]:
     rows = []
     for size in args.sizes.split(","):
         params = model_config(size, args).params()
-        need = host_need(params, args)
+        need = host_need(model_config(size, args), args)
         disk = shutil.disk_usage(args.nvme).free if args.nvme else None
         if need > limit:
             r = dict(status="skipped", reason=f"needs ~{need / 2**30:.3g} GB host, "

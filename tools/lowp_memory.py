@@ -91,7 +91,9 @@ def worker(args) -> None:
         opt.zero_grad()
         losses.append(float(loss))
     measured = zf.model_state_bytes(model)
-    placed = estimate_placement(n, 1, 2, torch.bfloat16, offload="cpu",
+    with torch.device("meta"):     # the model's shape, for the largest unit (the host ring)
+        shape = GPT(cfg)
+    placed = estimate_placement(shape, 1, 2, torch.bfloat16, offload="cpu",
                                 master_dtype=master_dtype, state_dtype=state_dtype)
     print("RESULT " + json.dumps(dict(
         masters=masters, moments=moments, params=n, before=before, peak=status_bytes("VmHWM"),

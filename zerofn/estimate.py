@@ -12,7 +12,7 @@ import sys
 import torch
 from torch import nn
 
-from .core.estimate import (DTYPES, PLACES, ROLES, count_params,
+from .core.estimate import (DTYPES, HOST_RING_DEPTH, PLACES, ROLES, count_params,
                             estimate_model_state_bytes, estimate_placement, parse_count, table)
 
 __all__ = ["DTYPES", "PLACES", "ROLES", "estimate_model_state_bytes", "estimate_placement",
@@ -58,8 +58,9 @@ def main(argv=None, prog: str = "python -m zerofn estimate") -> int:
     p.add_argument("--units-in-flight", type=int, default=2,
                    help="NVMe staging buffers in host memory (default 2, as offload's)")
     p.add_argument("--largest-unit",
-                   help="NVMe: parameters of the largest unit (one block, or the embeddings "
-                        "and head), which sizes the staging buffers; --model knows it")
+                   help="parameters of the largest unit (one block, or the embeddings and "
+                        "head), which sizes NVMe's staging buffers and CPU offload's host "
+                        "ring; --model knows it")
     args = p.parse_args(argv)
     try:
         model = _model(args)
@@ -79,11 +80,13 @@ def main(argv=None, prog: str = "python -m zerofn estimate") -> int:
     print(_description(n, args.world, args.precision, args.optimizer_states, args.offload,
                        args.offload_params, args.master_dtype, args.state_dtype))
     print(text)
-    if args.offload == "nvme":
+    ringed = args.offload == "cpu" and not args.offload_params and args.optimizer_states == 2
+    if args.offload == "nvme" or ringed:
         counted = largest is not None or isinstance(model, nn.Module)
-        print(f"NVMe offload stages {args.units_in_flight} units in host memory: "
-              + ("counted under host." if counted else
-                 "not counted (give --largest-unit, or --model)."))
+        staged = f"NVMe offload stages {args.units_in_flight} units" if args.offload == "nvme" \
+            else f"CPU offload passes gradients and rows through {HOST_RING_DEPTH} units"
+        print(f"{staged} in host memory: " + ("counted under host." if counted else
+                                              "not counted (give --largest-unit, or --model)."))
     return 0
 
 

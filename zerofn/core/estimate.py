@@ -15,6 +15,7 @@ from torch import nn
 from .units import build_units
 
 PLACES = ("device", "host", "nvme")
+HOST_RING_DEPTH = 3    # offload("cpu")'s ring slots (runtime/offload/ring.py)
 ROLES = ("params", "grads", "optimizer")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -54,14 +55,19 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
                        *, reduce_dtype: torch.dtype | None = None, offload: str | None = None,
                        offload_params: bool = False, units_in_flight: int = 2,
                        largest_unit: int | None = None, state_dtype: torch.dtype | None = None,
-                       ratio: float = 1.0) -> dict[str, dict[str, float]]:
+                       ratio: float = 1.0, host_ring: bool = True) -> dict[str, dict[str, float]]:
     """Model-state bytes one rank holds, by place and role, as zerofn lays them out.
 
     Without offload everything is on the device. ``offload("cpu")`` moves the fp32
     masters and optimizer state to host memory (masters there even in fp32: the device
-    keeps its own compute copy) and adds a host landing buffer for the gradient shard and,
-    under mixed precision, a host copy of the rows in the compute dtype (the step writes
-    it, and it goes to the device from there);
+    keeps its own compute copy). With Adam the gradients come down, and the updated rows
+    in the compute dtype go up, through a host ring of three units' rows
+    (``HOST_RING_DEPTH`` times, or once per unit where there are fewer, a rank's share of
+    the largest unit, in the reduce dtype,
+    plus the compute dtype where the two differ; counted where the largest unit is
+    known). Another optimizer, steps on the host from a gradient landing buffer per
+    unit in the masters' dtype; under mixed precision the host also keeps a copy of the
+    rows in the compute dtype, which goes to the device from there;
     ``params=True`` (ZeRO-3) moves the compute shards to the host too, where for
     ``offload("cpu")`` they are those rows (the masters themselves when the compute
     dtype is theirs), no further copy. ``offload("nvme")``
@@ -88,11 +94,15 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
             ``offload("cpu" | "nvme", state_dtype=..., master_dtype=...)`` stores them
             so; bf16 masters under a bf16 compute dtype are the rows the device reads, no
             copy.
+        host_ring: whether offload("cpu") passes the gradients and rows through its host
+            ring (False under ``overlap_step`` or ``ratio="auto"``, where each unit has a
+            landing buffer and, under mixed precision, a compute copy).
         ratio: offload's share of the optimizer state (default all): the rest stays on
             the device in fp32, with its own gradient landing buffer (and, under
             ``offload_params``, its parameter shards).
         largest_unit: parameters of the largest unit (e.g. one transformer block, or the
-            root's embeddings and head), for NVMe's staging ring; by default found from
+            root's embeddings and head), for NVMe's staging ring and offload("cpu")'s host
+            ring; by default found from
             ``params`` when it is a module (zerofn's default units: each module of an
             outermost ``ModuleList``, and the root for the rest), else the ring is not
             counted.
@@ -104,7 +114,9 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
     Example (7B, 8 ranks, bf16, ZeRO-3 with the optimizer offloaded to the host, in GB):
         >>> p = estimate_placement(7e9, 8, 3, offload="cpu")
         >>> {place: p[place]["total"] / 1e9 for place in p}
-        {'device': 3.5, 'host': 14.0, 'nvme': 0.0}
+        {'device': 3.5, 'host': 10.5, 'nvme': 0.0}
+
+    (The host ring is left out there: a count says nothing of the largest unit.)
     """
     _check(stage, offload, offload_params)
     n = count_params(params)
@@ -131,9 +143,15 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
         master = 0 if shard_is_rows and c == m else m
         out[off]["optimizer"] = (master + states) * share * ratio
         landing = r if optimizer_states == 2 else m
-        out["host"]["grads"] = landing * share * ratio
-        if offload == "cpu" and c != m and not shard_is_rows:   # the copy the step sends up
-            out["host"]["params"] += c * share * ratio
+        if offload == "cpu" and not offload_params and optimizer_states == 2 and host_ring:
+            ring = _ring_slots(params) * _largest_share(params, world, largest_unit)
+            out["host"]["grads"] = r * ring
+            if c not in (m, r):    # the rows go up from their own part of each slot
+                out["host"]["params"] += c * ring
+        else:
+            out["host"]["grads"] = landing * share * ratio
+            if offload == "cpu" and c != m and not shard_is_rows:   # the rows sent up
+                out["host"]["params"] += c * share * ratio
         # ratio < 1: the device's share keeps fp32 masters and state, and a landing buffer
         fp32 = torch.float32.itemsize
         out["device"]["optimizer"] += (1 + optimizer_states) * fp32 * share * (1 - ratio)
@@ -168,6 +186,14 @@ def _largest_share(params, world: int, largest_unit: int | None) -> float:
     if not isinstance(params, nn.Module):
         return 0
     return max(u.shard_numel for u in build_units(params, None, world, 0))
+
+
+def _ring_slots(params) -> int:
+    """The host ring's slots: one per unit up to ``HOST_RING_DEPTH``."""
+    if not isinstance(params, nn.Module):
+        return HOST_RING_DEPTH
+    return max(1, min(HOST_RING_DEPTH, sum(bool(u.slots) for u in build_units(params, None,
+                                                                               1, 0))))
 
 
 def _check(stage: int, offload: str | None, offload_params: bool) -> None:
