@@ -228,7 +228,7 @@ def refusals(rank, world, argvs):
     out = []
     for argv in argvs:
         try:
-            train.resolve(train.parse_args(argv))
+            train.resolve(train.parse_args(argv), torch.device("cpu"))
             out.append(None)
         except ValueError as e:
             out.append(str(e))
@@ -251,6 +251,17 @@ REFUSED = {
                                                    "bf16"],
     "--offload-ratio 0.5 is the share --offload keeps off the device": ["--offload-ratio",
                                                                          "0.5"],
+    "--offload-ratio auto moves --offload cpu's fp32 state to the device: it needs "
+    "--offload cpu without --offload-params, --state-dtype or --master-dtype (here --offload "
+    "none)": ["--offload-ratio", "auto"],
+    "(here --offload nvme --state-dtype bf16)": ["--offload", "nvme", "--nvme-path", "/tmp",
+                                                 "--offload-ratio", "auto", "--state-dtype",
+                                                 "bf16"],
+    "--device-budget 1000 is what --offload-ratio auto places optimizer state within: add "
+    "--offload-ratio auto.": ["--offload", "cpu", "--offload-ratio", "0.5", "--device-budget",
+                              "1000"],
+    "--offload-ratio auto on a CPU device needs --device-budget in bytes": [
+        "--offload", "cpu", "--offload-ratio", "auto", "--device-budget", "0.5"],
     "--overlap-step steps the host's units during backward: it needs --offload cpu, "
     "--stage 2 or 3, --clip 0": ["--offload", "cpu", "--overlap-step"],
 }
@@ -269,9 +280,18 @@ def test_config_values_yield_to_explicit_flags(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps(CONFIG))
     base = ["--config", str(config)]
-    job_config, job_flags = run_ranks(1, resolve_jobs, [base, base + [
-        "--stage", "2", "--precision", "fp32", "--offload", "none", "--grad-accum", "4",
-        "--batch", "16", "--clip", "0"]])[0]
+    # The optimizer's share offloaded, as DeepSpeed's Twin-Flow ratio; --offload-ratio over it.
+    shared = tmp_path / "ratio.json"
+    shared.write_text(json.dumps(dict(CONFIG, zero_optimization={
+        "stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.25}})))
+    ratio = ["--config", str(shared)]
+    job_config, job_flags, job_ratio, job_auto = run_ranks(1, resolve_jobs, [
+        base, base + ["--stage", "2", "--precision", "fp32", "--offload", "none",
+                      "--grad-accum", "4", "--batch", "16", "--clip", "0"],
+        ratio, ratio + ["--offload-ratio", "auto", "--device-budget", "1000"]])[0]
+    assert (job_ratio.offload, job_ratio.offload_ratio, job_ratio.device_budget) == \
+        ("cpu", 0.25, None)
+    assert (job_auto.offload_ratio, job_auto.device_budget) == ("auto", 1000)
     assert (job_config.stage, job_config.precision, job_config.offload,
             job_config.offload_params, job_config.grad_accum, job_config.batch,
             job_config.clip) == (3, "bf16", "cpu", True, 4, 8, 0.5)
@@ -281,7 +301,7 @@ def test_config_values_yield_to_explicit_flags(tmp_path):
 
 
 def resolve_jobs(rank, world, argvs):
-    jobs = [train.resolve(train.parse_args(argv)) for argv in argvs]
+    jobs = [train.resolve(train.parse_args(argv), torch.device("cpu")) for argv in argvs]
     for job in jobs:       # what is left is plain data, comparable in the parent
         job.options = job.optimizer = job.scheduler = None
     return jobs

@@ -75,14 +75,28 @@ def banner(job: Job, model, opt, args) -> str:
 
 
 def _share(job: Job, rt) -> str:
-    """Where offload's ``ratio`` put the units' optimizer state."""
+    """Where offload's ``ratio`` put the units' optimizer state (auto: where it will)."""
     if job.offload_ratio == 1.0:
         return ""
+    if job.offload_ratio == "auto":
+        return f", ratio auto (placed after the first step, within {_budget(job)})"
     staying = rt.units_on_device()
     return (f", ratio {job.offload_ratio:g} ({offloaded_share(rt):.2f} in whole units): "
             f"{len(staying)} of {sum(bool(u.slots) for u in rt.units)} units keep their "
-            f"state on the device" + (f" ({', '.join(u.name for u in staying)}: first in "
-                                      f"parameter order)" if staying else ""))
+            f"state on the device" + (f" ({_names(staying)}: first in parameter order)"
+                                      if staying else ""))
+
+
+def _budget(job: Job) -> str:
+    budget = job.device_budget
+    if isinstance(budget, int):
+        return f"a device budget of {_mb(budget)}"
+    share = f"{budget:g}" if budget else "offload's default share"
+    return f"{share} of the device memory free at set-up"
+
+
+def _names(units) -> str:
+    return ", ".join(u.name for u in units)
 
 
 def offloaded_share(rt) -> float:
