@@ -27,6 +27,7 @@ import torch
 
 import zerofn as zf
 from support.ranks import run_ranks
+from support.tensorboard_runs import read, scalars, text
 from zerofn import train
 from zerofn.deepspeed.schedulers import SCHEDULERS
 from zerofn.nanogpt import GPT, PRESETS
@@ -134,6 +135,34 @@ def test_a_share_of_the_state_on_the_device_from_the_command_line():
         opt = [re.search(place + r"[^|]*optimizer (\S+) MiB", line).group(1)
                for line in (est, measured)]
         assert opt[0] == opt[1], (place, est, measured)
+
+
+@pytest.mark.multirank
+def test_auto_placement_is_printed_and_logged(tmp_path):
+    """--offload-ratio auto: after step 1 rank 0 prints the placement and its reason, and
+    TensorBoard gets the reason as text and the placement as scalars. (On the CPU the budget
+    is in bytes; this one holds every unit, so only the step counters stay on the host.)"""
+    logs = tmp_path / "tb"
+    out = run_job("--offload", "cpu", "--offload-ratio", "auto", "--device-budget",
+                  str(10**13), "--tensorboard", str(logs), steps=3)
+    assert "offload cpu, ratio auto (placed after the first step, within a device budget " \
+           "of 9,313.23 GiB), 3 units" in out, out
+    placed = re.search(r"^placement after step 1: (ratio auto: first step's device peak "
+                       r"[\d,]+ MiB of a 9,536,743 MiB budget; 3 of 3 units moved their "
+                       r"optimizer state to the device \(\d+ MiB\)); on the device: (.*)$",
+                       out, re.M)
+    assert placed and sorted(placed.group(2).split(", ")) == ["<root>", "blocks.0",
+                                                              "blocks.1"], out
+    acc = read(str(logs))
+    assert text(acc, "placement") == placed.group(1)
+    assert scalars(acc, "placement/units_on_device") == {1: 3.0}
+    assert scalars(acc, "placement/units_on_host") == {1: 0.0}
+    device, host = (scalars(acc, f"placement/optimizer_bytes/{p}")[1] for p in ("device", "host"))
+    assert host < 1024, host
+    # The same bytes as the measured line after step 1 prints for the device's optimizer.
+    measured = re.search(r"^model state per rank, measured.*$", out, re.M).group(0)
+    on_device = re.search(r"device \(cpu\)[^|]*optimizer (\S+) MiB", measured)
+    assert on_device and on_device.group(1) == f"{device / 2**20:.1f}", (device, measured)
 
 
 @pytest.mark.multirank

@@ -52,6 +52,7 @@ def train(args, device) -> None:
             if message is None:
                 raise
             raise ValueError(message) from e
+        progress.placed(runtime_of(model), step)
         if step == start:
             measured(model)
         opt.zero_grad()

@@ -153,6 +153,7 @@ class Progress:
         self.timed_from = None       # (time, step) after this run's first step: ETA's base
         self.first_loss = None
         self.skipped = 0
+        self.unplaced = job.offload_ratio == "auto"    # printed once the step placed it
 
     def wants(self, step: int, end: int) -> bool:
         """Whether to report this step (reporting costs a small all-gather)."""
@@ -173,6 +174,20 @@ class Progress:
                 f"  {step_s * 1e3:,.0f} ms  {self.tokens_per_rank / step_s:,.0f} tok/s/rank  "
                 f"peak {peak / 2**20:,.0f} MiB  eta {self._eta(now, step)}")
         print(f"\r{line}", end="", flush=True) if self.tty else print(line, flush=True)
+
+    def placed(self, rt, step: int) -> None:
+        """offload(ratio="auto")'s placement and its reason, once the step that made it (the
+        first one not skipped) is done."""
+        reason = rt.placement_reason() if self.unplaced else None
+        if reason is None:
+            return
+        self.unplaced = False
+        if dist.get_rank() == 0:
+            staying = rt.units_on_device()
+            line = f"placement after step {step + 1}: {reason}" + \
+                (f"; on the device: {_names(staying)}" if staying else "")
+            # (on a terminal, below the progress line it rewrites, once there is one)
+            print("\n" * (self.tty and self.first_loss is not None) + line, flush=True)
 
     def _eta(self, now: float, step: int) -> str:
         t0, s0 = self.timed_from
