@@ -27,6 +27,7 @@ import torch
 
 import zerofn as zf
 from support.ranks import run_ranks
+from support.tensorboard_runs import read, scalars, text
 from zerofn import train
 from zerofn.deepspeed.schedulers import SCHEDULERS
 from zerofn.nanogpt import GPT, PRESETS
@@ -137,6 +138,34 @@ def test_a_share_of_the_state_on_the_device_from_the_command_line():
 
 
 @pytest.mark.multirank
+def test_auto_placement_is_printed_and_logged(tmp_path):
+    """--offload-ratio auto: after step 1 rank 0 prints the placement and its reason, and
+    TensorBoard gets the reason as text and the placement as scalars. (On the CPU the budget
+    is in bytes; this one holds every unit, so only the step counters stay on the host.)"""
+    logs = tmp_path / "tb"
+    out = run_job("--offload", "cpu", "--offload-ratio", "auto", "--device-budget",
+                  str(10**13), "--tensorboard", str(logs), steps=3)
+    assert "offload cpu, ratio auto (placed after the first step, within a device budget " \
+           "of 9,313.23 GiB), 3 units" in out, out
+    placed = re.search(r"^placement after step 1: (ratio auto: first step's device peak "
+                       r"[\d,]+ MiB of a 9,536,743 MiB budget; 3 of 3 units moved their "
+                       r"optimizer state to the device \(\d+ MiB\)); on the device: (.*)$",
+                       out, re.M)
+    assert placed and sorted(placed.group(2).split(", ")) == ["<root>", "blocks.0",
+                                                              "blocks.1"], out
+    acc = read(str(logs))
+    assert text(acc, "placement") == placed.group(1)
+    assert scalars(acc, "placement/units_on_device") == {1: 3.0}
+    assert scalars(acc, "placement/units_on_host") == {1: 0.0}
+    device, host = (scalars(acc, f"placement/optimizer_bytes/{p}")[1] for p in ("device", "host"))
+    assert host < 1024, host
+    # The same bytes as the measured line after step 1 prints for the device's optimizer.
+    measured = re.search(r"^model state per rank, measured.*$", out, re.M).group(0)
+    on_device = re.search(r"device \(cpu\)[^|]*optimizer (\S+) MiB", measured)
+    assert on_device and on_device.group(1) == f"{device / 2**20:.1f}", (device, measured)
+
+
+@pytest.mark.multirank
 def test_the_host_step_during_backward_from_the_command_line():
     """--overlap-step accumulates under no_sync and steps the host's units in backward:
     the same curve as the job that reduces every micro-batch and steps after backward
@@ -228,7 +257,7 @@ def refusals(rank, world, argvs):
     out = []
     for argv in argvs:
         try:
-            train.resolve(train.parse_args(argv))
+            train.resolve(train.parse_args(argv), torch.device("cpu"))
             out.append(None)
         except ValueError as e:
             out.append(str(e))
@@ -251,6 +280,17 @@ REFUSED = {
                                                    "bf16"],
     "--offload-ratio 0.5 is the share --offload keeps off the device": ["--offload-ratio",
                                                                          "0.5"],
+    "--offload-ratio auto moves --offload cpu's fp32 state to the device: it needs "
+    "--offload cpu without --offload-params, --state-dtype or --master-dtype (here --offload "
+    "none)": ["--offload-ratio", "auto"],
+    "(here --offload nvme --state-dtype bf16)": ["--offload", "nvme", "--nvme-path", "/tmp",
+                                                 "--offload-ratio", "auto", "--state-dtype",
+                                                 "bf16"],
+    "--device-budget 1000 is what --offload-ratio auto places optimizer state within: add "
+    "--offload-ratio auto.": ["--offload", "cpu", "--offload-ratio", "0.5", "--device-budget",
+                              "1000"],
+    "--offload-ratio auto on a CPU device needs --device-budget in bytes": [
+        "--offload", "cpu", "--offload-ratio", "auto", "--device-budget", "0.5"],
     "--overlap-step steps the host's units during backward: it needs --offload cpu, "
     "--stage 2 or 3, --clip 0": ["--offload", "cpu", "--overlap-step"],
 }
@@ -269,9 +309,18 @@ def test_config_values_yield_to_explicit_flags(tmp_path):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps(CONFIG))
     base = ["--config", str(config)]
-    job_config, job_flags = run_ranks(1, resolve_jobs, [base, base + [
-        "--stage", "2", "--precision", "fp32", "--offload", "none", "--grad-accum", "4",
-        "--batch", "16", "--clip", "0"]])[0]
+    # The optimizer's share offloaded, as DeepSpeed's Twin-Flow ratio; --offload-ratio over it.
+    shared = tmp_path / "ratio.json"
+    shared.write_text(json.dumps(dict(CONFIG, zero_optimization={
+        "stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.25}})))
+    ratio = ["--config", str(shared)]
+    job_config, job_flags, job_ratio, job_auto = run_ranks(1, resolve_jobs, [
+        base, base + ["--stage", "2", "--precision", "fp32", "--offload", "none",
+                      "--grad-accum", "4", "--batch", "16", "--clip", "0"],
+        ratio, ratio + ["--offload-ratio", "auto", "--device-budget", "1000"]])[0]
+    assert (job_ratio.offload, job_ratio.offload_ratio, job_ratio.device_budget) == \
+        ("cpu", 0.25, None)
+    assert (job_auto.offload_ratio, job_auto.device_budget) == ("auto", 1000)
     assert (job_config.stage, job_config.precision, job_config.offload,
             job_config.offload_params, job_config.grad_accum, job_config.batch,
             job_config.clip) == (3, "bf16", "cpu", True, 4, 8, 0.5)
@@ -281,7 +330,7 @@ def test_config_values_yield_to_explicit_flags(tmp_path):
 
 
 def resolve_jobs(rank, world, argvs):
-    jobs = [train.resolve(train.parse_args(argv)) for argv in argvs]
+    jobs = [train.resolve(train.parse_args(argv), torch.device("cpu")) for argv in argvs]
     for job in jobs:       # what is left is plain data, comparable in the parent
         job.options = job.optimizer = job.scheduler = None
     return jobs

@@ -94,6 +94,7 @@ class Monitor(StepObserver):
         self._skipped = 0
         self._grad_norm = None
         self._comm: Counter = Counter()  # comm_stats summed over the interval's steps
+        self._unplaced = plan.offload.ratio == "auto"     # placed after a step: written then
         self.writer = self._csv = None
         if self.writes:
             from torch.utils.tensorboard import SummaryWriter   # only where logs are written
@@ -164,6 +165,9 @@ class Monitor(StepObserver):
             self._grad_norm = None
         self._skipped += rt.step_skipped()
         self._comm.update(rt.comm_stats())
+        if self._unplaced:
+            with self._logging():
+                self._write_placement()
         if self.step % self.every == 0:
             with self._logging():
                 self._write(collective=True)
@@ -278,6 +282,27 @@ class Monitor(StepObserver):
         if nvme:
             out["memory/nvme/file_bytes"] = float(sum(nvme.values()))
         return out
+
+    def _write_placement(self) -> None:
+        """offload(ratio="auto")'s placement, at the step that made it (the first one not
+        skipped): its reason as text; the units and this rank's optimizer bytes on each
+        side as scalars."""
+        rt = self.rt
+        reason = rt.placement_reason()
+        if reason is None:
+            return
+        self._unplaced = False
+        if not self.writes:
+            return
+        self.writer.add_text("placement", reason, self.step)
+        optimizer = {place: roles["optimizer"] for place, roles in rt.model_state_bytes().items()}
+        on_device = len(rt.units_on_device())
+        for tag, value in (("units_on_device", on_device),
+                           ("units_on_host", sum(bool(u.slots) for u in rt.units) - on_device),
+                           ("optimizer_bytes/device", optimizer.get(rt.device.type, 0)),
+                           ("optimizer_bytes/host", optimizer.get("host", 0))):
+            self._scalar(f"placement/{tag}", float(value), self.step)
+        self._flush_files()
 
     def _write_text(self) -> None:
         rt = self.rt

@@ -80,8 +80,9 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
         ``units``, ``slot_of`` (parameter to its ParamSlot), ``observers``;
         the step: ``step_skipped()``, ``loss_scale()`` and ``scaler`` (fp16's LossScaler,
         or None), ``comm_stats()``, ``model_state_bytes()``, ``units_on_device()``,
-        ``param_order()``, ``time_series()``, ``clip_grad_norm(...)``, ``set_step(step)``,
-        ``in_phase(name, fn, *args)``, ``observer(cls)``, ``no_sync()``;
+        ``placement_reason()``, ``param_order()``, ``time_series()``,
+        ``clip_grad_norm(...)``, ``set_step(step)``, ``in_phase(name, fn, *args)``,
+        ``observer(cls)``, ``no_sync()``;
         state: ``slots_by_name()``, ``full_tensor(...)``, ``gather_unit(...)``,
         ``prepare_state_dict()``, ``refresh_params()``, ``init_optimizer_state()``.
     """
@@ -281,6 +282,12 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
         """Under offload's ``ratio``: the units that keep their optimizer state on the
         device (none where everything is offloaded, or nothing is)."""
         return self.offload.staying() if self.offload is not None else []
+
+    def placement_reason(self) -> str | None:
+        """Under offload's ``ratio="auto"``, once the first step not skipped placed the units:
+        what it measured and what moved (placement.py). None before then, and otherwise."""
+        placed = self.placement is not None and self.placement.placed
+        return self.placement.reason if placed else None
 
     def time_series(self) -> tuple[str, ...]:
         """The timing series the offload's work fills, beyond every run's."""

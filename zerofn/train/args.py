@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -50,9 +51,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     zero.add_argument("--nvme-path", help="directory for --offload nvme's swap files")
     zero.add_argument("--offload-params", action=argparse.BooleanOptionalAction,
                       help="ZeRO-3 with --offload: the parameter shards too")
-    zero.add_argument("--offload-ratio", type=float,
+    zero.add_argument("--offload-ratio", type=_ratio, metavar="R|auto",
                       help="the share of the optimizer state --offload keeps off the device, "
-                           "0 to 1; the rest stays on the device (default 1: all)")
+                           "0 to 1; the rest stays on the device (default 1: all). auto "
+                           "(--offload cpu): after the first step, the units --device-budget "
+                           "holds move to the device; the placement and its reason are "
+                           "printed and logged to --tensorboard")
+    zero.add_argument("--device-budget", type=_budget, metavar="BYTES|SHARE",
+                      help="--offload-ratio auto: the device memory the run may use, in "
+                           "bytes (a whole number) or as a share of the memory free at "
+                           "set-up (in (0, 1]; default 0.9). On a CPU device give bytes: "
+                           "the host is the device there, and a share is of a GPU's free "
+                           "memory")
     zero.add_argument("--overlap-step", action="store_true",
                       help="--offload cpu, ZeRO-2/3, --clip 0: the host steps each unit during "
                            "backward (micro-batches but the last accumulate under no_sync)")
@@ -100,6 +110,29 @@ def parse_args(argv=None) -> argparse.Namespace:
                               "every rank stops with an error naming it (default "
                               f"{DEFAULT_TIMEOUT:g}; docs/multinode.md)")
     return p.parse_args(argv)
+
+
+def _ratio(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a share from 0 to 1, or auto") \
+            from None
+
+
+def _budget(text: str) -> int | float:
+    """Bytes as a whole number, else a share of the free device memory."""
+    try:
+        budget = int(text) if text.strip().isdigit() else float(text)
+    except ValueError:
+        budget = math.nan
+    if not (budget > 0 and (isinstance(budget, int) or budget <= 1)):     # (nan too)
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give bytes as a whole number (e.g. {2**30}) or a share of the free "
+            f"device memory in (0, 1] (e.g. 0.8)")
+    return budget
 
 
 def _millions(cfg: GPTConfig) -> str:

@@ -26,7 +26,8 @@ class Job:
     nvme_path: str | None
     state_dtype: str
     master_dtype: str
-    offload_ratio: float
+    offload_ratio: float | str                     # or "auto"
+    device_budget: int | float | None
     overlap_step: bool
     grad_accum: int
     batch: int
@@ -46,9 +47,9 @@ class Job:
         return self.batch // (dist.get_world_size() * self.grad_accum)
 
 
-def resolve(args) -> Job:
-    """The job the flags and the config ask for; raises ValueError (the same on every
-    rank) for settings that cannot run."""
+def resolve(args, device: torch.device) -> Job:
+    """The job the flags and the config ask for on ``device``; raises ValueError (the same
+    on every rank) for settings that cannot run."""
     settings = _read_config(args.config) if args.config else None
     opts = dict(settings.transforms) if settings else {}
     mp = opts.get("mixed_precision", {})
@@ -69,6 +70,7 @@ def resolve(args) -> Job:
         state_dtype=_first(args.state_dtype, STORED.get(offload.get("state_dtype")), "fp32"),
         master_dtype=_first(args.master_dtype, STORED.get(offload.get("master_dtype")), "fp32"),
         offload_ratio=_first(args.offload_ratio, offload.get("ratio"), 1.0),
+        device_budget=args.device_budget,
         overlap_step=args.overlap_step,
         grad_accum=_first(args.grad_accum, settings and settings.gradient_accumulation_steps, 1),
         batch=_first(args.batch, settings and settings.train_batch_size, 16),
@@ -84,7 +86,7 @@ def resolve(args) -> Job:
         # The flag names the directory; the config's csv_monitor still applies.
         job.tensorboard = dict(opts.get("tensorboard", {}), every=job.log_every,
                                **({"logdir": args.tensorboard} if args.tensorboard else {}))
-    _check(job, args)
+    _check(job, args, device)
     return job
 
 
@@ -101,7 +103,7 @@ def _read_config(path: str):
         return zf.from_deepspeed_config(path)
 
 
-def _check(job: Job, args) -> None:
+def _check(job: Job, args, device: torch.device) -> None:
     world = dist.get_world_size()
     if min(job.batch, job.grad_accum) < 1 or job.batch % (world * job.grad_accum):
         raise ValueError(f"the global batch ({job.batch} sequences) must split evenly into "
@@ -118,6 +120,7 @@ def _check(job: Job, args) -> None:
         raise ValueError(f"--state-dtype {job.state_dtype} --master-dtype {job.master_dtype}: "
                          f"low-precision state is stored off the device; add --offload cpu "
                          f"or nvme.")
+    _check_auto(job, device)
     if job.offload_ratio != 1.0 and job.offload is None:
         raise ValueError(f"--offload-ratio {job.offload_ratio} is the share --offload keeps "
                          f"off the device: add --offload cpu or nvme.")
@@ -141,6 +144,27 @@ def _check(job: Job, args) -> None:
     if job.cfg.width % job.cfg.heads:
         raise ValueError(f"--width {job.cfg.width} must be a multiple of --heads "
                          f"{job.cfg.heads}.")
+
+
+def _check_auto(job: Job, device: torch.device) -> None:
+    """--offload-ratio auto and its --device-budget (offload's own checks, in flags)."""
+    if job.device_budget is not None and job.offload_ratio != "auto":
+        raise ValueError(f"--device-budget {job.device_budget} is what --offload-ratio auto "
+                         f"places optimizer state within: add --offload-ratio auto.")
+    if job.offload_ratio != "auto":
+        return
+    here = [f"--offload {job.offload or 'none'}"] + ["--offload-params"] * job.offload_params \
+        + [f"--{k}-dtype {v}" for k, v in (("state", job.state_dtype),
+                                           ("master", job.master_dtype)) if v != "fp32"]
+    if here != ["--offload cpu"]:
+        raise ValueError(f"--offload-ratio auto moves --offload cpu's fp32 state to the "
+                         f"device: it needs --offload cpu without --offload-params, "
+                         f"--state-dtype or --master-dtype (here {' '.join(here)}); with "
+                         f"those, give a ratio from 0 to 1.")
+    if device.type == "cpu" and not isinstance(job.device_budget, int):
+        raise ValueError("--offload-ratio auto on a CPU device needs --device-budget in "
+                         "bytes (a whole number): the host is the device there, and a share "
+                         "is of a GPU's free memory.")
 
 
 STORED = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}
@@ -171,6 +195,7 @@ def transforms(job: Job) -> list:
         in_flight = opts.get("offload", {}).get("units_in_flight", 2)
         out.append(zf.offload(job.offload, params=job.offload_params, path=job.nvme_path,
                               units_in_flight=in_flight, ratio=job.offload_ratio,
+                              device_budget=job.device_budget,
                               overlap_step=job.overlap_step, **_stored(job)))
     if job.tensorboard is not None:
         options = dict(job.tensorboard)

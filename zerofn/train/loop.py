@@ -23,7 +23,7 @@ from .progress import Progress, banner, gather_stats, measured
 def train(args, device) -> None:
     """The run on this rank: the job built, resumed where its checkpoint is, trained to
     --stop-at (else --steps) and evaluated."""
-    job = resolve(args)
+    job = resolve(args, device)
     train_data, val_data = split(load_corpus())
     model, opt, sched = build(job, args.seed)
     data = Batches(train_data, args.seed, job.batch, job.cfg.context)
@@ -52,6 +52,7 @@ def train(args, device) -> None:
             if message is None:
                 raise
             raise ValueError(message) from e
+        progress.placed(runtime_of(model), step)
         if step == start:
             measured(model)
         opt.zero_grad()

@@ -76,14 +76,28 @@ def banner(job: Job, model, opt, args) -> str:
 
 
 def _share(job: Job, rt) -> str:
-    """Where offload's ``ratio`` put the units' optimizer state."""
+    """Where offload's ``ratio`` put the units' optimizer state (auto: where it will)."""
     if job.offload_ratio == 1.0:
         return ""
+    if job.offload_ratio == "auto":
+        return f", ratio auto (placed after the first step, within {_budget(job)})"
     staying = rt.units_on_device()
     return (f", ratio {job.offload_ratio:g} ({offloaded_share(rt):.2f} in whole units): "
             f"{len(staying)} of {sum(bool(u.slots) for u in rt.units)} units keep their "
-            f"state on the device" + (f" ({', '.join(u.name for u in staying)}: first in "
-                                      f"parameter order)" if staying else ""))
+            f"state on the device" + (f" ({_names(staying)}: first in parameter order)"
+                                      if staying else ""))
+
+
+def _budget(job: Job) -> str:
+    budget = job.device_budget
+    if isinstance(budget, int):
+        return f"a device budget of {_mb(budget)}"
+    share = f"{budget:g}" if budget else "offload's default share"
+    return f"{share} of the device memory free at set-up"
+
+
+def _names(units) -> str:
+    return ", ".join(u.name for u in units)
 
 
 def offloaded_share(rt) -> float:
@@ -140,6 +154,7 @@ class Progress:
         self.timed_from = None       # (time, step) after this run's first step: ETA's base
         self.first_loss = None
         self.skipped = 0
+        self.unplaced = job.offload_ratio == "auto"    # printed once the step placed it
 
     def wants(self, step: int, end: int) -> bool:
         """Whether to report this step (reporting costs a small all-gather)."""
@@ -160,6 +175,20 @@ class Progress:
                 f"  {step_s * 1e3:,.0f} ms  {self.tokens_per_rank / step_s:,.0f} tok/s/rank  "
                 f"peak {peak / 2**20:,.0f} MiB  eta {self._eta(now, step)}")
         print(f"\r{line}", end="", flush=True) if self.tty else print(line, flush=True)
+
+    def placed(self, rt, step: int) -> None:
+        """offload(ratio="auto")'s placement and its reason, once the step that made it (the
+        first one not skipped) is done."""
+        reason = rt.placement_reason() if self.unplaced else None
+        if reason is None:
+            return
+        self.unplaced = False
+        if dist.get_rank() == 0:
+            staying = rt.units_on_device()
+            line = f"placement after step {step + 1}: {reason}" + \
+                (f"; on the device: {_names(staying)}" if staying else "")
+            # (on a terminal, below the progress line it rewrites, once there is one)
+            print("\n" * (self.tty and self.first_loss is not None) + line, flush=True)
 
     def _eta(self, now: float, step: int) -> str:
         t0, s0 = self.timed_from
