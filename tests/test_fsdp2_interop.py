@@ -26,10 +26,11 @@ STEPS = 3
 
 
 # zerofn's side of a checkpoint FSDP2 reads: plain ZeRO-3, a share of the optimizer state
-# on the device and the rest offloaded, and Adam's moments stored in 8-bit codes (FSDP2
-# reads them decoded, as fp32).
+# on the device and the rest offloaded, Adam's moments stored in 8-bit codes (FSDP2 reads
+# them decoded, as fp32) and in bf16 (saved in bf16; DCP casts them to FSDP2's fp32).
 SAVERS = {"zero3": lambda: (), "ratio": lambda: (zf.offload("cpu", ratio=0.3),),
-          "int8": lambda: (zf.offload("cpu", state_dtype=torch.int8),)}
+          "int8": lambda: (zf.offload("cpu", state_dtype=torch.int8),),
+          "bf16": lambda: (zf.offload("cpu", state_dtype=torch.bfloat16),)}
 
 
 def zerofn_to_fsdp2(rank, world, root, saver="zero3"):
@@ -47,7 +48,7 @@ def zerofn_to_fsdp2(rank, world, root, saver="zero3"):
     set_state_dict(fmodel, fopt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     assert_same_state(saved, fsdp2_full(fmodel, fopt))
     train_sharded(fmodel, fopt, later, rank, world)
-    if saver == "int8":     # (zerofn went on rounding its moments; FSDP2 keeps fp32)
+    if saver in ("int8", "bf16"):     # (zerofn went on rounding its moments; FSDP2 keeps fp32)
         return 0.0
     return max_error(zf.get_state_dict(model, opt, full=True), fsdp2_full(fmodel, fopt))
 
@@ -76,7 +77,7 @@ def both_ways(rank, world, tmp):
             fsdp2_to_zerofn(rank, world, os.path.join(tmp, "fsdp2")))
 
 
-@pytest.mark.parametrize("saver", ["ratio", "int8"])
+@pytest.mark.parametrize("saver", ["ratio", "int8", "bf16"])
 def test_fsdp2_reads_checkpoints_of_a_split_or_8_bit_optimizer_state(saver, tmp_path):
     for err in run_ranks(2, zerofn_to_fsdp2, str(tmp_path), saver):
         assert err < TOL, f"FSDP2 continued a zerofn checkpoint {err} away"

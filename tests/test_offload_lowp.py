@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import zerofn as zf
 from support.compare import worst
@@ -138,31 +139,51 @@ def test_the_swap_file_shrinks_with_the_stored_form(tmp_path):
     assert lowp < 0.5 * fp32, (lowp, fp32)
 
 
-def _resume(rank, world, path, how):
-    """4 steps of bf16 masters and 8-bit moments: "through", or the last 2 after loading
-    the checkpoint "save" wrote after the first 2 (at world 2)."""
+def _resume(rank, world, path, how, state):
+    """4 steps of bf16 masters and ``state`` moments: "through", or the last 2 after
+    loading the checkpoint "save" wrote after the first 2 (at world 2); returns the model
+    and optimizer state (and where "save" wrote, what dtypes the checkpoint holds)."""
     data = batches(4, 1, 2)
-    model, opt = _lowp(torch.int8, torch.bfloat16)
+    model, opt = _lowp(state, torch.bfloat16)
     if how == "load":
         zf.load_checkpoint(path, model, opt)
     train_sharded(model, opt, data[:2] if how == "save" else data[2:] if how == "load"
                   else data, rank, world)
+    disk = None
     if how == "save":
-        zf.save_checkpoint(path, model, opt, step=2)
-    return {k: v.float() for k, v in zf.get_state_dict(model, opt, full=True)[0].items()}
+        saved = zf.save_checkpoint(path, model, opt, step=2)
+    if how == "save" and rank == 0:       # (rank 0 publishes the checkpoint it finished)
+        meta = dcp.FileSystemReader(saved).read_metadata()
+        disk = {k: m.properties.dtype for k, m in meta.state_dict_metadata.items()
+                if hasattr(m, "properties")}
+    msd, osd = zf.get_state_dict(model, opt, full=True)
+    moments = {f"{n}.{k}": t for n, st in osd["state"].items() for k, t in st.items()
+               if k != "step"}
+    return {k: v.float() for k, v in {**msd, **moments}.items()}, disk
 
 
-def test_a_resumed_run_is_the_run_bit_for_bit_and_reshards(tmp_path):
-    """The checkpoint holds fp32; loading encodes it back to the very codes and bf16
+@pytest.mark.parametrize("state", [torch.int8, torch.bfloat16])
+def test_a_resumed_run_is_the_run_bit_for_bit_and_reshards(state, tmp_path):
+    """The checkpoint holds bf16 masters and bf16 moments in bf16, 8-bit ones in fp32 (the
+    codes times their scales); loading encodes them back to the very codes and bf16
     values, and the rounding streams follow the step: bit for bit at the same world."""
     path = str(tmp_path / "ckpt")
-    through = run_ranks(2, _resume, path, "through")[0]
-    run_ranks(2, _resume, path, "save")
-    resumed = run_ranks(2, _resume, path, "load")[0]
+    through, _ = run_ranks(2, _resume, path, "through", state)[0]
+    _, disk = run_ranks(2, _resume, path, "save", state)[0]
+    moments = torch.bfloat16 if state == torch.bfloat16 else torch.float32
+    assert disk["model.tok.weight"] == disk["model.pos.weight"] == torch.bfloat16   # masters
+    assert disk["optim.state.tok.weight.exp_avg"] == moments, disk
+    assert disk["optim.state.tok.weight.exp_avg_sq"] == moments, disk
+    assert disk["model.temperature"] == torch.float32                   # (a buffer)
+    resumed, _ = run_ranks(2, _resume, path, "load", state)[0]
     assert all(torch.equal(through[k], resumed[k]) for k in through)
-    one = run_ranks(1, _resume, path, "load")[0]
+    one, _ = run_ranks(1, _resume, path, "load", state)[0]
     # (world 1 draws other rounding streams than world 2's shards: equal to bf16's ulp)
-    assert max((through[k] - one[k]).abs().max().item() for k in through) < 2e-2
+    assert max((through[k] - one[k]).abs().max().item() for k in msd_keys(through)) < 2e-2
+
+
+def msd_keys(state: dict) -> list[str]:
+    return [k for k in state if not k.endswith(("exp_avg", "exp_avg_sq"))]
 
 
 def _across_stages(rank, world, path, stage):

@@ -3,7 +3,8 @@
 ``api.py`` saves and loads (and owns the background saves), ``layout.py`` the checkpoint
 root on disk and its ``latest`` pointer, ``extras.py`` the step and extra objects,
 ``verify.py`` what the ranks agree on and what a checkpoint can lack, ``staging.py`` the
-host copy a background save writes from. ``docs/checkpoints.md`` describes the format.
+host copy a background save writes from, ``narrow.py`` the state offload keeps in bf16,
+saved in bf16. ``docs/checkpoints.md`` describes the format.
 """
 from .api import AsyncCheckpointer, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from .extras import PerRank, RNGState

@@ -21,6 +21,7 @@ from torch import nn
 from ...runtime import runtime_of
 from ...state.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 from . import extras, layout, verify
+from .narrow import narrowed
 from .staging import HostCopy
 
 _log = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     root, name = os.fspath(path), layout.step_name(step)
     tmp, final = layout.unfinished(root, name), os.path.join(root, name)
     msd, osd = get_state_dict(model, optimizer)
+    narrowed(runtime_of(model), msd, osd)     # state offload keeps in bf16, in bf16
     blobs = extras.blobs({"step": step, **extra}, dist.get_rank(group))
     if dist.get_rank(group) == 0:
         layout.clear_unfinished(root)

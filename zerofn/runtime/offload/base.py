@@ -160,6 +160,11 @@ class Offload(abc.ABC):
         """The units whose masters and state stay on the device (``ratio`` < 1)."""
         return []
 
+    def exact_dtypes(self, unit: Unit) -> tuple[torch.dtype, torch.dtype]:
+        """``(masters, moments)``: the narrowest dtypes that hold ``unit``'s masters and
+        Adam moments exactly (bf16 where they are stored in bf16), for checkpoints."""
+        return torch.float32, torch.float32
+
     def state_buffers(self) -> list[torch.Tensor]:
         """Where optimizer state is stored in another form than the optimizer's tensors
         show it (fewer bits), for accounting."""

@@ -70,6 +70,9 @@ class LowpHostOffload(HostOffload):
                   for pair in (*st.scales.values(), *st.fp32.values()) for t in pair]
         return masters + list(self.exp_avg.values()) + list(self.exp_avg_sq.values()) + extras
 
+    def exact_dtypes(self, unit) -> tuple[torch.dtype, torch.dtype]:
+        return self.form.exact_dtypes()
+
     def kernel_options(self, slot) -> dict:
         return self.form.kernel_options(self.state[self._unit_of[slot]], slot)
 

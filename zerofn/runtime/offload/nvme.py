@@ -85,6 +85,9 @@ class NvmeOffload(Offload):
     def arenas(self) -> list:
         return self._arenas
 
+    def exact_dtypes(self, unit) -> tuple[torch.dtype, torch.dtype]:
+        return self.form.exact_dtypes()
+
     def unseen_bytes(self) -> dict[str, dict[str, int]]:
         """The file, and the part of the staging ring standing for each of its roles."""
         ring = sum(b.numel() * FLOAT for b in self.staging)

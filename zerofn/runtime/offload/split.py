@@ -188,6 +188,9 @@ class SplitOffload(Offload):
     def updated_rows(self, unit):
         return self._of(unit).updated_rows(unit)
 
+    def exact_dtypes(self, unit) -> tuple[torch.dtype, torch.dtype]:
+        return self._of(unit).exact_dtypes(unit)
+
     def recast(self) -> None:
         self.host.recast()
 

@@ -45,6 +45,12 @@ class StoredForm:
         self.align = 64 if self.lowp else 4
         self._seeds: dict = {}                   # slot -> its rounding stream's seed
 
+    def exact_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """``(masters, moments)`` in the narrowest dtypes that hold them exactly: bf16 where
+        stored in bf16; 8-bit moments decode to fp32 values (a code times its scale)."""
+        return self.master_dtype, torch.bfloat16 if self.state_dtype == torch.bfloat16 \
+            else torch.float32
+
     # -- layout --------------------------------------------------------------------------
     def _extras(self, unit) -> list[tuple]:
         """``(slot, "scales" | "fp32", numel)`` of each slot with extras, in order."""
