@@ -64,10 +64,11 @@ class NvmeOffload(Offload):
         self.units = units
         self.params = dict(param_dtypes or {})   # unit -> compute dtype of its shard in the file
         self.form = form                          # how masters and moments are stored
+        form.hold(units)
         self.file = SwapFile(path, rank, units, self.params, form)
         # [Note: compute rows in the ring]: past the state, as a parameter shard lies.
         dtypes = {u: compute_dtype or u.dtype for u in units if u.slots and u not in self.params}
-        self.ring_rows = {u: dt for u, dt in dtypes.items() if dt != form.master_dtype}
+        self.ring_rows = {u: dt for u, dt in dtypes.items() if dt != form.master_dtype_of(u)}
         biggest = max([*self.file.block.values(),
                        *(block_bytes(u, dt, form) for u, dt in self.ring_rows.items())],
                       default=0)
@@ -124,10 +125,11 @@ class NvmeOffload(Offload):
     def place_masters(self, unit, keep: bool) -> torch.Tensor | None:
         """The rows go to the file; the optimizer's tensors are stand-ins until read
         (``_point``). The rows are returned only where ``keep`` asks for them."""
-        master = torch.zeros(unit.shard_numel, dtype=unit.dtype)
+        dtype = self._face(unit)
+        master = torch.zeros(unit.shard_numel, dtype=dtype)
         for s in unit.slots:
             s.shard_of(master).copy_(s.rows_of(s.param.detach()))
-            s.opt_param = stand_in(s.local_shape, unit.dtype)
+            s.opt_param = stand_in(s.local_shape, dtype)
         buf = self.staging[0]
         buf.zero_()
         state = self.form.views(unit, buf)
@@ -215,9 +217,12 @@ class NvmeOffload(Offload):
         steps = HostArena([1] * (len(trainable) + 1), torch.float32)   # host, not device
         self._arenas.append(steps)
         self._stand_in = steps.take(1)
-        for s in trainable:
-            optimizer.state[s.opt_param] = {"step": steps.take(1).view(()),
-                                            "exp_avg": torch.empty(0), "exp_avg_sq": torch.empty(0)}
+        for u in self.units:
+            face = self._face(u)
+            for s in u.trainable:
+                optimizer.state[s.opt_param] = {"step": steps.take(1).view(()),
+                                                "exp_avg": torch.empty(0, dtype=face),
+                                                "exp_avg_sq": torch.empty(0, dtype=face)}
         self._point(optimizer, None)
 
     def materialize(self, optimizer) -> None:
@@ -248,11 +253,18 @@ class NvmeOffload(Offload):
         self._point(self._optimizer, None)
         self.resident, self._resident_blocks = {}, {}
 
-    def _decoded(self, unit, buf: torch.Tensor) -> torch.Tensor:
-        """The unit's fp32 master | exp_avg | exp_avg_sq: views of the block where they are
-        stored in fp32, else decoded (stored.py)."""
+    def _face(self, unit) -> torch.dtype:
+        """The dtype the optimizer sees the unit's masters and moments in: fp32 for state in
+        fewer bits, else the dtype they are stored in (the parameters')."""
+        return torch.float32 if self.form.lowp else self.form.master_dtype_of(unit)
+
+    def _decoded(self, unit, buf: torch.Tensor):
+        """The unit's master, exp_avg and exp_avg_sq as the optimizer shows them: views of
+        the block where they are stored at full precision (the unit's dtype), else decoded
+        into fp32 (stored.py)."""
         if not self.form.lowp:
-            return buf[:3 * unit.shard_numel].view(3, unit.shard_numel)
+            st = self.form.views(unit, buf)
+            return st.master, st.exp_avg, st.exp_avg_sq
         flat = torch.zeros(3, unit.shard_numel)
         self.form.decode(unit, self.form.views(unit, buf), flat, masters=True)
         return flat
