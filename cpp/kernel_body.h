@@ -168,7 +168,7 @@ void adam_range(const AdamBufs& b, int64_t begin, int64_t end, const Regs& k) {
                K::O == kNone ? out : at<kBF16>(out, body), n - body, begin + body, k);
 }
 
-// Nearest code of each lane of x (already divided by the block's absmax): the number
+// Nearest code of each lane of x (already normalized by the block's absmax): the number
 // of midpoints strictly below x, as torch.bucketize(x, mids, right=False) counts them,
 // by one table lookup and one compare ([Note: code search by table] in kernels.h).
 inline ireg nearest_code(reg x, const int32_t* lut) {
@@ -192,19 +192,25 @@ inline void decode_block(const uint8_t* codes, float scale, const float* code, f
     x[i] = i < len ? code[codes[i]] * scale : 0.0f;
 }
 
-// fp32 scratch (zero beyond len) -> codes and the block's scale (its absmax). A block
-// of zeros divides by 1 so that every code is that of 0.
+// fp32 scratch (zero beyond len) -> codes and the block's scale s (its absmax). The
+// elements are normalized as x * (1/s), the reciprocal rounded once per block: a
+// multiply costs a fraction of a division, and the code search only needs a monotone,
+// deterministic normalization that maps s to about 1 (lowp.quantize_blockwise). A block
+// of zeros uses s = 1; a subnormal s, whose reciprocal would overflow, is scaled by 2^24
+// together with the elements first, exactly.
 inline void encode_block(const float* x, uint8_t* codes, float* scale, const int32_t* lut,
                          int64_t len) {
   reg mx = V::set1(0.0f);
   for (int64_t i = 0; i < kQuantBlock; i += V::W) mx = V::max(mx, V::abs(V::load(x + i)));
   const float absmax = V::hmax(mx);
   *scale = absmax;
-  const reg d = V::set1(absmax == 0.0f ? 1.0f : absmax);
+  const float s = absmax == 0.0f ? 1.0f : absmax;
+  const float pre = s < 0x1p-126f ? 0x1p24f : 1.0f;
+  const reg up = V::set1(pre), recip = V::set1(1.0f / (s * pre));
   alignas(64) uint8_t staged[kQuantBlock];
   uint8_t* dst = len == kQuantBlock ? codes : staged;
   for (int64_t i = 0; i < kQuantBlock; i += V::W)
-    V::store_u8(dst + i, nearest_code(V::div(V::load(x + i), d), lut));
+    V::store_u8(dst + i, nearest_code(V::mul(V::mul(V::load(x + i), up), recip), lut));
   if (dst == staged) copy_bytes(codes, staged, len);
 }
 

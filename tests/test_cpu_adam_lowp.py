@@ -97,6 +97,22 @@ def test_quantize_edges():
     assert lowp.quantize_blockwise(on_mid, False)[0][:10].tolist() == list(range(10))
 
 
+def test_quantize_blocks_with_a_subnormal_absmax():
+    """1 / absmax overflows fp32 below 2**-128: such a block is scaled by 2**24 first, so
+    it still normalizes to about 1 (its absmax takes the code of 1.0, zeros that of 0)."""
+    x = torch.zeros(512)
+    x[:3] = torch.tensor([3e-40, -1e-41, 1e-45])
+    x[256:259] = torch.tensor([-2e-39, 1e-39, 0.0])
+    for signed in (True, False):
+        y = x if signed else x.abs()
+        q, s = lowp.quantize_blockwise(y, signed)
+        code = lowp.signed_code() if signed else lowp.unsigned_code()
+        assert s.tolist() == [y[:256].abs().max().item(), y[256:].abs().max().item()]
+        norm = y.double() / s.double().repeat_interleave(256)
+        nearest = (norm[:, None] - code.double()[None, :]).abs().argmin(1)
+        assert torch.equal(q.long(), nearest)
+
+
 def test_unsigned_requantization_of_decoded_state_is_exact():
     """exp_avg_sq's block max decodes to exactly its scale (code 1.0), so decoding and
     re-encoding (a state dict round trip) gives back the same codes and scales."""
@@ -193,6 +209,28 @@ def test_kernel_equals_reference_bit_for_bit(isa, grad, master, state, out, adam
     try:
         for n in (1, 15, 255, 256, 257, 1000, 4099):
             assert_bits_equal(*run_both(n, grad, master, state, out, adamw))
+    finally:
+        zo.set_isa(ISAS[0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_encodes_subnormal_blocks_like_the_reference(isa):
+    """Moments so small that a block's absmax is subnormal (exp_avg_sq of a long-idle
+    parameter): the kernels' per-block reciprocal takes the same 2**24 detour."""
+    n = 700
+    gen = torch.Generator().manual_seed(3)
+    m, ms = lowp.quantize_blockwise(torch.randn(n, generator=gen) * 1e-41, True)
+    v, vs = lowp.quantize_blockwise(torch.rand(n, generator=gen) * 1e-41, False)
+    ours = [torch.randn(n, generator=gen), m, v, ms, vs]
+    ref = [t.clone() for t in ours]
+    zo.set_isa(isa)
+    try:
+        for step, g in enumerate((torch.zeros(n), torch.randn(n, generator=gen) * 1e-41), 1):
+            for fn, b in ((zo.adam_step, ours), (zo.reference_adam_step, ref)):
+                fn(b[0], g, b[1], b[2], step=step, lr=1e-3, exp_avg_scale=b[3],
+                   exp_avg_sq_scale=b[4])
+            assert_bits_equal(ours, ref)
+            assert bool((ref[3] < 2.0**-128).all() and (ref[4] < 2.0**-128).all())
     finally:
         zo.set_isa(ISAS[0])
 

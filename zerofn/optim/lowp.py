@@ -124,9 +124,16 @@ def _div(a: torch.Tensor, b) -> torch.Tensor:
 def quantize_blockwise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes uint8 [n], scales fp32 [ceil(n/256)])`` of a 1-D fp32 tensor.
 
-    Per block: scale = ``max |x|``; normalized = x / scale in fp32 (0 where scale is 0);
-    code index = number of midpoints strictly below normalized (``bucketize``,
+    Per block: scale s = ``max |x|``; normalized = x * r in fp32 with r = 1 / s rounded
+    to fp32 once per block (s = 1 for a block of zeros; a subnormal s, whose reciprocal
+    overflows, and the block's elements are first multiplied by 2**24, exactly); code
+    index = number of midpoints strictly below normalized (``bucketize``,
     ``right=False``), so a value exactly on a midpoint takes the lower code.
+
+    The reciprocal is the kernels' choice (a multiply per element is much cheaper than a
+    division) and is sound: the code search needs only a monotone, deterministic
+    normalization, and x * r is within an ulp of x / s: s itself maps to within an ulp
+    of 1.0, which takes the code of 1.0.
     """
     if x.dtype != torch.float32 or x.dim() != 1:
         raise TypeError(f"quantize_blockwise takes a 1-D fp32 tensor, got {x.dtype} {x.dim()}-D")
@@ -134,7 +141,9 @@ def quantize_blockwise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, tor
     b = _blocks(x)
     scales = b.abs().amax(dim=1)
     safe = torch.where(scales == 0, torch.ones_like(scales), scales)
-    normalized = _div(b, safe[:, None])
+    up = torch.where(safe < 2.0**-126, 2.0**24, 1.0)  # fp32
+    recip = _div(torch.ones_like(safe), safe * up)  # safe * up is exact
+    normalized = _mul(_mul(b, up[:, None]), recip[:, None])
     codes = torch.bucketize(normalized, midpoints(signed), right=False)
     return codes.reshape(-1)[:n].to(torch.uint8), scales
 
