@@ -96,7 +96,7 @@ struct Regs {
 };
 
 // Compile-time shape of one instantiation: gradient, copy-out, params and moment
-// dtypes (S is kF32 or kBF16 here: 8-bit moments reach adam_vec decoded to fp32).
+// dtypes (S is kF32 or kBF16 here: 8-bit moments reach adam_regs decoded to fp32).
 template <int G_, int O_, bool L2_, bool SMALL_, int P_, int S_>
 struct Kind {
   static constexpr int G = G_, O = O_, P = P_, S = S_;
@@ -107,23 +107,32 @@ struct Kind {
 // (vectorised ATen kernels): mul_(decay); add(p, alpha=wd) = fma; lerp_ = fma of the
 // difference; mul_(beta2).addcmul_ = fma((1-b2)*g, g, v*b2); sqrt / bc2_sqrt + eps;
 // addcdiv_ = p + (-step_size*m) / denom. Matching it keeps parity near one ulp.
-// `index` is element i's position in the whole buffer (stochastic rounding's counter).
-template <class K, bool STREAM = false>
-inline void adam_vec(void* p, const void* g, void* m, void* v, void* out, int64_t i,
-                     int64_t index, const Regs& k) {
+// The moments come and go in registers (mr, vr: old values in, new ones out); p and
+// the copy-out are read and written here. `index` is element i's position in the whole
+// buffer (stochastic rounding's counter).
+template <class K, bool STREAM>
+inline void adam_regs(void* p, const void* g, reg& mr, reg& vr, void* out, int64_t i,
+                      int64_t index, const Regs& k) {
   reg gr = V::mul(load_as<K::G>(g, i), k.grad_scale);
   reg pr = V::mul(load_as<K::P>(p, i), k.decay);
   if constexpr (K::L2) gr = V::fma(pr, k.l2, gr);
-  reg mr = load_as<K::S>(m, i);
   reg diff = V::sub(gr, mr);
   mr = V::fma(k.lerp_w, diff, K::SMALL ? mr : gr);
-  reg vr = V::fma(V::mul(k.one_minus_beta2, gr), gr, V::mul(load_as<K::S>(v, i), k.beta2));
+  vr = V::fma(V::mul(k.one_minus_beta2, gr), gr, V::mul(vr, k.beta2));
   reg denom = V::add(V::div(V::sqrt(vr), k.bc2_sqrt), k.eps);
   pr = V::add(pr, V::div(V::mul(k.neg_step, mr), denom));
   pr = store_as<K::P>(p, i, pr, k.key_p, index);
+  if constexpr (K::O != kNone) store_out<K::O, STREAM>(out, i, pr);
+}
+
+// adam_regs with the moments in fp32 or bf16 buffers.
+template <class K, bool STREAM = false>
+inline void adam_vec(void* p, const void* g, void* m, void* v, void* out, int64_t i,
+                     int64_t index, const Regs& k) {
+  reg mr = load_as<K::S>(m, i), vr = load_as<K::S>(v, i);
+  adam_regs<K, STREAM>(p, g, mr, vr, out, i, index, k);
   store_as<K::S>(m, i, mr, k.key_m, index);
   store_as<K::S>(v, i, vr, k.key_v, index);
-  if constexpr (K::O != kNone) store_out<K::O, STREAM>(out, i, pr);
 }
 
 inline void copy_bytes(void* dst, const void* src, int64_t bytes) {
@@ -182,27 +191,63 @@ inline ireg nearest_code(reg x, const int32_t* lut) {
   return V::iadd(V::template isrl<16>(e), V::ilt_i(V::iand(e, V::iset1(0xFFFFu)), low));
 }
 
-// One block's codes -> fp32 scratch (code * scale); lanes from len on are zero.
-inline void decode_block(const uint8_t* codes, float scale, const float* code, float* x,
+// Where one block's moments come from: its 8-bit codes, decoded vector by vector...
+struct Codes {
+  const uint8_t *m, *v;
+  reg m_scale, v_scale;
+  const QuantTables& q;
+  reg load_m(int64_t i) const { return decode(m + i, m_scale, q.code_m); }
+  reg load_v(int64_t i) const { return decode(v + i, v_scale, q.code_v); }
+  static reg decode(const uint8_t* c, reg scale, const float* code) {
+    return V::mul(V::template lookup<256>(code, V::load_u8(c)), scale);
+  }
+};
+
+// ... or, for a short last block, fp32 scratch that holds them decoded, zero-padded.
+struct Decoded {
+  const float *m, *v;
+  reg load_m(int64_t i) const { return V::load(m + i); }
+  reg load_v(int64_t i) const { return V::load(v + i); }
+};
+
+// One short block's codes -> fp32 scratch (code * scale); lanes from len on are zero.
+inline void decode_short(const uint8_t* codes, float scale, const float* code, float* x,
                          int64_t len) {
-  const reg s = V::set1(scale);
-  for (int64_t i = 0; i < len - len % V::W; i += V::W)
-    V::store(x + i, V::mul(V::template lookup<256>(code, V::load_u8(codes + i)), s));
-  for (int64_t i = len - len % V::W; i < kQuantBlock; ++i)
-    x[i] = i < len ? code[codes[i]] * scale : 0.0f;
+  for (int64_t i = 0; i < kQuantBlock; ++i) x[i] = i < len ? code[codes[i]] * scale : 0.0f;
 }
 
-// fp32 scratch (zero beyond len) -> codes and the block's scale s (its absmax). The
+// The new fp32 moments of one block (in L1 scratch) and their absmax.
+struct BlockMoments {
+  alignas(64) float m[kQuantBlock], v[kQuantBlock];
+  float m_max, v_max;
+};
+
+// Adam over one whole block: the moments from `src`, the new ones into `out_m`, their
+// absmax taken on the way (the same lanes in the same order as a separate pass would).
+template <class KF, bool STREAM, class Src>
+void adam_block(void* p, const void* g, void* out, const Src& src, int64_t b0,
+                const Regs& k, BlockMoments& nm) {
+  reg m_max = V::set1(0.0f), v_max = V::set1(0.0f);
+  for (int64_t i = 0; i < kQuantBlock; i += V::W) {
+    reg mr = src.load_m(i), vr = src.load_v(i);
+    adam_regs<KF, STREAM>(p, g, mr, vr, out, i, b0 + i, k);
+    V::store(nm.m + i, mr);
+    V::store(nm.v + i, vr);
+    m_max = V::max(m_max, V::abs(mr));
+    v_max = V::max(v_max, V::abs(vr));
+  }
+  nm.m_max = V::hmax(m_max);
+  nm.v_max = V::hmax(v_max);
+}
+
+// fp32 scratch (zero beyond len) -> codes, and the block's scale s = absmax. The
 // elements are normalized as x * (1/s), the reciprocal rounded once per block: a
 // multiply costs a fraction of a division, and the code search only needs a monotone,
 // deterministic normalization that maps s to about 1 (lowp.quantize_blockwise). A block
 // of zeros uses s = 1; a subnormal s, whose reciprocal would overflow, is scaled by 2^24
 // together with the elements first, exactly.
-inline void encode_block(const float* x, uint8_t* codes, float* scale, const int32_t* lut,
-                         int64_t len) {
-  reg mx = V::set1(0.0f);
-  for (int64_t i = 0; i < kQuantBlock; i += V::W) mx = V::max(mx, V::abs(V::load(x + i)));
-  const float absmax = V::hmax(mx);
+inline void encode_block(const float* x, float absmax, uint8_t* codes, float* scale,
+                         const int32_t* lut, int64_t len) {
   *scale = absmax;
   const float s = absmax == 0.0f ? 1.0f : absmax;
   const float pre = s < 0x1p-126f ? 0x1p24f : 1.0f;
@@ -214,40 +259,38 @@ inline void encode_block(const float* x, uint8_t* codes, float* scale, const int
   if (dst == staged) copy_bytes(codes, staged, len);
 }
 
-// 8-bit moments, block by block: decode both into fp32 scratch that stays in L1, run
-// the fp32-moment vector code over it, then re-encode with the block's new absmax. A
-// short last block runs the whole block on a zero-padded copy of p and g as well.
+// 8-bit moments, block by block: decode, update and take the new absmax in one pass
+// (new moments to L1 scratch), then encode with it. A short last block runs the whole
+// block on zero-padded copies of its moments, p and g.
 template <class K, bool STREAM>
 void adam_range_u8(const AdamBufs& b, int64_t begin, int64_t end, const Regs& k) {
   using KF = Kind<K::G, K::O, K::L2, K::SMALL, K::P, kF32>;
   const QuantTables& q = *b.q;
-  alignas(64) float ms[kQuantBlock], vs[kQuantBlock], ps[kQuantBlock], gs[kQuantBlock];
-  alignas(64) uint16_t os[kQuantBlock];
+  BlockMoments nm;
   for (int64_t b0 = begin; b0 < end; b0 += kQuantBlock) {
     const int64_t len = end - b0 < kQuantBlock ? end - b0 : kQuantBlock;
     auto* mc = static_cast<uint8_t*>(b.m) + b0;
     auto* vc = static_cast<uint8_t*>(b.v) + b0;
     float* msc = b.m_scale + b0 / kQuantBlock;
     float* vsc = b.v_scale + b0 / kQuantBlock;
-    decode_block(mc, *msc, q.code_m, ms, len);
-    decode_block(vc, *vsc, q.code_v, vs, len);
     void* p = at<K::P>(b.p, b0);
     const void* g = at<K::G>(b.g, b0);
     void* out = K::O == kNone ? nullptr : at<kBF16>(b.out, b0);
     if (len == kQuantBlock) {
-      for (int64_t i = 0; i < kQuantBlock; i += V::W)
-        adam_vec<KF, STREAM>(p, g, ms, vs, out, i, b0 + i, k);
+      adam_block<KF, STREAM>(p, g, out, Codes{mc, vc, V::set1(*msc), V::set1(*vsc), q}, b0, k, nm);
     } else {
-      for (int64_t i = 0; i < kQuantBlock; ++i) ps[i] = gs[i] = 0.0f;
+      alignas(64) float ps[kQuantBlock] = {}, gs[kQuantBlock] = {};
+      alignas(64) uint16_t os[kQuantBlock];
+      decode_short(mc, *msc, q.code_m, nm.m, len);
+      decode_short(vc, *vsc, q.code_v, nm.v, len);
       copy_bytes(ps, p, len * elem_size(K::P));
       copy_bytes(gs, g, len * elem_size(K::G));
-      for (int64_t i = 0; i < kQuantBlock; i += V::W)
-        adam_vec<KF>(ps, gs, ms, vs, os, i, b0 + i, k);
+      adam_block<KF, false>(ps, gs, os, Decoded{nm.m, nm.v}, b0, k, nm);
       copy_bytes(p, ps, len * elem_size(K::P));
       if constexpr (K::O != kNone) copy_bytes(out, os, len * 2);
     }
-    encode_block(ms, mc, msc, q.lut_m, len);
-    encode_block(vs, vc, vsc, q.lut_v, len);
+    encode_block(nm.m, nm.m_max, mc, msc, q.lut_m, len);
+    encode_block(nm.v, nm.v_max, vc, vsc, q.lut_v, len);
   }
   if constexpr (STREAM) V::store_fence();
 }
