@@ -58,16 +58,17 @@ inline ireg random_bits(uint32_t key, int64_t i) {
 }
 
 // Stores x as D and returns the value stored. bf16 rounds stochastically: adding 16
-// random bits below the kept half rounds the magnitude up with probability (dropped
-// part) / 2^16, so the expected value is x. Round to nearest even would freeze
-// exp_avg_sq (beta2 = 0.999 moves it by less than half a bf16 ulp) and bf16 masters.
+// random bits (`bits`, below 2^16; unused for fp32) below the kept half rounds the
+// magnitude up with probability (dropped part) / 2^16, so the expected value is x.
+// Round to nearest even would freeze exp_avg_sq (beta2 = 0.999 moves it by less than
+// half a bf16 ulp) and bf16 masters.
 template <int D>
-inline reg store_as(void* x, int64_t i, reg a, uint32_t key, int64_t index) {
+inline reg store_as(void* x, int64_t i, reg a, ireg bits) {
   if constexpr (D == kF32) {
     V::store(static_cast<float*>(x) + i, a);
     return a;
   } else {
-    const auto h = V::bf16_round(a, V::iand(random_bits(key, index), V::iset1(0xFFFFu)));
+    const auto h = V::bf16_round(a, bits);
     V::template store_half<false>(static_cast<uint16_t*>(x) + i, h);
     return V::from_bf16(h);
   }
@@ -86,13 +87,13 @@ inline void store_out(void* out, int64_t i, reg x) {
 // The step constants broadcast once per call rather than once per vector.
 struct Regs {
   reg grad_scale, decay, l2, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step;
-  uint32_t key_p, key_m, key_v;
+  uint32_t key_p, key_m;
   explicit Regs(const AdamCoeffs& c)
       : grad_scale(V::set1(c.grad_scale)), decay(V::set1(c.decay)), l2(V::set1(c.l2)),
         lerp_w(V::set1(c.lerp_w)), beta2(V::set1(c.beta2)),
         one_minus_beta2(V::set1(c.one_minus_beta2)), bc2_sqrt(V::set1(c.bc2_sqrt)),
         eps(V::set1(c.eps)), neg_step(V::set1(c.neg_step_size)), key_p(c.key_p),
-        key_m(c.key_m), key_v(c.key_v) {}
+        key_m(c.key_m) {}
 };
 
 // Compile-time shape of one instantiation: gradient, copy-out, params and moment
@@ -121,18 +122,20 @@ inline void adam_regs(void* p, const void* g, reg& mr, reg& vr, void* out, int64
   vr = V::fma(V::mul(k.one_minus_beta2, gr), gr, V::mul(vr, k.beta2));
   reg denom = V::add(V::div(V::sqrt(vr), k.bc2_sqrt), k.eps);
   pr = V::add(pr, V::div(V::mul(k.neg_step, mr), denom));
-  pr = store_as<K::P>(p, i, pr, k.key_p, index);
+  pr = store_as<K::P>(p, i, pr, V::iand(random_bits(k.key_p, index), V::iset1(0xFFFFu)));
   if constexpr (K::O != kNone) store_out<K::O, STREAM>(out, i, pr);
 }
 
-// adam_regs with the moments in fp32 or bf16 buffers.
+// adam_regs with the moments in fp32 or bf16 buffers. bf16 moments share one hash per
+// element: exp_avg rounds with its low 16 bits, exp_avg_sq with its high 16.
 template <class K, bool STREAM = false>
 inline void adam_vec(void* p, const void* g, void* m, void* v, void* out, int64_t i,
                      int64_t index, const Regs& k) {
   reg mr = load_as<K::S>(m, i), vr = load_as<K::S>(v, i);
   adam_regs<K, STREAM>(p, g, mr, vr, out, i, index, k);
-  store_as<K::S>(m, i, mr, k.key_m, index);
-  store_as<K::S>(v, i, vr, k.key_v, index);
+  const ireg bits = random_bits(k.key_m, index);
+  store_as<K::S>(m, i, mr, V::iand(bits, V::iset1(0xFFFFu)));
+  store_as<K::S>(v, i, vr, V::template isrl<16>(bits));
 }
 
 inline void copy_bytes(void* dst, const void* src, int64_t bytes) {

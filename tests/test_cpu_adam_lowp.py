@@ -123,18 +123,24 @@ def test_unsigned_requantization_of_decoded_state_is_exact():
     assert torch.equal(q, q2) and torch.equal(s, s2)
 
 
-def test_stochastic_rounding_is_unbiased_and_deterministic():
+@pytest.mark.parametrize("high", [False, True])
+def test_stochastic_rounding_is_unbiased_and_deterministic(high):
     x = torch.full((200_000,), 1.0 + 2**-9)  # 1/4 of the way from 1.0 to the next bf16
     x[1::2] *= -1
-    r = lowp.round_bf16_stochastic(x, seed=3, step=1, stream=0).float()
+    r = lowp.round_bf16_stochastic(x, seed=3, step=1, stream=0, high=high).float()
     assert set(r.abs().unique().tolist()) == {1.0, 1.0 + 2**-7}
     for half in (r[0::2], -r[1::2]):
         assert abs(half.mean().item() - (1.0 + 2**-9)) < 2e-5  # 5 sigma of 2**-7 * 0.43/300
-    again = lowp.round_bf16_stochastic(x, seed=3, step=1, stream=0)
+    again = lowp.round_bf16_stochastic(x, seed=3, step=1, stream=0, high=high)
     assert torch.equal(again.view(torch.int16), r.bfloat16().view(torch.int16))
-    for other in (dict(seed=4, step=1, stream=0), dict(seed=3, step=2, stream=0),
-                  dict(seed=3, step=1, stream=1)):  # fmt: skip
+    for other in (dict(seed=4, step=1, stream=0, high=high), dict(seed=3, step=2, stream=0, high=high),
+                  dict(seed=3, step=1, stream=1, high=high),
+                  dict(seed=3, step=1, stream=0, high=not high)):  # fmt: skip
         assert not torch.equal(lowp.round_bf16_stochastic(x, **other).float(), r)
+    # The two halves of one stream round independently: up together 1/4 x 1/4 of the time.
+    other = lowp.round_bf16_stochastic(x, seed=3, step=1, stream=0, high=not high).float()
+    both_up = ((r.abs() > 1.0) & (other.abs() > 1.0)).float().mean().item()
+    assert abs(both_up - 1 / 16) < 3e-3  # ~5 sigma of sqrt(1/16 * 15/16 / 200_000)
 
 
 def test_stochastic_rounding_specials():
