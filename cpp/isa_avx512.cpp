@@ -75,9 +75,8 @@ struct V {
   static ireg imul(ireg a, ireg b) { return _mm512_mullo_epi32(a, b); }
   template <int K>
   static ireg isrl(ireg a) { return _mm512_srli_epi32(a, K); }
-  static ireg ilt_bit(reg a, reg b) {
-    return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), _mm512_set1_epi32(1));
-  }
+  template <int K>
+  static ireg isra(ireg a) { return _mm512_srai_epi32(a, K); }
   static ireg ibits(reg a) { return _mm512_castps_si512(a); }
   static ireg isub(ireg a, ireg b) { return _mm512_sub_epi32(a, b); }
   static ireg imax0(ireg a) { return _mm512_max_epi32(a, _mm512_setzero_si512()); }

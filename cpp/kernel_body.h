@@ -10,10 +10,12 @@
 // values), bf16_bits/f16_bits (round to nearest even), store_half<STREAM>, store_fence,
 // set1, add, sub, mul, div, sqrt, fma(a, b, c) = a*b + c rounded once, and the
 // double-precision sum-of-squares accumulator (Dacc, dacc_zero, dacc_add_sq, dacc_sum).
-// For low-precision state also: ireg (W uint32 lanes) with iset1, iota, iadd, ixor,
-// iand, imul (wrapping), isrl<k>, ilt_bit(a, b) = (a < b) ? 1 : 0; bf16_round(x, add)
-// (top half of bits(x) + add, NaN kept quiet), from_bf16, load_u8/store_u8 (one byte
-// per lane), lookup<N>(table, j) = table[j] for j < N, abs, max, hmax.
+// For low-precision state also: ireg (W uint32 lanes) with iset1, iota, iadd, isub,
+// ixor, iand, imul (wrapping), isrl<k> / isra<k> (logical / arithmetic shift right),
+// imax0 (max with 0, signed), ilt_i(a, b) = (a < b, signed) ? 1 : 0, ibits (a reg's
+// bits), gather(int32 table, j); bf16_round(x, add) (top half of bits(x) + add, NaN
+// kept quiet), from_bf16, load_u8/store_u8 (one byte per lane), lookup<N>(table, j) =
+// table[j] for j < N (up to 256), abs, max, hmax.
 
 namespace {
 
@@ -185,12 +187,12 @@ void adam_range(const AdamBufs& b, int64_t begin, int64_t end, const Regs& k) {
 // by one table lookup and one compare ([Note: code search by table] in kernels.h).
 inline ireg nearest_code(reg x, const int32_t* lut) {
   const ireg u = V::ibits(x);
-  const ireg sign = V::template isrl<31>(u);
+  const ireg neg = V::template isra<31>(u);  // all ones in the negative lanes
   const ireg mag = V::iand(u, V::iset1(0x7FFFFFFFu));
   ireg t = V::imax0(V::isub(V::template isrl<16>(mag), V::iset1(zerofn::kLutLow)));
-  t = V::iadd(t, V::imul(sign, V::iset1(zerofn::kLutSpan)));
+  t = V::iadd(t, V::iand(neg, V::iset1(zerofn::kLutSpan)));
   const ireg e = V::gather(lut, t);
-  const ireg low = V::ixor(V::iand(mag, V::iset1(0xFFFFu)), V::imul(sign, V::iset1(0xFFFFu)));
+  const ireg low = V::iand(V::ixor(mag, neg), V::iset1(0xFFFFu));
   return V::iadd(V::template isrl<16>(e), V::ilt_i(V::iand(e, V::iset1(0xFFFFu)), low));
 }
 
