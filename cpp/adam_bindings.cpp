@@ -73,7 +73,6 @@ void derive_keys(uint64_t seed, int64_t step, AdamCoeffs* c) {
   const uint32_t golden = 0x9E3779B9u;
   c->key_p = mix32(key ^ golden * 1u);
   c->key_m = mix32(key ^ golden * 2u);
-  c->key_v = mix32(key ^ golden * 3u);
 }
 
 void check_code(const float* code, const char* what);

@@ -75,9 +75,8 @@ struct V {
   static ireg imul(ireg a, ireg b) { return _mm256_mullo_epi32(a, b); }
   template <int K>
   static ireg isrl(ireg a) { return _mm256_srli_epi32(a, K); }
-  static ireg ilt_bit(reg a, reg b) {
-    return _mm256_srli_epi32(_mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)), 31);
-  }
+  template <int K>
+  static ireg isra(ireg a) { return _mm256_srai_epi32(a, K); }
   static ireg ibits(reg a) { return _mm256_castps_si256(a); }
   static ireg isub(ireg a, ireg b) { return _mm256_sub_epi32(a, b); }
   static ireg imax0(ireg a) { return _mm256_max_epi32(a, _mm256_setzero_si256()); }

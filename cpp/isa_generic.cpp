@@ -88,7 +88,8 @@ struct V {
   static ireg imul(ireg a, ireg b) { return a * b; }
   template <int K>
   static ireg isrl(ireg a) { return a >> K; }
-  static ireg ilt_bit(reg a, reg b) { return a < b ? 1 : 0; }
+  template <int K>
+  static ireg isra(ireg a) { return uint32_t(int32_t(a) >> K); }  // arithmetic in GCC/clang
   static ireg ibits(reg a) { return bits_of(a); }
   static ireg isub(ireg a, ireg b) { return a - b; }
   static ireg imax0(ireg a) { return int32_t(a) > 0 ? a : 0; }

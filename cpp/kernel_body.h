@@ -10,10 +10,12 @@
 // values), bf16_bits/f16_bits (round to nearest even), store_half<STREAM>, store_fence,
 // set1, add, sub, mul, div, sqrt, fma(a, b, c) = a*b + c rounded once, and the
 // double-precision sum-of-squares accumulator (Dacc, dacc_zero, dacc_add_sq, dacc_sum).
-// For low-precision state also: ireg (W uint32 lanes) with iset1, iota, iadd, ixor,
-// iand, imul (wrapping), isrl<k>, ilt_bit(a, b) = (a < b) ? 1 : 0; bf16_round(x, add)
-// (top half of bits(x) + add, NaN kept quiet), from_bf16, load_u8/store_u8 (one byte
-// per lane), lookup<N>(table, j) = table[j] for j < N, abs, max, hmax.
+// For low-precision state also: ireg (W uint32 lanes) with iset1, iota, iadd, isub,
+// ixor, iand, imul (wrapping), isrl<k> / isra<k> (logical / arithmetic shift right),
+// imax0 (max with 0, signed), ilt_i(a, b) = (a < b, signed) ? 1 : 0, ibits (a reg's
+// bits), gather(int32 table, j); bf16_round(x, add) (top half of bits(x) + add, NaN
+// kept quiet), from_bf16, load_u8/store_u8 (one byte per lane), lookup<N>(table, j) =
+// table[j] for j < N (up to 256), abs, max, hmax.
 
 namespace {
 
@@ -58,16 +60,17 @@ inline ireg random_bits(uint32_t key, int64_t i) {
 }
 
 // Stores x as D and returns the value stored. bf16 rounds stochastically: adding 16
-// random bits below the kept half rounds the magnitude up with probability (dropped
-// part) / 2^16, so the expected value is x. Round to nearest even would freeze
-// exp_avg_sq (beta2 = 0.999 moves it by less than half a bf16 ulp) and bf16 masters.
+// random bits (`bits`, below 2^16; unused for fp32) below the kept half rounds the
+// magnitude up with probability (dropped part) / 2^16, so the expected value is x.
+// Round to nearest even would freeze exp_avg_sq (beta2 = 0.999 moves it by less than
+// half a bf16 ulp) and bf16 masters.
 template <int D>
-inline reg store_as(void* x, int64_t i, reg a, uint32_t key, int64_t index) {
+inline reg store_as(void* x, int64_t i, reg a, ireg bits) {
   if constexpr (D == kF32) {
     V::store(static_cast<float*>(x) + i, a);
     return a;
   } else {
-    const auto h = V::bf16_round(a, V::iand(random_bits(key, index), V::iset1(0xFFFFu)));
+    const auto h = V::bf16_round(a, bits);
     V::template store_half<false>(static_cast<uint16_t*>(x) + i, h);
     return V::from_bf16(h);
   }
@@ -86,17 +89,17 @@ inline void store_out(void* out, int64_t i, reg x) {
 // The step constants broadcast once per call rather than once per vector.
 struct Regs {
   reg grad_scale, decay, l2, lerp_w, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step;
-  uint32_t key_p, key_m, key_v;
+  uint32_t key_p, key_m;
   explicit Regs(const AdamCoeffs& c)
       : grad_scale(V::set1(c.grad_scale)), decay(V::set1(c.decay)), l2(V::set1(c.l2)),
         lerp_w(V::set1(c.lerp_w)), beta2(V::set1(c.beta2)),
         one_minus_beta2(V::set1(c.one_minus_beta2)), bc2_sqrt(V::set1(c.bc2_sqrt)),
         eps(V::set1(c.eps)), neg_step(V::set1(c.neg_step_size)), key_p(c.key_p),
-        key_m(c.key_m), key_v(c.key_v) {}
+        key_m(c.key_m) {}
 };
 
 // Compile-time shape of one instantiation: gradient, copy-out, params and moment
-// dtypes (S is kF32 or kBF16 here: 8-bit moments reach adam_vec decoded to fp32).
+// dtypes (S is kF32 or kBF16 here: 8-bit moments reach adam_regs decoded to fp32).
 template <int G_, int O_, bool L2_, bool SMALL_, int P_, int S_>
 struct Kind {
   static constexpr int G = G_, O = O_, P = P_, S = S_;
@@ -107,23 +110,34 @@ struct Kind {
 // (vectorised ATen kernels): mul_(decay); add(p, alpha=wd) = fma; lerp_ = fma of the
 // difference; mul_(beta2).addcmul_ = fma((1-b2)*g, g, v*b2); sqrt / bc2_sqrt + eps;
 // addcdiv_ = p + (-step_size*m) / denom. Matching it keeps parity near one ulp.
-// `index` is element i's position in the whole buffer (stochastic rounding's counter).
-template <class K, bool STREAM = false>
-inline void adam_vec(void* p, const void* g, void* m, void* v, void* out, int64_t i,
-                     int64_t index, const Regs& k) {
+// The moments come and go in registers (mr, vr: old values in, new ones out); p and
+// the copy-out are read and written here. `index` is element i's position in the whole
+// buffer (stochastic rounding's counter).
+template <class K, bool STREAM>
+inline void adam_regs(void* p, const void* g, reg& mr, reg& vr, void* out, int64_t i,
+                      int64_t index, const Regs& k) {
   reg gr = V::mul(load_as<K::G>(g, i), k.grad_scale);
   reg pr = V::mul(load_as<K::P>(p, i), k.decay);
   if constexpr (K::L2) gr = V::fma(pr, k.l2, gr);
-  reg mr = load_as<K::S>(m, i);
   reg diff = V::sub(gr, mr);
   mr = V::fma(k.lerp_w, diff, K::SMALL ? mr : gr);
-  reg vr = V::fma(V::mul(k.one_minus_beta2, gr), gr, V::mul(load_as<K::S>(v, i), k.beta2));
+  vr = V::fma(V::mul(k.one_minus_beta2, gr), gr, V::mul(vr, k.beta2));
   reg denom = V::add(V::div(V::sqrt(vr), k.bc2_sqrt), k.eps);
   pr = V::add(pr, V::div(V::mul(k.neg_step, mr), denom));
-  pr = store_as<K::P>(p, i, pr, k.key_p, index);
-  store_as<K::S>(m, i, mr, k.key_m, index);
-  store_as<K::S>(v, i, vr, k.key_v, index);
+  pr = store_as<K::P>(p, i, pr, V::iand(random_bits(k.key_p, index), V::iset1(0xFFFFu)));
   if constexpr (K::O != kNone) store_out<K::O, STREAM>(out, i, pr);
+}
+
+// adam_regs with the moments in fp32 or bf16 buffers. bf16 moments share one hash per
+// element: exp_avg rounds with its low 16 bits, exp_avg_sq with its high 16.
+template <class K, bool STREAM = false>
+inline void adam_vec(void* p, const void* g, void* m, void* v, void* out, int64_t i,
+                     int64_t index, const Regs& k) {
+  reg mr = load_as<K::S>(m, i), vr = load_as<K::S>(v, i);
+  adam_regs<K, STREAM>(p, g, mr, vr, out, i, index, k);
+  const ireg bits = random_bits(k.key_m, index);
+  store_as<K::S>(m, i, mr, V::iand(bits, V::iset1(0xFFFFu)));
+  store_as<K::S>(v, i, vr, V::template isrl<16>(bits));
 }
 
 inline void copy_bytes(void* dst, const void* src, int64_t bytes) {
@@ -168,80 +182,120 @@ void adam_range(const AdamBufs& b, int64_t begin, int64_t end, const Regs& k) {
                K::O == kNone ? out : at<kBF16>(out, body), n - body, begin + body, k);
 }
 
-// Nearest code of each lane of x (already divided by the block's absmax): the number
+// Nearest code of each lane of x (already normalized by the block's absmax): the number
 // of midpoints strictly below x, as torch.bucketize(x, mids, right=False) counts them,
 // by one table lookup and one compare ([Note: code search by table] in kernels.h).
 inline ireg nearest_code(reg x, const int32_t* lut) {
   const ireg u = V::ibits(x);
-  const ireg sign = V::template isrl<31>(u);
+  const ireg neg = V::template isra<31>(u);  // all ones in the negative lanes
   const ireg mag = V::iand(u, V::iset1(0x7FFFFFFFu));
   ireg t = V::imax0(V::isub(V::template isrl<16>(mag), V::iset1(zerofn::kLutLow)));
-  t = V::iadd(t, V::imul(sign, V::iset1(zerofn::kLutSpan)));
+  t = V::iadd(t, V::iand(neg, V::iset1(zerofn::kLutSpan)));
   const ireg e = V::gather(lut, t);
-  const ireg low = V::ixor(V::iand(mag, V::iset1(0xFFFFu)), V::imul(sign, V::iset1(0xFFFFu)));
+  const ireg low = V::iand(V::ixor(mag, neg), V::iset1(0xFFFFu));
   return V::iadd(V::template isrl<16>(e), V::ilt_i(V::iand(e, V::iset1(0xFFFFu)), low));
 }
 
-// One block's codes -> fp32 scratch (code * scale); lanes from len on are zero.
-inline void decode_block(const uint8_t* codes, float scale, const float* code, float* x,
+// Where one block's moments come from: its 8-bit codes, decoded vector by vector...
+struct Codes {
+  const uint8_t *m, *v;
+  reg m_scale, v_scale;
+  const QuantTables& q;
+  reg load_m(int64_t i) const { return decode(m + i, m_scale, q.code_m); }
+  reg load_v(int64_t i) const { return decode(v + i, v_scale, q.code_v); }
+  static reg decode(const uint8_t* c, reg scale, const float* code) {
+    return V::mul(V::template lookup<256>(code, V::load_u8(c)), scale);
+  }
+};
+
+// ... or, for a short last block, fp32 scratch that holds them decoded, zero-padded.
+struct Decoded {
+  const float *m, *v;
+  reg load_m(int64_t i) const { return V::load(m + i); }
+  reg load_v(int64_t i) const { return V::load(v + i); }
+};
+
+// One short block's codes -> fp32 scratch (code * scale); lanes from len on are zero.
+inline void decode_short(const uint8_t* codes, float scale, const float* code, float* x,
                          int64_t len) {
-  const reg s = V::set1(scale);
-  for (int64_t i = 0; i < len - len % V::W; i += V::W)
-    V::store(x + i, V::mul(V::template lookup<256>(code, V::load_u8(codes + i)), s));
-  for (int64_t i = len - len % V::W; i < kQuantBlock; ++i)
-    x[i] = i < len ? code[codes[i]] * scale : 0.0f;
+  for (int64_t i = 0; i < kQuantBlock; ++i) x[i] = i < len ? code[codes[i]] * scale : 0.0f;
 }
 
-// fp32 scratch (zero beyond len) -> codes and the block's scale (its absmax). A block
-// of zeros divides by 1 so that every code is that of 0.
-inline void encode_block(const float* x, uint8_t* codes, float* scale, const int32_t* lut,
-                         int64_t len) {
-  reg mx = V::set1(0.0f);
-  for (int64_t i = 0; i < kQuantBlock; i += V::W) mx = V::max(mx, V::abs(V::load(x + i)));
-  const float absmax = V::hmax(mx);
+// The new fp32 moments of one block (in L1 scratch) and their absmax.
+struct BlockMoments {
+  alignas(64) float m[kQuantBlock], v[kQuantBlock];
+  float m_max, v_max;
+};
+
+// Adam over one whole block: the moments from `src`, the new ones into `out_m`, their
+// absmax taken on the way (the same lanes in the same order as a separate pass would).
+template <class KF, bool STREAM, class Src>
+void adam_block(void* p, const void* g, void* out, const Src& src, int64_t b0,
+                const Regs& k, BlockMoments& nm) {
+  reg m_max = V::set1(0.0f), v_max = V::set1(0.0f);
+  for (int64_t i = 0; i < kQuantBlock; i += V::W) {
+    reg mr = src.load_m(i), vr = src.load_v(i);
+    adam_regs<KF, STREAM>(p, g, mr, vr, out, i, b0 + i, k);
+    V::store(nm.m + i, mr);
+    V::store(nm.v + i, vr);
+    m_max = V::max(m_max, V::abs(mr));
+    v_max = V::max(v_max, V::abs(vr));
+  }
+  nm.m_max = V::hmax(m_max);
+  nm.v_max = V::hmax(v_max);
+}
+
+// fp32 scratch (zero beyond len) -> codes, and the block's scale s = absmax. The
+// elements are normalized as x * (1/s), the reciprocal rounded once per block: a
+// multiply costs a fraction of a division, and the code search only needs a monotone,
+// deterministic normalization that maps s to about 1 (lowp.quantize_blockwise). A block
+// of zeros uses s = 1; a subnormal s, whose reciprocal would overflow, is scaled by 2^24
+// together with the elements first, exactly.
+inline void encode_block(const float* x, float absmax, uint8_t* codes, float* scale,
+                         const int32_t* lut, int64_t len) {
   *scale = absmax;
-  const reg d = V::set1(absmax == 0.0f ? 1.0f : absmax);
+  const float s = absmax == 0.0f ? 1.0f : absmax;
+  const float pre = s < 0x1p-126f ? 0x1p24f : 1.0f;
+  const reg up = V::set1(pre), recip = V::set1(1.0f / (s * pre));
   alignas(64) uint8_t staged[kQuantBlock];
   uint8_t* dst = len == kQuantBlock ? codes : staged;
   for (int64_t i = 0; i < kQuantBlock; i += V::W)
-    V::store_u8(dst + i, nearest_code(V::div(V::load(x + i), d), lut));
+    V::store_u8(dst + i, nearest_code(V::mul(V::mul(V::load(x + i), up), recip), lut));
   if (dst == staged) copy_bytes(codes, staged, len);
 }
 
-// 8-bit moments, block by block: decode both into fp32 scratch that stays in L1, run
-// the fp32-moment vector code over it, then re-encode with the block's new absmax. A
-// short last block runs the whole block on a zero-padded copy of p and g as well.
+// 8-bit moments, block by block: decode, update and take the new absmax in one pass
+// (new moments to L1 scratch), then encode with it. A short last block runs the whole
+// block on zero-padded copies of its moments, p and g.
 template <class K, bool STREAM>
 void adam_range_u8(const AdamBufs& b, int64_t begin, int64_t end, const Regs& k) {
   using KF = Kind<K::G, K::O, K::L2, K::SMALL, K::P, kF32>;
   const QuantTables& q = *b.q;
-  alignas(64) float ms[kQuantBlock], vs[kQuantBlock], ps[kQuantBlock], gs[kQuantBlock];
-  alignas(64) uint16_t os[kQuantBlock];
+  BlockMoments nm;
   for (int64_t b0 = begin; b0 < end; b0 += kQuantBlock) {
     const int64_t len = end - b0 < kQuantBlock ? end - b0 : kQuantBlock;
     auto* mc = static_cast<uint8_t*>(b.m) + b0;
     auto* vc = static_cast<uint8_t*>(b.v) + b0;
     float* msc = b.m_scale + b0 / kQuantBlock;
     float* vsc = b.v_scale + b0 / kQuantBlock;
-    decode_block(mc, *msc, q.code_m, ms, len);
-    decode_block(vc, *vsc, q.code_v, vs, len);
     void* p = at<K::P>(b.p, b0);
     const void* g = at<K::G>(b.g, b0);
     void* out = K::O == kNone ? nullptr : at<kBF16>(b.out, b0);
     if (len == kQuantBlock) {
-      for (int64_t i = 0; i < kQuantBlock; i += V::W)
-        adam_vec<KF, STREAM>(p, g, ms, vs, out, i, b0 + i, k);
+      adam_block<KF, STREAM>(p, g, out, Codes{mc, vc, V::set1(*msc), V::set1(*vsc), q}, b0, k, nm);
     } else {
-      for (int64_t i = 0; i < kQuantBlock; ++i) ps[i] = gs[i] = 0.0f;
+      alignas(64) float ps[kQuantBlock] = {}, gs[kQuantBlock] = {};
+      alignas(64) uint16_t os[kQuantBlock];
+      decode_short(mc, *msc, q.code_m, nm.m, len);
+      decode_short(vc, *vsc, q.code_v, nm.v, len);
       copy_bytes(ps, p, len * elem_size(K::P));
       copy_bytes(gs, g, len * elem_size(K::G));
-      for (int64_t i = 0; i < kQuantBlock; i += V::W)
-        adam_vec<KF>(ps, gs, ms, vs, os, i, b0 + i, k);
+      adam_block<KF, false>(ps, gs, os, Decoded{nm.m, nm.v}, b0, k, nm);
       copy_bytes(p, ps, len * elem_size(K::P));
       if constexpr (K::O != kNone) copy_bytes(out, os, len * 2);
     }
-    encode_block(ms, mc, msc, q.lut_m, len);
-    encode_block(vs, vc, vsc, q.lut_v, len);
+    encode_block(nm.m, nm.m_max, mc, msc, q.lut_m, len);
+    encode_block(nm.v, nm.v_max, vc, vsc, q.lut_v, len);
   }
   if constexpr (STREAM) V::store_fence();
 }

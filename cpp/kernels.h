@@ -40,9 +40,10 @@ struct AdamCoeffs {
   float eps;
   float neg_step_size;  // -lr / (1 - beta1^step)
   bool use_l2;
-  // Stochastic-rounding keys of the params / exp_avg / exp_avg_sq streams: element i
-  // of a buffer rounds with the bits mix32(i + key) (zerofn/optim/lowp.py).
-  uint32_t key_p, key_m, key_v;
+  // Stochastic-rounding keys of the params and moments streams: element i of a buffer
+  // rounds with 16 bits of mix32(i + key), exp_avg the low half of the moments' word
+  // and exp_avg_sq the high half (zerofn/optim/lowp.py).
+  uint32_t key_p, key_m;
 };
 
 // lowbias32: the counter hash of the stochastic rounding, here for deriving the keys.

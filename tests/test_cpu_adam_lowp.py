@@ -97,6 +97,22 @@ def test_quantize_edges():
     assert lowp.quantize_blockwise(on_mid, False)[0][:10].tolist() == list(range(10))
 
 
+def test_quantize_blocks_with_a_subnormal_absmax():
+    """1 / absmax overflows fp32 below 2**-128: such a block is scaled by 2**24 first, so
+    it still normalizes to about 1 (its absmax takes the code of 1.0, zeros that of 0)."""
+    x = torch.zeros(512)
+    x[:3] = torch.tensor([3e-40, -1e-41, 1e-45])
+    x[256:259] = torch.tensor([-2e-39, 1e-39, 0.0])
+    for signed in (True, False):
+        y = x if signed else x.abs()
+        q, s = lowp.quantize_blockwise(y, signed)
+        code = lowp.signed_code() if signed else lowp.unsigned_code()
+        assert s.tolist() == [y[:256].abs().max().item(), y[256:].abs().max().item()]
+        norm = y.double() / s.double().repeat_interleave(256)
+        nearest = (norm[:, None] - code.double()[None, :]).abs().argmin(1)
+        assert torch.equal(q.long(), nearest)
+
+
 def test_unsigned_requantization_of_decoded_state_is_exact():
     """exp_avg_sq's block max decodes to exactly its scale (code 1.0), so decoding and
     re-encoding (a state dict round trip) gives back the same codes and scales."""
@@ -107,18 +123,24 @@ def test_unsigned_requantization_of_decoded_state_is_exact():
     assert torch.equal(q, q2) and torch.equal(s, s2)
 
 
-def test_stochastic_rounding_is_unbiased_and_deterministic():
+@pytest.mark.parametrize("high", [False, True])
+def test_stochastic_rounding_is_unbiased_and_deterministic(high):
     x = torch.full((200_000,), 1.0 + 2**-9)  # 1/4 of the way from 1.0 to the next bf16
     x[1::2] *= -1
-    r = lowp.round_bf16_stochastic(x, seed=3, step=1, stream=0).float()
+    r = lowp.round_bf16_stochastic(x, seed=3, step=1, stream=0, high=high).float()
     assert set(r.abs().unique().tolist()) == {1.0, 1.0 + 2**-7}
     for half in (r[0::2], -r[1::2]):
         assert abs(half.mean().item() - (1.0 + 2**-9)) < 2e-5  # 5 sigma of 2**-7 * 0.43/300
-    again = lowp.round_bf16_stochastic(x, seed=3, step=1, stream=0)
+    again = lowp.round_bf16_stochastic(x, seed=3, step=1, stream=0, high=high)
     assert torch.equal(again.view(torch.int16), r.bfloat16().view(torch.int16))
-    for other in (dict(seed=4, step=1, stream=0), dict(seed=3, step=2, stream=0),
-                  dict(seed=3, step=1, stream=1)):  # fmt: skip
+    for other in (dict(seed=4, step=1, stream=0, high=high), dict(seed=3, step=2, stream=0, high=high),
+                  dict(seed=3, step=1, stream=1, high=high),
+                  dict(seed=3, step=1, stream=0, high=not high)):  # fmt: skip
         assert not torch.equal(lowp.round_bf16_stochastic(x, **other).float(), r)
+    # The two halves of one stream round independently: up together 1/4 x 1/4 of the time.
+    other = lowp.round_bf16_stochastic(x, seed=3, step=1, stream=0, high=not high).float()
+    both_up = ((r.abs() > 1.0) & (other.abs() > 1.0)).float().mean().item()
+    assert abs(both_up - 1 / 16) < 3e-3  # ~5 sigma of sqrt(1/16 * 15/16 / 200_000)
 
 
 def test_stochastic_rounding_specials():
@@ -213,6 +235,28 @@ def test_the_copy_out_may_overwrite_the_gradients_in_place(isa, master, state, h
                 zo.adam_step(b[0], grads, b[1], b[2], out=o, exp_avg_scale=b[3],
                              exp_avg_sq_scale=b[4], step=2, lr=1e-2, grad_scale=0.5, seed=5)
             assert_bits_equal(apart + [out], inplace + [rows])
+    finally:
+        zo.set_isa(ISAS[0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_encodes_subnormal_blocks_like_the_reference(isa):
+    """Moments so small that a block's absmax is subnormal (exp_avg_sq of a long-idle
+    parameter): the kernels' per-block reciprocal takes the same 2**24 detour."""
+    n = 700
+    gen = torch.Generator().manual_seed(3)
+    m, ms = lowp.quantize_blockwise(torch.randn(n, generator=gen) * 1e-41, True)
+    v, vs = lowp.quantize_blockwise(torch.rand(n, generator=gen) * 1e-41, False)
+    ours = [torch.randn(n, generator=gen), m, v, ms, vs]
+    ref = [t.clone() for t in ours]
+    zo.set_isa(isa)
+    try:
+        for step, g in enumerate((torch.zeros(n), torch.randn(n, generator=gen) * 1e-41), 1):
+            for fn, b in ((zo.adam_step, ours), (zo.reference_adam_step, ref)):
+                fn(b[0], g, b[1], b[2], step=step, lr=1e-3, exp_avg_scale=b[3],
+                   exp_avg_sq_scale=b[4])
+            assert_bits_equal(ours, ref)
+            assert bool((ref[3] < 2.0**-128).all() and (ref[4] < 2.0**-128).all())
     finally:
         zo.set_isa(ISAS[0])
 

@@ -36,7 +36,7 @@ def moment_dtype(state_dtype: torch.dtype, numel: int) -> torch.dtype:
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN32 = 0x9E3779B9
-STREAM_PARAMS, STREAM_EXP_AVG, STREAM_EXP_AVG_SQ = 0, 1, 2
+STREAM_PARAMS, STREAM_MOMENTS = 0, 1
 
 
 # ---------------------------------------------------------------------------- codes
@@ -124,9 +124,16 @@ def _div(a: torch.Tensor, b) -> torch.Tensor:
 def quantize_blockwise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes uint8 [n], scales fp32 [ceil(n/256)])`` of a 1-D fp32 tensor.
 
-    Per block: scale = ``max |x|``; normalized = x / scale in fp32 (0 where scale is 0);
-    code index = number of midpoints strictly below normalized (``bucketize``,
+    Per block: scale s = ``max |x|``; normalized = x * r in fp32 with r = 1 / s rounded
+    to fp32 once per block (s = 1 for a block of zeros; a subnormal s, whose reciprocal
+    overflows, and the block's elements are first multiplied by 2**24, exactly); code
+    index = number of midpoints strictly below normalized (``bucketize``,
     ``right=False``), so a value exactly on a midpoint takes the lower code.
+
+    The reciprocal is the kernels' choice (a multiply per element is much cheaper than a
+    division) and is sound: the code search needs only a monotone, deterministic
+    normalization, and x * r is within an ulp of x / s: s itself maps to within an ulp
+    of 1.0, which takes the code of 1.0.
     """
     if x.dtype != torch.float32 or x.dim() != 1:
         raise TypeError(f"quantize_blockwise takes a 1-D fp32 tensor, got {x.dtype} {x.dim()}-D")
@@ -134,7 +141,9 @@ def quantize_blockwise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, tor
     b = _blocks(x)
     scales = b.abs().amax(dim=1)
     safe = torch.where(scales == 0, torch.ones_like(scales), scales)
-    normalized = _div(b, safe[:, None])
+    up = torch.where(safe < 2.0**-126, 2.0**24, 1.0)  # fp32
+    recip = _div(torch.ones_like(safe), safe * up)  # safe * up is exact
+    normalized = _mul(_mul(b, up[:, None]), recip[:, None])
     codes = torch.bucketize(normalized, midpoints(signed), right=False)
     return codes.reshape(-1)[:n].to(torch.uint8), scales
 
@@ -206,19 +215,21 @@ def round_bf16_nearest(x: torch.Tensor) -> torch.Tensor:
 
 
 def round_bf16_stochastic(
-    x: torch.Tensor, *, seed: int, step: int, stream: int, start: int = 0
+    x: torch.Tensor, *, seed: int, step: int, stream: int, start: int = 0, high: bool = False
 ) -> torch.Tensor:
     """fp32 -> bf16 with stochastic rounding, deterministic in (seed, step, stream, index).
 
     Adds the low 16 random bits r & 0xFFFF of element i (``random_bits``; i counts
-    from 0 at the buffer's start, plus ``start``) to the fp32 bit pattern and keeps the
-    top 16 bits: the magnitude rounds up with probability (dropped bits) / 2**16,
-    which makes E[result] = x for either sign. inf stays inf; NaN stays NaN (quiet,
-    same sign); the largest finite values can round up to inf, with that probability.
+    from 0 at the buffer's start, plus ``start``), or with ``high`` the high 16 bits
+    r >> 16, to the fp32 bit pattern and keeps the top 16 bits: the magnitude rounds up
+    with probability (dropped bits) / 2**16, which makes E[result] = x for either sign.
+    inf stays inf; NaN stays NaN (quiet, same sign); the largest finite values can round
+    up to inf, with that probability. The two halves of a word are independent draws
+    (lowbias32 mixes every input bit into both), so two buffers can share one stream.
     """
     u = _bits32(x.float().reshape(-1))
     r = random_bits(u.numel(), seed=seed, step=step, stream=stream, start=start)
-    return _bf16_from_top(u, r & 0xFFFF).view(x.shape)
+    return _bf16_from_top(u, (r >> 16) if high else (r & 0xFFFF)).view(x.shape)
 
 
 # ------------------------------------------------------------ reference Adam step
@@ -299,13 +310,16 @@ def _load_state(t: torch.Tensor, scale, signed: bool) -> torch.Tensor:
     return t.reshape(-1).float()
 
 
-def _store_state(t, scale, x, signed, seed, step, stream) -> None:
+def _store_state(t, scale, x, signed, seed, step) -> None:
+    """Stores a new moment; bf16 exp_avg (signed) and exp_avg_sq share the moments
+    stream, exp_avg rounding with the low and exp_avg_sq with the high 16 bits."""
     if t.dtype == torch.uint8:
         codes, scales = quantize_blockwise(x, signed)
         t.view(-1).copy_(codes)
         scale.copy_(scales)
     elif t.dtype == torch.bfloat16:
-        t.view(-1).copy_(round_bf16_stochastic(x, seed=seed, step=step, stream=stream))
+        t.view(-1).copy_(round_bf16_stochastic(x, seed=seed, step=step, stream=STREAM_MOMENTS,
+                                               high=not signed))
     else:
         t.view(-1).copy_(x)
 
@@ -334,8 +348,8 @@ def reference_adam_step(
     Loads every buffer to fp32 (bf16/fp16 exactly, 8-bit codes as ``code * scale``),
     runs the fp32 kernel's operations in its order (see ``adam_vec`` in
     cpp/kernel_body.h), each rounded once like the kernel's fp32 instruction, then
-    stores: fp32 as is; bf16 params / exp_avg / exp_avg_sq by ``round_bf16_stochastic``
-    with streams 0 / 1 / 2; 8-bit moments by ``quantize_blockwise`` of the new fp32
+    stores: fp32 as is; bf16 params by ``round_bf16_stochastic`` with stream 0, bf16
+    exp_avg / exp_avg_sq with stream 1, the low / high half of each word; 8-bit moments by ``quantize_blockwise`` of the new fp32
     moments (their scales updated in place). The update of the params uses the new
     fp32 moments, before they are quantized. ``out`` receives the stored params value
     rounded to nearest even (for bf16 params and bf16 out, the same bits).
@@ -359,8 +373,8 @@ def reference_adam_step(
         pr = stored.float()
     else:
         params.view(-1).copy_(pr)
-    _store_state(exp_avg, exp_avg_scale, m, True, seed, step, STREAM_EXP_AVG)
-    _store_state(exp_avg_sq, exp_avg_sq_scale, v, False, seed, step, STREAM_EXP_AVG_SQ)
+    _store_state(exp_avg, exp_avg_scale, m, True, seed, step)
+    _store_state(exp_avg_sq, exp_avg_sq_scale, v, False, seed, step)
     if out is not None:
         low = round_bf16_nearest(pr) if out.dtype == torch.bfloat16 else pr.to(out.dtype)
         out.view(-1).copy_(low)
