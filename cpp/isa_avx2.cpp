@@ -80,6 +80,7 @@ struct V {
   static ireg ibits(reg a) { return _mm256_castps_si256(a); }
   static ireg isub(ireg a, ireg b) { return _mm256_sub_epi32(a, b); }
   static ireg imax0(ireg a) { return _mm256_max_epi32(a, _mm256_setzero_si256()); }
+  static ireg imin(ireg a, ireg b) { return _mm256_min_epi32(a, b); }
   static ireg ilt_i(ireg a, ireg b) { return _mm256_srli_epi32(_mm256_cmpgt_epi32(b, a), 31); }
   static ireg gather(const int32_t* t, ireg j) { return _mm256_i32gather_epi32(t, j, 4); }
   static ireg load_u8(const uint8_t* x) {

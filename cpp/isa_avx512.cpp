@@ -80,6 +80,7 @@ struct V {
   static ireg ibits(reg a) { return _mm512_castps_si512(a); }
   static ireg isub(ireg a, ireg b) { return _mm512_sub_epi32(a, b); }
   static ireg imax0(ireg a) { return _mm512_max_epi32(a, _mm512_setzero_si512()); }
+  static ireg imin(ireg a, ireg b) { return _mm512_min_epi32(a, b); }
   static ireg ilt_i(ireg a, ireg b) {
     return _mm512_maskz_mov_epi32(_mm512_cmplt_epi32_mask(a, b), _mm512_set1_epi32(1));
   }

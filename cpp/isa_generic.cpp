@@ -93,6 +93,7 @@ struct V {
   static ireg ibits(reg a) { return bits_of(a); }
   static ireg isub(ireg a, ireg b) { return a - b; }
   static ireg imax0(ireg a) { return int32_t(a) > 0 ? a : 0; }
+  static ireg imin(ireg a, ireg b) { return int32_t(a) < int32_t(b) ? a : b; }
   static ireg ilt_i(ireg a, ireg b) { return int32_t(a) < int32_t(b) ? 1 : 0; }
   static ireg gather(const int32_t* t, ireg j) { return uint32_t(t[j]); }
   static ireg load_u8(const uint8_t* x) { return *x; }

@@ -12,7 +12,7 @@
 // double-precision sum-of-squares accumulator (Dacc, dacc_zero, dacc_add_sq, dacc_sum).
 // For low-precision state also: ireg (W uint32 lanes) with iset1, iota, iadd, isub,
 // ixor, iand, imul (wrapping), isrl<k> / isra<k> (logical / arithmetic shift right),
-// imax0 (max with 0, signed), ilt_i(a, b) = (a < b, signed) ? 1 : 0, ibits (a reg's
+// imax0 (max with 0, signed), imin (signed), ilt_i(a, b) = (a < b, signed) ? 1 : 0, ibits (a reg's
 // bits), gather(int32 table, j); bf16_round(x, add) (top half of bits(x) + add, NaN
 // kept quiet), from_bf16, load_u8/store_u8 (one byte per lane), lookup<N>(table, j) =
 // table[j] for j < N (up to 256), abs, max, hmax.
@@ -190,10 +190,15 @@ inline ireg nearest_code(reg x, const int32_t* lut) {
   const ireg neg = V::template isra<31>(u);  // all ones in the negative lanes
   const ireg mag = V::iand(u, V::iset1(0x7FFFFFFFu));
   ireg t = V::imax0(V::isub(V::template isrl<16>(mag), V::iset1(zerofn::kLutLow)));
+  // NaN (a block whose scale is inf or nan) lies past the table: it stays in bounds and
+  // takes code 255, as bucketize puts nan after every midpoint.
+  t = V::imin(t, V::iset1(zerofn::kLutSpan - 1));
   t = V::iadd(t, V::iand(neg, V::iset1(zerofn::kLutSpan)));
   const ireg e = V::gather(lut, t);
   const ireg low = V::iand(V::ixor(mag, neg), V::iset1(0xFFFFu));
-  return V::iadd(V::template isrl<16>(e), V::ilt_i(V::iand(e, V::iset1(0xFFFFu)), low));
+  const ireg code = V::iadd(V::template isrl<16>(e), V::ilt_i(V::iand(e, V::iset1(0xFFFFu)), low));
+  const ireg nan = V::ilt_i(V::iset1(0x7F800000u), mag);
+  return V::iadd(code, V::imul(nan, V::isub(V::iset1(255u), code)));
 }
 
 // Where one block's moments come from: its 8-bit codes, decoded vector by vector...
@@ -221,6 +226,26 @@ inline void decode_short(const uint8_t* codes, float scale, const float* code, f
   for (int64_t i = 0; i < kQuantBlock; ++i) x[i] = i < len ? code[codes[i]] * scale : 0.0f;
 }
 
+inline bool all_zero(reg a) {
+  float lanes[V::W];
+  V::store(lanes, a);
+  for (int j = 0; j < V::W; ++j)
+    if (lanes[j] != 0.0f) return false;
+  return true;
+}
+
+// A block with an inf or nan (training diverged): its absmax as torch's amax takes it,
+// nan winning, in scalar code (rare). The magnitude clears the sign bit, as abs does.
+inline float absmax_keeping_nan(const float* x) {
+  float mx = 0.0f;
+  for (int64_t i = 0; i < kQuantBlock; ++i) {
+    const float a = __builtin_fabsf(x[i]);
+    if (a != a) return a;
+    if (a > mx) mx = a;
+  }
+  return mx;
+}
+
 // The new fp32 moments of one block (in L1 scratch) and their absmax.
 struct BlockMoments {
   alignas(64) float m[kQuantBlock], v[kQuantBlock];
@@ -232,7 +257,7 @@ struct BlockMoments {
 template <class KF, bool STREAM, class Src>
 void adam_block(void* p, const void* g, void* out, const Src& src, int64_t b0,
                 const Regs& k, BlockMoments& nm) {
-  reg m_max = V::set1(0.0f), v_max = V::set1(0.0f);
+  reg m_max = V::set1(0.0f), v_max = V::set1(0.0f), bad = V::set1(0.0f);
   for (int64_t i = 0; i < kQuantBlock; i += V::W) {
     reg mr = src.load_m(i), vr = src.load_v(i);
     adam_regs<KF, STREAM>(p, g, mr, vr, out, i, b0 + i, k);
@@ -240,9 +265,14 @@ void adam_block(void* p, const void* g, void* out, const Src& src, int64_t b0,
     V::store(nm.v + i, vr);
     m_max = V::max(m_max, V::abs(mr));
     v_max = V::max(v_max, V::abs(vr));
+    bad = V::add(bad, V::add(V::sub(mr, mr), V::sub(vr, vr)));   // 0 until an inf or nan
   }
   nm.m_max = V::hmax(m_max);
   nm.v_max = V::hmax(v_max);
+  if (!all_zero(bad)) {   // (maxps drops a nan; torch's amax keeps it)
+    nm.m_max = absmax_keeping_nan(nm.m);
+    nm.v_max = absmax_keeping_nan(nm.v);
+  }
 }
 
 // fp32 scratch (zero beyond len) -> codes, and the block's scale s = absmax. The

@@ -261,6 +261,30 @@ def test_kernel_encodes_subnormal_blocks_like_the_reference(isa):
         zo.set_isa(ISAS[0])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_diverged_block_codes_as_the_reference_does(isa, bad):
+    """A gradient of inf or nan (training diverged, nothing to skip the step) makes its
+    block's new moments non-finite: the block's scale becomes nan or inf as torch's amax
+    has it and every code the reference's, where the code search once read past its table."""
+    n = 3 * 256 + 40
+    gen = torch.Generator().manual_seed(4)
+    ours = make_state(n, F32, U8)
+    ref = [t.clone() for t in ours]
+    g = torch.randn(n, generator=gen)
+    g[300], g[n - 3] = bad, bad           # a whole block and the short last one
+    zo.set_isa(isa)
+    try:
+        for fn, b in ((zo.adam_step, ours), (zo.reference_adam_step, ref)):
+            fn(b[0], g, b[1], b[2], step=1, lr=1e-3, exp_avg_scale=b[3], exp_avg_sq_scale=b[4])
+    finally:
+        zo.set_isa(ISAS[0])
+    for a, b in zip(ours, ref):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num().view(torch.uint8), b.nan_to_num().view(torch.uint8))
+    assert ref[3][1].isnan() or ref[3][1].isinf()    # (the test reaches the diverged path)
+
+
 @pytest.mark.parametrize("master, state", [(F32, U8), (BF16, U8), (BF16, BF16), (F32, F32)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_thread_split_keeps_blocks_and_random_bits(master, state, threads):
