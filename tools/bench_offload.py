@@ -258,7 +258,8 @@ def build_deepspeed(model, args):
     """The engine, standing for model and optimizer (``step_fns``). DeepSpeed joins the
     process group init_world_1 made; it reads its launcher's variables all the same."""
     import deepspeed
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29533")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=deepspeed_config(args))
     return engine, None
