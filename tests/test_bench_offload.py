@@ -130,10 +130,10 @@ def test_low_precision_host_state_lets_a_size_fit_that_fp32_state_does_not():
     assert "largest that trained: 128x2" in out
 
 
-def worker_result(*flags: str) -> dict:
+def worker_result(*flags: str, contender: str = "zerofn") -> dict:
     done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--worker",
-                           "zerofn:64x2", "--sizes", "64x2", "--warmup", "1", "--steps", "1",
-                           *flags], capture_output=True, text=True, timeout=120)
+                           f"{contender}:64x2", "--sizes", "64x2", "--warmup", "1", "--steps",
+                           "1", *flags], capture_output=True, text=True, timeout=120)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, done.stdout + done.stderr[-4000:]
     return json.loads(line[len("RESULT "):])
@@ -184,6 +184,12 @@ def test_ratio_auto_places_what_the_device_budget_holds():
     assert r["status"] == "ok" and math.isfinite(r["loss_last"]), r
     moved = re.search(r"(\d+) of (\d+) units moved", r["placement"] or "")
     assert moved and int(moved[1]) == int(moved[2]) == r["units_on_device"] == 3, r
+
+
+def test_the_no_offload_baseline_trains_the_same_model_on_the_device():
+    r = worker_result(contender="nooffload")
+    assert r["status"] == "ok" and "host_state" not in r, r
+    assert abs(r["loss_first"] - math.log(256)) < 0.5
 
 
 def test_the_launcher_forwards_the_offload_flags_to_its_workers():
