@@ -130,10 +130,10 @@ def test_low_precision_host_state_lets_a_size_fit_that_fp32_state_does_not():
     assert "largest that trained: 128x2" in out
 
 
-def worker_result(*flags: str) -> dict:
+def worker_result(*flags: str, contender: str = "zerofn") -> dict:
     done = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--worker",
-                           "zerofn:64x2", "--sizes", "64x2", "--warmup", "1", "--steps", "1",
-                           *flags], capture_output=True, text=True, timeout=120)
+                           f"{contender}:64x2", "--sizes", "64x2", "--warmup", "1", "--steps",
+                           "1", *flags], capture_output=True, text=True, timeout=120)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, done.stdout + done.stderr[-4000:]
     return json.loads(line[len("RESULT "):])
@@ -166,11 +166,86 @@ def test_the_stored_dtypes_reach_offload_and_its_host_bytes_are_the_estimates():
 
 def test_a_share_on_the_device_and_the_overlapped_step_reach_offload():
     """--offload-ratio moves optimizer state back to the (CPU) device, as the estimate
-    says, and --overlap-step trains."""
-    full = worker_result()
+    says, and --overlap-step trains; --adam-time reads the host Adam's own time from
+    zerofn's monitor."""
+    full = worker_result("--adam-time")
     split = worker_result("--offload-ratio", "0.5", "--overlap-step")
     assert split["host_state"] < full["host_state"]
+    assert full["units_on_device"] == 0 < split["units_on_device"]
+    assert split["placement"] is None and split["cpu_adam_s"] is None
     assert split["loss_last"] == pytest.approx(full["loss_last"], abs=0.05)
+    assert 0 < full["cpu_adam_s"] < full["step_s"]
+
+
+def test_ratio_auto_places_what_the_device_budget_holds():
+    """A budget far above the tiny model's needs: after the first step every unit keeps
+    its optimizer state on the device, and the result says so."""
+    r = worker_result("--offload-ratio", "auto", "--device-budget", str(10**12))
+    assert r["status"] == "ok" and math.isfinite(r["loss_last"]), r
+    moved = re.search(r"(\d+) of (\d+) units moved", r["placement"] or "")
+    assert moved and int(moved[1]) == int(moved[2]) == r["units_on_device"] == 3, r
+
+
+def test_the_no_offload_baseline_trains_the_same_model_on_the_device():
+    r = worker_result(contender="nooffload")
+    assert r["status"] == "ok" and "host_state" not in r, r
+    assert abs(r["loss_first"] - math.log(256)) < 0.5
+
+
+def test_the_launcher_forwards_the_offload_flags_to_its_workers():
+    bench = load_script()
+    given = ["--device", "cpu", "--offload-ratio", "auto", "--device-budget", "0.5",
+             "--overlap-step", "--adam-time", "--ds-ratio", "0.3", "--accum", "2"]
+    args = bench.parse_args(given)
+    worker = bench.parse_args(bench.forwarded(args) + ["--worker", "zerofn:64x2"])
+    for key in ("offload_ratio", "device_budget", "overlap_step", "adam_time", "ds_ratio",
+                "accum", "state_dtype", "nvme"):
+        assert getattr(worker, key) == getattr(args, key), key
+    assert (args.offload_ratio, args.device_budget) == ("auto", 0.5)
+    assert bench.parse_args(["--device", "cpu", "--offload-ratio", "auto", "--device-budget",
+                             "4096"]).device_budget == 4096
+
+
+@pytest.mark.parametrize("flags", [["--device-budget", "4096"], ["--offload-ratio", "1.5"],
+                                   ["--offload-ratio", "auto", "--device-budget", "1.5"],
+                                   ["--contenders", "zerofn,megatron"]])
+def test_offload_flags_out_of_range_are_refused(flags):
+    with pytest.raises(SystemExit):
+        load_script().parse_args(["--device", "cpu", *flags])
+
+
+def test_deepspeed_takes_a_ratio_at_zero3_only_and_steps_itself():
+    """DeepSpeed is not installed here: its config, and the loop that drives an engine
+    (backward and step per micro-batch, its own accumulation), against a stand-in."""
+    from zerofn.nanogpt import GPT
+    bench = load_script()
+    classic = bench.deepspeed_config(bench.parse_args(["--device", "cpu", "--accum", "3"]))
+    twin = bench.deepspeed_config(bench.parse_args(["--device", "cpu", "--ds-ratio", "0.6"]))
+    assert classic["zero_optimization"]["stage"] == 2 and classic["gradient_accumulation_steps"] == 3
+    assert "ratio" not in classic["zero_optimization"]["offload_optimizer"]
+    assert twin["zero_optimization"]["stage"] == 3
+    assert twin["zero_optimization"]["offload_optimizer"]["ratio"] == 0.6
+
+    class Engine:
+        def __init__(self, model):
+            self.model, self.calls = model, []
+
+        def __call__(self, x, y):
+            return self.model(x, y)
+
+        def backward(self, loss):
+            self.calls.append("backward")
+            loss.backward()
+
+        def step(self):
+            self.calls.append("step")
+
+    args = bench.parse_args(["--device", "cpu", "--accum", "2", "--warmup", "0", "--steps", "1"])
+    cfg = bench.model_config("64x2", args)
+    engine = Engine(GPT(cfg))
+    times, losses = bench.timed_steps(engine, None, cfg, args)
+    assert len(times) == 1 and engine.calls == ["backward", "step"] * 2
+    assert abs(losses[0] - math.log(256)) < 0.5
 
 
 def test_the_swap_file_estimate_counts_the_stored_form():

@@ -8,6 +8,8 @@
         --batch 4 --accum 32                               # throughput: 131k tokens/step
     python tools/bench_offload.py --find-largest --state-dtype int8 --master-dtype bf16
                                                            # 8-bit Adam state, bf16 masters
+    python tools/bench_offload.py --sizes 2048x24 --contenders zerofn --offload-ratio auto \
+        --device-budget 0.9 --adam-time                    # what fits stays on the device
 
 The model is zerofn.nanogpt.GPT (width W, L blocks, W/64 heads, FFN 4W; a size is written
 ``WxL``), bf16 compute, AdamW, on one device with a world-1 process group (nccl on cuda,
@@ -22,6 +24,11 @@ gloo on cpu). Contenders, each built fresh in its own process on the same seed a
            reduce_dtype=bf16) (zerofn reduces in bf16 too: the same bytes on the wire and
            across PCIe), CPUOffloadPolicy(), torch AdamW(fused=True) on the host (torch's
            fastest CPU AdamW, so the peer is not handicapped).
+  deepspeed  (only when named in --contenders) DeepSpeed ZeRO-Offload, bf16, its CPU Adam:
+           stage 2 with the optimizer on the host, or with --ds-ratio R stage 3 with
+           offload_optimizer.ratio R (DeepSpeed takes a ratio at stage 3 only).
+  nooffload  (only when named) zerofn ZeRO-3 + mixed_precision(bf16), no offload: the
+           optimizer on the device, the throughput offload is measured against.
 
 A step is ``--accum`` micro-batches of ``--batch`` sequences; gradients are reduced (and
 offloaded) only on a step's last, as DDP's ``no_sync`` does (zerofn's ``model.no_sync()``,
@@ -51,11 +58,13 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
-CONTENDERS = ("zerofn", "fsdp2")
+CONTENDERS = ("zerofn", "fsdp2")          # the default; deepspeed and nooffload when named
 STORED = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8"}   # flag -> torch dtype
-LABEL = {"zerofn": "zerofn offload", "fsdp2": "FSDP2 CPUOffload"}
+LABEL = {"zerofn": "zerofn offload", "fsdp2": "FSDP2 CPUOffload",
+         "deepspeed": "DeepSpeed ZeRO-Offload", "nooffload": "zerofn, no offload"}
 TARGET = 1.5        # issue 4: zerofn at least 1.5x FSDP2's tokens/s
 # Per device: sizes compared, the find-largest ladder, and the batch shape. The cuda ladder
 # climbs toward the host-RAM limit of a 128 GB machine (~14 host bytes per param).
@@ -91,9 +100,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--master-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="zerofn: offload(..., master_dtype=...), how the masters are stored "
                         "on the host (bf16: the rows the device computes with)")
-    p.add_argument("--offload-ratio", type=float, default=1.0,
+    p.add_argument("--offload-ratio", type=offload_ratio, default=1.0,
                    help="zerofn: offload(..., ratio=...), the share of the optimizer state "
-                        "offloaded; the rest stays on the device (default 1: all)")
+                        "offloaded, the rest staying on the device (default 1: all); 'auto': "
+                        "after the first step as much as --device-budget holds stays")
+    p.add_argument("--device-budget", type=device_budget,
+                   help="zerofn with --offload-ratio auto: offload(device_budget=...), the "
+                        "device memory the run may use: bytes (an integer) or a share of "
+                        "the memory free at set-up (a number in (0, 1]; default 0.9)")
+    p.add_argument("--adam-time", action="store_true",
+                   help="zerofn: report the host Adam's own time a step, zerofn's cpu_adam "
+                        "series, from zf.tensorboard(every=1, csv=True) in a temporary "
+                        "directory (it writes a few scalars inside each timed step)")
+    p.add_argument("--ds-ratio", type=float,
+                   help="deepspeed: ZeRO-3 with offload_optimizer.ratio (its share of the "
+                        "optimizer state on the host); without it ZeRO-2, all on the host")
     p.add_argument("--overlap-step", action="store_true",
                    help="zerofn: offload('cpu', overlap_step=True), the host steps each unit "
                         "during backward")
@@ -107,16 +128,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.overlap_step and args.nvme:
         p.error("--overlap-step steps the host offload's units; the NVMe swap file is "
                 "stepped in its own order: drop one of them.")
+    if args.device_budget is not None and args.offload_ratio != "auto":
+        p.error("--device-budget is what --offload-ratio auto places against: give both.")
+    unknown = set(args.contenders.split(",")) - set(LABEL)
+    if unknown:
+        p.error(f"unknown contender(s) {', '.join(sorted(unknown))}; choose from "
+                f"{', '.join(LABEL)}")
     return _fill_defaults(args)
 
 
+def offload_ratio(text: str) -> float | str:
+    """``--offload-ratio``: 'auto', or a share from 0 to 1."""
+    if text == "auto":
+        return text
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: a share from 0 to 1, or 'auto'")
+    return value
+
+
+def device_budget(text: str) -> int | float:
+    """``--device-budget``: bytes as an integer, or a share in (0, 1] of the free memory."""
+    try:
+        return int(text)
+    except ValueError:
+        value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: bytes (an integer) or a share in (0, 1]")
+    return value
+
+
 def stored_dtypes(args) -> dict:
-    """``--state-dtype``/``--master-dtype`` as torch dtypes, and ``--offload-ratio``: the
-    keywords offload() and estimate_placement() take."""
+    """``--state-dtype``/``--master-dtype`` as torch dtypes: the keywords offload() and
+    estimate_placement() take."""
     import torch
     return dict(state_dtype=getattr(torch, STORED[args.state_dtype]),
-                master_dtype=getattr(torch, STORED[args.master_dtype]),
-                ratio=args.offload_ratio)
+                master_dtype=getattr(torch, STORED[args.master_dtype]))
+
+
+def estimate_keywords(args) -> dict:
+    """What estimate_placement() counts of the offload flags: ratio 'auto' offloads every
+    unit at set-up (the host's peak), and it and --overlap-step land gradients in a
+    buffer per unit instead of the host ring."""
+    auto = args.offload_ratio == "auto"
+    return dict(stored_dtypes(args), ratio=1.0 if auto else args.offload_ratio,
+                host_ring=not (auto or args.overlap_step))
 
 
 def _fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -156,20 +212,36 @@ def init_world_1(device: str) -> None:
                             init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def build(contender: str, cfg, args):
-    """The model built directly on the device (no host fp32 copy), wrapped as ``contender``."""
+def build(contender: str, cfg, args, logdir: str | None = None):
+    """The model built directly on the device (no host fp32 copy), wrapped as
+    ``contender``: (model, optimizer), DeepSpeed's engine standing for both. ``logdir``:
+    zerofn's monitor writes there (--adam-time)."""
     import torch
 
     from zerofn.nanogpt import GPT
     torch.manual_seed(0)
     with torch.device(args.device):
         model = GPT(cfg)
-    if contender == "zerofn":
-        import zerofn as zf
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        return zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(),
-                          zf.mixed_precision(torch.bfloat16),
-                          _offload(args))(model, opt)
+    if contender == "fsdp2":
+        return build_fsdp2(model, args)
+    if contender == "deepspeed":
+        return build_deepspeed(model, args)
+    return build_zerofn(model, args, offloaded=contender == "zerofn", logdir=logdir)
+
+
+def build_zerofn(model, args, offloaded: bool, logdir: str | None):
+    import torch
+
+    import zerofn as zf
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    extra = ([_offload(args)] if offloaded else []) + \
+        ([zf.tensorboard(logdir, every=1, csv=True)] if logdir else [])
+    return zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(),
+                      zf.mixed_precision(torch.bfloat16), *extra)(model, opt)
+
+
+def build_fsdp2(model, args):
+    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(args.device, (1,))
@@ -182,13 +254,40 @@ def build(contender: str, cfg, args):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
 
+def build_deepspeed(model, args):
+    """The engine, standing for model and optimizer (``step_fns``). DeepSpeed joins the
+    process group init_world_1 made; it reads its launcher's variables all the same."""
+    import deepspeed
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29533")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=deepspeed_config(args))
+    return engine, None
+
+
+def deepspeed_config(args) -> dict:
+    """ZeRO-Offload as DeepSpeed's docs set it up: ZeRO-2 with the optimizer on the host;
+    with ``--ds-ratio`` ZeRO-3 (the only stage its ``offload_optimizer.ratio`` exists at)."""
+    offload = {"device": "cpu", "pin_memory": args.device == "cuda"}
+    zero = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+            "offload_optimizer": offload}
+    if args.ds_ratio is not None:
+        zero["stage"] = 3
+        offload["ratio"] = args.ds_ratio
+    return {"train_micro_batch_size_per_gpu": args.batch,
+            "gradient_accumulation_steps": args.accum, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": zero}
+
+
 def _offload(args):
     import zerofn as zf
     if args.nvme:
         return zf.offload("nvme", path=args.nvme, params=args.offload_params,
-                          **stored_dtypes(args))
+                          ratio=args.offload_ratio, **stored_dtypes(args))
+    budget = {} if args.device_budget is None else dict(device_budget=args.device_budget)
     return zf.offload("cpu", params=args.offload_params, overlap_step=args.overlap_step,
-                      **stored_dtypes(args))
+                      ratio=args.offload_ratio, **budget, **stored_dtypes(args))
 
 
 def sync(device: str) -> None:
@@ -205,6 +304,29 @@ def reducing(model, last: bool):
     return contextlib.nullcontext() if last else model.no_sync()
 
 
+def step_fns(model, opt, args):
+    """``(micro, finish)``: ``micro(x, y, last)`` runs one micro-batch's forward and
+    backward and returns its share of the step's loss; ``finish()`` ends the step."""
+    if opt is None:      # DeepSpeed's engine: it scales by its own accumulation steps and
+        def micro(x, y, last):               # steps the optimizer at their boundary
+            loss = model(x, y)
+            model.backward(loss)
+            model.step()
+            return loss.detach() / args.accum
+        return micro, lambda: None
+
+    def micro(x, y, last):
+        with reducing(model, last):
+            loss = model(x, y) / args.accum
+            loss.backward()
+        return loss.detach()
+
+    def finish():
+        opt.step()
+        opt.zero_grad()
+    return micro, finish
+
+
 def timed_steps(model, opt, cfg, args) -> tuple[list[float], list[float]]:
     """Seconds of each timed step, and the loss of every step (warm-up included)."""
     import torch
@@ -212,6 +334,7 @@ def timed_steps(model, opt, cfg, args) -> tuple[list[float], list[float]]:
     n = args.warmup + args.steps
     tokens = torch.randint(cfg.vocab, (n, args.accum, args.batch, cfg.context + 1), generator=g)
     tokens = tokens.to(args.device)
+    micro, finish = step_fns(model, opt, args)
     times, losses = [], []
     for i in range(n):
         sync(args.device)
@@ -219,16 +342,12 @@ def timed_steps(model, opt, cfg, args) -> tuple[list[float], list[float]]:
         loss = 0.0
         for j in range(args.accum):
             x, y = tokens[i, j, :, :-1].contiguous(), tokens[i, j, :, 1:].contiguous()
-            with reducing(model, last=j == args.accum - 1):
-                micro = model(x, y) / args.accum
-                micro.backward()
-            loss = loss + micro.detach()
-        opt.step()
-        opt.zero_grad()
+            loss = loss + micro(x, y, last=j == args.accum - 1)
+        finish()
         sync(args.device)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-        losses.append(loss.detach())
+        losses.append(loss)
     return times, [float(v) for v in losses]
 
 
@@ -240,10 +359,14 @@ def peak_host_bytes() -> int:
 def run_one(contender: str, size: str, args) -> dict:
     import torch
     cfg = model_config(size, args)
-    model, opt = build(contender, cfg, args)
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()   # the training peak, not the fp32 build
-    times, losses = timed_steps(model, opt, cfg, args)
+    with tempfile.TemporaryDirectory() as logdir:
+        timed = logdir if args.adam_time and contender == "zerofn" else None
+        model, opt = build(contender, cfg, args, logdir=timed)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()   # the training peak, not the fp32 build
+        times, losses = timed_steps(model, opt, cfg, args)
+        adam = median_after(os.path.join(logdir, "time_cpu_adam.csv"), args.warmup) \
+            if timed else None
     step = statistics.median(times)
     tok = args.batch * args.accum * cfg.context / step
     out = dict(status="ok", params=cfg.params(), step_s=step, tokens_per_s=tok,
@@ -252,9 +375,33 @@ def run_one(contender: str, size: str, args) -> dict:
                peak_device=torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
                env=f"{where(args.device)}, torch {torch.__version__}")
     if contender == "zerofn":
-        import zerofn as zf
-        out["host_state"] = sum(zf.model_state_bytes(model).get("host", {}).values())
+        out.update(placement(model), cpu_adam_s=adam)
+    if contender == "deepspeed":
+        import deepspeed
+        out["version"] = deepspeed.__version__
     return out
+
+
+def placement(model) -> dict:
+    """Where zerofn's optimizer state ended up: host bytes, the units whose state stays
+    on the device (--offload-ratio), and ratio='auto''s reason once the first step placed
+    them (None otherwise)."""
+    import zerofn as zf
+    from zerofn.runtime import runtime_of
+    rt = runtime_of(model)
+    return dict(host_state=sum(zf.model_state_bytes(model).get("host", {}).values()),
+                units_on_device=len(rt.units_on_device()), placement=rt.placement_reason())
+
+
+def median_after(path: str, warmup: int) -> float | None:
+    """The median, in seconds, of a monitor's CSV series (``step,ms`` rows, one a step
+    at every=1) over the steps after ``warmup``; None where it has none (no host Adam)."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        rows = [ln.split(",") for ln in f.read().splitlines()[1:]]
+    ms = [float(v) for step, v in rows if int(step) > warmup]
+    return statistics.median(ms) / 1e3 if ms else None
 
 
 def where(device: str) -> str:
@@ -290,11 +437,13 @@ def worker(args) -> None:
 
 # -- launcher ----------------------------------------------------------------------------
 def forwarded(args) -> list[str]:
+    """The flags a worker needs, as the launcher was given them."""
     keys = ("device", "vocab", "context", "batch", "accum", "warmup", "steps", "checkpoint",
-            "state_dtype", "master_dtype")
-    flags = [a for k in keys for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
-    return flags + (["--offload-params"] if args.offload_params else []) + \
-        (["--nvme", args.nvme] if args.nvme else [])
+            "state_dtype", "master_dtype", "offload_ratio", "device_budget", "ds_ratio", "nvme")
+    flags = [a for k in keys if getattr(args, k) is not None
+             for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+    switches = ("offload_params", "overlap_step", "adam_time")
+    return flags + [f"--{k.replace('_', '-')}" for k in switches if getattr(args, k)]
 
 
 def launch(contender: str, size: str, args) -> dict:
@@ -327,7 +476,9 @@ def host_need(config, args) -> int:
     and ``--master-dtype`` (at fp32: master + Adam m, v, 12 B/param, and the host ring of
     three units' bf16 gradients, over which the step writes their bf16 rows; with
     --offload-params a landing buffer, 2, and the param shards, 2; with int8 moments and
-    bf16 masters 4.03 + the ring); with --nvme only the landing buffer (the rest is in the
+    bf16 masters 4.03 + the ring; under --offload-ratio auto, which offloads every unit
+    until the first step, or --overlap-step a landing buffer and a compute copy per unit
+    instead of the ring, 4); with --nvme only the landing buffer (the rest is in the
     swap file, the staging ring is a few units); on a CPU device the "device" bf16 shard
     and gradient shard (4) are host memory too. The margin is small on CUDA, where those
     are page-locked arenas made once at their exact size, and larger on the CPU, where the
@@ -340,7 +491,7 @@ def host_need(config, args) -> int:
         model = GPT(config)
     placed = estimate_placement(model, 1, 3, torch.bfloat16,
                                 offload="nvme" if args.nvme else "cpu",
-                                offload_params=args.offload_params, **stored_dtypes(args))
+                                offload_params=args.offload_params, **estimate_keywords(args))
     need = placed["host"]["total"] + placed["device"]["total"] * (args.device == "cpu")
     if args.device == "cuda":
         return int(1.05 * need) + 3 * 2**30      # + libraries, CUDA context
@@ -354,7 +505,7 @@ def nvme_need(params: int, args) -> int:
     import torch
     from zerofn.core.estimate import estimate_placement
     state = estimate_placement(params, 1, 3, torch.bfloat16, offload="nvme",
-                               **stored_dtypes(args))["nvme"]["optimizer"]
+                               **estimate_keywords(args))["nvme"]["optimizer"]
     return int(1.01 * (state + 2 * args.offload_params * params))
 
 
@@ -432,14 +583,27 @@ def header(rows: list[dict], args) -> str:
             f"checkpointing {args.checkpoint}; zerofn offload("
             f"{repr('nvme') + ', path=...' if args.nvme else repr('cpu')}"
             f"{', params=True' if args.offload_params else ''}{stored_text(args)}); "
-            f"median of {args.steps} timed steps after {args.warmup} warm-up; TFLOP/s = 6*N*tokens/s (model FLOPs)")
+            f"{ds_text(args)}median of {args.steps} timed steps after {args.warmup} warm-up; "
+            f"TFLOP/s = 6*N*tokens/s (model FLOPs)")
+
+
+def ds_text(args) -> str:
+    """DeepSpeed's configuration as the header names it, where it runs."""
+    if "deepspeed" not in args.contenders.split(","):
+        return ""
+    stage = "ZeRO-2" if args.ds_ratio is None else f"ZeRO-3, offload_optimizer.ratio={args.ds_ratio:g}"
+    return f"DeepSpeed {stage}; "
 
 
 def stored_text(args) -> str:
     """offload()'s stored dtypes as the header names them: nothing at fp32."""
     text = "" if (args.state_dtype, args.master_dtype) == ("fp32", "fp32") else \
         f", state_dtype={args.state_dtype}, master_dtype={args.master_dtype}"
-    text += f", ratio={args.offload_ratio:g}" if args.offload_ratio != 1.0 else ""
+    if args.offload_ratio != 1.0:
+        text += f", ratio={args.offload_ratio!r}" if args.offload_ratio == "auto" else \
+            f", ratio={args.offload_ratio:g}"
+    if args.device_budget is not None:
+        text += f", device_budget={args.device_budget!r}"
     return text + (", overlap_step=True" if args.overlap_step else "")
 
 
@@ -462,6 +626,22 @@ def summary(rows: list[dict], args) -> list[str]:
     return lines
 
 
+def notes(rows: list[dict]) -> list[str]:
+    """What zerofn's runs placed where (--offload-ratio) and the host Adam's own time
+    (--adam-time), for the runs that measured them."""
+    lines = []
+    for r in rows:
+        if r.get("placement"):
+            lines.append(f"{r['size']}: {r['placement']}")
+        elif r.get("units_on_device"):
+            lines.append(f"{r['size']}: {r['units_on_device']} units keep their optimizer "
+                         "state on the device")
+        if r.get("cpu_adam_s"):
+            lines.append(f"{r['size']}: host Adam {1e3 * r['cpu_adam_s']:.1f} ms a step, the "
+                         f"step {r['step_s'] / r['cpu_adam_s']:.2f}× that")
+    return lines
+
+
 def largest_summary(rows: list[dict]) -> str:
     ok = [r for r in rows if r["status"] == "ok"]
     best = (f"largest that trained: {ok[-1]['size']} = {count(ok[-1]['params'])} params, "
@@ -481,7 +661,8 @@ def main() -> None:
     print(header(rows, args) + "\n")
     print(table(rows))
     print()
-    for line in ([largest_summary(rows)] if args.find_largest else summary(rows, args)):
+    for line in ([largest_summary(rows)] if args.find_largest else summary(rows, args)) + \
+            notes(rows):
         print(line)
     sys.stdout.flush()
     if not any(r["status"] == "ok" for r in rows):

@@ -20,7 +20,9 @@ and trains correctly on CUDA, then the goals, then the stress and peer runs. A l
 15 minutes of device time (a start of a minute or two included) fits one command of
 ``--parts build,pending --budget 540`` and a second, shorter one of what is left; the
 int8-state ladder (``largest_int8``, up to 13.2B, 8 minutes) takes a command of its own,
-``--parts build,largest_int8 --budget 540``.
+``--parts build,largest_int8 --budget 540``. "Offload only what does not fit" takes two
+commands of its own, ``--parts build,split,split_ds --budget 540`` (about 2 minutes, 5
+with DeepSpeed) and ``--parts build,split_7b --budget 540`` (about 5 minutes).
 """
 from __future__ import annotations
 
@@ -55,8 +57,15 @@ NVME_LADDER = ("5120x41", "4096x34", "3072x32", "2048x24")   # 13.2B first: the 
 # The host's Adam step takes seconds at 7B whatever the batch: a throughput figure needs
 # many tokens per step, accumulated under no_sync, as a real 7B run would.
 THROUGHPUT = "--batch 4 --accum 32 --warmup 1 --steps 2"
+# "Offload only what does not fit": 4096 tokens a step at 1.31B (one micro-batch, as
+# compare), 16k at 7B; 2 warm-up steps at 1.31B, so that ratio="auto"'s first timed step
+# is not its first after the placement.
+SPLIT = "--warmup 2 --steps 3"
+TOKENS_16K = "--batch 4 --accum 4 --warmup 1 --steps 2"
+DS_RATIOS = (0.3, 0.6, 1.0)    # DeepSpeed's offload_optimizer.ratio (ZeRO-3 only)
 GOALS = {"ratio": 1.5, "largest_cpu": 7e9, "largest_int8": 13e9, "largest_nvme": 13e9,
-         "tflops_7b": 300.0}
+         "tflops_7b": 300.0, "tflops_7b_auto": 450.0, "auto_vs_fsdp2": 3.0,
+         "step_vs_adam": 1.15, "vs_deepspeed": 1.3}
 
 
 @dataclass(frozen=True)
@@ -98,11 +107,24 @@ PARTS = [
     Part("compare", 2, f"`tools/bench_offload.py --sizes {COMPARE_SIZE}`: zerofn offload('cpu') "
          "against FSDP2 CPUOffloadPolicy, both bf16 compute and bf16 reduction, tokens/s and "
          "TFLOP/s."),
+    Part("split", 2.5, f"Offload only what does not fit, at {COMPARE_SIZE} (1.31B) and 4096 "
+         f"tokens a step (`bench_offload.py --sizes {COMPARE_SIZE} {SPLIT}`), each run in its "
+         "own process: zerofn full offload with `--adam-time` (the host Adam's own time a "
+         "step, zerofn's `cpu_adam` series), zerofn `--offload-ratio auto` (the default "
+         "budget, 0.9 of the free device memory; its placement), and FSDP2 "
+         "CPUOffloadPolicy. About 100 s on an H200."),
+    Part("split_7b", 7, f"The same at {LARGE_CPU} (7.06B, activation checkpointing): "
+         f"`--offload-ratio auto` at 131k tokens a step (`{THROUGHPUT}`), then at 16k "
+         f"(`{TOKENS_16K}`) zerofn without offload (`--contenders nooffload`, if it fits the "
+         "device), full offload, and full offload with `--overlap-step`. A run whose host "
+         "estimate exceeds the memory available is skipped with the figures. About 5 min."),
     Part("profile", 1, "One ZeRO-3 + bf16 + offload('cpu') step of a 1024x8 GPT (and params="
          "True): host synchronizations per step (sync debug mode) and host waits on copy "
-         "events (which that mode does not see), and from a torch.profiler "
-         "trace the share of device-to-host copy time overlapping compute kernels (backward) "
-         "and of host-to-device copy time overlapping CPU Adam."),
+         "events (which that mode does not see), and from a torch.profiler trace the share "
+         "of device-to-host copy time overlapping compute kernels, CPU Adam, and either (the "
+         "host ring brings gradients down during the step, beside the previous unit's CPU "
+         "Adam; params=True lands them in backward, beside compute), and of host-to-device "
+         "copy time overlapping CPU Adam. Reported, not judged."),
     Part("race", 4, "Race stress: the same comparison with every copy on the side streams and "
          "every collective held back by a ~1 ms spin (`torch.cuda._sleep`), which a missing "
          "wait turns into stale data; then once without spins under "
@@ -115,8 +137,14 @@ PARTS = [
          "and whose I/O fits the part's time at the disk's measured O_DIRECT bandwidth, "
          "1 warm-up and 2 timed steps (each reads and writes the whole swap file)."),
     Part("deepspeed", 2.5, f"DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU, bf16) on "
-         f"the {COMPARE_SIZE} model, when DeepSpeed is installed or its wheels are carried along "
-         "(`--deepspeed-wheel`, or `wheels/` as `tools/deepspeed_wheels.sh` fills it)."),
+         f"the {COMPARE_SIZE} model (`bench_offload.py --contenders deepspeed`), when DeepSpeed "
+         "is installed or its wheels are carried along (`--deepspeed-wheel`, or `wheels/` as "
+         "`tools/deepspeed_wheels.sh` fills it)."),
+    Part("split_ds", 4, f"DeepSpeed at the split part's model and batch, ZeRO-3 with "
+         f"`offload_optimizer.ratio` {', '.join(map(str, DS_RATIOS))} (`--contenders deepspeed "
+         "--ds-ratio R`; its first run compiles DeepSpeed's CPU Adam where the deepspeed part "
+         "has not): its best ratio, against the split part's faster zerofn run. \"not "
+         "installed\" without DeepSpeed. About 3 min with DeepSpeed."),
 ]
 PART_NAMES = [p.name for p in PARTS]
 LIMIT = {p.name: 60 * p.minutes for p in PARTS}     # seconds
@@ -139,7 +167,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nvme-dir", default=os.path.join(ROOT, "build", "gpu_check", "nvme"),
                    help="where the NVMe part puts its swap file")
     p.add_argument("--deepspeed-wheel", help="a DeepSpeed wheel to install (offline)")
-    p.add_argument("--worker", choices=("profile", "deepspeed"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("profile",), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.parts = [s.strip() for s in args.parts.split(",") if s.strip()]
     unknown = [s for s in args.parts if s not in PART_NAMES + ["pending"]]
@@ -329,8 +357,10 @@ def part_profile(args) -> dict:
                      f"forward+backward {r['syncs_fwd_bwd']}, in the step {r['syncs_step']}; "
                      f"host waits on copy events in forward+backward "
                      f"{r['event_waits_fwd_bwd']}, in the step {r['event_waits_step']}; "
-                     f"device-to-host copy time overlapping compute kernels "
-                     f"{100 * r['d2h_overlap']:.0f} % ({r['d2h_ms']:.1f} ms of copies); "
+                     f"device-to-host copy time ({r['d2h_ms']:.1f} ms) overlapping "
+                     f"compute kernels {100 * r['d2h_overlap_compute']:.0f} %, CPU Adam "
+                     f"{100 * r['d2h_overlap_adam']:.0f} %, either "
+                     f"{100 * r['d2h_overlap_either']:.0f} %; "
                      f"host-to-device copy time overlapping CPU Adam "
                      f"{100 * r['h2d_overlap_adam']:.0f} % ({r['h2d_ms']:.1f} ms)")
     lines.append(f"trace: `{os.path.relpath(os.path.join(TRACE_DIR, 'profile_trace.json'), ROOT)}`")
@@ -475,16 +505,14 @@ def _largest(flags: list[str], seconds: float) -> dict:
 
 
 def part_deepspeed(args) -> dict:
+    start = time.perf_counter()
     found = _deepspeed_available(args)
     if found is not True:
         return dict(status="skipped", lines=[found])
-    rc, out = run([sys.executable, os.path.abspath(__file__), "--worker", "deepspeed"],
-                  LIMIT["deepspeed"])
-    line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
-    if rc or line is None:
-        return dict(status="failed", lines=["DeepSpeed did not finish a step"],
-                    detail=tail(out, 30))
-    r = json.loads(line[len("RESULT "):])
+    r = bench_runs([("zero2", "deepspeed", [], LIMIT["deepspeed"])], COMPARE_SIZE,
+                   LIMIT["deepspeed"] - (time.perf_counter() - start))["zero2"]
+    if r["status"] != "ok":
+        return dict(status="failed", lines=[run_line("zero2", r)])
     return dict(status="ok", figures=r,
                 lines=[f"DeepSpeed {r['version']} ZeRO-Offload, {COMPARE_SIZE}: "
                        f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops']:.3g} TFLOP/s, "
@@ -507,11 +535,144 @@ def _deepspeed_available(args) -> bool | str:
     return True
 
 
+# A bench_offload run needs its process, CUDA and the model built: no use starting one
+# with less time than this left.
+MIN_RUN = 20
+
+
+def bench_runs(runs, size: str, seconds: float) -> dict:
+    """Each of ``runs`` (key, contender, bench_offload flags, its own time limit) at
+    ``size`` in its own process, all within ``seconds``: a run gets its limit or what is
+    left; zerofn's runs are skipped where bench_offload's host estimate exceeds the
+    memory available (the kernel would kill them partway through pinning). Each result
+    keeps its command."""
+    if TOOLS not in sys.path:
+        sys.path.insert(0, TOOLS)
+    import bench_offload as bo
+    deadline = time.perf_counter() + seconds
+    out = {}
+    for key, contender, flags, limit in runs:
+        bargs = bo.parse_args(["--device", "cuda", "--sizes", size, "--contenders", contender,
+                               *flags])
+        command = f"bench_offload.py --contenders {contender} --sizes {size} {' '.join(flags)}"
+        left = deadline - time.perf_counter()
+        need = bo.host_need(bo.model_config(size, bargs), bargs) if contender == "zerofn" else 0
+        if left < MIN_RUN:
+            r = dict(status="not run", reason=f"{left:.0f} s left of the part's limit")
+        elif need > bo.mem_available():
+            r = dict(status="skipped", reason=f"needs ~{need / 2**30:.0f} GiB host, "
+                     f"{bo.mem_available() / 2**30:.0f} GiB available")
+        else:
+            bargs.timeout = int(min(limit, left))
+            r = bo.launch(contender, size, bargs)
+        out[key] = dict(r, command=command.strip())
+    return out
+
+
+def run_line(key: str, r: dict) -> str:
+    """One bench_offload run as a line of the report."""
+    head = f"{key} (`{r['command']}`)"
+    if r["status"] != "ok":
+        return f"{head}: {r['status']}: {r.get('reason', '')}"
+    text = (f"{head}: {r['tokens_per_s']:,.0f} tokens/s, {r['tflops']:.3g} TFLOP/s, step "
+            f"{1e3 * r['step_s']:.0f} ms, peak GPU {_gb(r.get('peak_device'))} GB, peak host "
+            f"{_gb(r.get('peak_host'))} GB")
+    if r.get("cpu_adam_s"):
+        text += f", host Adam {1e3 * r['cpu_adam_s']:.0f} ms a step"
+    return text + (f"; {r['placement']}" if r.get("placement") else "")
+
+
+def _gb(v) -> str:
+    return "—" if v is None else f"{v / 2**30:.1f}"
+
+
+def _ratio(a: dict, b: dict, key: str = "tokens_per_s") -> float | None:
+    """``a[key] / b[key]`` where both runs finished, else None."""
+    if a.get("status") != "ok" or b.get("status") != "ok":
+        return None
+    return a[key] / b[key]
+
+
+def part_split(args) -> dict:
+    flags = SPLIT.split()
+    runs = bench_runs([("full", "zerofn", flags + ["--adam-time"], 55),
+                       ("auto", "zerofn", flags + ["--offload-ratio", "auto"], 55),
+                       ("fsdp2", "fsdp2", flags, 50)], COMPARE_SIZE, LIMIT["split"] - 5)
+    full = runs["full"]
+    figures = dict(runs=runs, auto_vs_fsdp2=_ratio(runs["auto"], runs["fsdp2"]),
+                   step_vs_adam=full["step_s"] / full["cpu_adam_s"]
+                   if full.get("cpu_adam_s") else None)
+    lines = [run_line(k, r) for k, r in runs.items()]
+    if figures["auto_vs_fsdp2"] is not None:
+        lines.append(f"ratio auto / FSDP2: {figures['auto_vs_fsdp2']:.2f}× tokens/s")
+    if figures["step_vs_adam"] is not None:
+        lines.append(f"full offload: the step is {figures['step_vs_adam']:.2f}× the host "
+                     f"Adam's own time")
+    return _bench_result(runs, figures, lines)
+
+
+def _bench_result(runs: dict, figures: dict, lines: list[str], may_not_fit=()) -> dict:
+    """A part of bench_offload runs: ok where every run finished, or was skipped for host
+    memory (it says so), or ran out of device memory where that is a finding (the runs
+    ``may_not_fit``), and one at least measured."""
+    def fine(key, r):
+        return r["status"] in ("ok", "skipped") or (key in may_not_fit and
+                                                     r["status"] == "oom-device")
+    ok = all(fine(k, r) for k, r in runs.items()) and \
+        any(r["status"] == "ok" for r in runs.values())
+    return dict(status="ok" if ok else "failed", figures=figures, lines=lines)
+
+
+def part_split_7b(args) -> dict:
+    big, tokens_16k = ["--checkpoint", "on"], TOKENS_16K.split()
+    runs = bench_runs([("auto_131k", "zerofn", big + THROUGHPUT.split() +
+                        ["--offload-ratio", "auto"], 180),
+                       ("nooffload_16k", "nooffload", big + tokens_16k, 90),
+                       ("full_16k", "zerofn", big + tokens_16k, 110),
+                       ("overlap_16k", "zerofn", big + tokens_16k + ["--overlap-step"], 110)],
+                      LARGE_CPU, LIMIT["split_7b"] - 5)
+    auto, device = runs["auto_131k"], runs["nooffload_16k"]
+    figures = dict(runs=runs, tflops_auto=auto.get("tflops"), no_offload=device["status"],
+                   share_full=_ratio(runs["full_16k"], device),
+                   share_overlap=_ratio(runs["overlap_16k"], device))
+    lines = [run_line(k, r) for k, r in runs.items()]
+    if device["status"] == "ok":
+        lines += [f"16k tokens a step, share of no-offload tokens/s: full offload "
+                  f"{_share(figures['share_full'])}, with overlap_step "
+                  f"{_share(figures['share_overlap'])}"]
+    else:
+        lines += [f"no offload at 16k tokens a step did not run ({device['status']}): no "
+                  "share of it to give"]
+    return _bench_result(runs, figures, lines, may_not_fit=("nooffload_16k",))
+
+
+def _share(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.0f} %"
+
+
+def part_split_ds(args) -> dict:
+    start = time.perf_counter()
+    found = _deepspeed_available(args)
+    if found is not True:
+        return dict(status="skipped", lines=[found])
+    runs = bench_runs([(f"ratio {r:g}", "deepspeed", SPLIT.split() + ["--ds-ratio", str(r)],
+                        100) for r in DS_RATIOS], COMPARE_SIZE,
+                      LIMIT["split_ds"] - 5 - (time.perf_counter() - start))
+    done = {k: r for k, r in runs.items() if r["status"] == "ok"}
+    best = max(done, key=lambda k: done[k]["tokens_per_s"], default=None)
+    figures = dict(runs=runs, best=best,
+                   best_tokens_per_s=done[best]["tokens_per_s"] if best else None)
+    lines = [run_line(k, r) for k, r in runs.items()]
+    if best:
+        lines.append(f"DeepSpeed {done[best]['version']}'s best: {best}, "
+                     f"{figures['best_tokens_per_s']:,.0f} tokens/s")
+    return _bench_result(runs, figures, lines)
 PART_RUNNERS = {"build": part_build, "tests": part_tests, "parity": part_parity,
                 "job": part_job, "largest": part_largest, "largest_int8": part_largest_int8,
                 "compare": part_compare,
                 "profile": part_profile, "race": part_race, "compile": part_compile,
-                "nvme": part_nvme, "deepspeed": part_deepspeed}
+                "nvme": part_nvme, "deepspeed": part_deepspeed, "split": part_split,
+                "split_7b": part_split_7b, "split_ds": part_split_ds}
 
 
 # -- workers (their own processes: CUDA and NCCL state start fresh) ----------------------
@@ -579,8 +740,10 @@ def profile_worker(args) -> None:
 
 
 def overlaps(events) -> dict:
-    """From profiler events: total device-to-host and host-to-device copy time, the share
-    of the first overlapping compute kernels, and of the second overlapping CPU Adam."""
+    """From profiler events: total device-to-host and host-to-device copy time; the share
+    of the first overlapping compute kernels, CPU Adam, and either (the host ring copies
+    gradients down in the step, beside CPU Adam; landing buffers in backward, beside
+    compute); and of the second overlapping CPU Adam."""
     def spans(pred):
         return [(e.time_range.start, e.time_range.end) for e in events if pred(e)]
 
@@ -591,7 +754,9 @@ def overlaps(events) -> dict:
     kernels = spans(lambda e: is_gpu(e) and "Memcpy" not in e.name and "Memset" not in e.name)
     adam = spans(lambda e: not is_gpu(e) and e.name.startswith("zerofn::cpu_adam"))
     return dict(d2h_ms=_total(d2h) / 1e3, h2d_ms=_total(h2d) / 1e3,
-                d2h_overlap=_covered(d2h, kernels), h2d_overlap_adam=_covered(h2d, adam))
+                d2h_overlap_compute=_covered(d2h, kernels), d2h_overlap_adam=_covered(d2h, adam),
+                d2h_overlap_either=_covered(d2h, kernels + adam),
+                h2d_overlap_adam=_covered(h2d, adam))
 
 
 def _union(spans):
@@ -616,49 +781,6 @@ def _covered(spans, by) -> float:
     cover = _union(by)
     inside = sum(max(0.0, min(e, ce) - max(s, cs)) for s, e in _union(spans) for cs, ce in cover)
     return inside / total
-
-
-def deepspeed_worker(args) -> None:
-    import statistics
-
-    import deepspeed
-    import torch
-    sys.path.insert(0, TOOLS)
-    import bench_offload as bo
-
-    from zerofn.nanogpt import GPT
-    bargs = bo.parse_args(["--device", "cuda", "--sizes", COMPARE_SIZE])
-    cfg = bo.model_config(COMPARE_SIZE, bargs)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-    torch.cuda.set_device(0)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = GPT(cfg)
-    config = {"train_micro_batch_size_per_gpu": bargs.batch, "gradient_accumulation_steps": 1,
-              "bf16": {"enabled": True},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
-                                    "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=config)
-    g = torch.Generator().manual_seed(1)
-    n = bargs.warmup + bargs.steps
-    tokens = torch.randint(cfg.vocab, (n, bargs.batch, cfg.context + 1), generator=g).cuda()
-    times = []
-    for i in range(n):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = engine(tokens[i, :, :-1], tokens[i, :, 1:])
-        engine.backward(loss)
-        engine.step()
-        torch.cuda.synchronize()
-        if i >= bargs.warmup:
-            times.append(time.perf_counter() - start)
-    step = statistics.median(times)
-    tok = bargs.batch * cfg.context / step
-    print("RESULT " + json.dumps(dict(version=deepspeed.__version__, step_s=step, tokens_per_s=tok,
-                                      tflops=6 * cfg.params() * tok / 1e12)), flush=True)
 
 
 # -- results and the report ---------------------------------------------------------------
@@ -735,9 +857,6 @@ def goals(parts: dict) -> list[str]:
     def fig(part, key):
         return parts.get(part, {}).get("figures", {}).get(key)
 
-    def verdict(value, target):
-        return "not measured" if value is None else ("meets" if value >= target else "misses")
-
     ratio, cpu, nvme = fig("compare", "ratio"), fig("largest", "params"), fig("nvme", "params")
     int8 = fig("largest_int8", "params")
     tflops = fig("largest", "tflops") if cpu is not None and cpu >= GOALS["largest_cpu"] else None
@@ -751,9 +870,53 @@ def goals(parts: dict) -> list[str]:
             ("largest trainable with NVMe", "≥ 13B",
              None if nvme is None else f"{nvme / 1e9:.2f}B", verdict(nvme, GOALS["largest_nvme"])),
             ("TFLOP/s (6N) at 7B", "≥ 300", None if tflops is None else f"{tflops:.0f}",
-             verdict(tflops, GOALS["tflops_7b"]))]
+             verdict(tflops, GOALS["tflops_7b"]))] + split_goals(fig)
     return ["| goal | target | measured | verdict |", "|---|---|---|---|"] + \
         [f"| {g} | {t} | {m or '—'} | {v} |" for g, t, m, v in rows]
+
+
+def verdict(value, target, at_most: bool = False) -> str:
+    """Whether ``value`` meets ``target`` (at least it, or with ``at_most`` at most it)."""
+    if value is None:
+        return "not measured"
+    return "meets" if (value <= target if at_most else value >= target) else "misses"
+
+
+def split_goals(fig) -> list[tuple]:
+    """The goal rows of "offload only what does not fit" (split, split_7b, split_ds)."""
+    tflops, auto_fsdp2 = fig("split_7b", "tflops_auto"), fig("split", "auto_vs_fsdp2")
+    step_adam, vs_ds = fig("split", "step_vs_adam"), _vs_deepspeed(fig)
+    return [("TFLOP/s (6N) at 7B, 131k tokens a step, ratio='auto'", "≥ 450",
+             None if tflops is None else f"{tflops:.0f}",
+             verdict(tflops, GOALS["tflops_7b_auto"])),
+            ("1.31B, 4096 tokens a step: ratio='auto' tokens/s / FSDP2 CPUOffloadPolicy",
+             "≥ 3×", None if auto_fsdp2 is None else f"{auto_fsdp2:.2f}×",
+             verdict(auto_fsdp2, GOALS["auto_vs_fsdp2"])),
+            ("1.31B, 4096 tokens a step: full-offload step / the host Adam's own time",
+             "≤ 1.15×", None if step_adam is None else f"{step_adam:.2f}×",
+             verdict(step_adam, GOALS["step_vs_adam"], at_most=True)),
+            ("7B, 16k tokens a step: tokens/s as a share of no offload's, full offload / "
+             "with overlap_step", "reported", *_no_offload_share(fig)),
+            ("zerofn tokens/s / DeepSpeed ZeRO-Offload at its best ratio, 1.31B", "≥ 1.3×",
+             None if vs_ds is None else f"{vs_ds:.2f}×", verdict(vs_ds, GOALS["vs_deepspeed"]))]
+
+
+def _no_offload_share(fig) -> tuple[str | None, str]:
+    status = fig("split_7b", "no_offload")
+    if status is None:
+        return None, "not measured"
+    if status != "ok":
+        return f"no offload does not run ({status})", "reported"
+    return (f"{_share(fig('split_7b', 'share_full'))} / "
+            f"{_share(fig('split_7b', 'share_overlap'))}"), "reported"
+
+
+def _vs_deepspeed(fig) -> float | None:
+    """The split part's faster zerofn run over the split_ds part's best DeepSpeed run."""
+    runs, best = fig("split", "runs") or {}, fig("split_ds", "best_tokens_per_s")
+    zerofn = [r["tokens_per_s"] for k, r in runs.items() if k in ("full", "auto")
+              and r.get("status") == "ok"]
+    return max(zerofn) / best if zerofn and best else None
 
 
 # [What NCCL does that gloo does not] One GPU runs NCCL at world 1 only: each code path that
@@ -891,8 +1054,6 @@ def main() -> None:
     args = parse_args()
     if args.worker == "profile":
         return profile_worker(args)
-    if args.worker == "deepspeed":
-        return deepspeed_worker(args)
     deadline = None if args.budget is None else time.perf_counter() + args.budget
     results = load_results(args.results, args.fresh)
     if args.plan:
