@@ -226,6 +226,7 @@ inline void decode_short(const uint8_t* codes, float scale, const float* code, f
   for (int64_t i = 0; i < kQuantBlock; ++i) x[i] = i < len ? code[codes[i]] * scale : 0.0f;
 }
 
+// Whether every lane is 0 (an accumulated x - x is, until an inf or nan).
 inline bool all_zero(reg a) {
   float lanes[V::W];
   V::store(lanes, a);
@@ -396,12 +397,8 @@ void sumsq_range(const void* g, int64_t n, double* sumsq, bool* finite) {
     bad = V::add(bad, V::sub(x, x));
     acc = V::dacc_add_sq(acc, x);
   }
-  float lanes[V::W];
-  V::store(lanes, bad);
-  bool ok = true;
-  for (int j = 0; j < V::W; ++j) ok = ok && lanes[j] == 0.0f;
   *sumsq = V::dacc_sum(acc);
-  *finite = ok;
+  *finite = all_zero(bad);
 }
 
 void sumsq_kernel(const void* g, int g_dtype, int64_t n, double* sumsq, bool* finite) {

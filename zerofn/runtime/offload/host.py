@@ -60,21 +60,31 @@ class HostOffload(Offload):
                              self.pin) if ring and self.cpu_adam else None
         if self.ring is not None:
             self._arenas.append(self.ring.arena)
-            return
-        # Under mixed precision the compute copy is kept in this (pinned) arena, where CPU
-        # Adam writes it in its pass (another optimizer's rows are cast into it): what goes
-        # back to the device is already in its dtype, and page-locked. A copy that also
-        # casts would cast on the host into pageable memory and hold the step meanwhile.
-        # Under parameter offload this copy is the parameter shard (``param_shard``).
-        lowp = [u for u in units if self._rows_dtype(u) is not None]
-        for dtype, mine in self._groups({u: self.compute_dtype[u] for u in lowp}):
+        else:
+            self._allocate_landing(grad_dtype_of)
+
+    def _allocate_landing(self, grad_dtype_of) -> None:
+        """Without the ring, per unit: a landing buffer for its gradients and, under mixed
+        precision, the compute copy of its rows.
+
+        The compute copy is kept in this (pinned) arena, where CPU Adam writes it in its
+        pass (another optimizer's rows are cast into it): what goes back to the device is
+        already in its dtype, and page-locked. A copy that also casts would cast on the host
+        into pageable memory and hold the step meanwhile. Under parameter offload this copy
+        is the parameter shard (``param_shard``)."""
+        units = self._units
+        self.compute_copy = self._shards({u: self._rows_dtype(u) for u in units
+                                          if self._rows_dtype(u) is not None})
+        self.grads = self._shards({u: grad_dtype_of(u) for u in units})
+
+    def _shards(self, dtype_of: dict) -> dict:
+        """A pinned buffer of each unit's shard size in ``{unit: dtype}``'s dtype."""
+        out = {}
+        for dtype, mine in self._groups(dtype_of):
             arena = HostArena([u.shard_numel for u in mine], dtype, self.pin)
-            self.compute_copy.update({u: arena.take(u.shard_numel) for u in mine})
+            out.update({u: arena.take(u.shard_numel) for u in mine})
             self._keep(arena, mine)
-        for dtype, mine in self._groups({u: grad_dtype_of(u) for u in units}):
-            arena = HostArena([u.shard_numel for u in mine], dtype, self.pin)
-            self.grads.update({u: arena.take(u.shard_numel) for u in mine})
-            self._keep(arena, mine)
+        return out
 
     def _rows_dtype(self, unit: Unit) -> torch.dtype | None:
         """The dtype of the unit's rows that go up, where the masters are not those rows."""
@@ -177,9 +187,7 @@ class HostOffload(Offload):
         group_of = groups_by_param(optimizer)
         for u in self._units:
             if self.early is None or not self.early.take(u):   # (stepped during backward)
-                adam_unit(optimizer, group_of, u, grads, self.master[u], self.exp_avg[u],
-                          self.exp_avg_sq[u], self.decoupled, self.compute_copy.get(u),
-                          grad_scale, self.timing, self.kernel_options)
+                self._adam(optimizer, group_of, u, grads, self.compute_copy.get(u), grad_scale)
             after_unit(u, self.updated_rows(u))
 
     def _step_through_ring(self, optimizer, grads: dict, after_unit, grad_scale: float,
@@ -188,19 +196,16 @@ class HostOffload(Offload):
         device's rows) while the unit before steps; its rows go up from the same slot."""
         group_of = groups_by_param(optimizer)
         units = [u for u in self._units if u.slots]
+        if units:
+            self._bring_down(0, units[0], grads, copies)
         for i, u in enumerate(units):
-            if i == 0:
-                self._bring_down(0, u, grads, copies)
             if i + 1 < len(units):
                 self._bring_down(i + 1, units[i + 1], grads, copies)
             copies.host_wait(u)
             landed = self.ring.grads(i, u)
             rows = self.ring.rows(i, u)
-            written = adam_unit(optimizer, group_of, u, {s: s.shard_of(landed) for s in u.slots
-                                                          if grads.get(s) is not None},
-                                self.master[u], self.exp_avg[u], self.exp_avg_sq[u],
-                                self.decoupled, rows, grad_scale, self.timing,
-                                self.kernel_options)
+            mine = {s: s.shard_of(landed) for s in u.slots if grads.get(s) is not None}
+            written = self._adam(optimizer, group_of, u, mine, rows, grad_scale)
             if rows is None:
                 rows = self.master[u]
             else:
@@ -222,9 +227,16 @@ class HostOffload(Offload):
         return self.cpu_adam and unit in self.grads
 
     def step_unit(self, optimizer, unit: Unit, grads: dict) -> None:
-        adam_unit(optimizer, groups_by_param(optimizer), unit, grads, self.master[unit],
-                  self.exp_avg[unit], self.exp_avg_sq[unit], self.decoupled,
-                  self.compute_copy.get(unit), 1.0, self.timing, self.kernel_options)
+        self._adam(optimizer, groups_by_param(optimizer), unit, grads,
+                   self.compute_copy.get(unit), 1.0)
+
+    def _adam(self, optimizer, group_of: dict, unit: Unit, grads: dict, rows,
+              grad_scale: float) -> list:
+        """CPU Adam over ``unit``'s host state (adam.py), writing ``rows`` in the compute
+        dtype too where given; returns the slots it wrote."""
+        return adam_unit(optimizer, group_of, unit, grads, self.master[unit],
+                         self.exp_avg[unit], self.exp_avg_sq[unit], self.decoupled, rows,
+                         grad_scale, self.timing, self.kernel_options)
 
     kernel_options = None   # slot -> adam_step's keywords for the state's stored form
 
