@@ -73,9 +73,10 @@ def test_only_cuda_devices_pin():
     assert not pinned.pins(torch.device("cpu")) and not pinned.pins(None)
 
 
-def units_on(device: str, sizes) -> list[Unit]:
+def units_on(device: str, sizes, compute=torch.float32) -> list[Unit]:
     return [Unit(f"u{i}", nn.Module(), shard_numel=n, dtype=torch.float32,
-                 device=torch.device(device)) for i, n in enumerate(sizes)]
+                 device=torch.device(device), compute_dtype=compute, master_dtype=torch.float32)
+            for i, n in enumerate(sizes)]
 
 
 def test_offload_for_a_cuda_device_pins_exactly_its_arenas(calls):
@@ -83,12 +84,12 @@ def test_offload_for_a_cuda_device_pins_exactly_its_arenas(calls):
     at the sum of its aligned views; the step counters (host only) are not pinned."""
     sizes = [1000, 3000, 70]
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
-    store = HostOffload(units_on("cuda", sizes), lambda u: torch.bfloat16, opt, torch.bfloat16)
+    store = HostOffload(units_on("cuda", sizes, torch.bfloat16), lambda u: torch.bfloat16, opt)
     aligned = sum(-(-n // ALIGN) * ALIGN for n in sizes)
     want = sorted([aligned * 4 * 3, aligned * 2, aligned * 2])   # fp32 x3 | bf16 | bf16 grads
     assert sorted(n for _, n in calls["register"]) == want
     assert sorted(a.buffer.nbytes for a in store.arenas()) == want
-    on_cpu = HostOffload(units_on("cpu", sizes), lambda u: torch.bfloat16, opt, torch.bfloat16)
+    on_cpu = HostOffload(units_on("cpu", sizes, torch.bfloat16), lambda u: torch.bfloat16, opt)
     assert len(calls["register"]) == 3 and on_cpu.arenas()
 
 

@@ -32,6 +32,7 @@ class PrecisionPolicy:
     """Compute, all-gather and reduction dtypes, and fp16 loss scaling (DeepSpeed's)."""
     param_dtype: Any = None            # None: the parameters' own
     reduce_dtype: Any = None           # None: the compute dtype
+    cast_forward_inputs: bool = True   # floating inputs of the model's forward to param_dtype
     loss_scale: float | None = None    # a static scale; None: dynamic for fp16
     initial_scale_power: int = 16
     loss_scale_window: int = 1000

@@ -134,13 +134,21 @@ def shard_params(**options) -> Transform:
 
 
 def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype=None,
-                    **options) -> Transform:
+                    cast_forward_inputs: bool = True, **options) -> Transform:
     """Compute in ``param_dtype`` with fp32 master parameters and optimizer state.
 
     Composes with every stage (it shards nothing itself). Compute parameters and their
     all-gather are in ``param_dtype``; gradients are reduced (and, for ZeRO-2/3, held) in
     ``reduce_dtype`` (default ``param_dtype``); the optimizer steps fp32 masters, and the
-    updated parameters are cast back once per step.
+    updated parameters are cast back once per step. The masters and the optimizer's state
+    are fp32 whatever dtype the model was built or loaded in (a bf16 checkpoint included),
+    as DeepSpeed's bf16 mode keeps them; ``offload(master_dtype=..., state_dtype=...)``
+    stores them in fewer bits on purpose. (Without ``mixed_precision`` a bf16 model keeps
+    torch's semantics: bf16 masters and state.)
+
+    ``cast_forward_inputs`` (default True, as FSDP2's ``MixedPrecisionPolicy``): the
+    floating-point tensors among the model's forward arguments are cast to ``param_dtype``
+    on the way in, so a loop feeding fp32 data runs unchanged; False leaves them be.
 
     ``mixed_precision(torch.bfloat16, reduce_dtype=torch.float32)`` trains bit for bit as
     FSDP2 with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -167,7 +175,8 @@ def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype=None
         raise TypeError(f"mixed_precision(): reduce_dtype must be a floating dtype or None, "
                         f"got {reduce_dtype!r}.")
     return _stage_transform("mixed_precision", 0, PRECISION_OPTIONS,
-                            dict(options, param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+                            dict(options, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                 cast_forward_inputs=bool(cast_forward_inputs)))
 
 
 def offload(device: str = "cpu", *, params: bool = False, path: str | None = None,

@@ -115,7 +115,10 @@ class ParamSlot:
 class Unit:
     """Parameters gathered together; ``module`` is where its hooks go.
 
-    ``dtype`` is the compute dtype; masters keep the parameters' original dtype.
+    Three dtypes, each for one thing: ``dtype`` is the parameters' own, as the model was
+    built (never rewritten); ``compute_dtype`` what forward, backward and the all-gathers
+    run in; ``master_dtype`` what the optimizer steps and keeps its state in. The runtime
+    sets the last two from the plan (``set_dtypes``) before anything is laid out.
     """
 
     name: str
@@ -124,6 +127,8 @@ class Unit:
     shard_numel: int = 0
     dtype: torch.dtype | None = None
     device: torch.device | None = None
+    compute_dtype: torch.dtype | None = None
+    master_dtype: torch.dtype | None = None
     replicated: bool = False     # ZeRO-3's small persistent params: whole on every rank
     shard: torch.Tensor | None = None    # ZeRO-3: this rank's compute rows, flat
     master: torch.Tensor | None = None   # this rank's master rows, flat, where not the params
@@ -131,6 +136,17 @@ class Unit:
     @property
     def trainable(self) -> list[ParamSlot]:
         return [s for s in self.slots if s.requires_grad]
+
+
+def set_dtypes(units: list[Unit], compute: torch.dtype | None, mixed: bool) -> None:
+    """Each unit's compute and master dtypes: ``compute`` (mixed precision's) or the
+    parameters' own; masters in fp32 under mixed precision, whatever dtype the model was
+    built in (DeepSpeed's bf16 mode does the same), else the parameters' own, as
+    torch.optim keeps them. Non-floating parameters stay as they are."""
+    for u in units:
+        floating = u.dtype is not None and u.dtype.is_floating_point
+        u.compute_dtype = compute if compute is not None and floating else u.dtype
+        u.master_dtype = torch.float32 if mixed and floating else u.dtype
 
 
 def scatter_to_ranks(full: torch.Tensor, cols: torch.Tensor) -> None:

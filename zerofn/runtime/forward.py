@@ -2,9 +2,11 @@
 the units' inputs tracked for backward, and the observers' forward and backward events."""
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
+from torch.utils._pytree import tree_map
 
 from .backward import ZerofnUnitInputs
 from .hooks import eager, in_backward, on_backward_begin
@@ -36,11 +38,18 @@ class ForwardHooks:
         gather, and of backward before ZeRO-3 gathers the root unit again; the last
         post-hook announces when that gather is done (its hook on the outputs runs after
         the root unit's)."""
-        return [self.model.register_forward_pre_hook(eager(self._forward_begins),
-                                                     prepend=True),
-                self.model.register_forward_hook(eager(self._forward_ends), prepend=True,
-                                                 always_call=True),
-                self.model.register_forward_hook(eager(self._backward_follows))]
+        hooks = []
+        precision = self.plan.precision
+        if precision.param_dtype is not None and precision.cast_forward_inputs:
+            # Before ZeRO-3's root hook tracks the inputs: it must track the cast ones.
+            hooks.append(self.model.register_forward_pre_hook(
+                eager(functools.partial(_cast_inputs, precision.param_dtype)), prepend=True,
+                with_kwargs=True))
+        return hooks + [
+            self.model.register_forward_pre_hook(eager(self._forward_begins), prepend=True),
+            self.model.register_forward_hook(eager(self._forward_ends), prepend=True,
+                                             always_call=True),
+            self.model.register_forward_hook(eager(self._backward_follows))]
 
     def _forward_begins(self, module, args) -> None:
         if not in_backward():   # (a checkpointed recompute is part of backward)
@@ -79,6 +88,16 @@ class ForwardHooks:
             self.gatherer.end_backward()
         else:
             self.gatherer.free(unit)
+
+
+def _cast_inputs(dtype: torch.dtype, module, args: tuple, kwargs: dict):
+    """mixed_precision's ``cast_forward_inputs``: the floating tensors among the model's
+    forward arguments, nested in containers too, in the compute dtype (FSDP2's rule)."""
+    def cast(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+    return tree_map(cast, args), tree_map(cast, kwargs)
 
 
 def _explain_in_place(exc: BaseException, unit) -> None:

@@ -123,7 +123,7 @@ class GradReducer(BackwardTracking):
                     functools.partial(grad_hook, mine, ui, si)))
 
     def _dtype(self, unit: Unit) -> torch.dtype:
-        return self.reduce_dtype or unit.dtype
+        return self.reduce_dtype or unit.compute_dtype
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -279,7 +279,7 @@ class GradReducer(BackwardTracking):
             divisor *= self.replicas.world
         if divisor > 1:
             out.div_(divisor)
-        if self.stage == 1 and out.dtype == unit.dtype and not self._in_backward:
+        if self.stage == 1 and out.dtype == unit.compute_dtype and not self._in_backward:
             self._write_back(unit, out)
             return [out]
         if self.stage == 1:
@@ -322,7 +322,7 @@ class GradReducer(BackwardTracking):
         """
         if self.stage == 1 and self._dirty and self._early:
             for unit, shard in list(self.grad_shard.items()):
-                if shard.dtype == unit.dtype:
+                if shard.dtype == unit.compute_dtype:
                     self._write_back(unit, shard)
                     self.pool.give(shard)
         elif self.stage == 1 and self._dirty:

@@ -40,14 +40,13 @@ class Layout:
         Shard(0) DTensor parameters; the full parameters are then let go.
         """
         sharded = unit in self._sharded_params
-        compute = self.plan.precision.param_dtype or unit.dtype
+        compute = unit.compute_dtype
         master = self._place_masters(unit, sharded)
         if sharded:
             unit.shard = self._compute_shard(unit, compute, master)
         elif compute != unit.dtype:
             for s in unit.slots:
                 s.param.data = s.param.data.to(compute)
-        unit.dtype = compute
         # Under offload the masters are the offload's; its rows here are transient.
         unit.master = master if self.offload is None else None
         for s in unit.slots if sharded else ():
@@ -82,8 +81,7 @@ class Layout:
         """ZeRO-3 parameter offload: each sharded unit's compute dtype (what NVMe stores)."""
         if not self.plan.offload.params:
             return {}
-        dtype = self.plan.precision.param_dtype
-        return {u: dtype or u.dtype for u in units if u.slots and not u.replicated}
+        return {u: u.compute_dtype for u in units if u.slots and not u.replicated}
 
     def _place_masters(self, unit, sharded: bool) -> torch.Tensor | None:
         """The unit's master rows: the offload's, or the device's flat buffer, or (plain
@@ -102,7 +100,7 @@ class Layout:
         on the device in the compute dtype, or a cast copy of it."""
         if self.plan.offload.params:
             return self.offload.param_shard(unit, compute)
-        if compute == unit.dtype and self.offload is None:
+        if compute == unit.master_dtype and self.offload is None:
             return master
         return self._flats["compute"].views[unit].copy_(master)
 
@@ -111,13 +109,12 @@ class Layout:
         ZeRO-3's compute shards (where they are not the masters), one allocation per kind
         and dtype, handed out per unit: many small long-lived blocks made while a meta
         model's transient full units come and go would fragment the host heap."""
-        compute_of = {u: self.plan.precision.param_dtype or u.dtype for u in self.units}
         sharded = set(self._sharded_params)
-        masters = {u: (u.dtype, u.shard_numel) for u in self.units if self.offload is None
-                   and (u in sharded or compute_of[u] != u.dtype)}
-        shards = {u: (compute_of[u], u.shard_numel) for u in sharded
+        masters = {u: (u.master_dtype, u.shard_numel) for u in self.units if self.offload is None
+                   and (u in sharded or u.compute_dtype != u.master_dtype)}
+        shards = {u: (u.compute_dtype, u.shard_numel) for u in sharded
                   if not self.plan.offload.params
-                  and (compute_of[u] != u.dtype or self.offload is not None)}
+                  and (u.compute_dtype != u.master_dtype or self.offload is not None)}
         return {"master": FlatBuffers(masters, self.device),
                 "compute": FlatBuffers(shards, self.device)}
 

@@ -69,7 +69,7 @@ class ParamGatherer:
     def start_gather(self, unit: Unit) -> None:
         if unit in self.full or unit in self._pending or not unit.slots:
             return
-        recv = self.pool.take(self.comm.world * unit.shard_numel, unit.dtype, unit.device)
+        recv = self.pool.take(self.comm.world * unit.shard_numel, unit.compute_dtype, unit.device)
         if not self.staged:
             self._pending[unit] = (self._all_gather(unit, recv, unit.shard), recv)
             return
@@ -97,7 +97,7 @@ class ParamGatherer:
         self.start_gather(unit)
         work, recv = self._pending.pop(unit)
         work.wait()
-        full = self.pool.take(recv.numel(), unit.dtype, unit.device)
+        full = self.pool.take(recv.numel(), unit.compute_dtype, unit.device)
         world = self.comm.world
         ranks = recv.view(world, unit.shard_numel)
         for s in unit.slots:
@@ -121,7 +121,7 @@ class ParamGatherer:
 
     def placeholder(self, s, unit: Unit) -> torch.Tensor:
         """A one-element stand-in with the parameter's shape, so autograd metadata holds."""
-        key = (unit.dtype, unit.device)
+        key = (unit.compute_dtype, unit.device)
         if key not in self._placeholders:
             self._placeholders[key] = torch.zeros(1, dtype=key[0], device=key[1])
         return self._placeholders[key].expand(s.shape)

@@ -37,7 +37,7 @@ class Refresh:
             return
         # The rows go straight into this rank's slot of the gather buffer: an in-place
         # all-gather, with no separate send buffer.
-        recv = self.pool.take(self.world * unit.shard_numel, unit.dtype, unit.device)
+        recv = self.pool.take(self.world * unit.shard_numel, unit.compute_dtype, unit.device)
         send = recv.view(self.world, unit.shard_numel)[self.rank]
         if rows is not None:
             self.copies.to_device(unit, send, rows)

@@ -19,6 +19,7 @@ from .attach import attach, detach, is_transformed, runtime_of
 from .clip import clip_grads
 from .comm import Comm, device_problems
 from .copies import CopyStreams
+from .describe import announce
 from .events import Observers, kinds
 from .forward import ForwardHooks
 from .grads import GradReducer
@@ -38,7 +39,7 @@ from .refresh import Refresh
 from .step import StepGrads
 from .stepping import Stepping
 from .timing import UNTIMED
-from ..core.units import build_units
+from ..core.units import build_units, set_dtypes
 
 def apply_plan(model: nn.Module, optimizer, edits):
     if not isinstance(model, nn.Module):
@@ -118,6 +119,7 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
             self._broadcast_module_states()
         self._build(units)
         attach(model, self)
+        announce(self, dist.get_rank())
 
     def _build(self, units) -> None:
         """The parts, each given the timing and guard the observers offer."""
@@ -179,6 +181,8 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
                                 persist, self.device)
         except ValueError as e:
             return [], [str(e)]
+        compute = self.plan.precision.param_dtype
+        set_dtypes(units, compute, mixed=compute is not None)
         slot_of = {s.param: s for u in units for s in u.slots}
         problems += check_optimizer(self.optimizer, slot_of)
         for kind in kinds():    # [Note: observers]
@@ -245,8 +249,8 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
 
     def _make_offload(self, units):
         return make_offload(self.plan.offload, units, self.optimizer, self._host_grad_dtype,
-                            self._offloaded_param_dtypes(units), self.plan.precision.param_dtype,
-                            dist.get_rank(), self.timing, self.param_order(), self.device)
+                            self._offloaded_param_dtypes(units), dist.get_rank(), self.timing,
+                            self.param_order(), self.device)
 
     def param_order(self) -> dict:
         """Each of the model's parameters' place in ``model.parameters()`` (which units

@@ -79,5 +79,5 @@ class Stepping:
         master dtype when torch.optim steps them."""
         precision = self.plan.precision
         if cpu_adam_steps(self.optimizer):
-            return precision.reduce_dtype or precision.param_dtype or unit.dtype
-        return unit.dtype
+            return precision.reduce_dtype or unit.compute_dtype
+        return unit.master_dtype

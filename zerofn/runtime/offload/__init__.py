@@ -66,9 +66,10 @@ def lowp_problems(policy, optimizer, units, compute_dtype) -> list[str]:
         problems.append(f"{what} stores Adam's state, which zerofn's CPU Adam steps: use "
                         f"torch.optim.Adam, AdamW or zerofn.optim.CPUAdam (without amsgrad), "
                         f"not {type(optimizer).__name__}, or leave the dtypes at fp32.")
-    if any(u.dtype not in (None, torch.float32) for u in units):
-        problems.append(f"{what} needs an fp32 model (the masters' values): keep the model "
-                        "in fp32 and compute in bf16 with zf.mixed_precision(torch.bfloat16).")
+    if any(u.master_dtype not in (None, torch.float32) for u in units):
+        problems.append(f"{what} needs fp32 masters (their values): add "
+                        "zf.mixed_precision(torch.bfloat16), whose masters are fp32 whatever "
+                        "the model's dtype.")
     if policy.master_dtype == torch.bfloat16 and compute_dtype != torch.bfloat16:
         problems.append(f"{what}: bf16 masters are the rows the device computes with, so the "
                         "compute dtype must be bf16: add zf.mixed_precision(torch.bfloat16).")
@@ -76,7 +77,7 @@ def lowp_problems(policy, optimizer, units, compute_dtype) -> list[str]:
 
 
 def make_offload(policy, units, optimizer, grad_dtype_of, param_dtypes: dict,
-                 compute_dtype, rank: int, timing, order: dict, device) -> Offload | None:
+                 rank: int, timing, order: dict, device) -> Offload | None:
     """The offload ``policy`` names (None where it names none), timed by ``timing``.
     ``rank``, the global one, names NVMe's swap file: HSDP's replicas share shard ranks.
     ``order`` (parameter -> index in the model) decides which units stay on ``device``
@@ -85,23 +86,22 @@ def make_offload(policy, units, optimizer, grad_dtype_of, param_dtypes: dict,
         return None
     offloaded, staying = split_units(units, policy.ratio, order)
     params = {u: dtype for u, dtype in param_dtypes.items() if u in offloaded}
-    host = _offload_of(policy, offloaded, optimizer, grad_dtype_of, params, compute_dtype,
-                       rank, timing)
+    host = _offload_of(policy, offloaded, optimizer, grad_dtype_of, params, rank, timing)
     if not staying and policy.ratio != "auto":
         return host
     return SplitOffload(host, DeviceShare(staying, grad_dtype_of, optimizer, device, timing))
 
 
-def _offload_of(policy, units, optimizer, grad_dtype_of, param_dtypes, compute_dtype, rank,
+def _offload_of(policy, units, optimizer, grad_dtype_of, param_dtypes, rank,
                 timing) -> Offload:
     if policy.device == "nvme":
         return NvmeOffload(units, optimizer, policy.path, rank, policy.units_in_flight,
-                           grad_dtype_of, param_dtypes, compute_dtype, timing, form_of(policy))
+                           grad_dtype_of, param_dtypes, timing, form_of(policy))
     if (policy.state_dtype, policy.master_dtype) != (torch.float32, torch.float32):
-        return LowpHostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing,
+        return LowpHostOffload(units, grad_dtype_of, optimizer, timing,
                                ring=_rings(policy), state_dtype=policy.state_dtype,
                                master_dtype=policy.master_dtype, seed=policy.seed)
-    return HostOffload(units, grad_dtype_of, optimizer, compute_dtype, timing,
+    return HostOffload(units, grad_dtype_of, optimizer, timing,
                        per_unit=policy.ratio == "auto", ring=_rings(policy))
 
 

@@ -31,8 +31,8 @@ class HostOffload(Offload):
 
     time_series = ("d2h", "h2d")
 
-    def __init__(self, units: list[Unit], grad_dtype_of, optimizer, compute_dtype=None,
-                 timing=UNTIMED, per_unit: bool = False, ring: bool = False):
+    def __init__(self, units: list[Unit], grad_dtype_of, optimizer, timing=UNTIMED,
+                 per_unit: bool = False, ring: bool = False):
         self.timing = timing
         # per_unit: an arena for each unit (not one for all), so that ``release`` gives a
         # unit's host memory back (offload's ratio="auto" moves units to the device).
@@ -44,8 +44,8 @@ class HostOffload(Offload):
             self.time_series += ("cpu_adam",)
         self.pin = pins(device_of(units))
         # (units without parameters have no dtype; they take no room either)
-        self.master_dtype = {u: u.dtype or torch.float32 for u in units}
-        self.compute_dtype = {u: compute_dtype or self.master_dtype[u] for u in units}
+        self.master_dtype = {u: u.master_dtype or torch.float32 for u in units}
+        self.compute_dtype = {u: u.compute_dtype or self.master_dtype[u] for u in units}
         self.master, self.exp_avg, self.exp_avg_sq = {}, {}, {}
         self._arenas = []
         self._units = units

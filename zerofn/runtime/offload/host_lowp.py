@@ -36,14 +36,14 @@ from .stored import StoredForm
 class LowpHostOffload(HostOffload):
     """``HostOffload`` with the state stored in fewer bits (see the module notes)."""
 
-    def __init__(self, units, grad_dtype_of, optimizer, compute_dtype=None, timing=UNTIMED,
+    def __init__(self, units, grad_dtype_of, optimizer, timing=UNTIMED,
                  *, ring: bool = False, state_dtype=torch.float32, master_dtype=torch.float32,
                  seed: int = 0):
         self.form = StoredForm(state_dtype, master_dtype, seed)
         self.state: dict = {}       # unit -> its UnitState (views of the arenas)
         self._unit_of = {s: u for u in units for s in u.slots}
         self.resident: dict = {}    # unit -> fp32 (master, exp_avg, exp_avg_sq) while decoded
-        super().__init__(units, grad_dtype_of, optimizer, compute_dtype, timing, ring=ring)
+        super().__init__(units, grad_dtype_of, optimizer, timing, ring=ring)
 
     # -- storage -------------------------------------------------------------------------
     def _allocate_state(self) -> None:

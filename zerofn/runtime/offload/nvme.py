@@ -50,8 +50,7 @@ class NvmeOffload(Offload):
     time_series = ("d2h", "h2d", "cpu_adam", "nvme_read", "nvme_write")
 
     def __init__(self, units, optimizer, path: str, rank: int, in_flight: int, grad_dtype_of,
-                 param_dtypes: dict | None = None, compute_dtype: torch.dtype | None = None,
-                 timing=UNTIMED, form: StoredForm = FP32):
+                 param_dtypes: dict | None = None, timing=UNTIMED, form: StoredForm = FP32):
         self.timing = timing     # (its I/O threads use its host clock)
         self.decoupled = decoupled_weight_decay(optimizer)
         pin = pins(device_of(units))     # what the device reads and writes is page-locked
@@ -64,10 +63,9 @@ class NvmeOffload(Offload):
         self.units = units
         self.params = dict(param_dtypes or {})   # unit -> compute dtype of its shard in the file
         self.form = form                          # how masters and moments are stored
-        form.hold(units)
         self.file = SwapFile(path, rank, units, self.params, form)
         # [Note: compute rows in the ring]: past the state, as a parameter shard lies.
-        dtypes = {u: compute_dtype or u.dtype for u in units if u.slots and u not in self.params}
+        dtypes = {u: u.compute_dtype for u in units if u.slots and u not in self.params}
         self.ring_rows = {u: dt for u, dt in dtypes.items() if dt != form.master_dtype_of(u)}
         biggest = max([*self.file.block.values(),
                        *(block_bytes(u, dt, form) for u, dt in self.ring_rows.items())],

@@ -55,7 +55,7 @@ class DeviceShare(Offload):
         self.timing, self.units, self.device = timing, list(units), device
         self.cpu_adam = cpu_adam_steps(optimizer)
         self.decoupled = decoupled_weight_decay(optimizer)
-        self.master = {u: torch.zeros(u.shard_numel, dtype=u.dtype, device=device)
+        self.master = {u: torch.zeros(u.shard_numel, dtype=u.master_dtype, device=device)
                        for u in units}
         self.grads = {u: torch.zeros(u.shard_numel, dtype=grad_dtype_of(u), device=device)
                       for u in units}
@@ -71,7 +71,7 @@ class DeviceShare(Offload):
 
     def param_shard(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
         """Parameter offload leaves these units' shards on the device."""
-        shard = self.master[unit] if dtype == unit.dtype else self.master[unit].to(dtype)
+        shard = self.master[unit] if dtype == unit.master_dtype else self.master[unit].to(dtype)
         self.shards[unit] = shard
         return shard
 
@@ -97,7 +97,7 @@ class DeviceShare(Offload):
         """Take ``unit`` over from the offload: its masters and Adam's moments, as the
         optimizer shows them, copied to the device, and the optimizer's tensors moved
         there in place (``.data``: the optimizer's keys keep their identity)."""
-        master = torch.zeros(unit.shard_numel, dtype=unit.dtype, device=self.device)
+        master = torch.zeros(unit.shard_numel, dtype=unit.master_dtype, device=self.device)
         for s in unit.slots:
             s.shard_of(master).copy_(s.opt_param)
             s.opt_param.data = s.shard_of(master)

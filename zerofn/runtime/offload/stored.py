@@ -44,7 +44,6 @@ class StoredForm:
         # follow each other, master | exp_avg | exp_avg_sq as one (3, shard) tensor.
         self.align = 64 if self.lowp else 4
         self._seeds: dict = {}                   # slot -> its rounding stream's seed
-        self._native: dict = {}                  # unit -> its parameters' dtype (at set-up)
 
     def exact_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
         """``(masters, moments)`` in the narrowest dtypes that hold them exactly: bf16 where
@@ -71,17 +70,12 @@ class StoredForm:
         return [(master, n), (moments, n), (moments, n), (torch.float32, self.extras_numel(unit))]
 
     def master_dtype_of(self, unit) -> torch.dtype:
-        """Full precision is the unit's parameters' own dtype: a bf16 model's masters and
-        Adam state are bf16, as torch.optim keeps them (fewer bits are for fp32 models
-        only). Read when ``hold`` took the unit: the layout later sets ``unit.dtype`` to
-        the compute dtype."""
+        """Full precision is the unit's master dtype: fp32 under mixed precision, else the
+        parameters' own (a bf16 model trained without mixed precision keeps bf16 masters
+        and Adam state, as torch.optim does; fewer bits are for fp32 masters only)."""
         if self.lowp:
             return self.master_dtype
-        return self._native.get(unit) or unit.dtype or torch.float32
-
-    def hold(self, units) -> None:
-        """Fix the units' full-precision dtype now, while ``unit.dtype`` is still theirs."""
-        self._native = {u: u.dtype or torch.float32 for u in units}
+        return unit.master_dtype or torch.float32
 
     def state_bytes(self, unit) -> int:
         return sum(self._aligned(n * dtype.itemsize) for dtype, n in self.parts(unit))
