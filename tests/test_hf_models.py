@@ -89,3 +89,50 @@ def test_padding_and_grouped_query_attention_are_exercised():
     assert model.lm_head.weight is model.model.embed_tokens.weight
     gpt2 = build("gpt2")
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
+
+
+def bf16_checkpoint_runs(rank, world):
+    """A Llama built in bf16 (as transformers 5 builds a bf16 hub checkpoint) under ZeRO-3
+    and mixed precision, against FSDP2 on the same model upcast to fp32 under a bf16
+    policy: the difference, the dtypes of the optimizer state, and its bytes a parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    data = global_batches("llama")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    theirs = build("llama").to(torch.bfloat16).float()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in theirs.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(theirs, mesh=mesh, mp_policy=policy)
+    train(theirs, adamw(theirs), data, rank, world)
+    fsdp2 = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
+    out = {}
+    for stage, offload in ((3, None), (2, None), (2, "cpu")):
+        model = build("llama").to(torch.bfloat16)
+        opt = adamw(model)
+        parts = [zero(stage), zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32)]
+        parts += [zf.offload(offload)] if offload else []
+        model, opt = zf.compose(*parts)(model, opt)
+        n = sum(p.numel() for p in build("llama").parameters())
+        train(model, opt, data, rank, world)
+        msd, osd = zf.get_state_dict(model, opt, full=True)
+        dtypes = {v.dtype for st in osd["state"].values() for k, v in st.items() if k != "step"}
+        held = zf.model_state_bytes(model)
+        optim = sum(where["optimizer"] for where in held.values())
+        out[stage, offload] = (max_err(msd, fsdp2), dtypes, {v.dtype for v in msd.values()},
+                               optim / n)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_bf16_model_under_mixed_precision_keeps_fp32_masters_and_trains_as_fsdp2(world):
+    results = run_ranks(world, bf16_checkpoint_runs, timeout=300)
+    for config in results[0]:     # the optimizer's bytes a parameter, summed over the ranks
+        per_param = sum(r[config][3] for r in results)
+        assert 12 <= per_param < 12.5, (config, per_param)    # masters + 2 moments, fp32
+    for by_config in results:
+        for config, (vs_fsdp2, state_dtypes, param_dtypes, _) in by_config.items():
+            assert state_dtypes == {torch.float32} and param_dtypes == {torch.float32}, config
+            # bit for bit on the device; zerofn's C++ Adam rounds its own way on the host
+            assert vs_fsdp2 <= (0.0 if config[1] is None else 1e-6), (world, config, vs_fsdp2)

@@ -66,7 +66,7 @@ def expected_traffic(model, stage: int, accum: int, no_sync: bool) -> dict:
     the shard dim carries too (its only all-reduce, clipping's norm riding on it)."""
     rt = runtime_of(model)
     padded = sum(rt.world * u.shard_numel for u in rt.units if u.trainable)
-    reductions = 1 if stage == 1 or no_sync else accum
+    reductions = 1 if no_sync else accum
     votes = zf.comm_stats(model).get("all_reduce_bytes", 0)
     return {"reduce_scatter_bytes": 4 * reductions * padded,
             "replicate.all_reduce_bytes": 4 * reductions * padded // rt.world + votes}

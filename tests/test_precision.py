@@ -122,8 +122,11 @@ def bf16_bytes(rank, world):
         opt = make_optimizer("adamw", model.parameters())
         model, opt = zf.compose(zero(stage), zf.mixed_precision(torch.bfloat16))(model, opt)
         step_once(model, opt, rank, world)   # gradients and optimizer state now exist
-        out[stage] = (zf.model_state_bytes(model)["cpu"],
-                      zf.estimate_model_state_bytes(psi, world, stage), pad, len(opt.state))
+        want = zf.estimate_model_state_bytes(psi, world, stage)
+        # After a step ZeRO-1 holds its reduced rows, as ZeRO-2 does: its whole gradients
+        # (the estimate's 2Ψ, a peak) live only until its backward ends.
+        want["grads"] = zf.estimate_model_state_bytes(psi, world, max(stage, 2))["grads"]
+        out[stage] = (zf.model_state_bytes(model)["cpu"], want, pad, len(opt.state))
     return out
 
 
@@ -203,3 +206,76 @@ def test_fp16_default_scale_backs_off_then_trains():
     scales, moved = results[0]
     assert scales[0] == 2.0 ** 16 and scales[-1] < 2.0 ** 16, scales   # hysteresis, then halving
     assert moved
+
+
+class RecordsInputs(torch.nn.Module):
+    """A model whose forward notes the dtypes its inputs arrive in, nested ones too."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.seen = {}
+
+    def forward(self, x, pair, *, scale=None, ids=None):
+        self.seen = {"x": x.dtype, "pair": tuple(t.dtype for t in pair),
+                     "scale": scale.dtype, "ids": ids.dtype}
+        return self.lin(x * scale + pair[0] + pair[1]).sum() + ids.sum()
+
+
+def inputs_as_cast(rank, world, stage, cast):
+    torch.manual_seed(0)
+    model = RecordsInputs()
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = zf.compose(zero(stage), zf.mixed_precision(
+        torch.bfloat16, cast_forward_inputs=cast))(model, opt)
+    x = torch.randn(2, 4)
+    try:
+        model(x, (x, x.double()), scale=x, ids=torch.arange(2)).backward()
+    except RuntimeError as e:
+        return str(e)
+    return model.seen
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage", [1, 3])
+def test_mixed_precision_casts_the_forwards_floating_inputs_as_fsdp2_does(stage):
+    """cast_forward_inputs (default True): floating tensors, nested and keyword ones too,
+    arrive in the compute dtype; integer ones as they were. False leaves them, and fp32
+    data then meets bf16 weights."""
+    [cast] = run_ranks(1, inputs_as_cast, stage, True)
+    assert cast == {"x": torch.bfloat16, "pair": (torch.bfloat16, torch.bfloat16),
+                    "scale": torch.bfloat16, "ids": torch.int64}
+    [left] = run_ranks(1, inputs_as_cast, stage, False)
+    assert "dtype" in left, left
+
+
+def bf16_model_state(rank, world, mixed):
+    """A model built in bf16, under ZeRO-2 with or without mixed precision: the dtypes of
+    its masters and Adam's moments, and what the set-up log said."""
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("zerofn").addHandler(handler)
+    logging.getLogger("zerofn").setLevel(logging.INFO)
+    _, model = make_models()
+    model = model.to(torch.bfloat16)
+    opt = make_optimizer("adamw", model.parameters())
+    extra = [zf.mixed_precision(torch.bfloat16)] if mixed else []
+    model, opt = zf.compose(zero(2), *extra)(model, opt)
+    step_once(model, opt, rank, world)
+    _, osd = zf.get_state_dict(model, opt)
+    masters = {p.dtype for g in opt.param_groups for p in g["params"]}
+    moments = {v.dtype for st in osd["state"].values() for k, v in st.items() if k != "step"}
+    return masters, moments, [(r.levelname, r.getMessage()) for r in records]
+
+
+@pytest.mark.multirank
+def test_a_bf16_model_gets_fp32_masters_under_mixed_precision_and_is_told_otherwise():
+    for masters, moments, log in run_ranks(2, bf16_model_state, True):
+        assert masters == moments == {torch.float32}
+    [(m0, _, log0), (_, _, log1)] = run_ranks(2, bf16_model_state, False)
+    assert m0 == {torch.bfloat16}
+    assert [lvl for lvl, _ in log0] == ["WARNING"] and log1 == []     # rank 0 says it, once
+    assert "masters and optimizer state bf16" in log0[0][1]
+    assert "zf.mixed_precision(torch.bfloat16)" in log0[0][1]

@@ -162,14 +162,15 @@ def zero1_runs(rank, world):
     return out
 
 
-def test_zero1_reduces_in_backward_when_it_is_the_steps_only_one():
-    """[Note: ZeRO-1 reduces in backward]: with one backward per step every reduction
-    overlaps backward; with accumulation the first step's early reductions are dropped and
-    the step reduces; under no_sync the last micro-batch's backward reduces, once."""
+def test_zero1_reduces_in_every_backward_outside_no_sync():
+    """[Note: ZeRO-1 reduces in backward]: every backward outside no_sync reduces, each
+    reduction overlapping backward, the shards adding up over accumulation (as DDP
+    all-reduces each backward); under no_sync only the last micro-batch's backward
+    reduces, once; none waits for the step."""
     for rank_out in run_ranks(2, zero1_runs):
         (u, early1, late1, e1), (_, early3, late3, e3), (_, early_ns, late_ns, e_ns) = rank_out
         assert (early1, late1) == (3 * u, 0)
-        assert (early3, late3) == (u, 3 * u)
+        assert (early3, late3) == (9 * u, 0)
         assert (early_ns, late_ns) == (3 * u, 0)
         for p_err, s_err in (e1, e3, e_ns):
             assert p_err < TOL and s_err < TOL, rank_out

@@ -1,15 +1,13 @@
 """Backward, as the reducer follows it: when each unit's gradients are complete, and in
 which order the ranks reduce the units.
 
-[Note: ZeRO-1 reduces in backward] ZeRO-1 needs the reduction of the gradients as they
-stand at the step. Reducing at the step leaves the reduction outside backward, where DDP
-overlaps its all-reduce with it; so when a backward looks like the step's only one (it is
-the first since ``zero_grad`` outside ``no_sync``, and the last step had one too), each
-unit is reduced as its gradients are complete, into a pooled shard, exactly as ZeRO-2
-does, but leaving the full gradients in place. The step then writes the shards into this
-rank's rows. Should another backward come after all (accumulation without ``no_sync``),
-the shards are stale: they are dropped and the step reduces the accumulated gradients as
-before, and from then on while steps keep taking several backwards.
+[Note: ZeRO-1 reduces in backward] ZeRO-1 reduces as ZeRO-2 does, each unit as its
+gradients are complete, overlapping the rest of backward, into a pooled shard; it keeps
+the whole gradients until backward ends (ZeRO-2 frees each once packed), then lets them
+go: the reduced rows are what the step and the loop (``p.grad``) see. Accumulation outside
+``no_sync`` reduces each backward and adds the shards, as DDP all-reduces each backward;
+under ``no_sync`` the whole gradients accumulate on the parameters and the next reducing
+backward (or, failing one, the step) reduces their sum.
 
 [Note: one reduction order] Every rank must issue its reduce-scatters in the same order,
 or collectives pair different units: gradients averaged with another unit's of equal
@@ -124,17 +122,7 @@ class BackwardTracking:
             ran = [u for u in reversed(self.forward_order()) if u in self._order]
             self._order = ran + [u for u in self._order if u not in ran]
         torch.autograd.Variable._execution_engine.queue_callback(self._end)
-        if self.stage == 1:
-            self._drop_early()   # gradients accumulate again: an earlier reduction is stale
-        if self.no_sync:
-            self._reducing = False
-            return
-        self._backwards += 1
-        # [Note: ZeRO-1 reduces in backward] while this looks like the step's only backward.
-        self._reducing = self.stage >= 2 or (self._backwards == 1 and self._last_backwards <= 1)
-        if self.stage == 1 and self._reducing:
-            for unit in self.units:
-                self._fresh[unit] = True
+        self._reducing = not self.no_sync
 
     def _worth_a_buffer(self, unit: Unit) -> bool:
         """[Note: late send buffers] A unit's first gradients can arrive long before its
@@ -163,7 +151,11 @@ class BackwardTracking:
         self._join()
         if self._reducing and not self._learned:
             self._learn_order()
-        self._early = self.stage == 1 and self._reducing
+        if self._reducing:
+            self._dirty = False
+            if self.stage == 1:
+                self._free_whole_grads()
+            self.visible.show(self.grad_shard)   # [Note: gradients as a loop sees them]
         self._in_backward = self._reducing = False
         if self.on_packed is not None:
             self.on_packed(None)

@@ -1,10 +1,13 @@
 """Gradient reduction: reduce-scatter each unit's gradients into this rank's shard.
 
-ZeRO-2/3 reduce a unit as soon as all its gradients have been accumulated during
+Every stage reduces a unit as soon as all its gradients have been accumulated during
 backward (counted by post-accumulate-grad hooks) and every unit before it in the ranks'
 common order is reduced, overlapping the rest of backward; an end-of-backward callback
-reduces units some of whose parameters got no gradient. ZeRO-1
-keeps full gradients on the parameters and reduces them once per step. Reduction averages
+reduces units some of whose parameters got no gradient. ZeRO-2/3 free each parameter's
+gradient once it is packed; ZeRO-1 keeps the whole gradients until backward ends. Every
+backward outside ``no_sync`` reduces (its shards add up over micro-batches, as DDP's
+all-reduced gradients do), and then shows the reduced rows on ``p.grad`` (visible.py's
+[Note: gradients as a loop sees them]). Reduction averages
 over ranks: NCCL's reduce-scatter averages itself, elsewhere the sum
 is divided by the world size. Under HSDP (runtime/mesh.py) each reduced shard is then
 all-reduced over the replicate dimension, so it is the mean over every rank's batch.
@@ -37,6 +40,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .backward import BackwardTracking, backward_done_hook, grad_hook
 from .events import unguarded
@@ -64,11 +68,12 @@ class GradReducer(BackwardTracking):
             the end of backward (runtime/events.py).
     """
 
-    def __init__(self, comm, pool, units: list[Unit], stage: int, on_packed=None,
+    def __init__(self, comm, pool, units: list[Unit], stage: int, visible, on_packed=None,
                  reduce_dtype: torch.dtype | None = None, replicas=None, on_shard_ready=None,
                  before_shard_write=None, forward_order=None, timing=UNTIMED,
                  guard=unguarded):
         self.comm, self.pool, self.units, self.stage = comm, pool, units, stage
+        self.visible = visible    # the reduced rows on p.grad (visible.py)
         self.timing = timing
         # backward's entry points, through the guard (the hooks call these)
         self.grad_arrived = guard(self._on_grad)
@@ -101,10 +106,7 @@ class GradReducer(BackwardTracking):
         self._completed: list[Unit] = []        # the first backward's, as they completed
         self._next = 0                          # _order's first unit not reduced yet
         self._reducing = False                  # this backward reduces
-        self._dirty = False                     # ZeRO-1: a backward ran since the last reduce
-        # [Note: ZeRO-1 reduces in backward]
-        self._backwards = self._last_backwards = 0   # outside no_sync, this step / the last
-        self._early = False                     # the shards hold the last backward's reduction
+        self._dirty = False                     # gradients on the params no reduction took
         self._hooks = []
         # [Note: a unit's backward is done] each unit's forwards whose backward is to come:
         # their identities' contexts, which die with a graph backward never reaches.
@@ -128,6 +130,8 @@ class GradReducer(BackwardTracking):
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
+        self.visible.withdraw(keep_edits=False)
+        self.visible.remove_hooks()
 
     # -- packing and reducing ------------------------------------------------------------
     def _send_buffer(self, unit: Unit) -> torch.Tensor:
@@ -279,11 +283,6 @@ class GradReducer(BackwardTracking):
             divisor *= self.replicas.world
         if divisor > 1:
             out.div_(divisor)
-        if self.stage == 1 and out.dtype == unit.compute_dtype and not self._in_backward:
-            self._write_back(unit, out)
-            return [out]
-        if self.stage == 1:
-            return []     # written back at the step; kept for it in a wider reduce dtype
         target = self.grad_shard[unit]
         spent = []
         if out is not target:
@@ -295,47 +294,20 @@ class GradReducer(BackwardTracking):
             self.on_shard_ready(unit, target)
         return spent
 
-    def _write_back(self, unit: Unit, out: torch.Tensor) -> None:
-        """ZeRO-1: the reduced shard goes into this rank's rows of the full gradients, so no
-        gradient memory beyond the full gradients (docs/design.md §4) outlives the step's
-        preparation; the shard goes back to the pool."""
-        for s in unit.trainable:
-            if s.param.grad is None:
-                s.param.grad = torch.zeros_like(s.param)
-            s.rows_of(s.param.grad).copy_(s.shard_of(out))
-        del self.grad_shard[unit]
-
-    def _drop_early(self) -> None:
-        """ZeRO-1: another backward after one reduced early (accumulation): its shards are
-        stale; the step reduces the accumulated gradients instead."""
-        if self._early:
-            for unit in list(self.grad_shard):
-                self.pool.give(self.grad_shard.pop(unit))
-            self._early = False
-
     # -- at the optimizer step -----------------------------------------------------------
     def sync(self) -> None:
-        """Make every unit's reduced gradient shard ready. ZeRO-1 reduces here.
-
-        ZeRO-1's full gradients stay on the parameters (they accumulate there, as in plain
-        PyTorch) and the reduced rows are written back into them.
-        """
-        if self.stage == 1 and self._dirty and self._early:
-            for unit, shard in list(self.grad_shard.items()):
-                if shard.dtype == unit.compute_dtype:
-                    self._write_back(unit, shard)
-                    self.pool.give(shard)
-        elif self.stage == 1 and self._dirty:
-            self._drop_early()
+        """Make every unit's reduced gradient shard ready. ZeRO-1 reduces here what
+        backwards under ``no_sync`` left on its parameters with no reducing one after them."""
+        if self.stage == 1 and self._dirty:
             for unit in self.units:
                 if not unit.trainable:
                     continue
                 for s in unit.trainable:
-                    if s.param.grad is not None:
+                    if s.param.grad is not None and not isinstance(s.param.grad, DTensor):
                         self._pack_grad(unit, s, s.param.grad)
-                self._fresh[unit] = True
                 self._reduce(unit)
-        self._dirty = self._early = False
+            self._free_whole_grads()
+        self._dirty = False
         self._average()
         self.comm.drain()
         self._join()
@@ -347,17 +319,21 @@ class GradReducer(BackwardTracking):
         """The reduced gradient of this rank's rows of ``slot``, once ``sync`` has run."""
         if not self.has_grads(unit) or not slot.requires_grad:
             return None
-        if self.stage == 1 and unit not in self.grad_shard:
-            return slot.rows_of(slot.param.grad)
         return slot.shard_of(self.grad_shard[unit])
+
+    def _free_whole_grads(self) -> None:
+        """ZeRO-1, once a reduction took them: the whole gradients are spent."""
+        for unit in self.units:
+            for s in unit.trainable:
+                s.param.grad = None
 
     def zero_grad(self) -> None:
         """What ``optimizer.zero_grad()`` means for the shards: the next reduction starts
         over; shards taken from the pool go back to it (the caller has waited for their
         copies to the host)."""
         lent = self.stage == 1 or self.on_shard_ready is not None
-        self._last_backwards, self._backwards = self._backwards, 0
-        self._early = False
+        self.visible.withdraw(keep_edits=False)
+        self.visible.unwatch()
         self.got.clear()
         for unit in self.units:
             self._fresh[unit] = True

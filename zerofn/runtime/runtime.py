@@ -39,6 +39,7 @@ from .refresh import Refresh
 from .step import StepGrads
 from .stepping import Stepping
 from .timing import UNTIMED
+from .visible import VisibleGrads
 from ..core.units import build_units, set_dtypes
 
 def apply_plan(model: nn.Module, optimizer, edits):
@@ -142,6 +143,7 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
         offloaded = self.offload is not None
         self.reducer = GradReducer(
             self.comm, self.pool, units, self.stage,
+            VisibleGrads(units, self.mesh, self.placements, self.pool),
             self._on_packed if self.stage == 3 else None, plan.precision.reduce_dtype,
             self.replicas,
             on_shard_ready=(lambda unit, shard: self.step_grads.shard_ready(unit, shard))

@@ -69,6 +69,7 @@ class StepGrads:
         self.ready = False
         self._found: torch.Tensor | None = None    # this rank's inf/nan verdict, scaled loss
         self._voted = False
+        self._refused: str | None = None     # an edit of p.grad this rank cannot honour
         # [Note: deferred scaling]: the factor the step's gradients still need.
         self.deferred = offload is not None and offload.cpu_adam
         self.grad_scale = 1.0
@@ -87,6 +88,7 @@ class StepGrads:
             return
         self.copies.to_host(unit, self.offload.grads[unit], shard)
         self._streamed.add(unit)
+        self.reducer.visible.watch(unit)     # the loop's edits must reach the copy
         if self.early is not None:
             self.early.landed(unit)
 
@@ -99,6 +101,7 @@ class StepGrads:
         if self.ready:
             return
         self.reducer.sync()
+        self._take_edits()
         scaled = self.scaler is not None
         landed = [u for u in self.units if self._prepare_unit(u, scaled) is not None]
         self._wait_copies(landed)   # later units' copies run while earlier ones wait
@@ -111,6 +114,26 @@ class StepGrads:
             self._found = None
         self._voted = False
         self.ready = True
+
+    def _take_edits(self) -> None:
+        """What the loop did to ``p.grad`` since backward (visible.py's [Note: gradients as
+        a loop sees them]): a parameter it set to None got no gradient on this rank; a unit
+        whose rows changed after backward copied them elsewhere is copied again, or, where
+        the host already stepped it (overlap_step), refused at the vote."""
+        changed, dropped = self.reducer.visible.fold()
+        self.reducer.got -= dropped
+        self._refused = None
+        for unit in self.units:
+            if unit not in changed or unit not in self._streamed:
+                continue
+            if self.early is not None and unit in self.early.started:
+                self._refused = self._refused or (
+                    f"the loop changed p.grad of {unit.trainable[0].fqn!r} (unit "
+                    f"'{unit.name}') after backward, and offload(overlap_step=True) had "
+                    "already stepped that unit on the host during backward")
+                continue
+            self.copies.host_wait(unit)      # (the first copy is done with the rows)
+            self._streamed.discard(unit)     # _prepare_unit copies them again
 
     def settle(self) -> bool:
         """``prepare``, then the vote unless clipping carried it: whether every rank skips
@@ -186,13 +209,17 @@ class StepGrads:
         self._voted = True
         had = [s in self.reducer.got for s in self._trainable]
         found = self._found
+        # (only overlap_step's early steps can refuse an edit: only they carry the verdict)
+        refused = None if self.early is None else \
+            torch.full((), float(self._refused is not None), device=self.device)
         if rider is None and found is None and self.comm.world == 1 and self.replicas is None:
+            self._raise_refusal(self._refused is not None)
             return self._drop_ungot(had)     # no other rank to ask
         every = all(had)
         # Made on the device: a copy up from the host would wait for the device's queue.
         ballot = torch.ones(len(had), device=self.device) if every else \
             torch.tensor(had, dtype=torch.float32, device=self.device)
-        head = [t.reshape(1).to(self.device, torch.float32) for t in (rider, found)
+        head = [t.reshape(1).to(self.device, torch.float32) for t in (rider, found, refused)
                 if t is not None]
         if head:
             ballot = torch.cat(head + [ballot])
@@ -201,11 +228,21 @@ class StepGrads:
         if self.replicas is not None:   # replicas hold the same rows: MAX keeps the rider
             with self.timing.collective("replicate.all_reduce"):
                 self.replicas.all_reduce(ballot, op=dist.ReduceOp.MAX)
-        if found is not None or not every:
+        if found is not None or refused is not None or not every:
             values = ballot.tolist()     # the one read, where there is something to learn
-            self.overflow = found is not None and values[len(head) - 1] > 0
+            self._raise_refusal(refused is not None and values[len(head) - 1] > 0)
+            self.overflow = found is not None and values[int(rider is not None)] > 0
             self._drop_ungot([v > 0 for v in values[len(head):]])
         return ballot[0] if rider is not None else None
+
+    def _raise_refusal(self, any_rank: bool) -> None:
+        """Every rank raises where any rank's loop made an edit it cannot honour."""
+        if any_rank:
+            what = self._refused or "another rank's loop changed p.grad after backward of a " \
+                "unit offload(overlap_step=True) had already stepped on the host"
+            raise ValueError(f"zerofn: {what}; the step would not use the change, so it "
+                             "stops here. Change gradients only with overlap_step off (or "
+                             "not at all).")
 
     def _drop_ungot(self, votes) -> None:
         for s, got in zip(self._trainable, votes):

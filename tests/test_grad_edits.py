@@ -1,0 +1,199 @@
+"""What a loop does to ``p.grad`` between backward and ``step()`` is what the step uses, at
+every stage and placement, as in plain PyTorch; or, where the host already stepped a unit
+during backward (overlap_step), ``step()`` refuses it on every rank (visible.py's [Note:
+gradients as a loop sees them])."""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import zerofn as zf
+from zerofn.runtime import runtime_of
+from support.compare import TOL, max_errors
+from support.loops import zero
+from support.models import batches, make_models, make_optimizer
+from support.offload import offload_transform
+from support.ranks import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+STEPS = 3
+ZEROED = "blocks.0.attn.qkv.weight"    # the parameter "zero_one" zeroes
+
+
+def clip_norm(model):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+
+
+def clip_value(model):
+    torch.nn.utils.clip_grad_value_(model.parameters(), 2e-3)
+
+
+def scale(model):
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(0.5)
+
+
+def zero_one(model):
+    dict(model.named_parameters())[ZEROED].grad.zero_()
+
+
+def replace(model):
+    """A new tensor in ``p.grad`` rather than an edit in place."""
+    p = dict(model.named_parameters())["blocks.1.fc.weight"]
+    p.grad = p.grad * 3
+
+
+EDITS = {f.__name__: f for f in (clip_norm, clip_value, scale, zero_one, replace)}
+
+# (stage, offload options or None): no offload, the host (its ring), the device's share
+# (ratio), NVMe and parameter offload (gradients copied to the host during backward).
+PLACEMENTS = [(s, o) for s in (1, 2, 3) for o in (None, {}, {"offload_ratio": 0.5})] + [
+    (3, {"nvme": True}), (3, {"offload_params": True})]
+OVERLAPPED = [(2, {"overlap_step": True}), (3, {"overlap_step": True})]
+
+
+def edited_run(rank, world, stage, offload, edit):
+    """The parity model trained with ``edit`` applied to the gradients before each step,
+    under zerofn and in plain PyTorch on the global batch: their distance, or the error
+    step() raised."""
+    ref, model = make_models()
+    ref_opt = make_optimizer("adamw", ref.parameters())
+    opt = make_optimizer("adamw", model.parameters())
+    with tempfile.TemporaryDirectory() as path:
+        extra = []
+        if offload is not None:
+            opts = {k.removeprefix("offload_"): v for k, v in offload.items()}
+            extra.append(offload_transform(dict(opts, path=path)))
+        model, opt = zf.compose(zero(stage), *extra)(model, opt)
+        data = batches(STEPS, 1, world)
+        for [(x, y)] in data:
+            ref(x, y).backward()
+            EDITS[edit](ref)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+            EDITS[edit](model)
+            try:
+                opt.step()
+            except ValueError as e:
+                return "refused", str(e)
+            opt.zero_grad()
+        return "trained", max_errors(ref, ref_opt, model, opt)
+
+
+def edit_matrix(rank, world, configs):
+    return [edited_run(rank, world, *c) for c in configs]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_every_edit_of_p_grad_is_what_the_step_uses(world):
+    configs = [(s, o, e) for s, o in PLACEMENTS for e in EDITS]
+    for rank, results in enumerate(run_ranks(world, edit_matrix, configs, timeout=900)):
+        for config, (what, detail) in zip(configs, results):
+            assert what == "trained", (world, rank, config, detail)
+            p_err, s_err = detail
+            assert p_err < TOL and s_err < TOL, (world, rank, config, p_err, s_err)
+
+
+def test_an_edit_after_the_host_stepped_during_backward_is_refused_on_every_rank():
+    configs = [(s, o, e) for s, o in OVERLAPPED for e in EDITS]
+    for rank, results in enumerate(run_ranks(2, edit_matrix, configs, timeout=600)):
+        for config, (what, detail) in zip(configs, results):
+            assert what == "refused", (rank, config, detail)
+            assert "overlap_step=True" in detail and "after backward" in detail, detail
+
+
+def one_rank_edits(rank, world):
+    """Only rank 1's loop edits: rank 0 must refuse too (the vote carries the verdict),
+    not wait in a collective rank 1 never joins."""
+    _, model = make_models()
+    opt = make_optimizer("adamw", model.parameters())
+    model, opt = zf.compose(zero(2), zf.offload("cpu", overlap_step=True))(model, opt)
+    [(x, y)] = batches(1, 1, world)[0]
+    model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    if rank == 1:
+        scale(model)
+    try:
+        opt.step()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_one_ranks_edit_under_overlap_step_stops_every_rank():
+    errors = run_ranks(2, one_rank_edits)
+    assert all(e is not None for e in errors), errors
+    assert "'blocks" in errors[1] or "unit" in errors[1]
+    assert "another rank" in errors[0], errors[0]
+
+
+def grads_as_seen(rank, world, stage):
+    """What p.grad holds after backward: its type and placements, and that it aliases the
+    rows the step reads (an edit shows in the reduced shard)."""
+    _, model = make_models()
+    opt = make_optimizer("adamw", model.parameters())
+    model, opt = zero(stage)(model, opt)
+    [(x, y)] = batches(1, 1, world)[0]
+    model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    kinds = {type(p.grad).__name__ for p in model.parameters() if p.requires_grad}
+    frozen = [p.grad for p in model.parameters() if not p.requires_grad]
+    p = dict(model.named_parameters())["blocks.1.fc.weight"]
+    local = p.grad.to_local()
+    rt = runtime_of(model)
+    slot = rt.slots_by_name()["blocks.1.fc.weight"]
+    unit = next(u for u in rt.units if slot in u.slots)
+    before = rt.reducer.grad_of(unit, slot).clone()
+    p.grad.mul_(2)
+    after = rt.reducer.grad_of(unit, slot)
+    aliased = torch.equal(after, before * 2) and local.data_ptr() == after.data_ptr()
+    shape = tuple(p.grad.shape) == tuple(p.shape)
+    placements = [repr(pl) for pl in p.grad.placements]
+    opt.zero_grad()
+    cleared = all(q.grad is None for q in model.parameters())
+    return kinds, frozen, aliased, shape, placements, cleared
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_p_grad_is_a_shard_view_of_the_reduced_rows_as_fsdp2_shows_it(stage):
+    for kinds, frozen, aliased, shape, placements, cleared in run_ranks(2, grads_as_seen, stage):
+        assert kinds == {DTensor.__name__}
+        assert frozen == [None]
+        assert aliased and shape and placements == ["Shard(dim=0)"] and cleared
+
+
+def torch_clip_against_zerofn(rank, world, stage, accum):
+    """torch's clip_grad_norm_ on model.parameters() returns zerofn's own norm, and the run
+    it clips equals zf.clip_grad_norm_'s, with accumulation (no no_sync: each backward
+    reduces, and the shards add up)."""
+    out = []
+    for use_torch in (True, False):
+        _, model = make_models()
+        opt = make_optimizer("adamw", model.parameters())
+        model, opt = zero(stage)(model, opt)
+        norms = []
+        for micro in batches(STEPS, accum, world):
+            for x, y in micro:
+                (model(x.chunk(world)[rank], y.chunk(world)[rank]) / accum).backward()
+            if use_torch:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).full_tensor()
+            else:
+                norm = zf.clip_grad_norm_(model, 0.05)
+            norms.append(float(norm))
+            opt.step()
+            opt.zero_grad()
+        from zerofn.state_dict import get_model_state_dict
+        out.append((norms, get_model_state_dict(model, full=True)))
+    (tn, tw), (zn, zw) = out
+    return max(abs(a - b) / b for a, b in zip(tn, zn)), max((tw[k] - zw[k]).abs().max().item()
+                                                            for k in tw)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_torchs_clip_returns_zerofns_norm_and_clips_the_same(stage):
+    for norm_err, weight_err in run_ranks(2, torch_clip_against_zerofn, stage, 2):
+        assert norm_err < 1e-6 and weight_err < TOL, (norm_err, weight_err)

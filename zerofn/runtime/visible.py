@@ -1,0 +1,177 @@
+"""The gradients a training loop sees on ``p.grad``, and what the loop did to them.
+
+[Note: gradients as a loop sees them] After a backward that reduced, every trainable
+parameter's ``p.grad`` is the gradient the step will use, as FSDP2 shows it: a ``Shard(0)``
+DTensor whose local tensor is a view of this rank's reduced rows, at every stage (ZeRO-1
+and ZeRO-2 too, whose parameters are whole: torch's ``clip_grad_norm_`` then computes the
+global norm over the shards, one all-reduce, as under FSDP2). No copy: what the loop does
+to ``p.grad`` before ``step()`` (clipping by norm or value, scaling, noise, zeroing) is done
+to the rows the step reads.
+
+Where those rows are not all the step reads, the step learns of the edit (``fold``):
+
+- a tensor the loop put in ``p.grad`` instead (``p.grad = g * 2``) is copied into the rows;
+  ``p.grad = None`` means this rank gave the parameter no gradient, as in torch.optim (the
+  ranks' union decides, step.py's [Note: parameters without a gradient]);
+- where backward already copied a unit's rows elsewhere (a landing buffer on the host,
+  NVMe's staging, the device's share under ``ratio``: such units are ``watch``ed), an edit
+  is seen by a fingerprint of the rows, the integer sum of their bits taken at ``show``
+  and again at the step (version counters cannot tell: torch's foreach kernels, which
+  torch's clipping uses, bump none on a DTensor or its local tensor). An edited unit's
+  rows are copied again; where the host already stepped the unit during backward
+  (``overlap_step``), the edit cannot be honoured and ``step()`` raises on every rank
+  (step.py's vote carries the verdict). A clip that multiplies by exactly 1 edits
+  nothing;
+- where gradients are reduced in a wider dtype than the parameters compute in
+  (``mixed_precision(reduce_dtype=...)``), torch refuses a gradient of another dtype than
+  its parameter's: ``p.grad`` shows the rows rounded to the compute dtype, and an edited
+  copy replaces the rows (else the step keeps the exact ones).
+
+Under fp16 loss scaling the rows are still scaled, as plain PyTorch's gradients are before
+``GradScaler.unscale_``: clip with ``zf.clip_grad_norm_``, which unscales.
+
+The view is withdrawn at ``zero_grad`` and, for a parameter autograd accumulates into (a
+whole one: ZeRO-1/2, ZeRO-3's persistent ones), when the next backward reaches it: a hook
+that runs before the accumulation gives autograd back the parameter's own ``.grad`` (None),
+so micro-batches accumulate as before.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..core.units import ParamSlot, Unit
+
+
+class VisibleGrads:
+    """Shows each reduced unit's rows on its parameters' ``.grad`` (``show``) and folds what
+    the loop did to them back into the rows (``fold``) before the step reads them.
+
+    Args:
+        units: the runtime's units (those with trainable parameters are shown).
+        mesh, placements: what the gradients are DTensors over (the parameters' own).
+        pool: lends the rounded copies where gradients are reduced in a wider dtype.
+    """
+
+    def __init__(self, units: list[Unit], mesh, placements, pool):
+        self.units = [u for u in units if u.trainable]
+        self.mesh, self.placements, self.pool = mesh, placements, pool
+        self.shown: dict[ParamSlot, DTensor] = {}   # slot -> the DTensor on its parameter
+        self._rows: dict[Unit, torch.Tensor] = {}   # unit -> the flat rows shown
+        self._copies: dict[Unit, torch.Tensor] = {} # unit -> its rows rounded (pool's)
+        self._prints: dict[Unit, torch.Tensor] = {}    # watched unit -> its rows' fingerprint
+        self._watched: set[Unit] = set()   # units whose rows backward copied elsewhere
+        self._shards: dict = {}    # the reducer's shards, as ``show`` was given them
+        mine = weakref.ref(self)
+        # [Note: gradients as a loop sees them]: autograd accumulates into whole parameters.
+        self._hooks = [s.param.register_hook(functools.partial(_before_accumulation, mine, s))
+                       for u in self.units for s in u.trainable if s.sharded is None]
+
+    @staticmethod
+    def param_of(slot: ParamSlot):
+        """The parameter the model registers between steps (ZeRO-3's DTensor, else whole)."""
+        return slot.sharded if slot.sharded is not None else slot.param
+
+    def watch(self, unit: Unit) -> None:
+        """Backward copied ``unit``'s reduced rows elsewhere: the step must learn of edits."""
+        self._watched.add(unit)
+
+    def show(self, shards: dict) -> None:
+        """After a reducing backward: each unit's reduced rows (``shards``: unit to flat
+        shard, or None) on its parameters' ``.grad``."""
+        self.withdraw()
+        self._shards = shards
+        for unit in self.units:
+            rows = shards.get(unit)
+            if rows is None:
+                continue
+            if rows.dtype != unit.compute_dtype:    # a wider reduce dtype
+                copy = self.pool.take(unit.shard_numel, unit.compute_dtype, rows.device)
+                self._copies[unit] = copy.copy_(rows)
+                rows = copy
+            self._rows[unit] = rows
+            if unit in self._watched or unit in self._copies:
+                self._prints[unit] = fingerprint(rows)
+            for s in unit.trainable:
+                grad = s.as_dtensor(s.shard_of(rows), self.mesh, self.placements)
+                self.param_of(s).grad = grad
+                self.shown[s] = grad
+
+    def fold(self) -> tuple[set[Unit], set[ParamSlot]]:
+        """What the loop did to the shown gradients since ``show``, made part of the rows
+        the step reads. Returns the units whose rows changed, and the slots
+        whose ``.grad`` the loop set to None. Idempotent: a second call finds nothing new."""
+        changed, dropped = set(), set()
+        for unit, rows in self._rows.items():
+            replaced = False
+            for s in unit.trainable:
+                now, shown = self.param_of(s).grad, self.shown[s]
+                if now is None:
+                    dropped.add(s)
+                elif now is not shown:      # replaced: its values become the rows
+                    s.shard_of(rows).copy_(_rows_of(s, now))
+                    self.param_of(s).grad = shown
+                    replaced = True
+            if replaced or self._edited(unit, rows):
+                if unit in self._copies:
+                    self._shards[unit].copy_(rows)
+                changed.add(unit)
+        return changed, dropped
+
+    def _edited(self, unit: Unit, rows: torch.Tensor) -> bool:
+        """Whether a fingerprinted unit's rows changed since the last look."""
+        before = self._prints.get(unit)
+        if before is None:
+            return False
+        now = fingerprint(rows)
+        self._prints[unit] = now
+        return bool(now != before)
+
+    def withdraw(self, keep_edits: bool = True) -> None:
+        """Take the views off the parameters (the next backward, ``zero_grad``, teardown),
+        the loop's edits folded into the rows first unless they are dropped anyway."""
+        if keep_edits:
+            self.fold()
+        for s in self.shown:
+            self.param_of(s).grad = None
+        for copy in self._copies.values():
+            self.pool.give(copy)
+        self.shown.clear()
+        self._rows.clear()
+        self._copies.clear()
+        self._prints.clear()
+
+    def unwatch(self) -> None:
+        """``zero_grad``: the next backward copies afresh."""
+        self._watched.clear()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def fingerprint(rows: torch.Tensor) -> torch.Tensor:
+    """The integer sum of the rows' bits (a 0-d int64 on their device): exact, any order,
+    and changed by any edit short of one that cancels itself bit for bit."""
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[rows.element_size()]
+    return rows.view(bits).sum(dtype=torch.int64)
+
+
+def _rows_of(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a gradient the loop put on ``.grad``: a DTensor's local rows, or
+    a whole tensor's."""
+    if isinstance(grad, DTensor):
+        return grad.to_local()
+    return slot.rows_of(grad)
+
+
+def _before_accumulation(visible, slot: ParamSlot, grad):
+    """The next backward reaches a whole parameter: autograd must find its own ``.grad``
+    (None), not the shown view, to accumulate into."""
+    visible = visible()
+    if visible is not None and slot in visible.shown:
+        visible.withdraw()
+    return grad
