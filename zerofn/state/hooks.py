@@ -88,6 +88,30 @@ def hooked_modules(model: nn.Module, load: bool) -> list[tuple[str, nn.Module]]:
     return out
 
 
+def plain_keys(model: nn.Module) -> list[str]:
+    """The keys ``model.state_dict()`` gives where no hook or override changes them, in its
+    order, without running it: each parameter and persistent buffer under every name."""
+    out = []
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        out += [dot + n for n, p in m._parameters.items() if p is not None]
+        out += [dot + n for n, b in m._buffers.items()
+                if b is not None and n not in m._non_persistent_buffers_set]
+    return out
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a state dict holds, by name, each once (as ``named_buffers`` gives
+    them), without running ``state_dict()`` and its hooks."""
+    out, seen = {}, set()
+    for prefix, m in model.named_modules():
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set and id(b) not in seen:
+                seen.add(id(b))
+                out[f"{prefix}.{n}" if prefix else n] = b
+    return out
+
+
 def within(name: str, prefix: str) -> bool:
     """Whether the state-dict key or module name ``name`` lies under the module ``prefix``
     ("" being the root)."""

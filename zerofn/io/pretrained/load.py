@@ -16,8 +16,10 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from ...runtime.agree import agree_or_raise
+from ...core.units import ParamSlot
 from ...runtime import runtime_of
+from ...runtime.agree import agree_or_raise
+from ...state.hooks import hooked_modules, plain_keys, take_state, within
 from .safetensors_writer import INDEX_NAME, SINGLE_NAME
 
 _LISTED = 20     # keys named per kind in an error; the rest are counted
@@ -27,7 +29,10 @@ def load_pretrained(model: nn.Module, path, *, rename=None, strict: bool = True)
     """Fill a zerofn model from safetensors weights; each rank reads only its own rows.
 
     Call on every rank, after the transforms. Works for every stage, under
-    ``mixed_precision`` and ``offload``; tensors are converted to the model's dtypes.
+    ``mixed_precision`` and ``offload``; tensors are converted to the model's dtypes. A
+    module whose own load hooks shape what it takes (merging a fused projection's split
+    tensors, accepting an old parameter name) reads its tensors whole and loads them
+    through its own ``load_state_dict``.
 
     Args:
         model: a model transformed by zerofn.
@@ -48,24 +53,28 @@ def load_pretrained(model: nn.Module, path, *, rename=None, strict: bool = True)
         >>> zerofn.load_pretrained(model, "llama-dir", rename=lambda k: k.removeprefix("base."))
     """
     rt = runtime_of(model)
+    rt.prepare_state_dict()
     with contextlib.ExitStack() as files:
         what = f"load_pretrained({os.fspath(path)!r}) failed"
         try:
-            plan, missing, unexpected, problems = _load_plan(model, rt, path, rename, files)
+            plan, taken, missing, unexpected, problems = _load_plan(model, rt, path, rename,
+                                                                    files)
         except Exception as e:  # a bad file on one rank must not leave the others waiting
-            plan, missing, unexpected, problems = {}, [], [], [f"{type(e).__name__}: {e}"]
+            plan, taken, missing, unexpected = {}, [], [], []
+            problems = [f"{type(e).__name__}: {e}"]
         if strict:
             problems += _key_problems(missing, unexpected)
         agree_or_raise(problems, rt.group, what)
-        rt.prepare_state_dict()
-        agree_or_raise(_read_rows(model, plan), rt.group, what)  # before refresh_params' gathers
+        problems = _read_rows(model, plan, taken)
+        agree_or_raise(problems, rt.group, what)  # before refresh_params' gathers
         rt.refresh_params()
     return _IncompatibleKeys(missing, unexpected)
 
 
 @torch.no_grad()
-def _read_rows(model, plan: dict) -> list[str]:
-    """Read this rank's rows of every parameter's master, and every buffer whole."""
+def _read_rows(model, plan: dict, taken: list) -> list[str]:
+    """Read this rank's rows of every parameter's master, and every buffer whole; then
+    write what the hooked modules' loads gave."""
     buffers, key = dict(model.named_buffers()), None
     try:
         for target, (reader, key) in plan.items():
@@ -74,13 +83,16 @@ def _read_rows(model, plan: dict) -> list[str]:
             elif target.local:
                 start = target.rank * target.chunk
                 target.opt_param.copy_(reader.get_slice(key)[start:start + target.local])
+        for target, value in taken:
+            (target.opt_param if isinstance(target, ParamSlot) else target).copy_(value)
     except Exception as e:  # reported on every rank by the caller
         return [f"reading {key!r} failed: {type(e).__name__}: {e}"]
     return []
 
 
 def _load_plan(model, rt, path, rename, files: contextlib.ExitStack):
-    """What to read from where: ``{slot or buffer name: (reader, file key)}``, and the
+    """What to read from where: ``{slot or buffer name: (reader, file key)}``; what the
+    hooked modules' own loads give (``[(slot or buffer, this rank's value)]``); and the
     missing keys, unexpected keys and shape problems."""
     located = _locate(os.fspath(path))
     readers = {f: files.enter_context(_open(f)) for f in sorted(set(located.values()))}
@@ -93,7 +105,9 @@ def _load_plan(model, rt, path, rename, files: contextlib.ExitStack):
             problems.append(f"two file keys map to the model's {name!r} "
                             f"({by_model_name[name][1]!r} and {key!r}); fix rename=.")
         by_model_name[name] = (readers[file], key)
-    expected = list(model.state_dict())
+    hooked = hooked_modules(model, load=True)
+    free = (lambda n: not any(within(n, prefix) for prefix, _ in hooked))
+    expected = [n for n in plain_keys(model) if free(n)]
     slots = rt.slots_by_name()
     plan, missing = {}, []
     for name in expected:
@@ -103,9 +117,28 @@ def _load_plan(model, rt, path, rename, files: contextlib.ExitStack):
     for name in expected:
         if slots.get(name, name) not in plan:
             missing.append(name)
-    unexpected = [n for n in by_model_name if n not in set(expected)]
+    unexpected = [n for n in by_model_name if n not in set(expected) and free(n)]
+    taken = []
+    for prefix, module in hooked:
+        taken += _take_hooked(rt, prefix, module, by_model_name, missing, unexpected)
     problems += _shape_problems(model, plan)
-    return plan, missing, unexpected, problems
+    return plan, taken, missing, unexpected, problems
+
+
+def _take_hooked(rt, prefix: str, module, by_model_name: dict, missing: list,
+                 unexpected: list) -> list:
+    """A module whose own load hooks shape what it takes (merging
+    split keys, accepting an old name) reads its keys whole, every rank, and its own
+    ``load_state_dict`` makes them its parameters (state/hooks.py); each rank keeps its
+    rows. Adds the keys it found missing or unexpected to those lists."""
+    dot = f"{prefix}." if prefix else ""
+    mine = {n[len(dot):]: reader.get_tensor(key) for n, (reader, key) in by_model_name.items()
+            if within(n, prefix)}
+    got = take_state(rt, module, mine, strict=False)
+    missing += [dot + k for k in got.missing]
+    unexpected += [dot + k for k in got.unexpected]
+    return [(slot, slot.rows_of(value.detach()).clone()) for slot, value in got.params] + \
+        [(buffer, value.detach()) for buffer, value in got.buffers]
 
 
 def _locate(path: str) -> dict[str, str]:
