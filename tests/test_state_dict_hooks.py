@@ -137,16 +137,21 @@ def from_masters(rank, world):
             "sharded": torch.equal(sharded["attn.wq.weight"].full_tensor(), wq),
             # the test can tell: bf16 holds no copy of these masters
             "bf16 differs": not torch.equal(wq.bfloat16().float(), wq),
+            # the pre-hook wrote the live buffer, as under torch; the full dict holds a copy
+            "count": (int(full[0]["norm.calls"]), int(model.norm.calls)),
+            "copied": full[0]["norm.calls"].data_ptr() != model.norm.calls.data_ptr(),
         }
     return out
 
 
 def test_hooked_values_are_the_fp32_masters_under_mixed_precision():
     """Under mixed_precision(bf16) a split key's values are the fp32 masters' rows, sharded
-    and whole, at every stage: not the bf16 compute copy the forward runs with."""
+    and whole, at every stage: not the bf16 compute copy the forward runs with. A full
+    state dict copies the buffer a state-dict pre-hook filled."""
     for stage, seen in run_ranks(2, from_masters)[0].items():
         assert seen == {"plain": True, "dtypes": {torch.float32}, "full": True,
-                        "sharded": True, "bf16 differs": True}, stage
+                        "sharded": True, "bf16 differs": True, "count": (3, 3),
+                        "copied": True}, stage
 
 
 # -- set_state_dict: old names, and misfits ----------------------------------------------

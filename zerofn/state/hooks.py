@@ -34,11 +34,11 @@ _SAVE_HOOKS = ("_state_dict_pre_hooks", "_state_dict_hooks")
 _LOAD_HOOKS = ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
-def module_state(rt, module: nn.Module, param_value, buffer_value=None, prefix: str = "") -> dict:
+def module_state(rt, module: nn.Module, param_value, prefix: str = "") -> dict:
     """``module.state_dict(prefix=prefix)`` with each parameter of it ``param_value(slot)``
     (called once per parameter, in the runtime's slot order on every rank, so it may
-    gather) and each buffer ``buffer_value(buffer)`` (None: the live buffers)."""
-    with _lent(rt, module, param_value, buffer_value):
+    gather); buffers are the live ones, as torch gives them."""
+    with _lent(rt, module, param_value):
         return module.state_dict(prefix=prefix)
 
 
@@ -138,7 +138,7 @@ class _Lent:
 
 
 @contextlib.contextmanager
-def _lent(rt, module: nn.Module, param_value, buffer_value=None):
+def _lent(rt, module: nn.Module, param_value):
     modules = set(module.modules())
     held = [(m, table, dict(table)) for m in modules for table in (m._parameters, m._buffers)]
     lent = _Lent()
@@ -153,8 +153,6 @@ def _lent(rt, module: nn.Module, param_value, buffer_value=None):
         for m in modules:
             for n, buf in m._buffers.items():
                 if buf is not None:
-                    if buffer_value is not None:
-                        m._buffers[n] = buf = buffer_value(buf)
                     lent.buffers.append((m._buffers, n, buf))
         yield lent
     finally:

@@ -66,8 +66,9 @@ def get_model_state_dict(model: nn.Module, *, full: bool = False, device=None) -
     _check_device(full, device)
     rt.prepare_state_dict()
     if full:
-        return module_state(rt, model, lambda s: rt.full_tensor(s, s.opt_param.detach(), device),
-                            lambda b: _snapshot(b, True, device))
+        msd = module_state(rt, model, lambda s: rt.full_tensor(s, s.opt_param.detach(), device))
+        live = {b.untyped_storage().data_ptr() for b in model.buffers()}
+        return {k: _owned(v, live, device) for k, v in msd.items()}
     return module_state(rt, model, lambda s: _export(rt, s, s.opt_param.detach(), False))
 
 
@@ -125,6 +126,16 @@ def _snapshot(value, full: bool, device=None):
     if not (full and torch.is_tensor(value)):
         return value
     return value.to(device, copy=True) if device is not None else value.clone()
+
+
+def _owned(value, live: set, device=None):
+    """A full state dict's ``value`` on ``device``, copied if it shares memory with a live
+    buffer (``live``: their storages), which training goes on changing in place."""
+    if not torch.is_tensor(value):
+        return value
+    if value.untyped_storage().data_ptr() in live:
+        return _snapshot(value, True, device)
+    return value if device is None else value.to(device)
 
 
 def _full_value(value, shape=None, name=""):
