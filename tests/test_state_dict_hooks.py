@@ -21,6 +21,7 @@ from support.hooked import (SPLIT_KEYS, HookedLM, fsdp2_hooked, fsdp2_load, fsdp
 from support.loops import zero
 from support.ranks import run_ranks
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
+from zerofn.io.pretrained import load as pretrained_load
 
 pytestmark = pytest.mark.multirank
 
@@ -81,7 +82,7 @@ def read(rank, world, root) -> dict:
             model, opt = zerofn_hooked(config, seed=7)
             assert load_checkpoint(os.path.join(root, f"fsdp2-{form}"), model, opt) == {}
             loaded[f"fsdp2-{form}", config] = zf.get_state_dict(model, opt, full=True)
-            assert model.norm.count == STEPS    # the load post-hook read the saved count
+            assert model.calls.count == STEPS    # the load post-hook read the saved count
     return loaded
 
 
@@ -138,8 +139,8 @@ def from_masters(rank, world):
             # the test can tell: bf16 holds no copy of these masters
             "bf16 differs": not torch.equal(wq.bfloat16().float(), wq),
             # the pre-hook wrote the live buffer, as under torch; the full dict holds a copy
-            "count": (int(full[0]["norm.calls"]), int(model.norm.calls)),
-            "copied": full[0]["norm.calls"].data_ptr() != model.norm.calls.data_ptr(),
+            "count": (int(full[0]["calls.seen"]), int(model.calls.seen)),
+            "copied": full[0]["calls.seen"].data_ptr() != model.calls.seen.data_ptr(),
         }
     return out
 
@@ -171,7 +172,7 @@ def old_names_and_misfits(rank, world):
     except ValueError as e:
         refused = str(e)
     untouched = max_error(before, zf.get_state_dict(fresh, fresh_opt, full=True))
-    return same, fresh.norm.count, refused, untouched
+    return same, fresh.calls.count, refused, untouched
 
 
 def test_set_state_dict_takes_an_old_name_and_refuses_a_misfit_on_every_rank():
@@ -186,6 +187,43 @@ def test_set_state_dict_takes_an_old_name_and_refuses_a_misfit_on_every_rank():
 
 
 # -- Hugging Face files ------------------------------------------------------------------
+class WholeReads:
+    """load_pretrained's safetensors readers, logging the keys read whole (``get_tensor``;
+    rows come through ``get_slice``)."""
+
+    def __init__(self):
+        self.log, self.real = [], pretrained_load._open
+
+    def __enter__(self):
+        pretrained_load._open = lambda file: _Logged(self.real(file), self.log)
+        return self.log
+
+    def __exit__(self, *exc):
+        pretrained_load._open = self.real
+
+
+class _Logged:
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def __enter__(self):
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+    def keys(self):
+        return self.inner.keys()
+
+    def get_slice(self, key):
+        return self.inner.get_slice(key)
+
+    def get_tensor(self, key):
+        self.log.append(key)
+        return self.inner.get_tensor(key)
+
+
 def pretrained(rank, world, root):
     model, opt = zf.compose(zero(3), zf.offload("cpu"))(*hooked_model())
     train(model, opt, hooked_batches(STEPS, world), rank, world)
@@ -194,11 +232,12 @@ def pretrained(rank, world, root):
     results = {}
     for name, stage in (("zero1", 1), ("zero3", 3)):
         fresh, fresh_opt = zf.compose(zero(stage))(*hooked_model(seed=7))
-        keys = zf.load_pretrained(fresh, directory)
+        with WholeReads() as whole:
+            keys = zf.load_pretrained(fresh, directory)
         got, _ = zf.get_state_dict(fresh, fresh_opt, full=True)
         results[name] = (tuple(keys.missing_keys), tuple(keys.unexpected_keys),
                          max(float((want[k] - got[k]).abs().max()) for k in want),
-                         fresh.norm.count)
+                         fresh.calls.count, sorted(set(whole)))
     if rank == 0:      # an old file: the norm under its old name, and wk left out
         old = {("norm.weight" if k == "norm.scale" else k): v for k, v in want.items()}
         save_file(old, os.path.join(root, "old.safetensors"))
@@ -219,11 +258,15 @@ def pretrained(rank, world, root):
 
 def test_save_and_load_pretrained_through_the_hooks(tmp_path):
     """save_pretrained writes the names the hooks give (a plain model's load_state_dict
-    takes the file); load_pretrained merges them back at ZeRO-1 and 3, takes the norm's
-    old name, and refuses a file lacking a split part on every rank."""
+    takes the file); load_pretrained merges them back at ZeRO-1 and 3 (reading whole only
+    what a hook merges), takes the norm's old name, and refuses a file lacking a split
+    part on every rank."""
     for results, keys in run_ranks(2, pretrained, str(tmp_path)):
         for stage in ("zero1", "zero3"):
-            assert results[stage] == ((), (), 0.0, STEPS), (stage, results[stage])
+            # read whole: what the merge hooks take, and the buffer (as every buffer); the
+            # norm's scale, behind a load hook that only renames it, is read by rows
+            assert results[stage] == ((), (), 0.0, STEPS, sorted(SPLIT_KEYS + ["calls.seen"])), \
+                (stage, results[stage])
         assert results["old name"] == 0.0
         assert "attn.wqkv.weight" in results["lacking"] and "attn.wq.weight" in results["lacking"]
     files = sorted(f for f in os.listdir(tmp_path / "hooked") if f.endswith(".safetensors"))
@@ -233,4 +276,4 @@ def test_save_and_load_pretrained_through_the_hooks(tmp_path):
     assert len(files) > 1 and sorted(state) == keys and set(SPLIT_KEYS) <= set(state)
     plain = HookedLM()
     plain.load_state_dict(state)
-    assert plain.norm.count == STEPS
+    assert plain.calls.count == STEPS

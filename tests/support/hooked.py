@@ -7,9 +7,10 @@
   ``w3`` (the public ``register_state_dict_post_hook`` and
   ``register_load_state_dict_pre_hook``);
 - ``Norm``: a parameter renamed ``weight`` -> ``scale``, whose old name a load still
-  takes (``register_load_state_dict_pre_hook``), and a forward count kept in a buffer for
-  the state dict (``register_state_dict_pre_hook`` writes it, and
-  ``register_load_state_dict_post_hook`` reads it back).
+  takes (``register_load_state_dict_pre_hook``);
+- ``Calls``: a forward count kept in a buffer for the state dict
+  (``register_state_dict_pre_hook`` writes it, ``register_load_state_dict_post_hook``
+  reads it back).
 
 Sizes are awkward on purpose: the vocabulary's 41 rows do not split evenly over two ranks,
 and ``wq``'s 24 rows end inside rank 1's half of ``wqkv``'s 40. Below the model: the same
@@ -90,14 +91,9 @@ class Norm(nn.Module):
     def __init__(self):
         super().__init__()
         self.scale = nn.Parameter(torch.ones(WIDTH))
-        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
-        self.count = 0      # forward calls, a plain int the buffer carries into state dicts
         self.register_load_state_dict_pre_hook(Norm._legacy_name)
-        self.register_state_dict_pre_hook(Norm._store_count)
-        self.register_load_state_dict_post_hook(Norm._read_count)
 
     def forward(self, x):
-        self.count += 1
         return F.rms_norm(x, (WIDTH,), self.scale)
 
     @staticmethod
@@ -105,13 +101,27 @@ class Norm(nn.Module):
         if f"{prefix}weight" in state_dict:
             state_dict[f"{prefix}scale"] = state_dict.pop(f"{prefix}weight")
 
-    @staticmethod
-    def _store_count(module, prefix, keep_vars):
-        module.calls.fill_(module.count)
+
+class Calls(nn.Module):
+    """Forward calls, a plain int, carried into state dicts by a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.register_state_dict_pre_hook(Calls._store)
+        self.register_load_state_dict_post_hook(Calls._read)
+
+    def tick(self):
+        self.count += 1
 
     @staticmethod
-    def _read_count(module, incompatible_keys):
-        module.count = int(module.calls)
+    def _store(module, prefix, keep_vars):
+        module.seen.fill_(module.count)
+
+    @staticmethod
+    def _read(module, incompatible_keys):
+        module.count = int(module.seen)
 
 
 class HookedLM(nn.Module):
@@ -122,9 +132,11 @@ class HookedLM(nn.Module):
         self.wo = nn.Linear(HEADS * HEAD, WIDTH, bias=False)
         self.mlp = FusedGateUp()
         self.norm = Norm()
+        self.calls = Calls()
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
 
     def forward(self, idx, targets):
+        self.calls.tick()
         x = self.tok(idx)
         b, t, _ = x.shape
         q, k, v = (h.view(b, t, -1, HEAD).transpose(1, 2) for h in self.attn(x))
