@@ -277,3 +277,38 @@ def test_save_and_load_pretrained_through_the_hooks(tmp_path):
     plain = HookedLM()
     plain.load_state_dict(state)
     assert plain.calls.count == STEPS
+
+
+def tiny_mamba(seed: int):
+    from transformers import MambaConfig, MambaForCausalLM
+    torch.manual_seed(seed)
+    return MambaForCausalLM(MambaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
+                                        state_size=4))
+
+
+def mamba_old_names(rank, world, path):
+    want = {k: v.clone() for k, v in tiny_mamba(0).state_dict().items()}
+    if rank == 0:     # the embedding under its old name, and lm_head left to the tie
+        save_file({k.replace("backbone.embeddings.", "backbone.embedding."): v.contiguous()
+                   for k, v in want.items() if k != "lm_head.weight"}, path)
+    dist.barrier()
+    model = tiny_mamba(3)
+    model, opt = zero(3)(model, torch.optim.AdamW(model.parameters()))
+    with WholeReads() as whole:
+        keys = zf.load_pretrained(model, path)
+    got, _ = zf.get_state_dict(model, opt, full=True)
+    return (keys.missing_keys, keys.unexpected_keys,
+            max(float((got[k] - want[k]).abs().max()) for k in want), whole)
+
+
+@pytest.mark.hf
+@pytest.mark.slow(reason="imports transformers in every rank; the default suite covers a "
+                         "rename-only load hook read by rows with HookedLM's norm")
+def test_a_transformers_rename_hook_loads_by_rows(tmp_path):
+    """transformers' MambaModel renames ``embedding.`` to ``embeddings.`` in a load
+    pre-hook on the whole backbone: an old file loads, and every tensor is still read by
+    rows, none whole."""
+    pytest.importorskip("transformers")
+    for missing, unexpected, err, whole in run_ranks(2, mamba_old_names,
+                                                     str(tmp_path / "old.safetensors")):
+        assert (missing, unexpected, err, whole) == ([], [], 0.0, [])
