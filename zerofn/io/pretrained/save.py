@@ -139,9 +139,9 @@ def _hooked_name(name: str, hooked) -> bool:
 
 
 def _hooked_state(rt, name: str, module) -> dict:
-    """A module whose own hooks shape its state dict (a fused
-    projection saved as several tensors) is saved as its ``state_dict()`` gives it, over
-    its parameters' full masters: gathered whole, one such module at a time. Collective."""
+    """A module whose own hooks shape its state dict (a fused projection saved as several
+    tensors) is saved as its ``state_dict()`` gives it, over its parameters' full masters:
+    gathered whole, one such module at a time. Collective."""
     return module_state(rt, module, lambda s: rt.full_tensor(s, s.opt_param.detach()),
                         prefix=f"{name}." if name else "")
 
