@@ -32,8 +32,8 @@ def load_pretrained(model: nn.Module, path, *, rename=None, strict: bool = True)
     Call on every rank, after the transforms. Works for every stage, under
     ``mixed_precision`` and ``offload``; tensors are converted to the model's dtypes. A
     module whose own load hooks shape what it takes (merging a fused projection's split
-    tensors, accepting an old parameter name) reads its tensors whole and loads them
-    through its own ``load_state_dict``.
+    tensors, accepting an old parameter name) loads through its own ``load_state_dict``:
+    what a hook only renames is still read by rows, what it merges is read whole.
 
     Args:
         model: a model transformed by zerofn.
@@ -164,18 +164,19 @@ def _hooked_plan(rt, prefix: str, module, by_model_name: dict, buffer_names: dic
         probe = take_state(rt, module, dict(stand_ins), strict=False)
     except Exception:
         probe = None
-    plan, made, renamed = {}, set(), set()
-    key_of = {id(v): k for k, v in stand_ins.items()}
-    for target, value in (_targets(probe, buffer_names) if probe else []):
-        if id(value) in key_of:
-            plan[target] = mine[key_of[id(value)]]
-            renamed.add(key_of[id(value)])
-        else:
-            made.add(target)
-    if probe is not None and not made:
-        return plan, [], [dot + k for k in probe.missing], [dot + k for k in probe.unexpected]
-    values = {k: stand_ins[k] if k in renamed else reader.get_tensor(key)
-              for k, (reader, key) in mine.items()}
+    plan, made = {}, set()
+    if probe is not None:
+        key_of = {id(v): k for k, v in stand_ins.items()}
+        for target, value in _targets(probe, buffer_names):
+            if id(value) in key_of:       # handed over as it is: read by rows
+                plan[target] = mine[key_of[id(value)]]
+            else:
+                made.add(target)
+        if not made:
+            return plan, [], [dot + k for k in probe.missing], [dot + k for k in probe.unexpected]
+    by_rows = {id(found) for found in plan.values()}
+    values = {k: stand_ins[k] if id(found) in by_rows else found[0].get_tensor(found[1])
+              for k, found in mine.items()}
     got = take_state(rt, module, values, strict=False)
     taken = [(t, t.rows_of(v.detach()).clone() if isinstance(t, ParamSlot) else v.detach())
              for t, v in _targets(got, buffer_names) if probe is None or t in made]
