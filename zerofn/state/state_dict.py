@@ -1,11 +1,14 @@
 """State dicts in the format of torch.distributed.checkpoint.state_dict for FSDP2 models.
 
-Model state: FQN -> DTensor with ``Shard(0)`` (the torch.chunk row split) on the
-data-parallel mesh for parameters (HSDP: ``(Replicate(), Shard(0))`` on its 2-D mesh),
-plain tensors for buffers. Optimizer state: FQN ->
-{torch.optim's state names -> DTensor shards or plain scalars} plus ``param_groups`` whose
-``params`` are FQNs. The sharded tensors are views of zerofn's own buffers, so
-``dcp.load`` writes straight into the model and optimizer.
+Model state: the keys the model's own ``state_dict()`` gives, its hooks included (a fused
+projection saved as several tensors, a renamed parameter: hooks.py), each parameter a
+DTensor with ``Shard(0)`` (the torch.chunk row split) on the data-parallel mesh (HSDP:
+``(Replicate(), Shard(0))`` on its 2-D mesh) or what a hook made of one, buffers plain
+tensors. Optimizer state: parameter FQN -> {torch.optim's state names -> DTensor shards or
+plain scalars} plus ``param_groups`` whose ``params`` are FQNs, whatever the model's hooks
+do, as torch's ``get_optimizer_state_dict`` keys it. The sharded tensors are views of
+zerofn's own buffers (but for what a hook made), so ``dcp.load`` writes straight into the
+model and optimizer.
 """
 from __future__ import annotations
 
@@ -13,9 +16,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..runtime.optimizer import SCALER_KEY
-from ..runtime import runtime_of
 from ..core.units import ParamSlot
+from ..runtime import runtime_of
+from ..runtime.agree import agree_or_raise
+from ..runtime.optimizer import SCALER_KEY
+from .hooks import module_state, take_state
 
 
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False,
@@ -52,17 +57,19 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: 
 
 
 def get_model_state_dict(model: nn.Module, *, full: bool = False, device=None) -> dict:
-    """The model half of ``get_state_dict``; leaves the optimizer untouched."""
+    """The model half of ``get_state_dict``; leaves the optimizer untouched.
+
+    The model's own ``state_dict()`` makes it, its hooks included (hooks.py), over the
+    masters: the keys are the ones the hooks give, the values never the compute copies.
+    """
     rt = runtime_of(model)
     _check_device(full, device)
     rt.prepare_state_dict()
-    slot_by_name = rt.slots_by_name()
-    msd = {}
-    for name, value in model.state_dict().items():
-        slot = slot_by_name.get(name)
-        msd[name] = _snapshot(value, full, device) if slot is None \
-            else _export(rt, slot, slot.opt_param.detach(), full, device)
-    return msd
+    if full:
+        msd = module_state(rt, model, lambda s: rt.full_tensor(s, s.opt_param.detach(), device))
+        live = {b.untyped_storage().data_ptr() for b in model.buffers()}
+        return {k: _owned(v, live, device) for k, v in msd.items()}
+    return module_state(rt, model, lambda s: _export(rt, s, s.opt_param.detach(), False))
 
 
 def _check_device(full: bool, device) -> None:
@@ -83,24 +90,24 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sta
 
 
 def set_model_state_dict(model: nn.Module, model_state_dict: dict) -> None:
-    """The model half of ``set_state_dict``; leaves the optimizer untouched."""
+    """The model half of ``set_state_dict``; leaves the optimizer untouched.
+
+    The model's own ``load_state_dict()`` reads it, its hooks included (hooks.py): a hook
+    may merge or rename keys. Nothing is written unless every rank's state dict fits.
+    """
     rt = runtime_of(model)
     rt.prepare_state_dict()
-    slot_by_name = rt.slots_by_name()
-    expected = set(model.state_dict())
-    missing, unexpected = expected - set(model_state_dict), set(model_state_dict) - expected
-    if missing or unexpected:
-        raise KeyError(f"model state dict does not fit this model: missing {sorted(missing)}, "
-                       f"unexpected {sorted(unexpected)}.")
-    buffers = dict(model.named_buffers())
+    try:
+        taken, problems = take_state(rt, model, model_state_dict), []
+    except Exception as e:  # a misfit on one rank must not leave the others in refresh_params
+        taken, problems = None, [f"{type(e).__name__}: {e}"]
+    agree_or_raise(problems, rt.group, "The model state dict does not fit this model")
     with torch.no_grad():
-        for name, value in model_state_dict.items():
-            slot = slot_by_name.get(name)
-            if slot is None:
-                buffers[name].copy_(_full_value(value))
-            else:   # this rank's rows of the master; the runtime refreshes compute params
-                slot.opt_param.copy_(_local_value(rt, slot, value))
-    rt.refresh_params()
+        for buffer, value in taken.buffers:
+            buffer.copy_(_full_value(value))
+        for slot, value in taken.params:   # this rank's rows of the master
+            slot.opt_param.copy_(_local_value(rt, slot, value))
+    rt.refresh_params()   # the compute parameters from the masters
 
 
 # -- conversions -------------------------------------------------------------------------
@@ -119,6 +126,16 @@ def _snapshot(value, full: bool, device=None):
     if not (full and torch.is_tensor(value)):
         return value
     return value.to(device, copy=True) if device is not None else value.clone()
+
+
+def _owned(value, live: set, device=None):
+    """A full state dict's ``value`` on ``device``, copied if it shares memory with a live
+    buffer (``live``: their storages), which training goes on changing in place."""
+    if not torch.is_tensor(value):
+        return value
+    if value.untyped_storage().data_ptr() in live:
+        return _snapshot(value, True, device)
+    return value if device is None else value.to(device)
 
 
 def _full_value(value, shape=None, name=""):

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...runtime.agree import agree_or_raise, from_first
+from ...core.units import ParamSlot, local_rows
 from ...runtime import runtime_of
-from ...core.units import local_rows
+from ...runtime.agree import agree_or_raise, from_first
+from ...state.hooks import hooked_modules, module_state, persistent_buffers, within
 from .. import fs
 from .safetensors_writer import DTYPES, Entry, Writer, shards
 
@@ -42,9 +43,11 @@ def save_pretrained(model: nn.Module, directory, *, max_shard_size="5GB", dtype=
     Writes ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` shards with
     ``model.safetensors.index.json``), and ``config.json`` / ``generation_config.json``
     when the model has a Hugging Face ``config`` / ``generation_config``. Tied parameters
-    are written once, under the name Hugging Face keeps. The directory is replaced only
-    once the new one is complete; files in it that are not model weights or configs
-    (a tokenizer, checkpoints) are kept.
+    are written once, under the name Hugging Face keeps. A module whose own state-dict
+    hooks reshape its state dict (a fused projection saved as several tensors, a renamed
+    weight) is written under the names they give, its parameters gathered whole one such
+    module at a time. The directory is replaced only once the new one is complete; files
+    in it that are not model weights or configs (a tokenizer, checkpoints) are kept.
 
     Args:
         model: a model transformed by zerofn.
@@ -67,20 +70,16 @@ def save_pretrained(model: nn.Module, directory, *, max_shard_size="5GB", dtype=
         raise TypeError(f"save_pretrained(dtype={dtype!r}): pass a floating torch dtype or None.")
     directory = os.path.abspath(os.fspath(directory))
     rt.prepare_state_dict()
-    entries = _entries(model, rt, dtype)
+    hooked = hooked_modules(model, load=False)
+    entries = _entries(model, rt, dtype, hooked)
     tmp = _hidden(directory, "tmp")
     first = dist.get_rank(rt.group) == 0    # (HSDP: each replica has a shard rank 0)
     problems = _save_problems(directory, tmp, entries) if first else []
     agree_or_raise(problems, rt.group, f"save_pretrained({directory!r}) failed")
     writer = Writer(tmp, shards(entries, limit)) if first else None
-    for unit in rt.units:
-        full = rt.gather_unit(unit) if unit.slots else None
-        if writer is not None:
-            for s in unit.slots:
-                writer.write(s, _pieces(rt, s, full))
-        del full    # (every rank joins each gather; rank 0 writes)
+    _stream(rt, entries, hooked, writer)
     if writer is not None:
-        buffers = dict(model.named_buffers())
+        buffers = persistent_buffers(model)
         for e in entries:
             if isinstance(e.source, str):
                 writer.write(e.source, [buffers[e.source]])
@@ -91,20 +90,60 @@ def save_pretrained(model: nn.Module, directory, *, max_shard_size="5GB", dtype=
     return directory
 
 
-def _entries(model, rt, dtype) -> list[Entry]:
-    """Every tensor to write, in the order the units stream them, buffers last."""
+def _stream(rt, entries: list[Entry], hooked, writer) -> None:
+    """Gather the parameters unit by unit, then each hooked module's state dict, every rank
+    joining each gather; rank 0 (``writer``) writes them as they come."""
+    plain = {e.source for e in entries if isinstance(e.source, ParamSlot)}
+    for unit in rt.units:
+        slots = [s for s in unit.slots if s in plain]
+        full = rt.gather_unit(unit) if slots else None
+        if writer is not None:
+            for s in slots:
+                writer.write(s, _pieces(rt, s, full))
+        del full
+    for name, module in hooked:
+        state = _hooked_state(rt, name, module)
+        if writer is not None:
+            for e in entries:
+                if e.source == (name, e.name):
+                    writer.write(e.source, [state[e.name]])
+        del state
+
+
+def _entries(model, rt, dtype, hooked) -> list[Entry]:
+    """Every tensor to write, in the order they stream: parameters unit by unit, then the
+    state dict of each module whose own hooks shape it (under the names they give), then
+    buffers."""
     names = _names_by_slot(rt)
     tied = _tied_patterns(model)
     out_dtype = (lambda dt: dtype if dtype is not None and dt.is_floating_point else dt)
-    entries = [Entry(_kept_name(names[s], s.fqn, tied), out_dtype(s.opt_param.dtype), s.shape, s)
-               for u in rt.units for s in u.slots]
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
-    slot_names = {n for ns in names.values() for n in ns}
-    buffers = dict(model.named_buffers())
-    for name in model.state_dict():
-        if name not in slot_names and name not in ignored and name in buffers:
-            entries.append(Entry(name, out_dtype(buffers[name].dtype), buffers[name].shape, name))
+    entries = []
+    for s in (s for u in rt.units for s in u.slots):
+        free = [n for n in names[s] if not _hooked_name(n, hooked)]
+        if free:
+            entries.append(Entry(_kept_name(free, s.fqn, tied), out_dtype(s.opt_param.dtype),
+                                 s.shape, s))
+    for name, module in hooked:    # (the values are dropped: only names and shapes count here)
+        for key, value in _hooked_state(rt, name, module).items():
+            if torch.is_tensor(value) and key not in ignored:
+                entries.append(Entry(key, out_dtype(value.dtype), value.shape, (name, key)))
+    for name, buf in persistent_buffers(model).items():
+        if name not in ignored and not _hooked_name(name, hooked):
+            entries.append(Entry(name, out_dtype(buf.dtype), buf.shape, name))
     return entries
+
+
+def _hooked_name(name: str, hooked) -> bool:
+    return any(within(name, prefix) for prefix, _ in hooked)
+
+
+def _hooked_state(rt, name: str, module) -> dict:
+    """A module whose own hooks shape its state dict (a fused projection saved as several
+    tensors) is saved as its ``state_dict()`` gives it, over its parameters' full masters:
+    gathered whole, one such module at a time. Collective."""
+    return module_state(rt, module, lambda s: rt.full_tensor(s, s.opt_param.detach()),
+                        prefix=f"{name}." if name else "")
 
 
 def _names_by_slot(rt) -> dict:
