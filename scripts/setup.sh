@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Installs what zerofn and its tests need into the current python3, then builds zerofn in
-# place. Only what is missing is installed, so a machine with everything already there
-# (a GPU machine with no package index) sets up offline. torch is pinned only when none
-# is installed: a GPU machine keeps its own build.
+# Sets zerofn up in this checkout: installs what zerofn and its tests need, then builds the
+# C++ extension and installs zerofn editable (`pip install -e .`), all into the interpreter
+# scripts/python.sh chooses: an active virtual or conda environment's, else .venv here,
+# made on the first run. Only what is missing is installed, and the build runs again only
+# when its sources changed, so a second run installs nothing. A machine with everything
+# already importable (a GPU machine with no package index) sets up offline. torch is
+# pinned only where none is importable: a GPU machine keeps its own build.
+#   bash scripts/setup.sh             set up (the first run takes a few minutes)
+#   bash scripts/setup.sh --dry-run   print the interpreter chosen and whether .venv would
+#                                     be made, and change nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+. scripts/python.sh
 
 # "import name=pip requirement" pairs: the core, the build, then the tests' extras.
 NEEDS=(
@@ -16,17 +22,114 @@ NEEDS=(
   "matplotlib=matplotlib" "transformers=transformers>=5,<6" "accelerate=accelerate"
   "sphinx=sphinx>=9,<10" "furo=furo>=2025,<2027"
 )
-missing=()
-for pair in "${NEEDS[@]}"; do
-  $PY -c "import ${pair%%=*}" 2>/dev/null || missing+=("${pair#*=}")
-done
+
+die() { echo "setup: $*" >&2; exit 1; }
+
+case ${1:-} in
+  "" | --dry-run) ;;
+  *) die "unknown argument $1 (only --dry-run)" ;;
+esac
+
+# The interpreter .venv was made from, as its pyvenv.cfg names it (venv writes
+# `executable`, virtualenv `base-executable`); empty where it names none.
+venv_base() {
+  sed -n -E 's/^(executable|base-executable) *= *//p' "$ZEROFN_VENV/pyvenv.cfg" 2>/dev/null |
+    head -n 1
+}
+
+# Which interpreter, and whether .venv is to be made (and from what): decided before
+# anything changes, so that --dry-run prints exactly what a run does.
+chosen=$(zerofn_chosen_python)
+"$chosen" -c "" 2>/dev/null ||
+  die "cannot run $chosen: install Python 3.11 or later, or choose one: PYTHON=/path/to/python"
+"$chosen" -c "import sys; sys.exit(sys.version_info < (3, 11))" ||
+  die "$chosen is Python $("$chosen" -c 'import platform; print(platform.python_version())');" \
+      "zerofn needs 3.11 or later: choose one with PYTHON=/path/to/python"
+PY=$(zerofn_python)
+venv=none site=no
+if [[ $PY == "$ZEROFN_VENV/bin/python" && -e $ZEROFN_VENV ]]; then
+  venv=exists
+  made_from=$(venv_base)
+  if [[ -n ${PYTHON:-} && -n $made_from ]] &&
+     [[ $(readlink -f "$made_from") != "$("$PYTHON" -c 'import os, sys; print(os.path.realpath(sys.executable))')" ]]; then
+    die ".venv was made from $made_from, not PYTHON=$PYTHON: remove it (rm -rf .venv) to" \
+        "make it again from $PYTHON, or leave PYTHON unset to use it"
+  fi
+  "$PY" -c "" 2>/dev/null || die "$PY does not run (its interpreter gone?): rm -rf .venv and run again"
+elif [[ $PY == "$ZEROFN_VENV/bin/python" ]]; then
+  venv=make
+  # Where the chosen interpreter imports torch already (a GPU machine's own CUDA build),
+  # .venv sees its packages (--system-site-packages), so that build is used rather than
+  # replaced by torch==2.13.0 from the index. Elsewhere .venv starts empty.
+  if "$chosen" -c "import torch" 2>/dev/null; then site=yes; fi
+fi
+
+if [[ ${1:-} == --dry-run ]]; then
+  printf 'python=%s\nvenv=%s\nbase=%s\nsystem_site_packages=%s\n' "$PY" "$venv" "$chosen" "$site"
+  exit 0
+fi
+
+if [[ $venv == make ]]; then
+  flags=()
+  if [[ $site == yes ]]; then flags=(--system-site-packages); fi
+  echo "setup: making .venv from $chosen ${flags[*]}" >&2
+  if ! "$chosen" -m venv "${flags[@]}" "$ZEROFN_VENV"; then
+    rm -rf "$ZEROFN_VENV"
+    die "could not make .venv with $chosen -m venv (on Debian or Ubuntu: apt-get install" \
+        "python3-venv). Or activate a virtual or conda environment, or choose an" \
+        "interpreter that has one: PYTHON=/path/to/python"
+  fi
+fi
+
+# What is missing, as pip requirements: one interpreter tries every import.
+read -ra missing <<<"$("$PY" - "${NEEDS[@]}" <<'EOF'
+import importlib, sys
+for pair in sys.argv[1:]:
+    name, requirement = pair.split("=", 1)
+    try:
+        importlib.import_module(name)
+    except Exception:
+        print(requirement, end=" ")
+EOF
+)"
+if ((${#missing[@]})); then
+  echo "setup: installing into $PY: ${missing[*]} (the first time, a few minutes)" >&2
+fi
 # torch first and alone: with it in place, the rest never pulls another build of it.
 rest=()
 for req in "${missing[@]}"; do
-  if [[ $req == torch==* ]]; then $PY -m pip install -q "$req"; else rest+=("$req"); fi
+  if [[ $req == torch==* ]]; then
+    "$PY" -m pip install -q "$req" ||
+      die "could not install $req (no package index?): install a torch first, or choose" \
+          "an interpreter that has one: PYTHON=/path/to/python"
+  else
+    rest+=("$req")
+  fi
 done
-if ((${#rest[@]})) && ! $PY -m pip install -q "${rest[@]}"; then
+if ((${#rest[@]})) && ! "$PY" -m pip install -q "${rest[@]}"; then
   # Offline (a GPU machine with no index): go on; tests needing these skip and say why.
   echo "setup: could not install ${rest[*]}; continuing without them" >&2
 fi
-$PY -m pip install -q --no-build-isolation --no-deps -e .
+
+# Whether zerofn imports from this checkout with no help (outside it, no PYTHONPATH), and
+# its extension is newer than every file it is built from: then there is nothing to build.
+installed_and_built() {
+  (cd / && env -u PYTHONPATH "$PY" - "$ZEROFN_ROOT" <<'EOF'
+import glob, os, sys
+root = os.path.realpath(sys.argv[1])
+try:
+    import zerofn, zerofn._C
+except Exception:
+    sys.exit(1)
+sources = glob.glob(os.path.join(root, "cpp", "*")) + [
+    os.path.join(root, name) for name in ("setup.py", "pyproject.toml")]
+sys.exit(os.path.realpath(zerofn.__file__) != os.path.join(root, "zerofn", "__init__.py")
+         or os.path.getmtime(zerofn._C.__file__) < max(map(os.path.getmtime, sources)))
+EOF
+  )
+}
+if ! installed_and_built; then
+  echo "setup: building zerofn and installing it editable into $PY (a minute or two)" >&2
+  "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+fi
+echo "setup: zerofn is set up in $PY" >&2
