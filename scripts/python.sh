@@ -9,7 +9,7 @@
 ZEROFN_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 ZEROFN_VENV=$ZEROFN_ROOT/.venv
 
-# The interpreter chosen: PYTHON, an active environment's, or python3.
+# The interpreter chosen: PYTHON, an active environment's, or python3 (its path).
 zerofn_chosen_python() {
   if [[ -n ${PYTHON:-} ]]; then
     echo "$PYTHON"
@@ -18,7 +18,7 @@ zerofn_chosen_python() {
   elif [[ -n ${CONDA_PREFIX:-} && -x $CONDA_PREFIX/bin/python ]]; then
     echo "$CONDA_PREFIX/bin/python"
   else
-    echo python3
+    command -v python3 || echo python3
   fi
 }
 

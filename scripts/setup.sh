@@ -40,11 +40,13 @@ venv_base() {
 # Which interpreter, and whether .venv is to be made (and from what): decided before
 # anything changes, so that --dry-run prints exactly what a run does.
 chosen=$(zerofn_chosen_python)
+floor=$(sed -n -E 's/^requires-python = ">=([0-9.]+)"/\1/p' pyproject.toml)
 "$chosen" -c "" 2>/dev/null ||
-  die "cannot run $chosen: install Python 3.11 or later, or choose one: PYTHON=/path/to/python"
-"$chosen" -c "import sys; sys.exit(sys.version_info < (3, 11))" ||
+  die "cannot run $chosen: install Python $floor or later, or choose one: PYTHON=/path/to/python"
+"$chosen" -c "import sys; sys.exit(sys.version_info < tuple(map(int, sys.argv[1].split('.'))))" \
+    "$floor" ||
   die "$chosen is Python $("$chosen" -c 'import platform; print(platform.python_version())');" \
-      "zerofn needs 3.11 or later: choose one with PYTHON=/path/to/python"
+      "zerofn needs $floor or later: choose one with PYTHON=/path/to/python"
 PY=$(zerofn_python)
 venv=none site=no
 if [[ $PY == "$ZEROFN_VENV/bin/python" && -e $ZEROFN_VENV ]]; then
