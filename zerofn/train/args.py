@@ -44,8 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     zero.add_argument("--stage", type=int, choices=(1, 2, 3), help="1 shards optimizer "
                       "state, 2 also gradients, 3 also parameters (default 3)")
     zero.add_argument("--precision", choices=sorted(PRECISIONS),
-                      help="compute dtype; masters and optimizer state stay fp32 (default "
-                           "fp32). fp16 scales the loss dynamically")
+                      help="compute dtype (default fp32); the masters and optimizer state "
+                           "are fp32 unless --master-dtype and --state-dtype store them in "
+                           "fewer bits off the device. fp16 scales the loss dynamically")
     zero.add_argument("--offload", choices=("none", "cpu", "nvme"),
                       help="keep masters and optimizer state on the host or in a swap file")
     zero.add_argument("--nvme-path", help="directory for --offload nvme's swap files")
@@ -64,8 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "the host is the device there, and a share is of a GPU's free "
                            "memory")
     zero.add_argument("--overlap-step", action="store_true",
-                      help="--offload cpu, ZeRO-2/3, --clip 0: the host steps each unit during "
-                           "backward (micro-batches but the last accumulate under no_sync)")
+                      help="--offload cpu, ZeRO-2/3, --clip 0, not fp16: the host steps each "
+                           "unit during backward (micro-batches but the last accumulate "
+                           "under no_sync)")
     zero.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"),
                       help="--offload: how Adam's moments are stored off the device (bf16 "
                            "rounds stochastically; int8: 8-bit blockwise codes; default fp32)")
