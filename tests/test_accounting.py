@@ -124,9 +124,9 @@ def zero3_pool_and_send_order(rank, world):
     from zerofn.runtime.runtime import runtime_of
 
     events = []
-    take, reduce = GradReducer._send_buffer, GradReducer._reduce
+    take, reduce = GradReducer._send_buffer, GradReducer.reduce
     GradReducer._send_buffer = lambda self, u: events.append(("send", u.name)) or take(self, u)
-    GradReducer._reduce = lambda self, u: events.append(("reduce", u.name)) or reduce(self, u)
+    GradReducer.reduce = lambda self, u: events.append(("reduce", u.name)) or reduce(self, u)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=1024, width=64, heads=2, ffn=256, layers=3, context=16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -138,7 +138,7 @@ def zero3_pool_and_send_order(rank, world):
         model(x[:, :-1], x[:, 1:]).backward()
         opt.step()
         opt.zero_grad()
-        pool_bytes.append(runtime_of(model).pool.nbytes())
+        pool_bytes.append(runtime_of(model).ctx.pool.nbytes())
     return pool_bytes, events
 
 

@@ -43,7 +43,7 @@ UNDEFINED = textwrap.dedent("""
     model, opt = zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params())(model, opt)
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
-    comm = runtime_of(model).comm
+    comm = runtime_of(model).ctx.comm
     print(comm.backend, comm._in_place, comm.averages)
     dist.destroy_process_group()
 """)

@@ -129,6 +129,10 @@ def measure(rank, world, configs):
             # (the module, not its count: NVMe's staging ring is sized by its largest unit)
             est = estimate_placement(model, world, stage, dtype, offload=offload,
                                      offload_params=params)
+            if stage == 1:   # ZeRO-1's whole gradients (the estimate's, a peak) live only
+                # until its backward ends: after a step it holds the reduced rows, as ZeRO-2
+                est["device"]["grads"] = estimate_placement(
+                    model, world, 2, dtype, offload=offload)["device"]["grads"]
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             ts = [zero(stage)]
             ts += [zf.mixed_precision(dtype)] if dtype != torch.float32 else []

@@ -59,7 +59,7 @@ def _pinned_arenas(path, stage, opts, dtype, before):
     config's ``before``."""
     import zerofn.runtime.pinned as pinned
     model, opt = on_nccl(path, stage, opts, dtype)
-    pinnable = [a for a in runtime_of(model).offload.arenas() if pinned.is_registered(a.buffer)]
+    pinnable = [a for a in runtime_of(model).homes.arenas() if pinned.is_registered(a.buffer)]
     return ([locked(a.buffer) for a in pinnable], len(pinnable),
             pinned.registered_bytes() - before, sum(a.buffer.nbytes for a in pinnable))
 

@@ -65,8 +65,8 @@ def _run_scripts(rank, world, runs):
     def watched(*args, **kwargs):
         out = initialize(*args, **kwargs)
         rt = runtime_of(out[0].module)
-        whole = rt.stage == 3 and all(u.replicated for u in rt.units if u.slots)
-        stores.append((type(rt.offload).__name__, whole))
+        whole = rt.plan.stage == 3 and all(u.replicated for u in rt.units if u.slots)
+        stores.append((type(rt.homes).__name__, whole))
         return out
 
     deepspeed.initialize = watched
@@ -92,8 +92,8 @@ def test_deepspeed_scripts_match_real_deepspeed(tmp_path):
         prefixes[name] = str(tmp_path / name)
         runs.append((zerofn_script(name, tmp_path), cases.script_args(str(config), prefixes[name])))
     stores = run_ranks(cases.WORLD, _run_scripts, runs, timeout=240)
-    assert stores == [[("HostOffload", False), ("NvmeOffload", False), ("HostOffload", False),
-                       ("HostOffload", True)]] * cases.WORLD
+    assert stores == [[("HostHome", False), ("NvmeHome", False), ("HostHome", False),
+                       ("HostHome", True)]] * cases.WORLD
     for name, prefix in prefixes.items():
         with open(os.path.join(DATA, f"{name}.json")) as f:
             reference = json.load(f)["ranks"]
@@ -270,7 +270,7 @@ def _check_mpu_and_progress(rank, world):
                           get_data_parallel_rank=lambda: rank,
                           get_data_parallel_world_size=lambda: world)
     engine, _, loader, _ = _engine({**CONFIG, "steps_per_print": 2}, mpu=mpu)
-    assert runtime_of(engine.module).comm.group is group and engine.dp_world_size == world
+    assert runtime_of(engine.module).ctx.comm.group is group and engine.dp_world_size == world
     assert loader.sampler.rank == rank
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

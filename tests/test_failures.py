@@ -21,7 +21,6 @@ import torch.distributed as dist
 import zerofn as zf
 from support.models import batches, make_models
 from support.ranks import started
-from zerofn.observe.failures import Watch
 
 FAULT_STEP = 2   # the optimizer step (from 1) in which rank 1 fails
 
@@ -179,8 +178,10 @@ def test_a_stalled_rank_is_named_after_the_timeout():
 
 
 def test_timeout_option_is_checked():
-    with pytest.raises(ValueError, match="timeout=-1"):
-        Watch(None, -1)
+    from zerofn.runtime.mesh import Groups, set_timeout
+    for bad in (-1, 0, True, "5"):
+        with pytest.raises(ValueError, match=f"timeout={bad!r}"):
+            set_timeout(Groups(None, None, None, None, ()), bad)
 
 
 def _full_drive(rank, world, path):

@@ -15,19 +15,20 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "zerofn"
 LAYERS = {
     "models": set(),                  # nanogpt.py, data/: plain torch
     "optim": set(),                   # the C++ kernels (its extension, zerofn._C, too)
-    "core": set(),                    # what is asked: plan, transforms, units, formulas
+    "core": set(),                    # what is asked: the plan, the units, the formulas
     "runtime": {"core", "optim"},
     "state": {"core", "runtime"},
     "observe": {"core", "runtime", "state"},
     "io": {"core", "runtime", "state", "observe"},
-    "adapters": {"core", "runtime", "state", "observe", "io", "face", "models"},
-    "programs": {"core", "runtime", "state", "observe", "io", "face", "models", "adapters",
-                 "optim"},
+    "api": {"core", "runtime", "observe"},   # the transforms: a plan applied builds a runtime
+    "adapters": {"core", "runtime", "state", "observe", "io", "api", "face", "models"},
+    "programs": {"core", "runtime", "state", "observe", "io", "api", "face", "models",
+                 "adapters", "optim"},
 }
 ROOM_OF = {"nanogpt": "models", "data": "models", "_C": "optim", "optim": "optim",
            "core": "core", "runtime": "runtime", "state": "state", "observe": "observe",
-           "io": "io", "deepspeed": "adapters", "integrations": "adapters", "train": "programs",
-           "cli": "programs", "report": "programs", "estimate": "programs",
+           "io": "io", "api": "api", "deepspeed": "adapters", "integrations": "adapters",
+           "train": "programs", "cli": "programs", "report": "programs", "estimate": "programs",
            "__main__": "programs", "__init__": "face",
            # faces that keep a documented path: each re-exports from its room
            "checkpoint": "io", "consolidate": "io", "pretrained": "io", "state_dict": "state"}

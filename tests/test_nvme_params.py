@@ -82,7 +82,7 @@ def train_many_units(rank, world, path):
     model, step = stack_trainer(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(),
                                 zf.offload("nvme", path=path, params=True, units_in_flight=2))
     peak_rise = peak_rise_over(step, 2)
-    swap = os.path.getsize(model._zerofn.offload.file.name)
+    swap = os.path.getsize(model._zerofn.homes.file.name)
     mem = zf.model_state_bytes(model)
     print(f"nvme params: model_state_bytes {mem}, swap file {swap} B, peak RSS rise over "
           f"2 steps {peak_rise} B")

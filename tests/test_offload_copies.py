@@ -128,7 +128,7 @@ def deferred_runs(rank, world, path, configs):
         plain, _ = train(stage, kind, None, dtype, data, rank, world)
         synced, _ = train(stage, kind, opts, dtype, data, rank, world)
         deferred, rt = train(stage, kind, opts, dtype, data, rank, world, DeferredCopies)
-        copies = rt.copies
+        copies = rt.ctx.copies
         out.append({"vs_plain": max(state_errors(plain, deferred)),
                     "vs_synced": max(state_errors(synced, deferred)), "performed": copies.performed,
                     "most_pending": copies.most_pending, "left": copies.pending(),
@@ -183,7 +183,7 @@ def rewrite_runs(rank, world, path):
     data = batches(STEPS, ACCUM, world)
     _, rt = train(2, "adamw", {"path": path, "nvme": True}, None, data, rank, world,
                   skipping("before_device_write"))
-    return rt.copies.stale
+    return rt.ctx.copies.stale
 
 
 def test_a_reduction_adds_into_a_shard_only_after_its_copy_read_it(tmp_path):
@@ -204,7 +204,7 @@ def ring_runs(rank, world, path):
     deferred, rt = train(*config, data, rank, world, DeferredCopies, layers=2 * DEPTH)
     broken, _ = train(*config, data, rank, world, skipping("before_host_write"),
                       layers=2 * DEPTH)
-    return (max(state_errors(synced, deferred)), rt.copies.stale,
+    return (max(state_errors(synced, deferred)), rt.ctx.copies.stale,
             max(state_errors(synced, broken)))
 
 
@@ -245,8 +245,8 @@ def unpinned_runs(rank, world, path):
         model, opt = build_parity(stage, "adamw", offload_transform(opts), *extra)
         train_sharded(model, opt, data, rank, world)
         rt = runtime_of(model)
-        assert not rt.copies.streaming
-        arenas += rt.offload.arenas()
+        assert not rt.ctx.copies.streaming
+        arenas += rt.homes.arenas()
     started = torch.cuda.is_initialized()   # before is_pinned, which may start it
     assert not any(a.buffer.is_pinned() for a in arenas) and pinned.registered_bytes() == 0
     return started
@@ -333,13 +333,13 @@ def _streamed_against_synced(config, path, data, rank, world, group, sleepy):
     # Page-locked as the driver sees each view's data, and as is_pinned() reports it
     # (runtime/pinned.py's [Note: what is page-locked]).
     pinned = all(page_locked(t) and t.is_pinned() for t in device_facing(rt) if t.numel())
-    return max(state_errors(synced, streamed)), rt.copies.streaming, pinned
+    return max(state_errors(synced, streamed)), rt.ctx.copies.streaming, pinned
 
 
 def device_facing(rt) -> list[torch.Tensor]:
     """The host buffers copies to and from the device use: gradient landing buffers, the
     rows that go back up (host arenas), or NVMe's staging ring."""
-    store = rt.offload
+    store = rt.homes
     if hasattr(store, "staging"):
         return list(store.grads.values()) + list(store.staging)
     return list(store.grads.values()) + [store.updated_rows(u) for u in rt.units]

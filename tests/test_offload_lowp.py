@@ -216,7 +216,7 @@ def _state_dict_round_trip(rank, world):
     """A state-dict access decodes and encodes back; nothing changes, bit for bit."""
     model, opt = _lowp(torch.int8, torch.bfloat16)
     train_sharded(model, opt, batches(2, 1, world), rank, world)
-    off = runtime_of(model).offload
+    off = runtime_of(model).homes
     before = [t.clone() for t in off.state_buffers()]
     msd, osd = zf.get_state_dict(model, opt)
     zf.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)

@@ -48,7 +48,7 @@ def scaled_runs(rank, world):
             scale = opt.state_dict()["zerofn_loss_scaler"]["scale"]
             # (what comes down through the host ring: each unit's gradients' dtype)
             fp16[offload] = ([float(n) for n in norms], scale,
-                             {str(d) for d in (runtime_of(model).offload.ring.grad_dtype.values()
+                             {str(d) for d in (runtime_of(model).homes.ring.grad_dtype.values()
                                                if offload else ())})
         out[stage] = (fp32, fp16)
     return out

@@ -40,7 +40,7 @@ def overlap_runs(rank, world):
         ref_opt = make_optimizer("adamw", ref.parameters())
         train_reference(ref, ref_opt, data)
         model, opt = build(stage, opts)
-        early = runtime_of(model).early
+        early = runtime_of(model).stepper.early
         train_sharded(model, opt, data, rank, world, no_sync=True)
         errors = max_errors(ref, ref_opt, model, opt)
         if "state_dtype" in opts:       # (8-bit moments: against the same run without overlap)
@@ -109,7 +109,7 @@ def timed_step(rank, world):
         end = time.perf_counter_ns()
         opt.step()
         opt.zero_grad()
-    return (start, end), runtime_of(model).early.timeline
+    return (start, end), runtime_of(model).stepper.early.timeline
 
 
 @pytest.mark.multirank

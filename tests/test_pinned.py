@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 import zerofn.runtime.pinned as pinned
-from zerofn.runtime.offload import NvmeOffload
-from zerofn.runtime.offload import ALIGN, HostOffload
+from zerofn.runtime.offload import NvmeHome
+from zerofn.core.plan import OffloadPolicy
+from zerofn.runtime.offload import ALIGN, HomeSpec, HostHome
 from zerofn.core.units import Unit
 
 
@@ -79,24 +80,30 @@ def units_on(device: str, sizes, compute=torch.float32) -> list[Unit]:
             for i, n in enumerate(sizes)]
 
 
+def spec_for(opt, path=None) -> HomeSpec:
+    """Homes built for AdamW, gradients landing in bf16 (the reduce dtype)."""
+    return HomeSpec(opt, OffloadPolicy(device="nvme" if path else "cpu", path=path),
+                    torch.bfloat16, torch.device("cpu"))
+
+
 def test_offload_for_a_cuda_device_pins_exactly_its_arenas(calls):
     """Masters, Adam state, bf16 compute copies and gradients: each arena registered once,
     at the sum of its aligned views; the step counters (host only) are not pinned."""
     sizes = [1000, 3000, 70]
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
-    store = HostOffload(units_on("cuda", sizes, torch.bfloat16), lambda u: torch.bfloat16, opt)
+    store = HostHome(units_on("cuda", sizes, torch.bfloat16), spec_for(opt))
     aligned = sum(-(-n // ALIGN) * ALIGN for n in sizes)
     want = sorted([aligned * 4 * 3, aligned * 2, aligned * 2])   # fp32 x3 | bf16 | bf16 grads
     assert sorted(n for _, n in calls["register"]) == want
     assert sorted(a.buffer.nbytes for a in store.arenas()) == want
-    on_cpu = HostOffload(units_on("cpu", sizes, torch.bfloat16), lambda u: torch.bfloat16, opt)
+    on_cpu = HostHome(units_on("cpu", sizes, torch.bfloat16), spec_for(opt))
     assert len(calls["register"]) == 3 and on_cpu.arenas()
 
 
 def test_nvme_pins_its_staging_ring_and_gradients_for_a_cuda_device(calls, tmp_path):
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
     units = units_on("cuda", [5000, 200])
-    store = NvmeOffload(units, opt, str(tmp_path), 0, 2, lambda u: torch.bfloat16)
+    store = NvmeHome(units, spec_for(opt, str(tmp_path)))
     block = max(store.file.block.values())
     assert all(b.data_ptr() % 4096 == 0 and b.nbytes == block for b in store.staging)   # O_DIRECT
     assert sorted(n for _, n in calls["register"]) == sorted(

@@ -91,7 +91,7 @@ def averaging_runs(rank, world):
         ref_opt = make_optimizer("adamw", ref.parameters())
         opt = make_optimizer("adamw", model.parameters())
         model, opt = zero(stage)(model, opt)
-        comm = runtime_of(model).comm
+        comm = runtime_of(model).ctx.comm
         comm.averages, comm._in_place = True, False     # as on NCCL
         data = batches(3, 2, world)
         train_reference(ref, ref_opt, data)
@@ -124,10 +124,10 @@ def lent_shard_runs(rank, world):
             for x, y in micro:
                 model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
             shards = [t for t in rt.reducer.grad_shard.values() if t is not None]
-            lent.append(bool(shards) and all(t.data_ptr() in rt.pool._owned for t in shards))
+            lent.append(bool(shards) and all(t.data_ptr() in rt.ctx.pool._owned for t in shards))
             opt.step()
             opt.zero_grad()
-            pool_bytes.append(rt.pool.nbytes())
+            pool_bytes.append(rt.ctx.pool.nbytes())
         held = [t for t in rt.reducer.grad_shard.values() if t is not None]
         out[stage] = (lent, held, zf.model_state_bytes(model)["cpu"]["grads"], pool_bytes)
     return out
@@ -151,8 +151,8 @@ def zero1_runs(rank, world):
         model, opt = zf.shard_optimizer()(model, opt)
         reducer = runtime_of(model).reducer
         where = []
-        reduce = reducer._reduce
-        reducer._reduce = lambda u: where.append(reducer._in_backward) or reduce(u)
+        reduce = reducer.reduce
+        reducer.reduce = lambda u: where.append(reducer.tracker.in_backward) or reduce(u)
         data = batches(3, accum, world)
         train_reference(ref, ref_opt, data)
         train_sharded(model, opt, data, rank, world, no_sync=no_sync)

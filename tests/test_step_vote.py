@@ -5,13 +5,10 @@ read its result (on CUDA that read would stall the host each step); tests/test_c
 checks that it stays free of host synchronization."""
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
-from support.step_vote import OtherRank, vote
-from zerofn.runtime.step import StepGrads
+from support.step_vote import OtherRank, step_grads, vote
 
 
 @pytest.mark.parametrize("mine, theirs, kept", [
@@ -40,8 +37,7 @@ def test_clipping_norm_rides_on_the_vote():
                                        rider=torch.tensor(4.0))
     assert sent == [4.0, 0.0, 1.0, 0.0] and norm == 6.5 and not overflow and got == {"a", "b"}
     comm = OtherRank(torch.zeros(3))
-    step = StepGrads(comm, None, [], types.SimpleNamespace(got={"a", "b"}), None,
-                     torch.device("cpu"), None)
+    step = step_grads(comm, {"a", "b"})
     step._trainable, step._found = ["a", "b"], None
     assert step.vote(torch.tensor(1.0)) is not None and step.vote(torch.tensor(1.0)) is None
     assert comm.calls == 1

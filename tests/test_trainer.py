@@ -165,7 +165,7 @@ def fp16_offload(rank, world, out):
     weights, _ = zf.get_state_dict(model, rt.optimizer, full=True)
     moved = any(not torch.equal(weights[k], v) for k, v in before.items())
     return (rt.scaler.scale, trainer.lr_scheduler.last_epoch, trainer.state.global_step,
-            rt.offload.cpu_adam and rt.offload.decoupled, moved)
+            rt.homes.cpu_adam and rt.homes.decoupled, moved)
 
 
 @pytest.mark.multirank

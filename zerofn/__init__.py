@@ -6,19 +6,15 @@
 """
 from .checkpoint import PerRank, RNGState, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from .core.estimate import estimate_model_state_bytes
-from .core.transforms import (Transform, compose, mixed_precision, offload, shard_grads,
-                              shard_optimizer, shard_params, tensorboard)
+from .api import (Transform, compose, mixed_precision, offload, shard_grads, shard_optimizer,
+                  shard_params, tensorboard)
 from .observe.failures import RankFailure
 from .observe.log import flush_logs, log, set_log_step
 from .pretrained import load_pretrained, save_pretrained
-from .core import transforms as _transforms
-from .runtime import apply_plan as _apply_plan
 from .runtime import is_transformed
 from .state.accounting import comm_stats, model_state_bytes
 from .state.clip import clip_grad_norm_
 from .state.state_dict import get_state_dict, set_state_dict
-
-_transforms.applied_by(_apply_plan)    # (core does not import the runtime: it is told)
 
 __all__ = [
     "Transform", "compose", "shard_optimizer", "shard_grads", "shard_params", "mixed_precision",

@@ -126,7 +126,7 @@ def expert_runs(rank, world, names, device="cpu", path=None):
                     else:
                         loss = model(x, c)
                     loss.div(accum).backward()
-            sat_out += sum(s not in reducer.got for u in reducer.units for s in u.trainable)
+            sat_out += sum(s not in reducer.got for u in reducer.ctx.units for s in u.trainable)
             opt.step()
             opt.zero_grad()
         out[name] = (*max_errors(ref, ref_opt, model, opt), sat_out)

@@ -33,7 +33,7 @@ def sharded_state_locals(model, opt) -> dict[str, tuple[str, bool]]:
     view of the offload's host arenas (no copy made)."""
     from torch.distributed.tensor import DTensor
     spans = [(a.buffer.data_ptr(), a.buffer.data_ptr() + a.buffer.nbytes)
-             for a in runtime_of(model).offload.arenas()]
+             for a in runtime_of(model).homes.arenas()]
     msd, osd = zf.get_state_dict(model, opt)
     entries = {f"model.{k}": v for k, v in msd.items()}
     entries.update({f"optim.{name}.{k}": v for name, st in osd["state"].items()

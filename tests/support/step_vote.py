@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from zerofn.runtime.step import StepGrads
+from zerofn.runtime.timing import UNTIMED
 
 
 class OtherRank:
@@ -26,14 +27,21 @@ class OtherRank:
             t.add_(self.theirs)
 
 
+def step_grads(comm, got: set, device="cpu") -> StepGrads:
+    """The step's gradients over ``comm``, with the context and parts the vote reads."""
+    ctx = types.SimpleNamespace(comm=comm, pool=None, units=(), device=torch.device(device),
+                                timing=UNTIMED, replicas=None, copies=None)
+    return StepGrads(ctx, types.SimpleNamespace(got=got), types.SimpleNamespace(early=None),
+                     None, types.SimpleNamespace(cpu_adam=False))
+
+
 def vote(mine: set, theirs: list[float], device="cpu", found=None, rider=None):
     """Slots "a" and "b" trainable, this rank's gradients ``mine``; returns (overflow, the
     slots keeping a gradient, what this rank sent, where the vote made the host wait for
     the device: counted by CUDA's sync-debug mode, none on the CPU), and the rider's
     reduction when there is one."""
     comm = OtherRank(torch.tensor(theirs, device=device))
-    step = StepGrads(comm, None, [], types.SimpleNamespace(got=mine), None,
-                     torch.device(device), None)
+    step = step_grads(comm, mine, device)
     step._trainable, step._found = ["a", "b"], found
     step.grads = {s: torch.ones(2, device=device) for s in "ab"}   # the reduced rows
     cuda = torch.device(device).type == "cuda"

@@ -53,6 +53,8 @@ class OffloadPolicy:
     seed: int = 0                      # the stochastic rounding's random stream
     ratio: Any = 1.0                   # the share of the optimizer state offloaded, or "auto"
     device_budget: Any = None          # ratio="auto": device bytes, or a share of free memory
+    host_budget: Any = None            # ratio="auto" with NVMe: host bytes for the state
+    placement: Any = None              # {unit name or pattern: "device" | "host" | "nvme"}
     overlap_step: bool = False         # the host steps each unit during backward
 
 
@@ -76,6 +78,7 @@ OPTION_FIELDS = {
     "state_dtype": ("offload", "state_dtype"), "master_dtype": ("offload", "master_dtype"),
     "offload_seed": ("offload", "seed"), "offload_ratio": ("offload", "ratio"),
     "overlap_step": ("offload", "overlap_step"), "device_budget": ("offload", "device_budget"),
+    "host_budget": ("offload", "host_budget"), "offload_placement": ("offload", "placement"),
     "tensorboard": ("monitor", "log_dir"), "tensorboard_every": ("monitor", "every"),
     "tensorboard_ranks": ("monitor", "ranks"), "tensorboard_csv": ("monitor", "csv"),
     "profile": ("monitor", "profile"), "memory_snapshot": ("monitor", "memory_snapshot"),
@@ -87,7 +90,7 @@ SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states", "init",
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
 OFFLOAD_OPTIONS = ("offload", "offload_path", "offload_params", "units_in_flight", "state_dtype",
                    "master_dtype", "offload_seed", "offload_ratio", "overlap_step",
-                   "device_budget")
+                   "device_budget", "host_budget", "offload_placement")
 MONITOR_OPTIONS = ("tensorboard", "tensorboard_every", "tensorboard_ranks", "tensorboard_csv",
                    "profile", "memory_snapshot")
 PRECISION_OPTIONS = tuple(f.name for f in dataclasses.fields(PrecisionPolicy))

@@ -131,7 +131,6 @@ class Unit:
     master_dtype: torch.dtype | None = None
     replicated: bool = False     # ZeRO-3's small persistent params: whole on every rank
     shard: torch.Tensor | None = None    # ZeRO-3: this rank's compute rows, flat
-    master: torch.Tensor | None = None   # this rank's master rows, flat, where not the params
 
     @property
     def trainable(self) -> list[ParamSlot]:

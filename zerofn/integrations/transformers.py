@@ -41,7 +41,7 @@ from .. import checkpoint as zf_checkpoint
 from ..state.clip import clip_grad_norm_
 from ..pretrained import load_pretrained, save_pretrained
 from ..runtime import is_transformed, runtime_of
-from ..core.transforms import Transform
+from ..api import Transform
 
 __all__ = ["ZeroTrainer"]
 

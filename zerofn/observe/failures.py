@@ -21,7 +21,6 @@ gloo group made without one; ``zerofn train --timeout`` defaults to 300 s).
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
@@ -33,7 +32,7 @@ import weakref
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ..runtime.events import StepObserver, register
+from ..runtime.events import StepObserver
 
 KEY = "zerofn/progress/"       # + the global rank
 DEFAULT_TIMEOUT = 300.0        # seconds; zerofn train's --timeout
@@ -78,34 +77,26 @@ def translate(exc: Exception) -> Exception:
     return exc if watch is None or not watch.active else watch.failed(exc)
 
 
-@register
 class Watch(StepObserver):
     """One rank's progress record and the reading of everyone else's (see the Note).
 
     Args:
         group: the process group over every rank the model is sharded over (None: the
             world); their records are read when a collective fails.
-        timeout: seconds any collective of ``group`` and of ``also`` (the groups the
-            collectives run on) may wait before failing; None keeps the group's own
-            timeout, which ``init_process_group(timeout=...)`` set.
+        timeout: the seconds a collective may wait (the sharding option ``timeout=``,
+            which the runtime sets on its groups, runtime/mesh.py); None: the group's own,
+            which ``init_process_group(timeout=...)`` set.
     """
 
     # A weak reference to the newest of this process, for ``translate``: weak, so that
     # it does not keep a finished model and its memory.
     latest: weakref.ref | None = None
 
-    def __init__(self, group=None, timeout: float | None = None, also=()):
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise ValueError(f"timeout={timeout!r}: give the seconds a collective may wait "
-                             f"for the slowest rank (> 0), or None for the group's own "
-                             f"timeout.")
+    def __init__(self, group=None, timeout: float | None = None):
         self.rank = dist.get_rank()
         self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self.store = default_store()
         self.host, self.pid = socket.gethostname(), os.getpid()
-        if timeout is not None:
-            for g in {group, *also} - {None} or {None}:
-                c10d._set_pg_timeout(datetime.timedelta(seconds=timeout), g)
         self.timeout = timeout if timeout is not None else _group_timeout(group)
         self.step = 1          # the optimizer step under way, counted from 1
         self.phase_name = "set-up"
@@ -124,9 +115,8 @@ class Watch(StepObserver):
 
     @staticmethod
     def attach(rt) -> "Watch":
-        """Every runtime is watched: over every rank of its layout, with the plan's
-        timeout set on the groups its collectives run on."""
-        return Watch(rt.group, rt.plan.sharding.timeout, rt.groups)
+        """Every runtime is watched, over every rank of its layout."""
+        return Watch(rt.group, rt.plan.sharding.timeout)
 
     def forward_begin(self) -> None:
         self.enter("forward")

@@ -1,6 +1,6 @@
 """``zf.tensorboard``'s runtime side: the series a step writes, traces, and ``zf.log``.
 
-The transform (``zf.tensorboard``, core/transforms.py) only sets plan options; a runtime built
+The transform (``zf.tensorboard``, api.py) only sets plan options; a runtime built
 from a plan that has them attaches one ``Monitor`` per rank, an observer of its events
 (runtime/events.py). Every rank measures (the
 slowest and fastest rank's step time need them all); the ranks in ``ranks`` write.
@@ -29,7 +29,7 @@ from collections import Counter, defaultdict
 import torch
 import torch.distributed as dist
 
-from ..runtime.events import StepObserver, register
+from ..runtime.events import StepObserver
 from ..runtime.timing import Timing
 from .series import comm_series, environment, floats, rss
 from .writers import CsvSeries, rank_dir, writing_ranks
@@ -63,7 +63,6 @@ def monitor_problems(plan, device: torch.device, rank: int, world: int) -> list[
     return []
 
 
-@register
 class Monitor(StepObserver):
     """One rank's measurements and writers; see the module's docstring."""
 

@@ -1,11 +1,13 @@
 """What a plan becomes: unit layout, collectives, hooks and the sharded optimizer.
 
-Its face: ``runtime_of(model)`` finds a model's ``Runtime``, whose docstring lists what the
-rest of zerofn may use; ``StepObserver`` and ``register`` let observers from outside
-subscribe to its events (events.py). Nothing here imports anything of zerofn's outside
-this folder but the plan and the optimizer kernels."""
+Its face: ``runtime_of(model)`` finds a model's runtime as a ``RuntimeView`` (view.py),
+the members the rest of zerofn may use; ``StepObserver`` and ``ObserverKind`` are what
+observers from outside implement (events.py). Nothing here imports anything of zerofn's
+outside this folder but the plan and the optimizer kernels."""
 from .attach import is_transformed, runtime_of
-from .events import StepObserver, register
-from .runtime import Runtime, apply_plan
+from .events import ObserverKind, StepObserver
+from .runtime import apply_plan
+from .view import RuntimeView
 
-__all__ = ["Runtime", "StepObserver", "apply_plan", "is_transformed", "register", "runtime_of"]
+__all__ = ["ObserverKind", "RuntimeView", "StepObserver", "apply_plan", "is_transformed",
+           "runtime_of"]

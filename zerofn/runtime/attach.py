@@ -8,6 +8,8 @@ import contextlib
 
 from torch import nn
 
+from .view import RuntimeView
+
 ATTR = "_zerofn"
 _swapped: dict[type, type] = {}     # the user's class -> its ZeroModule subclass
 _original: dict[type, type] = {}    # and back
@@ -30,8 +32,9 @@ class ZeroModule:
         runtime_of(self).zero_grad()
 
 
-def runtime_of(model: nn.Module):
-    """The runtime a zerofn transform put on ``model``; a clear error where none did."""
+def runtime_of(model: nn.Module) -> RuntimeView:
+    """The runtime a zerofn transform put on ``model`` (as ``RuntimeView`` shows it); a
+    clear error where none did."""
     rt = model.__dict__.get(ATTR)
     if rt is None:
         raise ValueError("This model has not been transformed by zerofn; apply e.g. "

@@ -1,5 +1,5 @@
-"""Backward, as the reducer follows it: when each unit's gradients are complete, and in
-which order the ranks reduce the units.
+"""Backward, as the reducer's tracker follows it: when each unit's gradients are complete,
+and in which order the ranks reduce the units.
 
 [Note: ZeRO-1 reduces in backward] ZeRO-1 reduces as ZeRO-2 does, each unit as its
 gradients are complete, overlapping the rest of backward, into a pooled shard; it keeps
@@ -48,28 +48,87 @@ data). As under FSDP2, a unit cannot modify its inputs in place.
 """
 from __future__ import annotations
 
+import enum
+import functools
+import weakref
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core.units import ParamSlot, Unit
 
 
-class BackwardTracking:
-    """The part of ``GradReducer`` that follows backward (a mixin: the state is the
-    reducer's, grads.py): it calls the reducer's ``_reduce(unit)`` in the ranks' order."""
+class Phase(enum.Enum):
+    """Where backward is, as the tracker follows it (one variable, as FSDP2's
+    ``TrainingState``)."""
+    IDLE = "idle"                  # no backward under way
+    REDUCING = "reducing"          # each unit reduced as it completes
+    ACCUMULATING = "accumulating"  # under no_sync: the gradients stay on the parameters
+
+
+class BackwardTracker:
+    """Follows backward for its reducer: counts each unit's gradients, finds when a unit
+    is done, and calls the reducer's ``pack`` and ``reduce`` in the ranks' common order
+    (the notes). Owned by the reducer; its hooks live as long as it does
+    (``remove_hooks``).
+
+    Args:
+        reducer: the ``GradReducer`` it tells.
+        gatherer: ZeRO-3's: a unit's gathered parameters are freed once its gradients are
+            packed, and its forward order gives the first backward's reduction order.
+    """
+
+    def __init__(self, reducer, ctx, gatherer=None):
+        self.reducer, self.gatherer = reducer, gatherer
+        units = ctx.units
+        self.units = units
+        # backward's entry points, through the guard (the hooks call these)
+        self.grad_arrived = ctx.guard(self._on_grad)
+        self.unit_done = ctx.guard(self.backward_done)
+        self._end = ctx.guard(self._end_backward)
+        self.phase = Phase.IDLE
+        self._remaining: dict[Unit, int] = {}
+        self._held: dict[Unit, list] = {}       # slots whose gradient waits on the parameter
+        # [Note: one reduction order]
+        trainable = [u for u in units if u.trainable]
+        self._order = trainable[-2::-1] + trainable[-1:]
+        self._learned = False                   # _order is still the first backward's
+        self._completed: list[Unit] = []        # the first backward's, as they completed
+        self._next = 0                          # _order's first unit not reduced yet
+        # [Note: a unit's backward is done] each unit's forwards whose backward is to come:
+        # their identities' contexts, which die with a graph backward never reaches.
+        self._forwards: dict[Unit, weakref.WeakSet] = {u: weakref.WeakSet() for u in units}
+        self._hooks = []
+        mine = weakref.ref(self)
+        # What each unit's identity calls in backward (made once: forwards are a hot path).
+        self._done = {u: functools.partial(backward_done_hook, mine, ui)
+                      for ui, u in enumerate(units)}
+        for ui, u in enumerate(units):
+            for si, s in enumerate(u.trainable):
+                self._hooks.append(s.param.register_post_accumulate_grad_hook(
+                    functools.partial(grad_hook, mine, ui, si)))
+
+    @property
+    def in_backward(self) -> bool:
+        return self.phase is not Phase.IDLE
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
 
     def _on_grad(self, unit: Unit, slot: ParamSlot, param) -> None:
-        self._dirty = True
-        self.got.add(slot)
-        if not self._in_backward:
+        self.reducer.unreduced = True
+        self.reducer.got.add(slot)
+        if self.phase is Phase.IDLE:
             self._begin_backward()
-        if not self._reducing:
+        if self.phase is not Phase.REDUCING:
             return
         self._held.setdefault(unit, []).append(slot)
         self._remaining[unit] -= 1
-        if self._remaining[unit] == 0 or unit in self._send or self._worth_a_buffer(unit):
+        if self._remaining[unit] == 0 or self.reducer.has_send_buffer(unit) \
+                or self._worth_a_buffer(unit):
             for s in self._held.pop(unit):
-                self._pack(unit, s)
+                self.reducer.pack(unit, s)
         if self._remaining[unit] == 0:
             self._complete(unit)
 
@@ -78,10 +137,10 @@ class BackwardTracking:
         gradients remaining) from the first not reduced yet in the common order."""
         if not self._learned:
             self._completed.append(unit)
-        if self.on_packed is not None:
-            self.on_packed(unit)
+        if self.gatherer is not None:
+            self.gatherer.free(unit)      # its gradients are packed: ZeRO-3 lets it go
         while self._next < len(self._order) and self._remaining[self._order[self._next]] == 0:
-            self._reduce(self._order[self._next])
+            self.reducer.reduce(self._order[self._next])
             self._next += 1
 
     def track_forward(self, unit: Unit, args: tuple, kwargs: dict):
@@ -104,25 +163,25 @@ class BackwardTracking:
     def backward_done(self, unit: Unit, forward) -> None:
         """The backward of ``forward``, one of ``unit``'s, is done; after the last still to
         come, the unit is complete ([Note: a unit's backward is done])."""
-        if not self._in_backward:
+        if self.phase is Phase.IDLE:
             self._begin_backward()
         self._forwards[unit].discard(forward)
-        if self._forwards[unit] or not self._reducing or self._remaining[unit] <= 0:
+        if self._forwards[unit] or self.phase is not Phase.REDUCING \
+                or self._remaining[unit] <= 0:
             return
         self._pack_the_rest(unit)
         self._remaining[unit] = 0
         self._complete(unit)
 
     def _begin_backward(self) -> None:
-        self._in_backward = True
+        self.phase = Phase.ACCUMULATING if self.reducer.no_sync else Phase.REDUCING
         self._remaining = {u: len(u.trainable) for u in self.units}
         self._held = {}
         self._completed, self._next = [], 0
-        if not self._learned and self.forward_order:
-            ran = [u for u in reversed(self.forward_order()) if u in self._order]
+        if not self._learned and self.gatherer is not None:
+            ran = [u for u in reversed(self.gatherer.order) if u in self._order]
             self._order = ran + [u for u in self._order if u not in ran]
         torch.autograd.Variable._execution_engine.queue_callback(self._end)
-        self._reducing = not self.no_sync
 
     def _worth_a_buffer(self, unit: Unit) -> bool:
         """[Note: late send buffers] A unit's first gradients can arrive long before its
@@ -131,7 +190,7 @@ class BackwardTracking:
         through backward for a few small tensors, so gradients wait on their parameters
         until they make up half the unit."""
         held = sum(s.numel for s in self._held[unit])
-        return 2 * held >= self.comm.world * unit.shard_numel
+        return 2 * held >= self.reducer.comm.world * unit.shard_numel
 
     def _pack_the_rest(self, unit: Unit) -> None:
         """Pack the gradients of an incomplete unit that are on its parameters: those held
@@ -139,35 +198,30 @@ class BackwardTracking:
         self._held.pop(unit, None)
         for s in unit.trainable:
             if s.param.grad is not None:
-                self._pack(unit, s)
+                self.reducer.pack(unit, s)
 
     def _end_backward(self) -> None:
-        for unit in self._order[self._next:] if self._reducing else ():
+        reducing = self.phase is Phase.REDUCING
+        for unit in self._order[self._next:] if reducing else ():
             if self._remaining[unit] > 0:
                 self._pack_the_rest(unit)
-            self._reduce(unit)
-        self._average()
-        self.comm.drain()
-        self._join()
-        if self._reducing and not self._learned:
+            self.reducer.reduce(unit)
+        self.reducer.finish_backward(reducing)
+        if reducing and not self._learned:
             self._learn_order()
-        if self._reducing:
-            self._dirty = False
-            if self.stage == 1:
-                self._free_whole_grads()
-            self.visible.show(self.grad_shard)   # [Note: gradients as a loop sees them]
-        self._in_backward = self._reducing = False
-        if self.on_packed is not None:
-            self.on_packed(None)
+        self.phase = Phase.IDLE
+        if self.gatherer is not None:
+            self.gatherer.end_backward()
 
     def _learn_order(self) -> None:
         """[Note: one reduction order] Adopt rank 0's completion order of this backward."""
         self._learned = True
         mine = self._completed + [u for u in self._order if u not in self._completed]
-        groups = [c for c in (self.comm, self.replicas) if c is not None and c.world > 1]
+        reducer = self.reducer
+        groups = [c for c in (reducer.comm, reducer.replicas) if c is not None and c.world > 1]
         if groups:
             index = {u: i for i, u in enumerate(self._order)}
-            order = torch.tensor([index[u] for u in mine], device=self.device or "cpu")
+            order = torch.tensor([index[u] for u in mine], device=reducer.ctx.device)
             for comm in groups:     # HSDP: rank 0 of each shard group, then of replicas
                 comm.broadcast(order, 0)
             mine = [self._order[i] for i in order.tolist()]
@@ -192,20 +246,20 @@ class ZerofnUnitInputs(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def backward_done_hook(reducer, ui: int, forward) -> None:
-    """What each unit's identity calls in backward; holds neither the reducer nor the unit
+def backward_done_hook(tracker, ui: int, forward) -> None:
+    """What each unit's identity calls in backward; holds neither the tracker nor the unit
     (see ``grad_hook``)."""
-    reducer = reducer()
-    if reducer is not None:
-        reducer.unit_done(reducer.units[ui], forward)
+    tracker = tracker()
+    if tracker is not None:
+        tracker.unit_done(tracker.units[ui], forward)
 
 
-def grad_hook(reducer, ui: int, si: int, param) -> None:
-    """The post-accumulate-grad hook. It holds neither the reducer nor the parameter: the
+def grad_hook(tracker, ui: int, si: int, param) -> None:
+    """The post-accumulate-grad hook. It holds neither the tracker nor the parameter: the
     hook lives in C++, where the garbage collector cannot see a cycle through it, and such
     a cycle would keep the model and all its memory (device, pinned host) after its last
     use."""
-    reducer = reducer()
-    if reducer is not None:
-        unit = reducer.units[ui]
-        reducer.grad_arrived(unit, unit.trainable[si], param)
+    tracker = tracker()
+    if tracker is not None:
+        unit = tracker.units[ui]
+        tracker.grad_arrived(unit, unit.trainable[si], param)

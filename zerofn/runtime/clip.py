@@ -12,26 +12,24 @@ from .step import by_device_and_dtype
 
 
 @torch.no_grad()
-def clip_grads(rt, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
-    """``zf.clip_grad_norm_`` on ``rt``'s gradients: the total norm before clipping."""
-    if rt.early is not None:
-        rt.early.refuse_clipping()
-    grads = rt.step_grads
+def clip_grads(grads, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    """``zf.clip_grad_norm_`` on the step's gradients ``grads`` (step.py's ``StepGrads``):
+    the total norm before clipping."""
+    if grads.early is not None:
+        grads.early.refuse_clipping()
     grads.prepare()   # reduced, in the master dtype, unscaled (or to be)
-    with rt.timing.span(None, "clip_grad_norm"):
-        total = _clip(rt, grads, max_norm, norm_type, error_if_nonfinite)
-    rt.observers.grad_norm(total)
-    return total
+    with grads.timing.span(None, "clip_grad_norm"):
+        return _clip(grads, max_norm, norm_type, error_if_nonfinite)
 
 
-def _clip(rt, grads, max_norm: float, norm_type: float, error_if_nonfinite: bool):
+def _clip(grads, max_norm: float, norm_type: float, error_if_nonfinite: bool):
     """The global norm across ranks; the gradients scaled to ``max_norm`` where above it."""
-    local = _local_norm(grads, norm_type, rt.device)
+    local = _local_norm(grads, norm_type, grads.device)
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     total = grads.vote(local, op)    # step.py's [Note: one collective for the verdicts]
     if total is None:                # a second clip this step: the vote was taken
-        with rt.timing.collective("all_reduce"):
-            rt.comm.all_reduce(local, op=op)
+        with grads.timing.collective("all_reduce"):
+            grads.comm.all_reduce(local, op=op)
         total = local
     if norm_type != math.inf:
         total = total ** (1.0 / norm_type)

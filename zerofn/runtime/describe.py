@@ -18,12 +18,26 @@ def _dtypes(units, field: str) -> str:
     return "/".join(sorted({_name(getattr(u, field)) for u in units if u.slots}))
 
 
+def _homes(rt) -> str:
+    """Where the units' state lives: "on the device", "on the host", or a count per home
+    ("2 units on the device, 5 on the host, 3 in nvme")."""
+    count = {home: 0 for home in ("device", "host", "nvme")}
+    for u in rt.units:
+        if u.slots:
+            count[rt.home_of(u)] += 1
+    count = {home: n for home, n in count.items() if n}
+    if len(count) == 1:
+        return {"device": "on the device", "host": "offloaded to cpu",
+                "nvme": "offloaded to nvme"}[next(iter(count))]
+    return "in homes: " + ", ".join(f"{n} on the {h}" if h != "nvme" else f"{n} in nvme"
+                                    for h, n in count.items())
+
+
 def plan_line(rt) -> str:
     """``ZeRO-3 over 2 ranks: 5 units, compute bf16, masters and optimizer state fp32, ...``"""
     units = rt.units
     policy = rt.plan.offload
-    where = "on the device" if policy.device is None else \
-        f"offloaded to {policy.device}" + (" (parameters too)" if policy.params else "")
+    where = _homes(rt) + (" (parameters too)" if policy.params else "")
     stored = [f"{k} stored as {_name(v)}" for k, v in (("masters", policy.master_dtype),
                                                          ("moments", policy.state_dtype))
               if policy.device is not None and v != torch.float32]

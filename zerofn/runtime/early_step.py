@@ -50,8 +50,8 @@ def overlap_problems(plan, optimizer) -> list[str]:
 class EarlySteps:
     """The units the host stepped (or is stepping) during this step's backward."""
 
-    def __init__(self, offload, optimizer, copies, reducer):
-        self.offload, self.optimizer, self.copies, self.reducer = offload, optimizer, copies, reducer
+    def __init__(self, homes, optimizer, copies):
+        self.homes, self.optimizer, self.copies = homes, optimizer, copies
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerofn-adam")
         self.started: dict = {}     # unit -> Future of its step
         self.stepped = 0            # units stepped during backward, over the run
@@ -59,19 +59,20 @@ class EarlySteps:
         self.timeline: list = []
         self._new_step = True
 
-    def landed(self, unit) -> None:
-        """``unit``'s gradient shard is final and on its way to the host: step it now."""
+    def landed(self, unit, got: set) -> None:
+        """``unit``'s gradient shard is final and on its way to the host: step it now
+        (``got``: the parameters that got a gradient on this rank)."""
         if unit in self.started:
             raise RuntimeError(
                 f"offload(overlap_step=True) stepped unit '{unit.name}' when its gradients "
                 "were reduced, and they were reduced again before opt.step(): accumulate "
                 "micro-batches under `with model.no_sync():` (all but the last), or drop "
                 "overlap_step.")
-        if not self.offload.steps_early(unit):
+        if not self.homes.steps_early(unit):
             return
-        if any(s not in self.reducer.got for s in unit.trainable):
+        if any(s not in got for s in unit.trainable):
             return      # (the ranks' union decides at the step)
-        grads = {s: s.shard_of(self.offload.grads[unit]) for s in unit.trainable}
+        grads = {s: s.shard_of(self.homes.grads[unit]) for s in unit.trainable}
         if self._new_step:
             self.timeline, self._new_step = [], False
         self.started[unit] = self.worker.submit(self._step, unit, grads,
@@ -82,7 +83,7 @@ class EarlySteps:
         self.copies.host_wait(unit)            # the landing copy has arrived
         self.copies.before_host_write(unit)    # and no copy still reads the rows it rewrites
         start = time.perf_counter_ns()
-        self.offload.step_unit(self.optimizer, unit, grads)
+        self.homes.step_unit(self.optimizer, unit, grads)
         self.timeline.append((unit.name, submitted, start, time.perf_counter_ns()))
 
     def take(self, unit) -> bool:

@@ -1,11 +1,11 @@
 """What a runtime announces, and how observers from outside it subscribe.
 
 [Note: observers] The runtime does not know the TensorBoard monitor or the failure watch:
-it imports neither. Each registers a kind here (``register``) when its module is imported
-(``import zerofn`` imports both); the runtime asks every kind at set-up whether the plan
-is fine for it (``preflight``, raised on every rank before any collective) and whether
-to attach (``attach``), then tells the observers what happens through ``StepObserver``'s
-methods. An observer that times regions offers its ``Timing``, which the runtime passes
+it imports neither. Whoever applies a plan names the kinds of observer it wants
+(``ObserverKind``; zerofn/api.py passes the watch and the monitor, explicitly); the
+runtime asks every kind at set-up whether the plan is fine for it (``preflight``, raised
+on every rank before any collective) and whether to attach (``attach``), then tells the
+observers what happens through ``StepObserver``'s methods. An observer that times regions offers its ``Timing``, which the runtime passes
 to its parts when it builds them; one that guards calls offers ``guard``, which wraps the
 entry points backward's hooks and the step go through. Nothing is patched in place.
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import torch
+
+from .timing import UNTIMED
 
 
 class StepObserver:
@@ -70,27 +72,14 @@ def unguarded(fn: Callable, unit: str | None = None) -> Callable:
 
 
 class ObserverKind(Protocol):
-    """What ``register`` takes: a class (or any object) with these two methods."""
+    """A kind of observer a runtime may be built with: a class (or any object) with these
+    two methods."""
 
     def preflight(self, plan, device: torch.device, rank: int, world: int) -> list[str]:
         """What stops this observer under ``plan`` on this rank ([] if nothing)."""
 
     def attach(self, runtime) -> StepObserver | None:
-        """An observer of ``runtime`` (its layout and plan are known), or None."""
-
-
-_KINDS: list = []
-
-
-def register(kind: ObserverKind) -> ObserverKind:
-    """Make every runtime built from now on ask ``kind`` (usable as a class decorator)."""
-    if kind not in _KINDS:
-        _KINDS.append(kind)
-    return kind
-
-
-def kinds() -> tuple:
-    return tuple(_KINDS)
+        """An observer of ``runtime`` (its groups and plan are known), or None."""
 
 
 def _told_to_all(event: str):
@@ -118,7 +107,7 @@ class Observers(StepObserver):
 
     def __init__(self, observers: list[StepObserver]):
         self.all = observers
-        self.timing = next((o.timing for o in observers if o.timing is not None), None)
+        self.timing = next((o.timing for o in observers if o.timing is not None), UNTIMED)
 
     def find(self, cls) -> StepObserver | None:
         return next((o for o in self.all if isinstance(o, cls)), None)

@@ -1,5 +1,6 @@
 """A runtime's hooks around forward: ZeRO-3's gathers before each unit runs and frees after,
-the units' inputs tracked for backward, and the observers' forward and backward events."""
+the units' inputs tracked for backward, mixed precision's input cast, and the observers'
+forward and backward events."""
 from __future__ import annotations
 
 import functools
@@ -13,15 +14,29 @@ from .hooks import eager, in_backward, on_backward_begin
 
 
 class ForwardHooks:
-    """The part of ``Runtime`` that hooks the model's forward (a mixin, runtime.py)."""
+    """The hooks around the model's forward, registered at construction, removed by
+    ``remove``: ZeRO-3's gather before each unit runs and free after (``gatherer``), the
+    units' inputs tracked for backward (``tracker``, backward.py's [Note: a unit's backward
+    is done]), mixed precision's input cast, and the observers' forward and backward
+    events."""
 
-    def _register_forward_hooks(self):
+    def __init__(self, ctx, model, gatherer, tracker):
+        self.ctx, self.model, self.gatherer, self.tracker = ctx, model, gatherer, tracker
+        self.observers = ctx.observers
+        self._handles = self._unit_hooks() + self._model_hooks()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _unit_hooks(self):
         """ZeRO-3 only: ZeRO-1/2 keep full parameters and gather them inside step()."""
         handles = []
-        for unit in self.units if self.gatherer is not None else ():
+        root = self.ctx.units[-1]
+        for unit in self.ctx.units if self.gatherer is not None else ():
             if unit.replicated:
                 continue   # persistent params are whole: nothing to gather
-            is_root = unit is self.root
+            is_root = unit is root
             pre = self.observers.guard(self._pre_forward, unit.name)
             post = self.observers.guard(self._post_forward, unit.name)
             # [Note: hooks under torch.compile]
@@ -32,14 +47,14 @@ class ForwardHooks:
                 eager(lambda m, a, o, u=unit, r=is_root: post(u, r, o)), always_call=True))
         return handles
 
-    def _register_model_hooks(self):
+    def _model_hooks(self):
         """The observers' forward and backward events ([Note: observers]), for every stage.
         First among the model's hooks: an observer hears of a forward before its first
         gather, and of backward before ZeRO-3 gathers the root unit again; the last
         post-hook announces when that gather is done (its hook on the outputs runs after
         the root unit's)."""
         hooks = []
-        precision = self.plan.precision
+        precision = self.ctx.plan.precision
         if precision.param_dtype is not None and precision.cast_forward_inputs:
             # Before ZeRO-3's root hook tracks the inputs: it must track the cast ones.
             hooks.append(self.model.register_forward_pre_hook(
@@ -68,13 +83,13 @@ class ForwardHooks:
             _once_in_backward(output, self.observers.backward_gathered)
 
     def _pre_forward(self, unit, is_root: bool, args: tuple, kwargs: dict):
-        """Gather the unit; returns its inputs as the reducer tracks them (grads.py's
+        """Gather the unit; returns its inputs as the tracker follows them (backward.py's
         [Note: a unit's backward is done]), or None to leave them be."""
         self.gatherer.pre_forward(unit, is_root)
         # (also a recompute in backward: reentrant checkpointing ran the forward without
         # gradients and backpropagates the recompute; a non-reentrant one drops its graph)
         if torch.is_grad_enabled():
-            return self.reducer.track_forward(unit, args, kwargs)
+            return self.tracker.track_forward(unit, args, kwargs)
         return None
 
     def _post_forward(self, unit, is_root: bool, output) -> None:
@@ -82,12 +97,6 @@ class ForwardHooks:
         if raised is not None:
             _explain_in_place(raised, unit)
         self.gatherer.post_forward(unit, is_root, output)
-
-    def _on_packed(self, unit) -> None:
-        if unit is None:
-            self.gatherer.end_backward()
-        else:
-            self.gatherer.free(unit)
 
 
 def _cast_inputs(dtype: torch.dtype, module, args: tuple, kwargs: dict):

@@ -32,117 +32,78 @@ once at the end of backward, before anything reads the reduced gradients.
 device shard is only where its reductions accumulate until the copy. It is taken from
 the pool at the unit's first reduction and given back at ``zero_grad``, so between steps
 the device holds no gradient memory (the pool reuses it for forward's gathers).
+
+When to reduce which unit is the tracker's (backward.py), which the reducer owns and which
+calls its ``pack`` and ``reduce``; what a reduction does is the reducer's.
 """
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .backward import BackwardTracking, backward_done_hook, grad_hook
-from .events import unguarded
-from .timing import UNTIMED
+from .backward import BackwardTracker
 from ..core.units import ParamSlot, Unit, scatter_to_ranks
 
 
-class GradReducer(BackwardTracking):
-    """Reduce-scatters each unit's gradients into this rank's shard (ZeRO-2/3 during
-    backward, ZeRO-1 at the step or early, see the notes) and keeps the shards until
-    ``zero_grad``: ``grad_of`` reads them, ``got`` says which parameters got a gradient.
-    Its hooks live as long as it does (``remove_hooks`` at teardown).
+class GradReducer:
+    """Reduce-scatters each unit's gradients into this rank's shard and keeps the shards
+    until ``zero_grad``: ``grad_of`` reads them, ``got`` says which parameters got a
+    gradient. Owns the ``tracker`` that follows backward and tells it when to reduce.
 
     Args:
-        on_packed: ZeRO-3: ``on_packed(unit)`` once a unit's gradients are packed (its
-            parameters may be freed), ``on_packed(None)`` at the end of backward.
-        on_shard_ready: offload: ``(unit, shard)`` once a backward's reduction of the unit
-            is final, to copy it to the host (runtime/copies.py).
-        before_shard_write: offload: ``(unit)`` before a reduction adds into a shard that
-            copy may still read.
-        forward_order: ZeRO-3: the units as the last forward ran them ([Note: one
-            reduction order]).
-        timing: labels and (under a monitor) times its regions.
-        guard: wraps backward's entry points: the gradient hooks, a unit's completion and
-            the end of backward (runtime/events.py).
+        visible: shows the reduced rows on ``p.grad`` (visible.py).
+        landing: the step's landing target (step.py's ``Landing``): where a reduced shard
+            goes as soon as it is final, under offload.
+        gatherer: ZeRO-3's gatherer (a unit's gathered parameters are freed once its
+            gradients are packed; the reduction order follows its forward order), or None.
     """
 
-    def __init__(self, comm, pool, units: list[Unit], stage: int, visible, on_packed=None,
-                 reduce_dtype: torch.dtype | None = None, replicas=None, on_shard_ready=None,
-                 before_shard_write=None, forward_order=None, timing=UNTIMED,
-                 guard=unguarded):
-        self.comm, self.pool, self.units, self.stage = comm, pool, units, stage
-        self.visible = visible    # the reduced rows on p.grad (visible.py)
-        self.timing = timing
-        # backward's entry points, through the guard (the hooks call these)
-        self.grad_arrived = guard(self._on_grad)
-        self.unit_done = guard(self.backward_done)
-        self._end = guard(self._end_backward)
-        self.replicas = replicas               # HSDP: the replicate dimension's Comm
-        self._to_average = None                # [Note: HSDP's average] (unit, work, ...)
-        self.reduce_dtype = reduce_dtype       # None: the compute dtype
-        # ZeRO-3 frees a unit's params once its gradients are packed (unit), or at the end
-        # of backward (None).
-        self.on_packed = on_packed
-        self.on_shard_ready, self.before_shard_write = on_shard_ready, before_shard_write
+    def __init__(self, ctx, visible, landing, gatherer=None):
+        self.ctx, self.visible, self.landing = ctx, visible, landing
+        self.comm, self.pool, self.replicas, self.timing = ctx.comm, ctx.pool, ctx.replicas, ctx.timing
+        self.stage = ctx.stage
+        self.reduce_dtype = ctx.plan.precision.reduce_dtype    # None: the compute dtype
         self.no_sync = False
         self.grad_shard: dict[Unit, torch.Tensor | None] = {}   # made at the first reduction
         # Slots that got a gradient on this rank since zero_grad (step.py's [Note:
         # parameters without a gradient]).
         self.got: set[ParamSlot] = set()
+        self.unreduced = False                  # gradients on the params no reduction took
         self._kept: dict[Unit, torch.Tensor] = {}   # ZeRO-2/3 without offload: their memory
-        self._fresh = {u: True for u in units}  # next reduction overwrites instead of adds
+        self._fresh = {u: True for u in ctx.units}  # next reduction overwrites, not adds
         self._send: dict[Unit, torch.Tensor] = {}
         self._packed: dict[Unit, set] = {}      # slots whose gradient is in the send buffer
-        self._remaining: dict[Unit, int] = {}
-        self._held: dict[Unit, list] = {}       # slots whose gradient waits on the parameter
-        self._in_backward = False
-        # [Note: one reduction order]
-        trainable = [u for u in units if u.trainable]
-        self._order = trainable[-2::-1] + trainable[-1:]
-        self._learned = False                   # _order is still the first backward's
-        self.forward_order = forward_order      # ZeRO-3: the units as the last forward ran
-        self._completed: list[Unit] = []        # the first backward's, as they completed
-        self._next = 0                          # _order's first unit not reduced yet
-        self._reducing = False                  # this backward reduces
-        self._dirty = False                     # gradients on the params no reduction took
-        self._hooks = []
-        # [Note: a unit's backward is done] each unit's forwards whose backward is to come:
-        # their identities' contexts, which die with a graph backward never reaches.
-        self._forwards: dict[Unit, weakref.WeakSet] = {u: weakref.WeakSet() for u in units}
+        self._to_average = None                 # [Note: HSDP's average] (unit, work, ...)
         # [Note: the reduce stream], for the reductions during backward (at the step there
         # is no compute to overlap).
-        self.device = next((u.device for u in units if u.device is not None), None)
-        self.stream = torch.cuda.Stream(self.device) \
-            if self.device is not None and self.device.type == "cuda" else None
-        mine = weakref.ref(self)
-        # What each unit's identity calls in backward (made once: forwards are a hot path).
-        self._done = {u: functools.partial(backward_done_hook, mine, ui) for ui, u in enumerate(units)}
-        for ui, u in enumerate(units):
-            for si, s in enumerate(u.trainable):
-                self._hooks.append(s.param.register_post_accumulate_grad_hook(
-                    functools.partial(grad_hook, mine, ui, si)))
+        device = ctx.device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.tracker = BackwardTracker(self, ctx, gatherer)
 
     def _dtype(self, unit: Unit) -> torch.dtype:
         return self.reduce_dtype or unit.compute_dtype
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
+        self.tracker.remove_hooks()
         self.visible.withdraw(keep_edits=False)
         self.visible.remove_hooks()
 
     # -- packing and reducing ------------------------------------------------------------
+    def has_send_buffer(self, unit: Unit) -> bool:
+        return unit in self._send
+
     def _send_buffer(self, unit: Unit) -> torch.Tensor:
         """A pooled rank-major buffer, not zeroed: padding is never read back, and the
         columns of parameters without a gradient are zeroed when the unit is reduced."""
         send = self._send.get(unit)
         if send is None:
-            if self._in_backward:
+            if self.tracker.in_backward:
                 # Backward's send buffers count against the in-flight bound while they
-                # fill, not only once their reduction starts. (ZeRO-1 packs at the step,
-                # where packing overlaps the previous unit's reduction instead.)
+                # fill, not only once their reduction starts. (Packing at the step
+                # overlaps the previous unit's reduction instead.)
                 full = self.comm.world * unit.shard_numel
                 self.comm.make_room((full + self.comm.scratch_numel(full))
                                     * self._dtype(unit).itemsize)
@@ -157,13 +118,15 @@ class GradReducer(BackwardTracking):
         scatter_to_ranks(grad, send[:, slot.cols])
         self._packed[unit].add(slot)
 
-    def _pack(self, unit: Unit, slot: ParamSlot) -> None:
+    def pack(self, unit: Unit, slot: ParamSlot) -> None:
+        """``slot``'s gradient into the unit's send buffer; ZeRO-2/3 let it go."""
         self._pack_grad(unit, slot, slot.param.grad)
-        if self.stage >= 2:     # ZeRO-1 keeps its full gradients
+        if self.stage >= 2:     # ZeRO-1 keeps its full gradients until backward ends
             slot.param.grad = None
 
-    def _reduce(self, unit: Unit) -> None:
-        self._remaining[unit] = 0
+    def reduce(self, unit: Unit) -> None:
+        """Reduce-scatter the unit's packed gradients (zeros for those it has none of) into
+        its shard, on the reduce stream during backward (the note)."""
         send = self._send_buffer(unit)
         ranks = send.view(self.comm.world, unit.shard_numel)
         for s in unit.trainable:
@@ -236,18 +199,21 @@ class GradReducer(BackwardTracking):
             self.grad_shard[unit] = shard
         return shard
 
+    def _lent(self) -> bool:
+        """[Note: lent gradient shards]: ZeRO-1's, and where the shards cross to a home."""
+        return self.stage == 1 or self.landing.crosses
+
     def _new_shard(self, unit: Unit) -> torch.Tensor:
-        """ZeRO-1's reduced rows, and the lent shards of offload, come from the pool (given
-        back at zero_grad); otherwise the shard is the unit's gradient memory, kept: every
-        unit's is a view of one buffer per dtype, made at the first reduction (one large
-        allocation, where one per unit in backward would fragment the host heap among the
-        activations)."""
-        if self.stage == 1 or self.on_shard_ready is not None:
+        """Lent shards come from the pool (given back at zero_grad); otherwise the shard is
+        the unit's gradient memory, kept: every unit's is a view of one buffer per dtype,
+        made at the first reduction (one large allocation, where one per unit in backward
+        would fragment the host heap among the activations)."""
+        if self._lent():
             return self.pool.take(unit.shard_numel, self._dtype(unit), unit.device,
                                   self._reduce_stream())
         if not self._kept:
-            for dtype in {self._dtype(u) for u in self.units}:
-                mine = [u for u in self.units if self._dtype(u) == dtype]
+            for dtype in {self._dtype(u) for u in self.ctx.units}:
+                mine = [u for u in self.ctx.units if self._dtype(u) == dtype]
                 flat = torch.empty(sum(u.shard_numel for u in mine), dtype=dtype,
                                    device=unit.device)
                 self._kept.update(zip(mine, flat.split([u.shard_numel for u in mine])))
@@ -255,18 +221,18 @@ class GradReducer(BackwardTracking):
 
     def _reduce_stream(self):
         """The side stream reductions run on (CUDA, during backward), else None."""
-        return self.stream if self._in_backward else None
+        return self.stream if self.tracker.in_backward else None
 
     def _on_stream(self):
         """The reduce stream, ordered after the current stream's work so far."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.stream.wait_stream(torch.cuda.current_stream(self.ctx.device))
         return torch.cuda.stream(self.stream)
 
     def _join(self) -> None:
         """The current stream waits for every reduction so far (CUDA)."""
         if self.stream is not None:
             with self.timing.span("reduce_wait", "reduce_wait"):
-                torch.cuda.current_stream(self.device).wait_stream(self.stream)
+                torch.cuda.current_stream(self.ctx.device).wait_stream(self.stream)
 
     def _reduced(self, unit: Unit, buffers: list[torch.Tensor], out: torch.Tensor) -> None:
         self._give(buffers + self._post_reduce(unit, out))
@@ -286,28 +252,39 @@ class GradReducer(BackwardTracking):
         target = self.grad_shard[unit]
         spent = []
         if out is not target:
-            if self.before_shard_write is not None:
-                self.before_shard_write(unit)
+            if self.landing.crosses:    # a copy of the shard to its home may still read it
+                self.ctx.copies.before_device_write(unit)
             target.add_(out)
             spent.append(out)
-        if self.on_shard_ready is not None:
-            self.on_shard_ready(unit, target)
+        self.landing.shard_ready(unit, target, self.got)
         return spent
+
+    def finish_backward(self, reduced: bool) -> None:
+        """The end of backward: every reduction issued is waited for; after a reducing one
+        ZeRO-1's whole gradients go, and the reduced rows are shown on ``p.grad``."""
+        self._average()
+        self.comm.drain()
+        self._join()
+        if reduced:
+            self.unreduced = False
+            if self.stage == 1:
+                self._free_whole_grads()
+            self.visible.show(self.grad_shard)   # [Note: gradients as a loop sees them]
 
     # -- at the optimizer step -----------------------------------------------------------
     def sync(self) -> None:
         """Make every unit's reduced gradient shard ready. ZeRO-1 reduces here what
         backwards under ``no_sync`` left on its parameters with no reducing one after them."""
-        if self.stage == 1 and self._dirty:
-            for unit in self.units:
+        if self.stage == 1 and self.unreduced:
+            for unit in self.ctx.units:
                 if not unit.trainable:
                     continue
                 for s in unit.trainable:
                     if s.param.grad is not None and not isinstance(s.param.grad, DTensor):
                         self._pack_grad(unit, s, s.param.grad)
-                self._reduce(unit)
+                self.reduce(unit)
             self._free_whole_grads()
-        self._dirty = False
+        self.unreduced = False
         self._average()
         self.comm.drain()
         self._join()
@@ -323,7 +300,7 @@ class GradReducer(BackwardTracking):
 
     def _free_whole_grads(self) -> None:
         """ZeRO-1, once a reduction took them: the whole gradients are spent."""
-        for unit in self.units:
+        for unit in self.ctx.units:
             for s in unit.trainable:
                 s.param.grad = None
 
@@ -331,11 +308,11 @@ class GradReducer(BackwardTracking):
         """What ``optimizer.zero_grad()`` means for the shards: the next reduction starts
         over; shards taken from the pool go back to it (the caller has waited for their
         copies to the host)."""
-        lent = self.stage == 1 or self.on_shard_ready is not None
+        lent = self._lent()
         self.visible.withdraw(keep_edits=False)
         self.visible.unwatch()
         self.got.clear()
-        for unit in self.units:
+        for unit in self.ctx.units:
             self._fresh[unit] = True
             if lent and self.grad_shard.get(unit) is not None:
                 self.pool.give(self.grad_shard.pop(unit))

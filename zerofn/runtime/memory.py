@@ -60,27 +60,23 @@ def _by_role(extents: dict[str, list]) -> dict[str, dict[str, int]]:
     return out
 
 
-def model_state_bytes(rt) -> dict[str, dict[str, int]]:
-    """``zf.model_state_bytes`` of the runtime ``rt`` (zerofn/state/accounting.py says what each
-    role and place holds)."""
-    slots = rt.slot_of.values()
-    arenas = list(rt.offload.arenas() if rt.offload is not None else ()) + rt.flats
+def model_state_bytes(ctx, optimizer, homes, shards, reducer) -> dict[str, dict[str, int]]:
+    """``zf.model_state_bytes`` of one runtime's parts (zerofn/state/accounting.py says what
+    each role and place holds)."""
+    slots = [s for u in ctx.units for s in u.slots]
+    arenas = list(homes.arenas()) + shards.flats
     # offload("cpu") under mixed precision: the host's compute-dtype copy of the rows, which
     # the step writes and sends to the device (under params=True, the shards themselves).
     params = [s.sharded if s.sharded is not None else s.param for s in slots] \
-        + (rt.offload.compute_copies() if rt.offload is not None else [])
+        + homes.compute_copies()
     grads = [s.param.grad for s in slots] + [s.opt_param.grad for s in slots] \
-        + list(rt.reducer.grad_shard.values()) \
-        + (list(rt.offload.grads.values()) if rt.offload is not None else [])
-    opt = [s.opt_param for s in slots] + [t for state in rt.optimizer.state.values()
-                                          for t in state.values()] \
-        + (rt.offload.state_buffers() if rt.offload is not None else [])
+        + list(reducer.grad_shard.values()) + list(homes.grads.values())
+    opt = [s.opt_param for s in slots] + [t for state in optimizer.state.values()
+                                          for t in state.values()] + homes.state_buffers()
     out = _by_role({role: _extents(ts, arenas) for role, ts in
                     (("params", params), ("grads", grads), ("optimizer", opt))})
-    out[rt.device.type]["buffers"] += rt.pool.nbytes()
-    for where, roles in (rt.offload.unseen_bytes() if rt.offload is not None else {}).items():
+    out[ctx.device.type]["buffers"] += ctx.pool.nbytes()
+    for where, roles in homes.unseen_bytes().items():
         for role, n in roles.items():
             out[where][role] += n
     return dict(out)
-
-

@@ -11,9 +11,11 @@ is refused, as is any other number of dims, before any collective.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
@@ -21,7 +23,7 @@ REPLICATE, SHARD = "replicate", "shard"
 
 
 @dataclass
-class Layout:
+class Groups:
     """The groups a runtime talks over.
 
     ``shard``: the ranks one parameter is split over (all of them without HSDP);
@@ -63,19 +65,31 @@ def mesh_dims(mesh: DeviceMesh) -> tuple[int | None, int]:
     return 0, 1
 
 
-def layout_of(group, device_type: str) -> Layout:
+def groups_of(group, device_type: str) -> Groups:
     """The layout ``group=`` asks for: None (the world), a ProcessGroup, or a DeviceMesh."""
     if not isinstance(group, DeviceMesh):
         group = group or dist.group.WORLD
-        return Layout(group, None, group, DeviceMesh.from_group(group, device_type), (Shard(0),))
+        return Groups(group, None, group, DeviceMesh.from_group(group, device_type), (Shard(0),))
     mesh = group
     replicate, shard = mesh_dims(mesh)
     if mesh.get_coordinate() is None:
         raise ValueError(f"This rank ({dist.get_rank()}) is not in the DeviceMesh passed as "
                          "group=; apply zerofn only on the mesh's ranks.")
     if replicate is None:
-        return Layout(mesh.get_group(), None, mesh.get_group(), mesh, (Shard(0),))
+        return Groups(mesh.get_group(), None, mesh.get_group(), mesh, (Shard(0),))
     placements = tuple(Shard(0) if d == shard else Replicate() for d in range(2))
     everyone = dist.group.WORLD if mesh.size() == dist.get_world_size() \
         else mesh._flatten().get_group()
-    return Layout(mesh.get_group(shard), mesh.get_group(replicate), everyone, mesh, placements)
+    return Groups(mesh.get_group(shard), mesh.get_group(replicate), everyone, mesh, placements)
+
+
+def set_timeout(groups: Groups, timeout: float | None) -> None:
+    """The sharding option ``timeout=``: the seconds any collective of the runtime's groups
+    may wait before failing (None keeps each group's own, ``init_process_group``'s)."""
+    if timeout is None:
+        return
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"timeout={timeout!r}: give the seconds a collective may wait for "
+                         "the slowest rank (> 0), or None for the group's own timeout.")
+    for group in {groups.everyone, groups.shard, groups.replicate} - {None}:
+        c10d._set_pg_timeout(datetime.timedelta(seconds=timeout), group)

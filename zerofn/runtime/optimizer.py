@@ -13,7 +13,6 @@ import types
 
 import torch
 
-from .events import unguarded
 
 # These mix elements across a tensor (factored moments, line searches, sparse rows), so
 # stepping a shard is not stepping the whole: refuse them.
@@ -41,38 +40,43 @@ class OptimizerWiring:
     """Everything zerofn changes on the user's optimizer, in one place, with its exact
     inverse (``restore``): shard params in its groups, step hooks, and on the instance a
     ``step`` that announces itself and runs under the guard, a ``zero_grad`` that clears
-    the gradient shards, and ``scale`` (fp16 loss scaling)."""
+    the gradient shards, and ``scale`` (fp16 loss scaling).
 
-    def __init__(self, optimizer: torch.optim.Optimizer, slot_of: dict, before_step, after_step,
-                 zero_grad, scaler=None, guard=unguarded, step_begin=lambda: None):
+    Args:
+        slot_of: each of the model's parameters -> its slot (whose ``opt_param`` the
+            optimizer steps instead).
+        stepper: whose ``before_step``, ``after_step``, ``zero_grad`` and loss ``scaler``
+            the optimizer's step, zero_grad and scale call (stepping.py).
+        observers: told when a step begins; their guard wraps it.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, slot_of: dict, stepper, observers):
         self.optimizer = optimizer
         self.originals = [list(g["params"]) for g in optimizer.param_groups]
         self._swap_params({p: slot_of[p].opt_param for g in self.originals for p in g},
                           lambda p, v: _shard_state(slot_of[p], v))
-        self.bypass = False
-        self._handles = [
-            optimizer.register_step_pre_hook(lambda *_: None if self.bypass else before_step()),
-            optimizer.register_step_post_hook(lambda *_: None if self.bypass else after_step()),
-        ]
+        self._handles = [optimizer.register_step_pre_hook(lambda *_: stepper.before_step()),
+                         optimizer.register_step_post_hook(lambda *_: stepper.after_step())]
         self._trainable = {slot_of[p].opt_param for g in self.originals for p in g if p.requires_grad}
         plain_zero_grad = optimizer.zero_grad
 
         def sharded_zero_grad(set_to_none: bool = True) -> None:
             plain_zero_grad(set_to_none)
-            zero_grad()
+            stepper.zero_grad()
 
         optimizer.zero_grad = sharded_zero_grad
         own_step = optimizer.__dict__.get("step")
-        step = guard(optimizer.step)
+        step = observers.guard(optimizer.step)
 
         def stepping(opt, *args, **kwargs):
-            step_begin()
+            observers.step_begin()
             return step(*args, **kwargs)
 
         # A bound method, as torch's LR schedulers expect to find (they rebind its function).
         optimizer.step = types.MethodType(stepping, optimizer)
         self._step = (own_step, optimizer.step)
         # fp32 before scaling, as DeepSpeed does: an fp16 loss times 2**16 would itself be inf.
+        scaler = stepper.scaler
         optimizer.scale = (lambda loss: loss) if scaler is None else \
             (lambda loss: loss.float() * scaler.scale)
         if scaler is not None:
@@ -112,28 +116,39 @@ class OptimizerWiring:
         self._swap_params(new_of, full_state_of)
 
     def init_state(self) -> None:
-        """Create optimizer state with a zero-gradient, zero-lr step, as torch's DCP helpers do,
-        so a checkpoint load has tensors to load into."""
-        if self.optimizer.state:
+        """Create the optimizer's state where a parameter has none yet (a home that lets the
+        user's optimizer keep it makes it at the first step) with a zero-gradient, zero-lr
+        step, as torch's DCP helpers do, so a checkpoint load has tensors to load into."""
+        bare = [p for group in self.optimizer.param_groups for p in group["params"]
+                if p in self._trainable and p not in self.optimizer.state]
+        if not bare:
             return
         lrs = []
         for group in self.optimizer.param_groups:
             lrs.append(group.get("lr"))
             if "lr" in group:
                 group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
-            for p in group["params"]:
-                if p in self._trainable:
-                    p.grad = torch.zeros_like(p)
-        self.bypass = True
+        for p in bare:
+            p.grad = torch.zeros_like(p)
         try:
-            self.optimizer.step()
+            step_without_hooks(self.optimizer)
         finally:
-            self.bypass = False
             for group, lr in zip(self.optimizer.param_groups, lrs):
                 if lr is not None:
                     group["lr"] = lr
-                for p in group["params"]:
-                    p.grad = None
+            for p in bare:
+                p.grad = None
+
+
+def step_without_hooks(optimizer) -> None:
+    """The optimizer's own step, without the step hooks anyone registered (torch's
+    wrapper runs them around the class's step; ``__wrapped__`` is the step inside): a home
+    steps its units with the user's optimizer from within the step zerofn is running, whose
+    hooks, the user's and zerofn's, fire once, for the user's own call."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    step(optimizer)
 
 
 SCALER_KEY = "zerofn_loss_scaler"

@@ -14,9 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .events import unguarded
 from .hooks import eager, in_backward, on_backward_begin
-from .timing import UNTIMED
 from ..core.units import Unit
 
 
@@ -36,24 +34,24 @@ class ParamGatherer:
     order units ran in (``order``) lives until the next complete forward.
 
     Args:
-        timing: labels and (under a monitor) times its regions (runtime/timing.py).
-        guard: wraps the backward hook it registers (runtime/events.py).
+        reader: parameter offload to NVMe: the staged shards come from the swap file
+            through it (nvme.ParamReads), read ahead in ``order``; else None, and they are
+            ``unit.shard``.
     """
 
-    def __init__(self, comm, pool, units: list[Unit], prefetch: int, reshard_after_forward: bool,
-                 copies, staged: bool = False, reader=None, timing=UNTIMED, guard=unguarded):
+    def __init__(self, ctx, reader=None):
+        comm, pool, units = ctx.comm, ctx.pool, ctx.units
+        sharding = ctx.plan.sharding
         self.comm, self.pool, self.units = comm, pool, units
-        self.timing = timing
-        self._pre_backward = guard(self.pre_backward)
-        self.staged = staged
+        self.timing = ctx.timing
+        self._pre_backward = ctx.guard(self.pre_backward)
         # Parameter offload: each host shard goes to the device on the copy stream when its
         # gather starts (a prefetch, mostly), and the gather follows it there (copies.py).
-        self.copies = copies
-        # Parameter offload to NVMe: staged shards come from the swap file through this
-        # (nvme.ParamReads), read ahead in ``order``; else they are ``unit.shard``.
+        self.staged = ctx.plan.offload.params
+        self.copies = ctx.copies
         self.reader = reader
-        self.prefetch = prefetch
-        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = sharding.prefetch
+        self.reshard_after_forward = sharding.reshard_after_forward
         self.full: dict[Unit, torch.Tensor] = {}
         self._pending: dict[Unit, tuple] = {}
         self._by_storage: dict[int, Unit] = {}

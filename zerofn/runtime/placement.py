@@ -1,21 +1,23 @@
 """offload(ratio="auto"): after the first step, as many units as the device budget holds
 move their optimizer state to the device; then the placement stays.
 
-[Note: placing by the first step] Set-up offloads every unit (an arena each, so a moved
-unit's host memory goes back). The first step shows what the device needs besides
-optimizer state: parameters, gradients, buffers and the activations' peak. What the
-budget leaves beyond that peak goes to units in parameter order ([Note: which units stay]
-in offload/split.py), each costing its fp32 masters and moments and a gradient landing
-buffer. The ranks take the smallest count any of them can hold (one all-reduce), and the
-units move once. On CUDA the peak is the caching allocator's; on a CPU device, where the
-host is the device, it is the process's peak resident memory less what offload holds.
+[Note: placing by the first step] Set-up puts every unit on the host (an arena each, so a
+moved unit's host memory goes back), or, with ``host_budget``, those beyond it in the swap
+file (offload/tiers.py). The first step shows what the device needs besides optimizer
+state: parameters, gradients, buffers and the activations' peak. What the budget leaves
+beyond that peak goes to the host's units in parameter order ([Note: which units stay] in
+offload/tiers.py), each costing its masters and the optimizer's two moments in the
+masters' dtype. The ranks take the smallest count any of them can hold (one all-reduce),
+and the units move once. On CUDA the peak is the caching allocator's; on a CPU device,
+where the host is the device, it is the process's peak resident memory less what the
+host's homes hold.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .offload.split import in_parameter_order
+from .offload import in_parameter_order
 
 DEFAULT_SHARE = 0.9     # of the device memory free at set-up, where no budget is given
 
@@ -23,16 +25,16 @@ DEFAULT_SHARE = 0.9     # of the device memory free at set-up, where no budget i
 class AutoPlacement:
     """Decides and makes ratio="auto"'s placement, once, after the first step."""
 
-    def __init__(self, rt, budget):
-        self.rt = rt
-        self.budget = self._bytes(budget)
+    def __init__(self, ctx, homes, optimizer):
+        self.ctx, self.homes, self.optimizer = ctx, homes, optimizer
+        self.budget = self._bytes(ctx.plan.offload.device_budget)
         self.placed = False
         self.reason = ""
 
     def _bytes(self, budget) -> int:
         if isinstance(budget, int):
             return budget
-        device = self.rt.device
+        device = self.ctx.device
         free, _ = torch.cuda.mem_get_info(device)
         return torch.cuda.memory_allocated(device) + int((budget or DEFAULT_SHARE) * free)
 
@@ -40,11 +42,10 @@ class AutoPlacement:
         if self.placed:
             return
         self.placed = True
-        rt = self.rt
         peak = self._peak()
-        staying = rt.units_on_device()
-        candidates = in_parameter_order([u for u in rt.units if u.slots and u not in staying],
-                                        rt.param_order())
+        candidates = in_parameter_order([u for u in self.ctx.units if u.slots
+                                         and self.homes.home_of(u) == "host"],
+                                        self.ctx.param_order)
         count, used = 0, 0
         for u in candidates:
             cost = self._cost(u)
@@ -52,29 +53,29 @@ class AutoPlacement:
                 break
             count, used = count + 1, used + cost
         count = self._agree(count)
-        rt.offload.move(candidates[:count], rt.optimizer)
+        self.homes.move(candidates[:count], self.optimizer)
         self.reason = (f"ratio auto: first step's device peak {peak / 2**20:,.0f} MiB of a "
                        f"{self.budget / 2**20:,.0f} MiB budget; {count} of {len(candidates)} "
                        f"units moved their optimizer state to the device "
                        f"({used / 2**20:,.0f} MiB)")
 
     def _peak(self) -> int:
-        device = self.rt.device
+        device = self.ctx.device
         if device.type == "cuda":
             return torch.cuda.max_memory_allocated(device)
-        # the host is the device: the process's peak, less what offload holds
-        held = sum(a.buffer.nbytes for a in self.rt.offload.arenas())
+        # the host is the device: the process's peak, less what the homes hold there
+        held = sum(a.buffer.nbytes for a in self.homes.arenas() if hasattr(a, "buffer"))
         return _peak_resident_bytes() - held
 
-    def _cost(self, unit) -> int:
-        """A unit's device bytes once moved: fp32 masters and two moments, and a landing
-        buffer for its gradients."""
-        landing = self.rt.offload.grads[unit].element_size()
-        return unit.shard_numel * (3 * torch.float32.itemsize + landing)
+    @staticmethod
+    def _cost(unit) -> int:
+        """A unit's device bytes once moved: its masters and the optimizer's two moments,
+        in the masters' dtype."""
+        return unit.shard_numel * 3 * unit.master_dtype.itemsize
 
     def _agree(self, count: int) -> int:
-        t = torch.tensor([count], device=self.rt.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.rt.group)
+        t = torch.tensor([count], device=self.ctx.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctx.groups.everyone)
         return int(t.item())
 
 

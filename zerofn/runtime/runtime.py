@@ -1,6 +1,14 @@
-"""The runtime a plan becomes: units, buffers, hooks and the rewired optimizer, in one place.
+"""The runtime a plan becomes: the composition root of the parts that make it, and the
+public surface the rest of zerofn uses (``RuntimeView``, view.py).
 
 It lives on the model (``model._zerofn``); the transforms themselves stay stateless.
+
+One step through the parts: forward's hooks (forward.py) gather each ZeRO-3 unit
+(params.py); backward's tracker (backward.py) tells the reducer (grads.py) when each unit
+is complete, whose reduced shard goes to its landing (step.py) and, at the end, onto
+``p.grad`` (visible.py); ``optimizer.step()`` runs the stepper (stepping.py): the step's
+gradients and one vote (step.py), then each unit's home (offload/) steps its rows and the
+shards (shards.py) bring the compute rows up to date.
 """
 from __future__ import annotations
 
@@ -15,34 +23,34 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..core.plan import Plan
+from ..core.units import build_units, set_dtypes
 from .attach import attach, detach, is_transformed, runtime_of
-from .clip import clip_grads
 from .comm import Comm, device_problems
+from .context import RuntimeContext
 from .copies import CopyStreams
 from .describe import announce
-from .events import Observers, kinds
+from .early_step import overlap_problems
+from .events import Observers
 from .forward import ForwardHooks
 from .grads import GradReducer
 from .host_malloc import return_large_frees
-from .layout import FlatBuffers, Layout
 from .materialize import meta_state, rng_digest, target_device
 from .memory import model_state_bytes
-from .mesh import layout_of
-from .early_step import EarlySteps, overlap_problems
-from .offload import auto_problems, make_offload, offload_problems
-from .placement import AutoPlacement
-from .optimizer import OptimizerWiring, check_optimizer
+from .mesh import groups_of, set_timeout
+from .offload import HomeSpec, auto_problems, make_homes, offload_problems
+from .optimizer import check_optimizer
 from .params import ParamGatherer
 from .pool import BufferPool
-from .precision import LossScaler
-from .refresh import Refresh
-from .step import StepGrads
-from .stepping import Stepping
-from .timing import UNTIMED
+from .shards import Shards
+from .step import Landing
+from .stepping import Stepper, early_steps
 from .visible import VisibleGrads
-from ..core.units import build_units, set_dtypes
 
-def apply_plan(model: nn.Module, optimizer, edits):
+
+def apply_plan(model: nn.Module, optimizer, edits, observer_kinds=()):
+    """The transforms' work: ``edits`` applied to the model's plan (a new one, or the one
+    an earlier transform left), and a runtime built from it, asking ``observer_kinds``
+    ([Note: observers] in events.py) whether to watch it."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"zerofn transforms take (model, optimizer); got {type(model).__name__} "
                         "as the model.")
@@ -65,136 +73,87 @@ def apply_plan(model: nn.Module, optimizer, edits):
             raise ValueError("This model was transformed with another optimizer; pass the "
                              "optimizer the earlier transform returned.")
         old.restore()
-    Runtime(model, optimizer, plan)
+    Runtime(model, optimizer, plan, observer_kinds)
     return model, optimizer
 
 
-class Runtime(Layout, ForwardHooks, Stepping, Refresh):
-    """What a plan becomes on one model and optimizer: units, buffers, hooks and the
-    rewired optimizer. Built by ``apply_plan`` (the transforms), found by ``runtime_of``,
-    undone by ``restore`` (when another transform is applied on top); it lives on the
-    model in between.
+class Runtime:
+    """What a plan becomes on one model and optimizer. Built by ``apply_plan`` (the
+    transforms), found by ``runtime_of``, undone by ``restore`` (when another transform is
+    applied on top); it lives on the model in between. What the rest of zerofn may use is
+    ``RuntimeView`` (view.py); everything else is its own."""
 
-    What the rest of zerofn may use (everything else is its own):
-        attributes: ``model``, ``optimizer``, ``plan``, ``device``, ``group`` (every rank
-        of the layout), ``world`` and ``rank`` (of the shard group), ``replica_world``,
-        ``backend``, ``mesh`` and ``placements`` (what sharded state is a DTensor over),
-        ``units``, ``slot_of`` (parameter to its ParamSlot), ``observers``;
-        the step: ``step_skipped()``, ``loss_scale()`` and ``scaler`` (fp16's LossScaler,
-        or None), ``comm_stats()``, ``model_state_bytes()``, ``units_on_device()``,
-        ``placement_reason()``, ``param_order()``, ``time_series()``,
-        ``clip_grad_norm(...)``, ``set_step(step)``, ``in_phase(name, fn, *args)``,
-        ``observer(cls)``, ``no_sync()``;
-        state: ``slots_by_name()``, ``full_tensor(...)``, ``gather_unit(...)``,
-        ``prepare_state_dict()``, ``refresh_params()``, ``init_optimizer_state()``.
-    """
-
-    def __init__(self, model: nn.Module, optimizer, plan: Plan):
+    def __init__(self, model: nn.Module, optimizer, plan: Plan, observer_kinds=()):
+        # What it sits on, and over which ranks (before any collective: a bad device or
+        # timeout is raised on every rank alike).
         self.model, self.optimizer, self.plan = model, optimizer, plan
-        sharding = plan.sharding
-        layout, self.device = _resolve_group(sharding.group, model)
-        self.comm = Comm(layout.shard, sharding.bucket_size, self.device)
-        # Raised here, before any collective: on a device the group does not serve, the
-        # first one would fail or hang.
-        current = torch.cuda.current_device() if self.device.type == "cuda" else None
-        problems = device_problems(self.device, self.comm.backend, current)
-        if problems:
-            raise ValueError("zerofn set-up: " + " ".join(problems))
+        groups, self.device = _resolve_group(plan.sharding.group, model)
+        set_timeout(groups, plan.sharding.timeout)
+        comm = Comm(groups.shard, plan.sharding.bucket_size, self.device)
+        _check_device(self.device, comm)
         if self.device.type == "cpu":
             return_large_frees()     # [Note: mmap threshold] in host_malloc.py
-        self.mesh, self.placements, self.group = layout.mesh, layout.placements, layout.everyone
-        self.groups = (layout.shard, layout.replicate)    # the groups collectives run on
         # HSDP: the replicate dimension, over which the reduced shards are averaged.
-        self.replicas = None if layout.replicate is None \
-            else Comm(layout.replicate, sharding.bucket_size, self.device)
-        self.replica_world = 1 if self.replicas is None else self.replicas.world
-        self.rank, self.world = self.comm.rank, self.comm.world
-        self.backend = self.comm.backend
-        self.meta = meta_state(model) is True      # built on the meta device: materialize
-        units, problems = self._build_units()
+        replicas = None if groups.replicate is None \
+            else Comm(groups.replicate, plan.sharding.bucket_size, self.device)
+        self.group = groups.everyone         # every rank of the layout
+        self.mesh, self.placements = groups.mesh, groups.placements
+        self.rank, self.world, self.backend = comm.rank, comm.world, comm.backend
+        self.replica_world = 1 if replicas is None else replicas.world
+        # The units, agreed on by every rank, then the observers the caller asked for.
+        units, problems = self._build_units(observer_kinds)
         self._agree_across_ranks(problems)
-        # [Note: observers] in events.py
-        self.observers = Observers([o for kind in kinds() if (o := kind.attach(self))])
-        self.timing = self.observers.timing or UNTIMED
-        if sharding.sync_module_states and not self.meta:
+        self.units = units
+        self.observers = Observers([o for kind in observer_kinds if (o := kind.attach(self))])
+        order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+        # Every unit's home (offload/): where its masters and optimizer state live.
+        self.homes = self._make_homes(units, order)
+        crosses = any(self.homes.home_of(u) != "device" for u in units if u.slots)
+        ctx = RuntimeContext(self.device, plan, groups, comm, replicas, BufferPool(),
+                             CopyStreams(self.device, units, crosses, self.observers.timing),
+                             self.observers, tuple(units), order)
+        self.ctx = ctx
+        if plan.sharding.sync_module_states and not meta_state(model):
             self._broadcast_module_states()
-        self._build(units)
+        # The parts, each given the context: shards hold the rows, the reducer the
+        # gradients, the stepper the step, the hooks what forward does.
+        self.gatherer = ParamGatherer(ctx, self.homes.param_reader) if plan.stage == 3 else None
+        self.shards = Shards(ctx, model, self.homes, self.gatherer)
+        self.shards.lay_out(optimizer)
+        self.slot_of = {s.param: s for u in units for s in u.slots}   # (after meta's new params)
+        visible = VisibleGrads(units, self.mesh, self.placements, ctx.pool)
+        landing = Landing(ctx, self.homes, visible, early_steps(ctx, self.homes, optimizer))
+        self.reducer = GradReducer(ctx, visible, landing, self.gatherer)
+        self.stepper = Stepper(ctx, optimizer, self.homes, self.shards, self.reducer)
+        self.homes.register_state(optimizer)
+        self.forward = ForwardHooks(ctx, model, self.gatherer, self.reducer.tracker)
         attach(model, self)
         announce(self, dist.get_rank())
 
-    def _build(self, units) -> None:
-        """The parts, each given the timing and guard the observers offer."""
-        timing, guard, plan = self.timing, self.observers.guard, self.plan
-        self.units = units
-        self.root = units[-1]
-        self.pool = BufferPool()
-        self.stage = plan.stage
-        # A unit without parameters (the root, when every parameter persists or lives in
-        # a block) has no rows to shard: it keeps its hooks, but gets no compute shard.
-        self._sharded_params = [u for u in units
-                                if self.stage == 3 and not u.replicated and u.slots]
-        self.offload = self._make_offload(units)
-        self.copies = CopyStreams(self.device, units, self.offload is not None, timing)
-        self._refreshed = False     # the step refreshed each unit's compute params
-        self.gatherer = self._make_gatherer()
-        self.flats: list[FlatBuffers] = []    # the device's flat masters and shards
-        self._lay_out_shards()
-        self.slot_of = {s.param: s for u in units for s in u.slots}
-        offloaded = self.offload is not None
-        self.reducer = GradReducer(
-            self.comm, self.pool, units, self.stage,
-            VisibleGrads(units, self.mesh, self.placements, self.pool),
-            self._on_packed if self.stage == 3 else None, plan.precision.reduce_dtype,
-            self.replicas,
-            on_shard_ready=(lambda unit, shard: self.step_grads.shard_ready(unit, shard))
-            if offloaded else None,
-            before_shard_write=self.copies.before_device_write if offloaded else None,
-            forward_order=(lambda g=self.gatherer: g.order) if self.gatherer else None,
-            timing=timing, guard=guard)
-        self.scaler = _loss_scaler(plan)
-        # [Note: the host step during backward] (early_step.py)
-        self.early = EarlySteps(self.offload, self.optimizer, self.copies, self.reducer) \
-            if plan.offload.overlap_step else None
-        if self.early is not None:
-            self.offload.attach_early(self.early)
-        self.step_grads = StepGrads(self.comm, self.pool, units, self.reducer, self.scaler,
-                                    self.device, self.copies, self.offload, self.replicas,
-                                    timing, self.early)
-        # [Note: placing by the first step] (placement.py)
-        self.placement = AutoPlacement(self, plan.offload.device_budget) \
-            if offloaded and plan.offload.ratio == "auto" else None
-        self.opt = OptimizerWiring(self.optimizer, self.slot_of, self.before_step,
-                                   self.after_step, self.zero_grad, self.scaler,
-                                   guard, self.observers.step_begin)
-        if offloaded:
-            self.offload.register_state(self.optimizer)
-        self._hooks = self._register_forward_hooks() + self._register_model_hooks()
-
     # -- set-up ----------------------------------------------------------------------
-    def _build_units(self):
+    def _build_units(self, observer_kinds):
         if meta_state(self.model) is None:
             return [], ["some of the model's parameters are on the meta device and some are "
                         "not; build the whole model under torch.device('meta') (the transforms "
                         "then materialize it), or none of it."]
-        problems = []
+        plan = self.plan
         try:
-            persist = self.plan.sharding.persist_below if self.plan.stage == 3 else 0
-            units = build_units(self.model, self.plan.sharding.units, self.world, self.rank,
+            persist = plan.sharding.persist_below if plan.stage == 3 else 0
+            units = build_units(self.model, plan.sharding.units, self.world, self.rank,
                                 persist, self.device)
         except ValueError as e:
             return [], [str(e)]
-        compute = self.plan.precision.param_dtype
+        compute = plan.precision.param_dtype
         set_dtypes(units, compute, mixed=compute is not None)
-        slot_of = {s.param: s for u in units for s in u.slots}
-        problems += check_optimizer(self.optimizer, slot_of)
-        for kind in kinds():    # [Note: observers]
-            problems += kind.preflight(self.plan, self.device, dist.get_rank(self.group),
+        problems = check_optimizer(self.optimizer, {s.param: s for u in units for s in u.slots})
+        for kind in observer_kinds:    # [Note: observers]
+            problems += kind.preflight(plan, self.device, dist.get_rank(self.group),
                                        dist.get_world_size(self.group))
-        problems += overlap_problems(self.plan, self.optimizer)
-        problems += auto_problems(self.plan.offload, self.device, self.replicas is not None)
-        problems += offload_problems(self.plan.offload, self.optimizer, units,
-                                     self._offloaded_param_dtypes(units),
-                                     self.plan.precision.param_dtype, self.param_order())
+        problems += overlap_problems(plan, self.optimizer)
+        problems += auto_problems(plan.offload, self.device, self.replica_world > 1)
+        order = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
+        problems += offload_problems(plan.offload, self.optimizer, units,
+                                     _param_dtypes(units, plan), compute, order)
         return units, problems
 
     def _signature(self) -> list[str]:
@@ -211,8 +170,8 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
         digest = hashlib.sha256("\n".join(sig).encode()).hexdigest()
         # A meta-built model is initialized on every rank, not broadcast: the ranks' random
         # generators must agree, or each would keep rows of a different model.
-        rng = rng_digest(self.device) if self.meta and self.plan.sharding.sync_module_states \
-            else None
+        rng = rng_digest(self.device) if meta_state(self.model) and \
+            self.plan.sharding.sync_module_states else None
         gathered = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, (digest, problems, sig, rng), group=self.group)
         for rank, (_, probs, _, _) in enumerate(gathered):
@@ -233,40 +192,35 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
                                  ". Build the same model and transforms on every rank.")
 
     def _broadcast_module_states(self) -> None:
+        ctx = self.ctx
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 local = t.data if not isinstance(t, DTensor) else t.to_local()
-                self.comm.broadcast(local)
-                if self.replicas is not None:   # then replica 0's, which has shard rank 0's
-                    self.replicas.broadcast(local)
+                ctx.comm.broadcast(local)
+                if ctx.replicas is not None:   # then replica 0's, which has shard rank 0's
+                    ctx.replicas.broadcast(local)
 
-    def _make_gatherer(self) -> ParamGatherer | None:
-        if self.stage != 3:
-            return None
-        return ParamGatherer(self.comm, self.pool, self.units, self.plan.sharding.prefetch,
-                             self.plan.sharding.reshard_after_forward, self.copies,
-                             staged=self.plan.offload.params,
-                             reader=self.offload.param_reader if self.offload else None,
-                             timing=self.timing, guard=self.observers.guard)
-
-    def _make_offload(self, units):
-        return make_offload(self.plan.offload, units, self.optimizer, self._host_grad_dtype,
-                            self._offloaded_param_dtypes(units), dist.get_rank(), self.timing,
-                            self.param_order(), self.device)
-
-    def param_order(self) -> dict:
-        """Each of the model's parameters' place in ``model.parameters()`` (which units
-        offload's ratio keeps on the device: offload/split.py)."""
-        return {p: i for i, p in enumerate(self.model.parameters())}
+    def _make_homes(self, units, order: dict):
+        plan = self.plan
+        sharded = {u for u in units if plan.stage == 3 and not u.replicated and u.slots}
+        per_unit = plan.stage < 3 and len(units) > 1   # (each all-gather overlaps a step)
+        spec = HomeSpec(self.optimizer, plan.offload, plan.precision.reduce_dtype, self.device,
+                        dist.get_rank(), self.observers.timing, _param_dtypes(units, plan))
+        return make_homes(spec, units, order, sharded, per_unit)
 
     def zero_grad(self) -> None:
-        self.step_grads.release()
-        self.reducer.zero_grad()
+        """``optimizer.zero_grad()`` and ``model.zero_grad()``: the shards start over."""
+        self.stepper.zero_grad()
 
-    # -- the public surface (see the class docstring) ---------------------------------
+    # -- the public surface (RuntimeView, view.py) --------------------------------------
+    @property
+    def scaler(self):
+        """fp16's LossScaler, or None."""
+        return self.stepper.scaler
+
     def step_skipped(self) -> bool:
         """Whether the last optimizer step was skipped (an fp16 overflow on any rank)."""
-        return self.step_grads.overflow
+        return self.stepper.grads.overflow
 
     def loss_scale(self) -> float | None:
         """fp16's current loss scale (None without loss scaling)."""
@@ -275,29 +229,43 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
     def comm_stats(self) -> Counter:
         """``zf.comm_stats``: the shard dimension's counts of the last step, HSDP's
         replicate dimension's as ``replicate.<kind>``."""
-        out = Counter(self.comm.last_step)
-        if self.replicas is not None:
-            out.update({f"replicate.{k}": v for k, v in self.replicas.last_step.items()})
+        out = Counter(self.ctx.comm.last_step)
+        if self.ctx.replicas is not None:
+            out.update({f"replicate.{k}": v for k, v in self.ctx.replicas.last_step.items()})
         return out
 
     def model_state_bytes(self) -> dict[str, dict[str, int]]:
-        """``zf.model_state_bytes``, measured (runtime/memory.py)."""
-        return model_state_bytes(self)
+        """``zf.model_state_bytes``, measured (memory.py)."""
+        return model_state_bytes(self.ctx, self.optimizer, self.homes, self.shards, self.reducer)
 
     def units_on_device(self) -> list:
-        """Under offload's ``ratio``: the units that keep their optimizer state on the
-        device (none where everything is offloaded, or nothing is)."""
-        return self.offload.staying() if self.offload is not None else []
+        """The units whose masters and optimizer state live on the device: every unit
+        without offload, those ``ratio``, ``placement`` or ``ratio="auto"`` keep there,
+        none where everything is offloaded."""
+        return self.homes.on_device()
+
+    def home_of(self, unit) -> str:
+        """Where ``unit``'s masters and optimizer state live: "device", "host" or "nvme"."""
+        return self.homes.home_of(unit)
+
+    def host_ring(self) -> bool:
+        """Whether gradients and rows cross through the host ring (offload/ring.py)."""
+        return self.homes.ring is not None
+
+    def exact_dtypes(self, unit) -> tuple[torch.dtype, torch.dtype]:
+        """``(masters, moments)``: the narrowest dtypes holding ``unit``'s exactly, for
+        checkpoints (bf16 where a home stores them in bf16)."""
+        return self.homes.exact_dtypes(unit)
 
     def placement_reason(self) -> str | None:
         """Under offload's ``ratio="auto"``, once the first step not skipped placed the units:
         what it measured and what moved (placement.py). None before then, and otherwise."""
-        placed = self.placement is not None and self.placement.placed
-        return self.placement.reason if placed else None
+        placement = self.stepper.placement
+        return placement.reason if placement is not None and placement.placed else None
 
     def time_series(self) -> tuple[str, ...]:
-        """The timing series the offload's work fills, beyond every run's."""
-        return self.offload.time_series if self.offload is not None else ()
+        """The timing series the homes' work fills, beyond every run's."""
+        return self.homes.time_series
 
     def slots_by_name(self) -> dict:
         """Every state-dict name of every parameter: a module under two parents (or two
@@ -315,7 +283,7 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,
                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """``zf.clip_grad_norm_`` (runtime/clip.py); the observers hear of the norm."""
-        return clip_grads(self, max_norm, norm_type, error_if_nonfinite)
+        return self.stepper.clip_grad_norm(max_norm, norm_type, error_if_nonfinite)
 
     def set_step(self, step: int) -> None:
         """The next optimizer step is number ``step`` (a resumed run's own count)."""
@@ -340,10 +308,33 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
         finally:
             self.reducer.no_sync = before
 
+    def full_tensor(self, slot, local: torch.Tensor, device=None) -> torch.Tensor:
+        """A tensor sharded like ``slot`` gathered whole (shards.py). Collective."""
+        return self.shards.full_tensor(slot, local, device)
+
+    def gather_unit(self, unit) -> torch.Tensor:
+        """Every rank's master rows of ``unit``, rank-major (shards.py). Collective."""
+        return self.shards.gather_unit(unit)
+
+    def prepare_state_dict(self) -> None:
+        """Bring every home's state into memory (until the next step), so the optimizer's
+        tensors hold values. Every state dict access starts here."""
+        self.shards.settle_copies()  # a load may write host rows a copy to the device reads
+        if self.gatherer is not None:   # nor may a gather started before the load be used
+            self.gatherer.discard_pending()
+        self.homes.materialize(self.optimizer)
+
+    def refresh_params(self) -> None:
+        """Make the compute parameters equal the masters again (after a load). Collective."""
+        self.homes.recast()
+        self.shards.refresh_compute()
+        self.ctx.comm.drain()
+        self.shards.settle_copies()   # NVMe's materialized rows are let go at the next step
+
     def init_optimizer_state(self) -> None:
         """Create the optimizer's state (a zero step) where it has none yet, so a load
         has tensors to load into."""
-        self.opt.init_state()
+        self.stepper.wiring.init_state()
 
     # -- teardown ----------------------------------------------------------------------
     def restore(self) -> None:
@@ -353,10 +344,8 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
         """
         self.observers.close()
         self.prepare_state_dict()
-        self.step_grads.prepare()
-        self.step_grads.release()
-        for h in self._hooks:
-            h.remove()
+        self.stepper.restore()
+        self.forward.remove()
         self.reducer.remove_hooks()
         for unit in self.units:
             for s in unit.slots:
@@ -365,28 +354,33 @@ class Runtime(Layout, ForwardHooks, Stepping, Refresh):
                     module._parameters[name] = s.param
         slot_of_opt = {s.opt_param: s for s in self.slot_of.values()}
         # Optimizer state goes where torch.optim keeps it: with the parameter.
-        self.opt.restore(lambda shard, v: self.full_tensor(slot_of_opt[shard], v, self.device)
-                         if torch.is_tensor(v) and v.shape == shard.shape and v.dim() > 0 else v)
+        self.stepper.wiring.restore(
+            lambda shard, v: self.full_tensor(slot_of_opt[shard], v, self.device)
+            if torch.is_tensor(v) and v.shape == shard.shape and v.dim() > 0 else v)
         detach(self.model)
-        self.pool.clear()
+        self.ctx.pool.clear()
 
 
-def _loss_scaler(plan: Plan) -> LossScaler | None:
-    """DeepSpeed's rule: dynamic scaling for fp16 unless a static scale is given."""
-    p = plan.precision
-    if p.loss_scale is not None:
-        return LossScaler(dynamic=False, scale=p.loss_scale)
-    if p.param_dtype != torch.float16:
-        return None
-    return LossScaler(dynamic=True, scale=2.0 ** p.initial_scale_power,
-                      window=p.loss_scale_window, min_scale=p.min_loss_scale,
-                      hysteresis=p.hysteresis, consecutive_hysteresis=p.consecutive_hysteresis)
+def _param_dtypes(units, plan) -> dict:
+    """ZeRO-3 parameter offload: each sharded unit's compute dtype (what its home holds)."""
+    if not plan.offload.params:
+        return {}
+    return {u: u.compute_dtype for u in units if u.slots and not u.replicated}
+
+
+def _check_device(device: torch.device, comm: Comm) -> None:
+    """Raised before any collective: on a device the group does not serve, the first one
+    would fail or hang."""
+    current = torch.cuda.current_device() if device.type == "cuda" else None
+    problems = device_problems(device, comm.backend, current)
+    if problems:
+        raise ValueError("zerofn set-up: " + " ".join(problems))
 
 
 def _resolve_group(group, model: nn.Module):
-    """``(layout, device)``: the groups ``group=`` asks for (runtime/mesh.py), and the
-    device the model computes on: its parameters', or for a meta-built model the mesh's,
-    else the current CUDA device, else the CPU."""
+    """``(groups, device)``: the groups ``group=`` asks for (mesh.py), and the device the
+    model computes on: its parameters', or for a meta-built model the mesh's, else the
+    current CUDA device, else the CPU."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "zerofn needs torch.distributed: call torch.distributed.init_process_group() "
@@ -395,4 +389,4 @@ def _resolve_group(group, model: nn.Module):
     mesh = group if isinstance(group, DeviceMesh) else None
     real = next((p.device for p in model.parameters() if not p.is_meta), None)
     device = real or target_device(mesh.device_type if mesh is not None else None)
-    return layout_of(group, device.type), device
+    return groups_of(group, device.type), device

@@ -36,6 +36,7 @@ the device ([Note: one collective for the verdicts]).
 """
 from __future__ import annotations
 
+import enum
 import math
 from collections import defaultdict
 
@@ -43,8 +44,50 @@ import torch
 import torch.distributed as dist
 
 from ..optim import grad_sumsq_and_finite
-from .timing import UNTIMED
 from ..core.units import ParamSlot
+
+
+class Landing:
+    """Where each unit's reduced gradient rows go as soon as they are final: the landing
+    buffer of the home that takes them during backward (``homes.grads``), copied there on
+    the copy stream while backward goes on; a unit with none keeps them on the device until
+    the step. Under ``overlap_step`` a landed unit is handed to the host's Adam at once
+    (early_step.py). Built before the reducer, which tells it of each final shard.
+
+    ``crosses``: some unit's state lives off the device (its gradient shards are then lent
+    from the pool, grads.py's [Note: lent gradient shards]).
+    """
+
+    def __init__(self, ctx, homes, visible, early=None):
+        self.homes, self.visible, self.early, self.copies = homes, visible, early, ctx.copies
+        self.crosses = any(homes.home_of(u) != "device" for u in ctx.units if u.slots)
+        self.streamed: set = set()    # units whose shard is on its way to its home
+
+    def shard_ready(self, unit, shard: torch.Tensor, got: set) -> None:
+        """A backward's reduced shard of ``unit`` is final; copy it to its home now. Under
+        accumulation each backward copies again: the shard sums on the device and the last
+        copy is the one the step reads. (A unit without a landing buffer crosses in its
+        home's step; ``got``: the parameters that got a gradient on this rank.)"""
+        if unit not in self.homes.grads:
+            return
+        self.copies.to_host(unit, self.homes.grads[unit], shard)
+        self.streamed.add(unit)
+        self.visible.watch(unit)     # the loop's edits must reach the copy
+        if self.early is not None:
+            self.early.landed(unit, got)
+
+    def wait(self, units) -> None:
+        for unit in units:
+            self.copies.host_wait(unit)
+        self.streamed.clear()
+
+
+class Phase(enum.Enum):
+    """Where the step's gradients are, between backward and ``release`` (one variable, as
+    FSDP2's ``TrainingState``)."""
+    IDLE = "idle"            # not prepared: backward may still change them
+    PREPARED = "prepared"    # reduced, landed and checked on this rank (``prepare``)
+    VOTED = "voted"          # the ranks' verdicts are in (``vote``)
 
 
 class StepGrads:
@@ -52,45 +95,30 @@ class StepGrads:
     one) and verdict (``overflow``), from ``prepare``/``settle`` until ``release``.
 
     Args:
-        offload: where gradients land on the host (runtime/offload), or None.
-        replicas: HSDP's replicate dimension, over which the vote is taken too.
-        timing: labels and (under a monitor) times the overflow check and the vote.
+        reducer: whose shards the gradients are (grads.py).
+        landing: where they land off the device (``Landing``).
+        scaler: fp16's loss scaler, or None.
+        homes: the units' homes (offload/): which step with zerofn's CPU Adam.
     """
 
-    def __init__(self, comm, pool, units, reducer, scaler, device, copies, offload=None,
-                 replicas=None, timing=UNTIMED, early=None):
-        self.comm, self.pool, self.units, self.reducer = comm, pool, units, reducer
-        self.timing = timing
-        self.replicas = replicas   # HSDP: the verdict is voted over both dimensions
-        self.scaler, self.device, self.copies, self.offload = scaler, device, copies, offload
-        self.early = early   # overlap_step: steps each landed unit during backward
+    def __init__(self, ctx, reducer, landing, scaler, homes):
+        self.ctx, self.reducer, self.landing, self.scaler = ctx, reducer, landing, scaler
+        self.comm, self.pool, self.units, self.device = ctx.comm, ctx.pool, ctx.units, ctx.device
+        self.timing, self.replicas, self.copies = ctx.timing, ctx.replicas, ctx.copies
+        self.homes = homes
+        self.early = landing.early   # overlap_step: steps each landed unit during backward
         self.grads: dict[ParamSlot, torch.Tensor | None] = {}
         self.overflow = False
-        self.ready = False
+        self.phase = Phase.IDLE
         self._found: torch.Tensor | None = None    # this rank's inf/nan verdict, scaled loss
-        self._voted = False
         self._refused: str | None = None     # an edit of p.grad this rank cannot honour
         # [Note: deferred scaling]: the factor the step's gradients still need.
-        self.deferred = offload is not None and offload.cpu_adam
+        self.deferred = homes.cpu_adam
         self.grad_scale = 1.0
         self._stats: tuple[torch.Tensor, torch.Tensor] | None = None   # deferred_stats()
-        self._left: set[ParamSlot] = set()     # slots whose step reads the device's rows
+        self._landed: set[ParamSlot] = set()    # slots whose rows the step reads on the host
         self._buffers: list[torch.Tensor] = []
-        self._streamed: set = set()    # units whose shard is on its way to the host
-        self._trainable = [s for u in units for s in u.trainable]
-
-    def shard_ready(self, unit, shard: torch.Tensor) -> None:
-        """Offload: a backward's reduced shard of ``unit`` is final; copy it to the host now.
-        Under accumulation each backward copies again: the shard sums on the device and
-        the last copy is the one the step reads. (A unit without a landing buffer crosses
-        in the offload's step.)"""
-        if unit not in self.offload.grads:
-            return
-        self.copies.to_host(unit, self.offload.grads[unit], shard)
-        self._streamed.add(unit)
-        self.reducer.visible.watch(unit)     # the loop's edits must reach the copy
-        if self.early is not None:
-            self.early.landed(unit)
+        self._trainable = [s for u in self.units for s in u.trainable]
 
     @torch.no_grad()
     def prepare(self) -> None:
@@ -98,13 +126,13 @@ class StepGrads:
         (``vote`` is the step's one). Idempotent until ``release``: clipping and the step
         share one preparation."""
         self.timing.begin("optimizer")     # (clipping starts the optimizer's part of a step)
-        if self.ready:
+        if self.phase is not Phase.IDLE:
             return
         self.reducer.sync()
         self._take_edits()
         scaled = self.scaler is not None
         landed = [u for u in self.units if self._prepare_unit(u, scaled) is not None]
-        self._wait_copies(landed)   # later units' copies run while earlier ones wait
+        self.landing.wait(landed)   # later units' copies run while earlier ones wait
         self.grad_scale = 1.0 / self.scaler.scale if scaled else 1.0
         self.overflow = False
         if scaled:
@@ -112,8 +140,7 @@ class StepGrads:
                 self._found = self._found_inf()
         else:
             self._found = None
-        self._voted = False
-        self.ready = True
+        self.phase = Phase.PREPARED
 
     def _take_edits(self) -> None:
         """What the loop did to ``p.grad`` since backward (visible.py's [Note: gradients as
@@ -124,7 +151,7 @@ class StepGrads:
         self.reducer.got -= dropped
         self._refused = None
         for unit in self.units:
-            if unit not in changed or unit not in self._streamed:
+            if unit not in changed or unit not in self.landing.streamed:
                 continue
             if self.early is not None and unit in self.early.started:
                 self._refused = self._refused or (
@@ -133,7 +160,7 @@ class StepGrads:
                     "already stepped that unit on the host during backward")
                 continue
             self.copies.host_wait(unit)      # (the first copy is done with the rows)
-            self._streamed.discard(unit)     # _prepare_unit copies them again
+            self.landing.streamed.discard(unit)     # _prepare_unit copies them again
 
     def settle(self) -> bool:
         """``prepare``, then the vote unless clipping carried it: whether every rank skips
@@ -142,37 +169,27 @@ class StepGrads:
         self.vote()
         return self.overflow
 
-    def _wait_copies(self, units) -> None:
-        for unit in units:
-            self.copies.host_wait(unit)
-        self._streamed.clear()
-
     def _prepare_unit(self, unit, scaled: bool) -> torch.Tensor | None:
         """Point the step at the unit's gradient rows. Returns the buffer they land in, if
         they are copied; the copies may still be running."""
         dest = None
+        landing = self.homes.grads.get(unit)
         for s in unit.slots:
             g = self.reducer.grad_of(unit, s)
-            if g is not None and self.offload is not None and unit not in self.offload.grads:
-                self._left.add(s)     # (the offload's step copies the device's rows)
-            elif g is not None and (self.offload is not None or g.dtype != s.opt_param.dtype
-                                    or scaled):
-                if dest is None:
-                    dest = self._landing(unit, s.opt_param.dtype)
-                if unit not in self._streamed:   # (without offload: device to device, in order)
-                    self.copies.to_host(unit, s.shard_of(dest), g)
+            if g is not None and landing is not None:     # its home's buffer
+                if unit not in self.landing.streamed:
+                    self.copies.to_host(unit, s.shard_of(landing), g)
+                g, dest = s.shard_of(landing), landing
+                self._landed.add(s)
+            elif g is not None and self.homes.home_of(unit) == "device" and (
+                    g.dtype != s.opt_param.dtype or scaled and not self.deferred):
+                if dest is None:      # the master dtype, unscaled in place (on the device)
+                    dest = self.pool.take(unit.shard_numel, s.opt_param.dtype, unit.device)
+                    self._buffers.append(dest)
+                s.shard_of(dest).copy_(g)
                 g = s.shard_of(dest)
-            self.grads[s] = g
-        return dest
-
-    def _landing(self, unit, dtype) -> torch.Tensor:
-        """Where a unit's step gradients go: its host buffer under offload, else a pooled
-        buffer in the master dtype."""
-        if self.offload is not None:
-            return self.offload.grads[unit]
-        buf = self.pool.take(unit.shard_numel, dtype, unit.device)
-        self._buffers.append(buf)
-        return buf
+            self.grads[s] = g     # (else the device's rows: a home's step copies them down)
+        return dest if landing is not None else None
 
     def _found_inf(self) -> torch.Tensor:
         """1 where any gradient is inf or nan, else 0 (a tensor: no sync here). Unscales the
@@ -204,9 +221,9 @@ class StepGrads:
         CUDA would wait for the device's queue. Only a rank lacking some gradient, or one
         that must learn an overflow, reads. Returns None where a rider was not carried:
         the vote was already taken this step."""
-        if self._voted:
+        if self.phase is Phase.VOTED:
             return None
-        self._voted = True
+        self.phase = Phase.VOTED
         had = [s in self.reducer.got for s in self._trainable]
         found = self._found
         # (only overlap_step's early steps can refuse an edit: only they carry the verdict)
@@ -257,7 +274,7 @@ class StepGrads:
             host, left = [], []
             for s, g in self.grads.items():
                 if g is not None and g.numel():
-                    (left if s in self._left else host).append(g.reshape(-1))
+                    (host if s in self._landed else left).append(g.reshape(-1))
             sums = [grad_sumsq_and_finite(g) for g in host]
             # made on the device: a copy up from pageable memory would block
             sumsq = torch.full((), sum(sq for sq, _ in sums), dtype=torch.float64,
@@ -291,17 +308,17 @@ class StepGrads:
         """After the step, or at ``zero_grad``: nothing reads the gradients any more. Copies
         still on their way (a ``zero_grad`` without a step) are waited for first: the device
         shards they read go back to the pool."""
-        self._wait_copies(list(self._streamed))
+        self.landing.wait(list(self.landing.streamed))
         if self.early is not None:
             self.early.clear()
         for buf in self._buffers:
             self.pool.give(buf)
         self._buffers.clear()
         self.grads.clear()
-        self._left.clear()
+        self._landed.clear()
         self._stats = None
         self.grad_scale = 1.0
-        self.ready = False
+        self.phase = Phase.IDLE
 
 
 def by_device_and_dtype(tensors) -> dict[tuple, list[torch.Tensor]]:

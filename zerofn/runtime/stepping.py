@@ -1,83 +1,112 @@
-"""A runtime's optimizer step: the vote and the gradients' preparation, then CPU Adam on
-the host (unit by unit, each unit's rows sent back as soon as it is done) or the user's
-optimizer (on the device, unit by unit under ZeRO-1/2), then the updated rows shared."""
+"""A runtime's optimizer step: what runs around the user's ``optimizer.step()``.
+
+``before_step`` (the optimizer's step pre-hook) takes the step's one vote, then each unit's
+home steps its rows (homes.step: the device's with the user's optimizer, the host's with
+zerofn's CPU Adam, the swap file's streamed), each unit's updated rows sent back to the
+compute parameters as soon as the unit is done; the user's own ``step()`` then finds no
+gradient left and does nothing. ``after_step`` (the post-hook) updates the loss scale,
+waits for the updated rows' all-gathers, and places ratio="auto"'s units once.
+"""
 from __future__ import annotations
 
 import torch
 
-from .offload import cpu_adam_steps
+from ..core.plan import Plan
+from .clip import clip_grads
+from .early_step import EarlySteps
+from .optimizer import OptimizerWiring
+from .placement import AutoPlacement
+from .precision import LossScaler
+from .step import StepGrads
 
 
-class Stepping:
-    """The part of ``Runtime`` that runs around ``optimizer.step()`` (a mixin, runtime.py)."""
+class Stepper:
+    """The step's parts and the two step hooks (see the module note): the step's
+    gradients and verdict (``grads``), fp16's loss ``scaler``, ratio="auto"'s
+    ``placement``, and the wiring of the user's optimizer (``wiring``), whose step hooks
+    call ``before_step`` and ``after_step``.
+
+    Args:
+        optimizer: the user's optimizer (rewired here).
+        homes: the units' homes, which step their rows (offload/).
+        shards: refreshes compute rows from the updated masters (shards.py).
+        reducer: whose shards the gradients are, with the step's landing (grads.py).
+    """
+
+    def __init__(self, ctx, optimizer, homes, shards, reducer):
+        self.ctx, self.optimizer, self.homes, self.shards = ctx, optimizer, homes, shards
+        self.scaler = loss_scaler(ctx.plan)
+        self.grads = StepGrads(ctx, reducer, reducer.landing, self.scaler, homes)
+        self.early = reducer.landing.early
+        # [Note: placing by the first step] (placement.py)
+        self.placement = AutoPlacement(ctx, homes, optimizer) \
+            if ctx.plan.offload.ratio == "auto" and ctx.plan.offload.device else None
+        slot_of = {s.param: s for u in ctx.units for s in u.slots}
+        self.reducer = reducer
+        self.wiring = OptimizerWiring(optimizer, slot_of, self, ctx.observers)
+        self._stepped = False    # the homes stepped this step (not skipped)
 
     def before_step(self) -> None:
-        skip = self.step_grads.settle()
-        self._settle_copies()   # the step rewrites host rows the last step's copies read
-        # Parameters without a gradient are left alone by torch.optim: that is how a
-        # skipped step, and a step zerofn's CPU Adam already took, leave it nothing to do.
-        on_host = self.offload is not None and self.offload.cpu_adam
-        self._refreshed = not skip and (on_host or self._steps_per_unit())
-        if self._refreshed and on_host:
-            # Each unit's updated rows head back to the device as soon as CPU Adam is done
-            # with the unit, overlapping the step of the next one; the kernel unscales and
-            # clips the gradients as it reads them. Memory the offload reuses within the
-            # step (the host ring, NVMe's staging ring) waits for those copies.
-            self.offload.step(self.optimizer, self.step_grads.grads, self._refresh_unit,
-                              self.step_grads.grad_scale, self.copies)
-            self._await_shards()
-        elif self._refreshed:
-            self._step_unit_by_unit()
-        for s in self.slot_of.values():
-            s.opt_param.grad = None if skip or self._refreshed else self.step_grads.grads.get(s)
-
-    def _steps_per_unit(self) -> bool:
-        """ZeRO-1/2 with the optimizer on the device: step one unit at a time, so each
-        unit's all-gather runs while the optimizer steps the next."""
-        return self.offload is None and self.stage < 3 and len(self.units) > 1
-
-    def _step_unit_by_unit(self) -> None:
-        """The user's optimizer over one unit's rows at a time (torch.optim leaves params
-        without a gradient alone, and steps each param from its own state, so this is the
-        same step), each unit's rows shared as soon as they are updated."""
-        grads = self.step_grads.grads
-        self.opt.bypass = True
-        try:
-            for unit in self.units:
-                for s in unit.slots:
-                    s.opt_param.grad = grads.get(s)
-                self.optimizer.step()
-                for s in unit.slots:
-                    s.opt_param.grad = None
-                self._refresh_unit(unit, self._updated_rows(unit))
-        finally:
-            self.opt.bypass = False
+        skip = self.grads.settle()
+        self.shards.settle_copies()   # the step rewrites host rows the last copies read
+        self._stepped = not skip
+        if not skip:
+            # Each unit's updated rows head back as soon as its home is done with it,
+            # overlapping the step of the next one; a home that steps with zerofn's CPU
+            # Adam unscales and clips the gradients as it reads them. Memory a home reuses
+            # within the step (the host ring, NVMe's staging ring) waits for those copies.
+            self.homes.step(self.optimizer, self.grads.grads, self.shards.refresh_unit,
+                            self.grads.grad_scale, self.ctx.copies, self.early)
+            self.shards.await_shards()
 
     def after_step(self) -> None:
-        skipped = self.step_grads.overflow
+        skipped = self.grads.overflow
         if self.scaler is not None:
             self.scaler.update(skipped)
-        for s in self.slot_of.values():
-            s.opt_param.grad = None
-        self.step_grads.release()
-        if not skipped and not self._refreshed:
-            self._refresh_compute()   # torch.optim stepped the masters
+        self.grads.release()
         # [Note: no deferred gathers] The updated rows are all-gathered (units overlapping
         # one another) before step() returns: parameters are current whenever the user
         # looks, and no collective outlives the call, so none can outlive the process group.
-        self.comm.drain()
-        self.comm.end_step()
-        if self.replicas is not None:
-            self.replicas.end_step()
+        comm, replicas = self.ctx.comm, self.ctx.replicas
+        comm.drain()
+        comm.end_step()
+        if replicas is not None:
+            replicas.end_step()
         if self.placement is not None and not skipped:
             self.placement.after_step()     # ratio="auto", once: placement.py
-        self.observers.step_done()
+        self.ctx.observers.step_done()
 
-    def _host_grad_dtype(self, unit) -> torch.dtype:
-        """Gradients land on the host in the reduce dtype when CPU Adam reads them (scaled
-        fp16 too: it unscales as it reads, step.py's [Note: deferred scaling]); in the
-        master dtype when torch.optim steps them."""
-        precision = self.plan.precision
-        if cpu_adam_steps(self.optimizer):
-            return precision.reduce_dtype or unit.compute_dtype
-        return unit.master_dtype
+    def zero_grad(self) -> None:
+        """``optimizer.zero_grad()`` (and the model's): the reduced shards start over."""
+        self.grads.release()
+        self.reducer.zero_grad()
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float,
+                       error_if_nonfinite: bool) -> torch.Tensor:
+        """``zf.clip_grad_norm_`` (clip.py); the observers hear of the norm."""
+        total = clip_grads(self.grads, max_norm, norm_type, error_if_nonfinite)
+        self.ctx.observers.grad_norm(total)
+        return total
+
+    def restore(self) -> None:
+        """Undo the wiring: the optimizer's full parameters and state come back."""
+        self.grads.prepare()
+        self.grads.release()
+
+
+def loss_scaler(plan: Plan) -> LossScaler | None:
+    """DeepSpeed's rule: dynamic scaling for fp16 unless a static scale is given."""
+    p = plan.precision
+    if p.loss_scale is not None:
+        return LossScaler(dynamic=False, scale=p.loss_scale)
+    if p.param_dtype != torch.float16:
+        return None
+    return LossScaler(dynamic=True, scale=2.0 ** p.initial_scale_power,
+                      window=p.loss_scale_window, min_scale=p.min_loss_scale,
+                      hysteresis=p.hysteresis, consecutive_hysteresis=p.consecutive_hysteresis)
+
+
+def early_steps(ctx, homes, optimizer) -> EarlySteps | None:
+    """``overlap_step``'s host steps during backward ([Note: the host step during
+    backward], early_step.py), or None."""
+    return EarlySteps(homes, optimizer, ctx.copies) if ctx.plan.offload.overlap_step else None

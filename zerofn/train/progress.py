@@ -69,7 +69,7 @@ def banner(job: Job, model, opt, args) -> str:
                                  units_in_flight=rt.plan.offload.units_in_flight,
                                  largest_unit=world * max(u.shard_numel for u in rt.units),
                                  ratio=offloaded_share(rt) if job.offload else 1.0,
-                                 host_ring=rt.offload is not None and rt.offload.ring is not None,
+                                 host_ring=rt.host_ring(),
                                  **_stored_dtypes(rt.plan.offload))
         lines.append("model state per rank, estimated: " + _places(est))
     return "\n".join(lines)

@@ -10,7 +10,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from ...core import transforms as zt
+from ... import api as zt
 from .. import keys as K
 from ..utils import leaf_units, mark_from_config
 from .settings import DeepSpeedConfigWarning

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...core import transforms as zt
+from ... import api as zt
 
 
 class DeepSpeedConfigWarning(UserWarning):

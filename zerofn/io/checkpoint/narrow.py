@@ -18,15 +18,13 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def narrowed(rt, msd: dict, osd: dict) -> None:
     """Cast, in ``msd`` and ``osd`` (state dicts of ``rt``'s model and optimizer), the
-    masters and moments ``rt``'s offload stores in bf16 to bf16."""
-    if rt.offload is None:
-        return
+    masters and moments ``rt``'s homes store in bf16 to bf16."""
     names: dict = {}
     for name, slot in rt.slots_by_name().items():
         names.setdefault(slot, []).append(name)
     state = osd.get("state", {})
     for unit in rt.units:
-        master, moments = rt.offload.exact_dtypes(unit)
+        master, moments = rt.exact_dtypes(unit)
         for slot in unit.slots:
             for name in names.get(slot, ()):
                 _narrow(msd, name, master)

@@ -1,50 +1,89 @@
-"""Offload: master rows and optimizer state off the device, behind one interface
-(``Offload``, base.py): in host memory (host.py, host_lowp.py for fewer bits) or in a swap
-file (nvme.py), for all units or, with ``ratio``, for a share of them (split.py). The
-runtime chooses once, here, and never asks again."""
+"""Homes: where each unit's master rows and optimizer state live, behind one interface
+(``Home``, base.py): on the device (device.py), in host memory (host.py, host_lowp.py for
+fewer bits) or in a swap file (nvme.py), each unit in one of them (homes.py routes), the
+map chosen by tiers.py. The runtime chooses once, here, and never asks again."""
 from __future__ import annotations
 
 import torch
 
-from .base import ALIGN, HostArena, Offload, cpu_adam_steps
-from .host import HostOffload
-from .host_lowp import LowpHostOffload
-from .nvme import NvmeOffload
-from .nvme_file import nvme_problems, swap_bytes
-from .split import DeviceShare, SplitOffload, split_units
+from .base import ALIGN, FlatBuffers, HomeSpec, HostArena, Home, cpu_adam_steps
+from .device import DeviceHome
+from .homes import Homes
+from .host import HostHome
+from .host_lowp import LowpHostHome
+from .nvme import NvmeHome
+from .nvme_file import nvme_problems, state_bytes, swap_bytes
 from .stored import StoredForm
+from .tiers import in_parameter_order, placement_problems, tiers_of
 
-__all__ = ["ALIGN", "HostArena", "HostOffload", "LowpHostOffload", "NvmeOffload", "Offload",
-           "auto_problems", "cpu_adam_steps", "make_offload", "offload_problems",
-           "split_units"]
+__all__ = ["ALIGN", "DeviceHome", "FlatBuffers", "Home", "HomeSpec", "Homes", "HostArena", "HostHome",
+           "LowpHostHome", "NvmeHome", "auto_problems", "cpu_adam_steps", "form_of",
+           "HostCosts", "in_parameter_order", "make_homes", "offload_problems"]
 
 
 def offload_problems(policy, optimizer, units, param_dtypes: dict, compute_dtype,
                      order: dict) -> list[str]:
     """What stops the offload ``policy`` asks for: checked on every rank before any
-    collective. ``order``: the model's parameters' indices (which units stay, split.py)."""
+    collective. ``order``: the model's parameters' indices (which units stay, tiers.py)."""
     problems = lowp_problems(policy, optimizer, units, compute_dtype)
-    if policy.device == "nvme":
-        host, _ = split_units(units, policy.ratio, order)
-        problems += nvme_problems(policy.path, swap_bytes(host, param_dtypes, form_of(policy)),
-                                  optimizer, units)
+    problems += placement_problems(units, policy)
+    if problems or policy.device is None:
+        return problems
+    try:
+        tiers = tiers_of(units, policy, order, HostCosts(policy, optimizer))
+    except ValueError as e:
+        return problems + [str(e)]
+    swapped = [u for u in units if tiers[u] == "nvme"]
+    if swapped:
+        problems += nvme_problems(policy.path, swap_bytes(swapped, param_dtypes, form_of(policy)),
+                                  optimizer, swapped)
     return problems
 
 
 def form_of(policy) -> StoredForm:
-    """How the offload stores masters and moments (stored.py)."""
+    """How the host and the swap file store masters and moments (stored.py)."""
     return StoredForm(policy.state_dtype, policy.master_dtype, policy.seed)
 
 
+class HostCosts:
+    """What units cost in host memory under ``policy`` with ``optimizer``, for ratio="auto"'s
+    ``host_budget`` (tiers.py): a unit on the host holds its stored state (masters and Adam's
+    moments in their stored form; masters alone for another optimizer, which makes its own
+    state elsewhere) and, where the compute dtype is not the masters', a copy of its rows;
+    every offloaded unit's gradients land in a host buffer; and once any unit is in the
+    swap file, its staging ring holds ``units_in_flight`` of the largest block."""
+
+    def __init__(self, policy, optimizer):
+        self.form, self.in_flight = form_of(policy), policy.units_in_flight
+        self.cpu_adam = cpu_adam_steps(optimizer)
+
+    def on_host(self, unit) -> int:
+        """The unit's state and rows on the host (its landing buffer is ``landing``)."""
+        master = self.form.master_dtype_of(unit)
+        state = self.form.state_bytes(unit) if self.cpu_adam else unit.shard_numel * master.itemsize
+        rows = unit.shard_numel * unit.compute_dtype.itemsize if unit.compute_dtype != master else 0
+        return state + rows
+
+    @staticmethod
+    def landing(unit) -> int:
+        return unit.shard_numel * unit.compute_dtype.itemsize
+
+    def staging(self, units) -> int:
+        """The swap file's staging ring in host memory, for a file holding ``units``."""
+        return self.in_flight * max((state_bytes(u, self.form) for u in units), default=0)
+
+
 def auto_problems(policy, device, replicated: bool) -> list[str]:
-    """What ratio="auto" cannot do yet, or cannot measure."""
+    """What ratio="auto" cannot do, or cannot measure."""
     if policy.ratio != "auto" or policy.device is None:
         return []
     why = []
-    if policy.device != "cpu" or policy.params or (policy.state_dtype, policy.master_dtype) != (
-            torch.float32, torch.float32):
-        why.append("it moves offload('cpu')'s fp32 state; the swap file, parameter offload "
-                   "and state in fewer bits take a number")
+    if policy.params:
+        why.append("it moves optimizer state, and a unit's parameter shard would have to "
+                   "move with it: give params=True a number")
+    if policy.device == "nvme" and policy.host_budget is None:
+        why.append("with NVMe it fills the host up to host_budget first: give host_budget "
+                   "(bytes), or a ratio")
     if replicated:
         why.append("under HSDP give a number: the replicas would each measure their own peak")
     if device.type != "cuda" and not isinstance(policy.device_budget, int):
@@ -76,38 +115,34 @@ def lowp_problems(policy, optimizer, units, compute_dtype) -> list[str]:
     return problems
 
 
-def make_offload(policy, units, optimizer, grad_dtype_of, param_dtypes: dict,
-                 rank: int, timing, order: dict, device) -> Offload | None:
-    """The offload ``policy`` names (None where it names none), timed by ``timing``.
-    ``rank``, the global one, names NVMe's swap file: HSDP's replicas share shard ranks.
-    ``order`` (parameter -> index in the model) decides which units stay on ``device``
-    under ``ratio`` < 1."""
-    if policy.device is None:
-        return None
-    offloaded, staying = split_units(units, policy.ratio, order)
-    params = {u: dtype for u, dtype in param_dtypes.items() if u in offloaded}
-    host = _offload_of(policy, offloaded, optimizer, grad_dtype_of, params, rank, timing)
-    if not staying and policy.ratio != "auto":
-        return host
-    return SplitOffload(host, DeviceShare(staying, grad_dtype_of, optimizer, device, timing))
-
-
-def _offload_of(policy, units, optimizer, grad_dtype_of, param_dtypes, rank,
-                timing) -> Offload:
-    if policy.device == "nvme":
-        return NvmeOffload(units, optimizer, policy.path, rank, policy.units_in_flight,
-                           grad_dtype_of, param_dtypes, timing, form_of(policy))
-    if (policy.state_dtype, policy.master_dtype) != (torch.float32, torch.float32):
-        return LowpHostOffload(units, grad_dtype_of, optimizer, timing,
-                               ring=_rings(policy), state_dtype=policy.state_dtype,
-                               master_dtype=policy.master_dtype, seed=policy.seed)
-    return HostOffload(units, grad_dtype_of, optimizer, timing,
-                       per_unit=policy.ratio == "auto", ring=_rings(policy))
+def make_homes(spec: HomeSpec, units, order: dict, sharded, per_unit: bool) -> Home:
+    """The home of every unit's state under ``spec.policy`` (tiers.py chooses each unit's):
+    one home, or ``Homes`` over several. ``order``: parameter name -> index in the model;
+    ``sharded``: ZeRO-3's sharded units; ``per_unit``: the device steps one unit at a time."""
+    policy = spec.policy
+    tiers = tiers_of(units, policy, order, HostCosts(policy, spec.optimizer))
+    of = {t: [u for u in units if u.slots and tiers[u] == t] for t in ("device", "host", "nvme")}
+    # (a device home exists under ratio="auto" even empty: units move into it)
+    empty_device = policy.ratio == "auto" or not any(of.values())
+    used = [t for t in ("device", "host", "nvme") if of[t] or (t == "device" and empty_device)]
+    # Units without parameters (a root whose parameters all live in blocks) hold no
+    # state: the first home takes them, so that every unit has one.
+    of[used[0]] = of[used[0]] + [u for u in units if not u.slots]
+    parts = []
+    if "device" in used:
+        parts.append(DeviceHome(of["device"], spec, sharded, per_unit))
+    if "host" in used:
+        lowp = (policy.state_dtype, policy.master_dtype) != (torch.float32, torch.float32)
+        parts.append((LowpHostHome if lowp else HostHome)(
+            of["host"], spec, policy.ratio == "auto", _rings(policy)))
+    if "nvme" in used:
+        parts.append(NvmeHome(of["nvme"], spec, form_of(policy)))
+    return parts[0] if len(parts) == 1 else Homes(parts)
 
 
 def _rings(policy) -> bool:
     """Whether the host's gradients and updated rows pass through a ring (offload/ring.py):
     not where they must land during backward (the host steps then, under overlap_step),
-    where ratio="auto" may move a unit's landing buffer to the device, or where the
-    compute rows live on the host (params=True: they are the parameter shards)."""
+    where ratio="auto" may move a unit's state to the device, or where the compute rows
+    live on the host (params=True: they are the parameter shards)."""
     return not (policy.overlap_step or policy.ratio == "auto" or policy.params)

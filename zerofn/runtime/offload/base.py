@@ -1,22 +1,25 @@
-"""What every offload is to the runtime: the ``Offload`` interface, and the host arenas
-both kinds allocate from.
+"""What every home of a unit's state is to the runtime: the ``Home`` interface, and the
+allocations homes hand out views of.
 
-An offload keeps a unit's master rows and optimizer state off the device (host memory,
-or a swap file), lands its reduced gradients in host buffers, and steps the optimizer
-there. The runtime talks to it only through ``Offload``: no caller asks which kind it
-holds, so a new placement (a share kept on the device, another state dtype) is a new
-class, not new branches.
+A home holds a unit's master rows and optimizer state, and steps them: on the device
+(``DeviceHome``, device.py), in host memory (``HostHome``, ``LowpHostHome``) or in a swap
+file (``NvmeHome``). Every unit has exactly one, and ``Homes`` (homes.py) routes each call
+to the unit's own where several share a model. The runtime talks to it only through
+``Home``: no caller asks which kind it holds, so a new placement is a new class, not new
+branches; "no offload" is the device home, not the absence of one.
 
 Lifetime, per runtime: built at set-up from the units; ``place_masters`` takes each unit's
 initial rows once (and ``param_shard`` its ZeRO-3 compute shard under ``params=True``);
 ``register_state`` hands the optimizer its state tensors; then every step lands the
-gradients in ``grads`` and calls ``step``, which gives each unit's updated compute rows to
-the runtime as soon as the unit is done. ``materialize`` makes the state readable for a
-state-dict access until the next step; ``recast`` follows masters changed outside a step.
+gradients the home takes during backward in ``grads`` and calls ``step``, which gives each
+unit's updated compute rows to the runtime as soon as the unit is done. ``materialize``
+makes the state readable for a state-dict access until the next step; ``recast`` follows
+masters changed outside a step.
 """
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +51,32 @@ class HostArena:
         return start <= t.untyped_storage().data_ptr() < start + self.buffer.nbytes
 
 
+class FlatBuffers:
+    """``{key: (dtype, numel)}`` as zeroed views of one buffer per dtype (``views``), each
+    starting ``align`` elements apart (256 bytes for fp32), as vector kernels like: one
+    allocation per kind and dtype, where many small long-lived blocks made while a
+    meta-built model's transient full units come and go would fragment the host heap.
+    ``holds`` tells accounting which storage they share (memory.py)."""
+
+    def __init__(self, sizes: dict, device: torch.device, align: int = 64):
+        self.views: dict = {}
+        self._storages = []
+        for dtype in {dt for dt, _ in sizes.values()}:
+            mine = {k: n for k, (dt, n) in sizes.items() if dt == dtype}
+            padded = {k: -(-n // align) * align for k, n in mine.items()}
+            buf = torch.zeros(sum(padded.values()), dtype=dtype, device=device)
+            self._storages.append(buf.untyped_storage())
+            at = 0
+            for k, n in mine.items():
+                self.views[k] = buf[at:at + n]
+                at += padded[k]
+        self.where = device.type
+
+    def holds(self, t: torch.Tensor) -> bool:
+        ptr = t.untyped_storage().data_ptr()
+        return any(s.data_ptr() == ptr for s in self._storages)
+
+
 def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -73,23 +102,51 @@ def decoupled_weight_decay(optimizer) -> bool:
         optimizer.param_groups[0].get("decoupled_weight_decay", False))
 
 
-class Offload(abc.ABC):
-    """A place off the device for master rows and optimizer state (see the module note).
+@dataclass(frozen=True)
+class HomeSpec:
+    """What every home is built from: the optimizer it steps for, the offload policy (how
+    its state is stored, where the swap file goes), the device, the global rank (which
+    names a swap file: HSDP's replicas share shard ranks), the timing its work fills, and
+    ZeRO-3 ``params=True``'s compute dtype per unit whose shard a home holds."""
+
+    optimizer: torch.optim.Optimizer
+    policy: object                  # core/plan.py's OffloadPolicy
+    reduce_dtype: torch.dtype | None
+    device: torch.device
+    rank: int = 0
+    timing: object = UNTIMED
+    param_dtypes: dict = field(default_factory=dict)
+
+    def grad_dtype(self, unit: Unit) -> torch.dtype:
+        """What a unit's gradients land in off the device: the reduce dtype where zerofn's
+        CPU Adam reads them (scaled fp16 too: it unscales as it reads, step.py's [Note:
+        deferred scaling]); the masters' where torch.optim steps them."""
+        if cpu_adam_steps(self.optimizer):
+            return self.reduce_dtype or unit.compute_dtype
+        return unit.master_dtype
+
+
+class Home(abc.ABC):
+    """Where units' master rows and optimizer state live, and are stepped (see the module
+    note).
 
     Attributes:
-        grads: ``{unit: host buffer}`` the unit's reduced gradient rows land in during
-            backward; a unit not in it keeps them on the device until the step.
+        grads: ``{unit: buffer}`` the unit's reduced gradient rows land in during backward
+            (off the device); a unit not in it keeps them on the device until the step.
         cpu_adam: zerofn's CPU Adam steps (step.py then defers unscaling and clipping to
-            its kernel); else the user's torch.optim optimizer steps host masters.
+            its kernel); else the user's torch.optim optimizer steps the masters.
         param_reader: ZeRO-3 parameter shards read ahead of their gathers (``take(unit)``)
             where they live in a file, else None.
         time_series: the monitor's series this offload's work fills.
     """
 
     timing = UNTIMED     # runtime/timing.py: the runtime's, given to the constructor
+    tier = "host"        # where its state lives: "device", "host" or "nvme"
+    units: list          # the units it holds
     grads: dict
     cpu_adam: bool
     param_reader = None
+    ring = None          # ring.py's HostRing, where gradients and rows cross through one
     time_series: tuple[str, ...] = ()
 
     @abc.abstractmethod
@@ -112,13 +169,13 @@ class Offload(abc.ABC):
 
     @abc.abstractmethod
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
-             copies=None) -> None:
-        """Step every unit with a gradient in ``grads`` (``{slot: rows}``: host rows where
-        the unit's gradients landed in ``self.grads``, else the device's, which the step
-        copies down itself), gradients times ``grad_scale`` as they are read;
-        ``after_unit(unit, rows)`` takes each unit's updated compute rows at once.
-        ``copies`` (runtime/copies.py) orders this offload's own copies, and memory it
-        rewrites within the step after the copies up from it."""
+             copies=None, early=None) -> None:
+        """Step every unit with a gradient in ``grads`` (``{slot: rows}``: the rows where
+        the unit's gradients landed in ``self.grads``, else the device's), gradients times
+        ``grad_scale`` as they are read; ``after_unit(unit, rows)`` takes each unit's
+        updated compute rows at once. ``copies`` (runtime/copies.py) orders this home's own
+        copies, and memory it rewrites within the step after the copies up from it;
+        ``early`` (early_step.py) holds the units stepped during backward already."""
 
     @abc.abstractmethod
     def updated_rows(self, unit: Unit) -> torch.Tensor | None:
@@ -136,8 +193,10 @@ class Offload(abc.ABC):
         """Host copies of the rows in the compute dtype (model state, for accounting)."""
         return []
 
-    early = None   # runtime/early_step.py's EarlySteps, under overlap_step
-    ring = None    # ring.py's HostRing, where gradients and rows cross through one
+    def masters_on_device(self, unit: Unit) -> bool:
+        """Whether ``unit``'s masters are device memory (a compute shard in their dtype may
+        then be the masters themselves)."""
+        return False
 
     def steps_early(self, unit: Unit) -> bool:
         """Whether ``step_unit`` can step ``unit`` alone, during backward
@@ -153,12 +212,13 @@ class Offload(abc.ABC):
         """Stop holding ``units``, which another part took over (ratio="auto")."""
         raise NotImplementedError(f"{type(self).__name__} keeps every unit it was given")
 
-    def attach_early(self, early) -> None:
-        self.early = early
-
-    def staying(self) -> list[Unit]:
-        """The units whose masters and state stay on the device (``ratio`` < 1)."""
+    def on_device(self) -> list[Unit]:
+        """The units whose masters and state live on the device."""
         return []
+
+    def home_of(self, unit: Unit) -> str:
+        """Where ``unit``'s state lives: "device", "host" or "nvme"."""
+        return self.tier
 
     def exact_dtypes(self, unit: Unit) -> tuple[torch.dtype, torch.dtype]:
         """``(masters, moments)``: the narrowest dtypes that hold ``unit``'s masters and

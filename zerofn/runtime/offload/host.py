@@ -18,22 +18,23 @@ from __future__ import annotations
 import torch
 
 from ..pinned import pins
-from ..timing import UNTIMED
+from ..optimizer import step_without_hooks
 from ...core.units import Unit
 from .adam import adam_unit, cast_the_rest, groups_by_param
-from .base import (HostArena, Offload, cpu_adam_steps, decoupled_weight_decay, device_of,
+from .base import (HomeSpec, HostArena, Home, cpu_adam_steps, decoupled_weight_decay, device_of,
                    rows_into)
 from .ring import HostRing
 
 
-class HostOffload(Offload):
+class HostHome(Home):
     """Per unit on the host: master rows, a gradient landing buffer and, for Adam, its state."""
 
     time_series = ("d2h", "h2d")
 
-    def __init__(self, units: list[Unit], grad_dtype_of, optimizer, timing=UNTIMED,
-                 per_unit: bool = False, ring: bool = False):
-        self.timing = timing
+    def __init__(self, units: list[Unit], spec: HomeSpec, per_unit: bool = False,
+                 ring: bool = False):
+        optimizer, grad_dtype_of = spec.optimizer, spec.grad_dtype
+        self.timing = spec.timing
         # per_unit: an arena for each unit (not one for all), so that ``release`` gives a
         # unit's host memory back (offload's ratio="auto" moves units to the device).
         self._groups = _per_unit if per_unit else _by_dtype
@@ -48,7 +49,7 @@ class HostOffload(Offload):
         self.compute_dtype = {u: u.compute_dtype or self.master_dtype[u] for u in units}
         self.master, self.exp_avg, self.exp_avg_sq = {}, {}, {}
         self._arenas = []
-        self._units = units
+        self.units = units
         self._allocate_state()
         self._steps = None
         self.compute_copy = {}
@@ -72,7 +73,7 @@ class HostOffload(Offload):
         already in its dtype, and page-locked. A copy that also casts would cast on the host
         into pageable memory and hold the step meanwhile. Under parameter offload this copy
         is the parameter shard (``param_shard``)."""
-        units = self._units
+        units = self.units
         self.compute_copy = self._shards({u: self._rows_dtype(u) for u in units
                                           if self._rows_dtype(u) is not None})
         self.grads = self._shards({u: grad_dtype_of(u) for u in units})
@@ -109,7 +110,7 @@ class HostOffload(Offload):
         """Stop holding ``units`` (another part took them over): with per-unit arenas their
         host memory goes back once the optimizer no longer views it."""
         gone = set(units)
-        self._units = [u for u in self._units if u not in gone]
+        self.units = [u for u in self.units if u not in gone]
         for u in gone:
             for table in (self.master, self.exp_avg, self.exp_avg_sq, self.compute_copy,
                           self.grads):
@@ -165,7 +166,7 @@ class HostOffload(Offload):
         """Views of the flat Adam state; a torch optimizer keeps its own state."""
         if not self.cpu_adam:
             return
-        units = self._units
+        units = self.units
         trainable = [s for u in units for s in u.trainable]
         self._steps = HostArena([1] * len(trainable), torch.float32)
         for u in units:
@@ -179,15 +180,32 @@ class HostOffload(Offload):
                 optimizer.state[s.opt_param] = state
 
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
-             copies=None) -> None:
+             copies=None, early=None) -> None:
         """Unit by unit. Without the ring, the rows each unit's ``after_unit`` copies out
         are rewritten only by the next step, which settles those copies first."""
         if self.ring is not None:
             return self._step_through_ring(optimizer, grads, after_unit, grad_scale, copies)
+        if not self.cpu_adam:
+            return self._torch_step(optimizer, grads, after_unit)
         group_of = groups_by_param(optimizer)
-        for u in self._units:
-            if self.early is None or not self.early.take(u):   # (stepped during backward)
+        for u in self.units:
+            if early is None or not early.take(u):   # (stepped during backward)
                 self._adam(optimizer, group_of, u, grads, self.compute_copy.get(u), grad_scale)
+            after_unit(u, self.updated_rows(u))
+
+    def _torch_step(self, optimizer, grads: dict, after_unit) -> None:
+        """Another optimizer steps the host masters itself, from the landed gradients as
+        their ``.grad`` (without its step hooks: they fire once, for the user's own call);
+        the rows go up cast as ``updated_rows`` gives them."""
+        slots = [s for u in self.units for s in u.trainable]
+        for s in slots:
+            s.opt_param.grad = grads.get(s)
+        try:
+            step_without_hooks(optimizer)
+        finally:
+            for s in slots:
+                s.opt_param.grad = None
+        for u in self.units:
             after_unit(u, self.updated_rows(u))
 
     def _step_through_ring(self, optimizer, grads: dict, after_unit, grad_scale: float,
@@ -195,7 +213,7 @@ class HostOffload(Offload):
         """[Note: the host ring]: each unit's gradients come down (``grads`` holds the
         device's rows) while the unit before steps; its rows go up from the same slot."""
         group_of = groups_by_param(optimizer)
-        units = [u for u in self._units if u.slots]
+        units = [u for u in self.units if u.slots]
         if units:
             self._bring_down(0, units[0], grads, copies)
         for i, u in enumerate(units):

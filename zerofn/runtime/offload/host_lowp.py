@@ -27,42 +27,44 @@ from __future__ import annotations
 
 import torch
 
-from ..timing import UNTIMED
 from .base import HostArena, point_at, stand_in
-from .host import HostOffload
+from .host import HostHome, _per_unit
 from .stored import StoredForm
 
 
-class LowpHostOffload(HostOffload):
-    """``HostOffload`` with the state stored in fewer bits (see the module notes)."""
+class LowpHostHome(HostHome):
+    """``HostHome`` with the state stored in fewer bits (see the module notes)."""
 
-    def __init__(self, units, grad_dtype_of, optimizer, timing=UNTIMED,
-                 *, ring: bool = False, state_dtype=torch.float32, master_dtype=torch.float32,
-                 seed: int = 0):
-        self.form = StoredForm(state_dtype, master_dtype, seed)
+    def __init__(self, units, spec, per_unit: bool = False, ring: bool = False):
+        policy = spec.policy
+        self.form = StoredForm(policy.state_dtype, policy.master_dtype, policy.seed)
         self.state: dict = {}       # unit -> its UnitState (views of the arenas)
         self._unit_of = {s: u for u in units for s in u.slots}
         self.resident: dict = {}    # unit -> fp32 (master, exp_avg, exp_avg_sq) while decoded
-        super().__init__(units, grad_dtype_of, optimizer, timing, ring=ring)
+        super().__init__(units, spec, per_unit, ring)
 
     # -- storage -------------------------------------------------------------------------
     def _allocate_state(self) -> None:
         """Masters in their stored dtype (page-locked: with bf16 masters they are the rows
-        the device reads), moments in theirs, and the fp32 extras (int8's block scales)."""
-        units, form = self._units, self.form
-        sizes = [u.shard_numel for u in units]
-        self.master_dtype = {u: form.master_dtype for u in units}
-        masters = HostArena(sizes, form.master_dtype, self.pin)
-        moments = HostArena(sizes * 2, form.moments_dtype)
-        extras = HostArena([form.extras_numel(u) for u in units], torch.float32)
-        for u in units:
-            self.master[u] = masters.take(u.shard_numel)
-            self.exp_avg[u], self.exp_avg_sq[u] = (moments.take(u.shard_numel),
-                                                   moments.take(u.shard_numel))
-            self.state[u] = form.unit_state(u, self.master[u], self.exp_avg[u],
-                                            self.exp_avg_sq[u], extras.take(form.extras_numel(u)))
-            form.zero(self.state[u])
-        self._arenas += [masters, moments, extras]
+        the device reads), moments in theirs, and the fp32 extras (int8's block scales):
+        three arenas for all units, or for each (ratio="auto" gives a moved unit's back)."""
+        form = self.form
+        self.master_dtype = {u: form.master_dtype for u in self.units}
+        for units in [[u] for u in self.units] if self._groups is _per_unit else [self.units]:
+            sizes = [u.shard_numel for u in units]
+            masters = HostArena(sizes, form.master_dtype, self.pin)
+            moments = HostArena(sizes * 2, form.moments_dtype)
+            extras = HostArena([form.extras_numel(u) for u in units], torch.float32)
+            for u in units:
+                self.master[u] = masters.take(u.shard_numel)
+                self.exp_avg[u], self.exp_avg_sq[u] = (moments.take(u.shard_numel),
+                                                       moments.take(u.shard_numel))
+                self.state[u] = form.unit_state(u, self.master[u], self.exp_avg[u],
+                                                self.exp_avg_sq[u],
+                                                extras.take(form.extras_numel(u)))
+                form.zero(self.state[u])
+            for arena in (masters, moments, extras):
+                self._keep(arena, units)
 
     def state_buffers(self) -> list[torch.Tensor]:
         masters = list(self.master.values()) if self.form.master_dtype != torch.float32 else []
@@ -85,7 +87,7 @@ class LowpHostOffload(HostOffload):
         return master
 
     def register_state(self, optimizer) -> None:
-        trainable = [s for u in self._units for s in u.trainable]
+        trainable = [s for u in self.units for s in u.trainable]
         self._steps = HostArena([1] * (len(trainable) + 1), torch.float32)
         self._filler = self._steps.take(1)
         before = {}
@@ -102,12 +104,18 @@ class LowpHostOffload(HostOffload):
                     optimizer.state[s.opt_param][k].copy_(v)
             self.evict()
 
+    def release(self, units) -> None:
+        for u in units:
+            self.state.pop(u, None)
+            self.resident.pop(u, None)
+        super().release(units)
+
     # -- the fp32 face -------------------------------------------------------------------
     def materialize(self, optimizer) -> None:
         """Decode every unit's state into fp32 tensors and point the optimizer's at them."""
         if self.resident:
             return
-        for u in self._units:
+        for u in self.units:
             self.resident[u] = torch.zeros(3, u.shard_numel)
             self.form.decode(u, self.state[u], self.resident[u], self._faced_masters)
         self._point(self.resident)
@@ -128,7 +136,7 @@ class LowpHostOffload(HostOffload):
 
     def _point(self, flats) -> None:
         optimizer = self._optimizer
-        for u in self._units:
+        for u in self.units:
             for s in u.slots:
                 views = [s.shard_of(f) for f in flats[u]] if flats else [None] * 3
                 if self._faced_masters:
@@ -144,9 +152,9 @@ class LowpHostOffload(HostOffload):
         return not self.resident and super().steps_early(unit)
 
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
-             copies=None) -> None:
+             copies=None, early=None) -> None:
         self.evict()
-        super().step(optimizer, grads, after_unit, grad_scale, copies)
+        super().step(optimizer, grads, after_unit, grad_scale, copies, early)
 
     def recast(self) -> None:
         """Loaded fp32 state goes back to its stored form first."""

@@ -34,24 +34,27 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..pinned import host_buffer, pins
-from ..timing import UNTIMED
 from .adam import adam_unit, cast_the_rest, groups_by_param
-from .base import HostArena, Offload, decoupled_weight_decay, device_of, point_at, stand_in
+from .base import HomeSpec, HostArena, Home, decoupled_weight_decay, device_of, point_at, stand_in
 from .nvme_file import FLOAT, FP32, SwapFile, block_bytes, state_bytes
 from .stored import StoredForm
 from .param_reads import ParamReads
 
 
-class NvmeOffload(Offload):
+class NvmeHome(Home):
     """Adam/AdamW state and fp32 masters in a swap file, streamed through a staging ring;
     gradients land in host buffers. See the module notes."""
+
+    tier = "nvme"
 
     cpu_adam = True      # (nvme_problems refuses other optimizers at set-up)
     time_series = ("d2h", "h2d", "cpu_adam", "nvme_read", "nvme_write")
 
-    def __init__(self, units, optimizer, path: str, rank: int, in_flight: int, grad_dtype_of,
-                 param_dtypes: dict | None = None, timing=UNTIMED, form: StoredForm = FP32):
-        self.timing = timing     # (its I/O threads use its host clock)
+    def __init__(self, units, spec: HomeSpec, form: StoredForm = FP32):
+        optimizer, grad_dtype_of, policy = spec.optimizer, spec.grad_dtype, spec.policy
+        path, rank, in_flight = policy.path, spec.rank, policy.units_in_flight
+        param_dtypes = {u: dt for u, dt in spec.param_dtypes.items() if u in units}
+        self.timing = spec.timing     # (its I/O threads use its host clock)
         self.decoupled = decoupled_weight_decay(optimizer)
         pin = pins(device_of(units))     # what the device reads and writes is page-locked
         self.grads, self._arenas = {}, []
@@ -149,7 +152,7 @@ class NvmeOffload(Offload):
 
     # -- the step --------------------------------------------------------------------
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
-             copies=None) -> None:
+             copies=None, early=None) -> None:
         """Adam over every unit, streamed; ``after_unit(unit, master)`` refreshes the compute
         params from the updated master while it is in memory, and the copy that refresh
         started is waited for (``copies``) before its buffer is read into again. Gradients

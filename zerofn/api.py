@@ -1,5 +1,9 @@
 """The public transforms: each is a factory of a ``Transform`` that edits a plan.
 
+Above the runtime and the observers: applying a transform builds the runtime from the
+combined plan (``apply_plan``), with the failure watch and the TensorBoard monitor as the
+kinds of observer it asks (``OBSERVERS``), named here rather than registered by imports.
+
 A ``Transform`` is a callable ``(model, optimizer) -> (model, optimizer)`` holding only its
 options. Applying one to a model that an earlier transform already sharded rebuilds the
 runtime from the combined plan, so ``t2(*t1(m, o))`` equals ``compose(t1, t2)(m, o)``
@@ -14,26 +18,18 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .plan import (MONITOR_OPTIONS, OFFLOAD_OPTIONS, PARAM_OPTIONS, PRECISION_OPTIONS,
-                   SHARED_OPTIONS, Plan)
+from .core.plan import (MONITOR_OPTIONS, OFFLOAD_OPTIONS, PARAM_OPTIONS, PRECISION_OPTIONS,
+                        SHARED_OPTIONS, Plan)
+from .observe.failures import Watch
+from .observe.tensorboard import Monitor
+from .runtime import apply_plan
 
 Edit = Callable[[Plan], Plan]
 PROFILE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first")   # torch.profiler.schedule's
 
 
-def _not_wired(model, optimizer, edits):
-    raise RuntimeError("zerofn's runtime is not wired to the transforms: import zerofn "
-                       "(its face does it), not zerofn.core alone.")
-
-
-_applier = _not_wired
-
-
-def applied_by(apply_plan) -> None:
-    """Make transforms build their plans with ``apply_plan(model, optimizer, edits)``: the
-    runtime's, wired by zerofn's face, so the transforms (core) never import the runtime."""
-    global _applier
-    _applier = apply_plan
+# The kinds of observer every runtime is built with ([Note: observers] in runtime/events.py).
+OBSERVERS = (Watch, Monitor)
 
 
 class Transform:
@@ -44,7 +40,7 @@ class Transform:
         self._edits = edits
 
     def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        return _applier(model, optimizer, self._edits)
+        return apply_plan(model, optimizer, self._edits, OBSERVERS)
 
     def __repr__(self) -> str:
         return f"zerofn.{self.name}"
@@ -183,7 +179,8 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
             units_in_flight: int = 2, state_dtype: torch.dtype = torch.float32,
             master_dtype: torch.dtype = torch.float32, seed: int = 0,
             ratio: float | str = 1.0, overlap_step: bool = False,
-            device_budget: int | float | None = None) -> Transform:
+            device_budget: int | float | None = None, host_budget: int | None = None,
+            placement: dict | None = None) -> Transform:
     """Keep master parameters and optimizer state off the accelerator, and step there.
 
     ``offload("cpu")`` (ZeRO-Offload) holds them in host memory, pinned when an accelerator
@@ -220,6 +217,16 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
             to the device, first in parameter order; then the placement stays.
         device_budget: ratio="auto": the device memory the run may use, in bytes, or as a
             share of the memory free at set-up (default 0.9; CUDA devices only).
+        host_budget: ratio="auto" with ``offload("nvme", path=...)``: the host memory the
+            offloaded state may take, in bytes; the units first in parameter order fill it,
+            the rest live in the swap file (and the device takes the first of the host's
+            after the first step).
+        placement: each unit's home chosen by name: ``{"blocks.0": "device",
+            "blocks.[30-39]": "nvme", "<root>": "host"}`` (unit names, fnmatch patterns, and
+            ``[a-b]`` for a range of numbers; the first pattern a unit matches decides);
+            the units no pattern names go where ``device`` says. "nvme" needs ``path``.
+            ``zf.runtime_of(model)``'s units list the names (docs/offload.md, "Every unit
+            its home").
         overlap_step: ZeRO-2/3 with offload("cpu"): the host steps each unit as soon as
             its gradients are reduced, during the rest of backward. The same step, on
             conditions (each checked): no clipping, no fp16 scaling, and one reducing
@@ -247,12 +254,21 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
     if master_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"offload(master_dtype={master_dtype!r}): master rows are stored as "
                          "torch.float32 or torch.bfloat16.")
+    if placement is not None and not isinstance(placement, dict):
+        raise ValueError(f"offload(placement={placement!r}): placement takes a dict of unit "
+                         "names or patterns to 'device', 'host' or 'nvme'.")
+    if host_budget is not None and (ratio != "auto" or device != "nvme" or isinstance(
+            host_budget, bool) or not isinstance(host_budget, int) or host_budget < 0):
+        raise ValueError(f"offload(host_budget={host_budget!r}): give offload('nvme', "
+                         "ratio='auto') the host bytes its state may take (an int >= 0).")
     return _stage_transform("offload", 0, OFFLOAD_OPTIONS,
                             dict(offload=device, offload_params=params, offload_path=path,
                                  units_in_flight=units_in_flight, state_dtype=state_dtype,
                                  master_dtype=master_dtype, offload_seed=int(seed),
                                  offload_ratio=ratio if ratio == "auto" else float(ratio),
-                                 overlap_step=bool(overlap_step), device_budget=device_budget))
+                                 overlap_step=bool(overlap_step), device_budget=device_budget,
+                                 host_budget=host_budget,
+                                 offload_placement=dict(placement) if placement else None))
 
 
 def tensorboard(logdir, *, every: int = 10, ranks="0", profile: dict | None = None,
