@@ -1,7 +1,8 @@
 """tools/gpu_check's CPU-exercisable parts: its arguments and both ways of running it, the
 words of parts.toml and the page they render (the plan while nothing has run; figures,
-failures and goal verdicts from results), a failing part that does not stop the next, the
-overlap arithmetic of its profile, and its parity code path at world 3 with CPU tensors."""
+failures and goal verdicts from results; the committed page from the committed results), a
+failing part that does not stop the next, the overlap arithmetic of its profile, and its
+parity code path at world 3 with CPU tensors."""
 from __future__ import annotations
 
 import ast
@@ -45,17 +46,32 @@ def test_the_plan_lists_every_part_and_measures_nothing(tmp_path):
     assert not (tmp_path / "r.json").exists()     # a plan records no results
 
 
+def test_the_committed_page_is_what_the_committed_results_render():
+    """docs/gpu.md is written by hand nowhere: parts.toml's words and the renderer over
+    docs/gpu_results.json give it, byte for byte."""
+    saved = json.loads((ROOT / "docs" / "gpu_results.json").read_text())
+    assert report.render(saved) == (ROOT / "docs" / "gpu.md").read_text(), \
+        "docs/gpu.md is stale: python3 tools/gpu_check.py --render rewrites it"
+
+
 def test_both_command_lines_run_the_package(tmp_path):
     """``python3 tools/gpu_check.py``, the documented command, and the package run as a
-    folder write the same plan, in fresh interpreters from another directory."""
+    folder write the same pages, in fresh interpreters from another directory."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    for i, entry in enumerate(("tools/gpu_check.py", "tools/gpu_check")):
-        plan = tmp_path / f"{i}.md"
-        subprocess.run([sys.executable, str(ROOT / entry), "--plan", "--report", str(plan),
-                        "--results", str(tmp_path / "none.json")], cwd=tmp_path, env=env,
-                       check=True)
-        assert plan.read_text() == report.render_plan()
-    assert not (tmp_path / "none.json").exists()
+    pages = []
+    for entry in ("tools/gpu_check.py", "tools/gpu_check"):
+        page = tmp_path / f"{len(pages)}.md"
+        subprocess.run([sys.executable, str(ROOT / entry), "--render", "--report", str(page),
+                        "--results", str(ROOT / "docs" / "gpu_results.json")],
+                       cwd=tmp_path, env=env, check=True)
+        pages.append(page.read_text())
+    saved = json.loads((ROOT / "docs" / "gpu_results.json").read_text())
+    assert pages[0] == pages[1] == report.render(saved)
+    plan = tmp_path / "plan.md"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check"), "--plan", "--report",
+                    str(plan), "--results", str(tmp_path / "none.json")], cwd=tmp_path,
+                   env=env, check=True)
+    assert plan.read_text() == report.render_plan() and not (tmp_path / "none.json").exists()
 
 
 def test_parts_toml_and_the_code_name_the_same_parts_and_goals():

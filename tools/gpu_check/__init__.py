@@ -5,6 +5,8 @@
     python3 tools/gpu_check.py --parts build,pending --budget 540
                                   # the parts not passed yet that fit in 540 s, after a build
     python3 tools/gpu_check.py --plan                     # docs/gpu.md as "not yet run"
+    python3 tools/gpu_check.py --render                   # docs/gpu.md again from the
+                                  # results as they are (after parts.toml changed), no run
 
 It runs offline on a machine with a CUDA build of torch (2.11 or later) installed and no
 package index. Each part is recorded whether it passes or fails, and a failure does not

@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "of SECONDS, so that a command under a time limit is never cut mid-part")
     p.add_argument("--plan", action="store_true",
                    help="write the report as 'not yet run', listing what the check runs")
+    p.add_argument("--render", action="store_true",
+                   help="rewrite the report from the results as they are, running no part "
+                   "(after parts.toml or the renderer changed)")
     p.add_argument("--results", default=RESULTS, help="JSON the results accumulate in")
     p.add_argument("--report", default=REPORT, help="the markdown report to write")
     p.add_argument("--copy-to", metavar="DIR", help="also copy report, results and trace here")
@@ -97,7 +100,7 @@ def main(argv=None) -> None:
         return profile_worker(args)
     deadline = None if args.budget is None else time.perf_counter() + args.budget
     results = load_results(args.results, args.fresh)
-    if args.plan:
+    if args.plan or args.render:
         write_report(args, results, save=False)
         return
     results["env"] = environment()
