@@ -222,6 +222,9 @@ def test_parity_at_world_3_with_cpu_tensors():
     assert result["status"] == "ok", result["lines"]
     assert len(result["figures"]) == 2 and all(e < parity.TOL for v in result["figures"].values()
                                                for e in v)
+    assert result["lines"][0].startswith("ok world 3, ZeRO-3 adamw x2 clip=0.05: params ")
+    # a config without options is named without a dangling space ("sgd x1 : params" was)
+    assert parity.config_name(2, (3, "sgd", 1, {})) == "world 2, ZeRO-3 sgd x1"
 
 
 def test_pending_stands_for_the_parts_not_passed_yet_in_order():

@@ -62,6 +62,14 @@ def _state_errors(ref, ref_opt, msd, osd) -> tuple[float, float]:
     return p_err, s_err
 
 
+def config_name(world: int, config) -> str:
+    """``world 2, ZeRO-3 adamw x2 clip=0.05``: the world, then the config's stage, optimizer,
+    micro-batches and options, where it has any."""
+    stage, kind, accum, opts = config
+    return " ".join([f"world {world}, ZeRO-{stage} {kind} x{accum}",
+                     *(f"{k}={v}" for k, v in opts.items())])
+
+
 def run_parity(worlds, device: str, configs=PARITY_CONFIGS, timeout: float = 600) -> dict:
     """Each world's ranks (killed after ``timeout`` seconds) against plain PyTorch."""
     if TESTS not in sys.path:
@@ -74,8 +82,7 @@ def run_parity(worlds, device: str, configs=PARITY_CONFIGS, timeout: float = 600
         for config, (p_err, s_err) in zip(configs, worst):
             good = p_err < TOL and s_err < TOL
             ok &= good
-            name = f"world {world}, ZeRO-{config[0]} {config[1]} x{config[2]} " + \
-                " ".join(f"{k}={v}" for k, v in config[3].items())
+            name = config_name(world, config)
             figures[name] = [p_err, s_err]
             lines.append(f"{'ok' if good else 'FAILS'} {name}: params {p_err:.2e}, "
                          f"optimizer state {s_err:.2e} (tolerance {TOL:g})")
