@@ -168,7 +168,9 @@ def test_a_failing_part_is_recorded_and_the_next_still_runs(tmp_path, monkeypatc
                         lambda args: dict(status="ok", figures={"passed": 5}, lines=["5 passed"]))
     monkeypatch.setattr(parts, "_extension_loads", lambda: True)   # (another interpreter)
     saved, page = tmp_path / "r.json", tmp_path / "gpu.md"
-    main(["--parts", "build,tests", "--results", str(saved), "--report", str(page)])
+    main(["--parts", "build,tests", "--results", str(saved), "--report", str(page),
+          "--copy-to", str(tmp_path / "out")])   # as the device sessions run it
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"r.json", "gpu.md"}
     done = json.loads(saved.read_text())["parts"]
     assert done["build"]["status"] == "failed" and "no CUDA device" in done["build"]["lines"][0]
     assert done["tests"]["status"] == "ok"
