@@ -70,7 +70,8 @@ class Backend:
     paths: list[tuple[str, str, str]]   # (path, what differs, what covers it)
 
 
-def _entry(entry: dict, where: str, required: set[str], optional: set[str] = frozenset()):
+def _entry(entry: dict, where: str, required: set[str],
+           optional: set[str] | frozenset[str] = frozenset()) -> dict:
     """``entry`` where it has every ``required`` key and no other than the ``optional``."""
     missing, unknown = required - set(entry), set(entry) - required - set(optional)
     if missing or unknown:
