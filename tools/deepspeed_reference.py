@@ -1,8 +1,10 @@
 """Record real DeepSpeed's numbers for zerofn.deepspeed's tests (tests/data/deepspeed/*.json).
 
 Runs the DeepSpeed-style scripts in tests/deepspeed_scripts/ under real DeepSpeed on 2
-gloo ranks (CPU accelerator), every micro-step's loss recorded, and records DeepSpeed's own
-WarmupLR / WarmupDecayLR / WarmupCosineLR values. DeepSpeed is never a dependency of
+gloo ranks (CPU accelerator), every micro-step's loss recorded with the dtypes of what
+DeepSpeed's ZeRO optimizer holds at the end (its master partitions, the state of the
+optimizer under it, the module's parameters), and records DeepSpeed's own WarmupLR /
+WarmupDecayLR / WarmupCosineLR values. DeepSpeed is never a dependency of
 zerofn or its tests: run this with the interpreter that has it, e.g.
 
     DS_ACCELERATOR=cpu /path/to/deepspeed-venv/bin/python tools/deepspeed_reference.py
@@ -38,6 +40,9 @@ import cases  # noqa: E402  (tests/deepspeed_scripts, put on the path above)
 
 
 def main() -> None:
+    if sys.argv[1:2] == [AS_RANK]:      # one rank of a DeepSpeed run that run_script started
+        run_rank(sys.argv[2], sys.argv[3:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=list(cases.CASES),
                         help="which cases to run (default: all)")
@@ -59,24 +64,72 @@ def main() -> None:
 
 
 # -- the training runs ------------------------------------------------------------------------
-def run_script(script: str, config: dict, tmp: str, env: dict) -> dict:
-    """``script`` on 2 ranks under torchrun with ``config``; the losses it recorded."""
+AS_RANK = "--as-rank"
+
+
+def run_script(entry: list[str], config: dict, tmp: str, env: dict) -> tuple[dict, str]:
+    """``entry`` (a script and the arguments before its own) on 2 ranks under torchrun with
+    ``config``; the losses it recorded, and the prefix of the files it wrote."""
     config_path = os.path.join(tmp, "ds_config.json")
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
     prefix = os.path.join(tmp, "losses")
     subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                    f"--nproc-per-node={cases.WORLD}", script]
+                    f"--nproc-per-node={cases.WORLD}", *entry]
                    + cases.script_args(config_path, prefix), check=True,
                    env=dict(env, OMP_NUM_THREADS="1"))
-    return cases.read_losses(prefix)
+    return cases.read_losses(prefix), prefix
+
+
+def run_rank(script: str, argv: list[str]) -> None:
+    """One rank: ``script`` with ``argv`` as ``python script argv`` runs it, then the dtypes of
+    what DeepSpeed's optimizer holds after training, next to the losses it wrote."""
+    import runpy
+    import deepspeed
+    engines, initialize = [], deepspeed.initialize
+
+    def kept(*args, **kwargs):
+        out = initialize(*args, **kwargs)
+        engines.append(out[0])
+        return out
+
+    deepspeed.initialize = kept
+    sys.argv = [script] + argv
+    runpy.run_path(script, run_name="__main__")
+    prefix = argv[argv.index("--losses") + 1]
+    with open(f"{prefix}.rank{engines[0].global_rank}.dtypes.json", "w") as f:
+        json.dump(optimizer_dtypes(engines[0]), f)
+
+
+def optimizer_dtypes(engine) -> dict:
+    """The dtypes DeepSpeed trains with: its ZeRO optimizer's master partitions
+    (``single_partition_of_fp32_groups`` at stages 1 and 2, ``fp32_partitioned_groups_flat``
+    at stage 3), the state of the optimizer it steps them with (the step counter left out),
+    and the module's parameters."""
+    import torch
+    zero = engine.optimizer
+    masters = getattr(zero, "single_partition_of_fp32_groups", None) \
+        or zero.fp32_partitioned_groups_flat
+    state: dict[str, set] = {}
+    for per_param in zero.optimizer.state.values():
+        for key, value in per_param.items():
+            if torch.is_tensor(value) and key != "step":
+                state.setdefault(key, set()).add(str(value.dtype))
+    return {"optimizer": f"{type(zero).__name__} over {type(zero.optimizer).__name__}",
+            "masters": sorted({str(m.dtype) for m in masters}),
+            "state": {key: sorted(dtypes) for key, dtypes in sorted(state.items())},
+            "module_parameters": sorted({str(p.dtype) for p in engine.module.parameters()})}
 
 
 def record_case(name: str, version: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config, notes = deepspeed_config(name, tmp)
-        ranks = run_script(os.path.join(SCRIPTS, cases.CASES[name][0]), config, tmp,
-                           dict(os.environ, DS_ACCELERATOR="cpu"))
+        script = os.path.join(SCRIPTS, cases.CASES[name][0])
+        ranks, prefix = run_script([os.path.abspath(__file__), AS_RANK, script], config, tmp,
+                                   dict(os.environ, DS_ACCELERATOR="cpu"))
+        for rank, record in ranks.items():
+            with open(f"{prefix}.{rank}.dtypes.json") as f:
+                record["dtypes"] = json.load(f)
         config = json.loads(json.dumps(config).replace(tmp, "<tmp>"))   # same on every run
     record = {"deepspeed": version, "world_size": cases.WORLD, "steps": cases.STEPS,
               "script": cases.CASES[name][0], "config_file": cases.CASES[name][1],
@@ -94,8 +147,8 @@ def compare_case(name: str) -> None:
         with open(script, "w") as f:
             f.write(cases.zerofn_source(name))
         path = os.pathsep.join([SCRIPTS, os.environ.get("PYTHONPATH", "")])
-        ranks = run_script(script, cases.comparable_config(name, os.path.join(tmp, "nvme")),
-                           tmp, dict(os.environ, PYTHONPATH=path))
+        ranks, _ = run_script([script], cases.comparable_config(name, os.path.join(tmp, "nvme")),
+                              tmp, dict(os.environ, PYTHONPATH=path))
     for rank, ref in recorded.items():
         ours = ranks[rank]["losses"]
         worst = max(abs(a - b) for a, b in zip(ours, ref["losses"]))

@@ -2,7 +2,9 @@
 
 Real DeepSpeed (``tools/deepspeed_reference.py``) and ``zerofn.deepspeed``
 (``tests/test_deepspeed_engine.py``) run the same script with the same config on 2 gloo
-ranks and record every micro-step's loss. Two adjustments hold on both sides:
+ranks and record every micro-step's loss. The ``BF16`` cases train a model built in bf16
+(a tiny Hugging Face Llama) in bf16 mode, as DeepSpeed's CPU accelerator runs it; the
+others train in fp32. Two adjustments hold on both sides:
 
 - fp16 runs as fp32 (``fp16.enabled`` false): DeepSpeed's CPU accelerator has no fp16.
   zerofn's fp16 loss scaling is exercised through the engine in a separate test.
@@ -25,7 +27,12 @@ CASES = {
     # DeepSpeed's ZeRO-3 example settings: its persistence threshold keeps every parameter
     # of a small model whole, so parameter offload has no sharded parameter at all.
     "zero3_persistent_fp16": ("train_client_optimizer.py", "zero3_persistent_fp16.json"),
+    # bf16.enabled with a bf16-built model: fp32 masters and optimizer state on both sides.
+    "zero2_bf16": ("train_causal_lm.py", "zero2_bf16.json"),
+    "zero2_offload_bf16": ("train_causal_lm.py", "zero2_offload_bf16.json"),
+    "zero3_bf16": ("train_causal_lm.py", "zero3_bf16.json"),
 }
+BF16 = ("zero2_bf16", "zero2_offload_bf16", "zero3_bf16")
 DEEPSPEED_IMPORT = "import deepspeed\n"
 ZEROFN_IMPORT = "import zerofn.deepspeed as deepspeed\n"
 
