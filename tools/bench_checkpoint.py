@@ -5,20 +5,22 @@
 
 A state shaped like a model of ``--params`` fp32 parameters in ``--tensors`` tensors with
 AdamW's two moments (3 x params values, and the optimizer's hyperparameters as DCP bytes
-entries) is saved and loaded on one process through DCP, each way ``--repeats`` times in
-turn, and the median of each is printed:
+entries) is saved and loaded on one process through DCP, each way ``--repeats`` times,
+the order rotating each time, and the median of each is printed:
 
 - save: torch's ``FileSystemWriter`` against zerofn's ``ChecksumWriter`` (every file
-  summed as it is written, ``checksums.json`` beside ``.metadata``); both fsync.
-- load: torch's ``FileSystemReader`` and ``DefaultLoadPlanner`` (plain pickles) against
-  what ``zerofn.load_checkpoint`` runs before and during DCP's load, without the
-  collectives: ``SafeReader.read_metadata`` (.metadata summed, restricted unpickler),
-  ``preflight`` (this process's files summed, every entry's pickle scanned) and
-  ``dcp.load`` through ``SafeReader`` and ``SafePlanner``; once of the checkpoint with
-  checksums, once of the same without (the scan alone).
+  summed as it is written, ``checksums.json`` beside ``.metadata``); both fsync, and each
+  writes into an empty directory.
+- load, all of the same files: torch's ``FileSystemReader`` and ``DefaultLoadPlanner``
+  (plain pickles) against what ``zerofn.load_checkpoint`` runs before and during DCP's
+  load, without the collectives: ``SafeReader.read_metadata`` (.metadata summed,
+  restricted unpickler), ``preflight`` (this process's files summed, every entry's pickle
+  scanned) and ``dcp.load`` through ``SafeReader`` and ``SafePlanner``; once with
+  ``checksums.json`` moved aside (the safe readers alone), once with it.
 
-The files are read back from the page cache, so load ratios are the readers' own cost,
-the most they add: from a cold disk the reads weigh more and the ratios shrink.
+The files are read back from the page cache where it holds them, so the load ratios are
+near the most the readers add: from a cold disk the reads weigh more. The CRC-32 of the
+files, summed on their own, is printed too: what the checksums add at most, on one core.
 """
 from __future__ import annotations
 
@@ -84,23 +86,34 @@ def main(argv=None) -> None:
     params = int(args.params)
     source, target = state(params, args.tensors, True), state(params, args.tensors, False)
     root = tempfile.mkdtemp(dir=args.dir)
-    plain, summed, bare = (os.path.join(root, n) for n in ("plain", "summed", "bare"))
+    plain, summed = os.path.join(root, "plain"), os.path.join(root, "summed")
+    sums, aside = os.path.join(summed, checksums.SUMS), os.path.join(root, checksums.SUMS)
+    saves = [("save, torch's writer", lambda: save(FileSystemWriter(plain), source), plain),
+             ("save, with checksums",
+              lambda: save(checksums.ChecksumWriter(summed), source), summed)]
+    loads = [("load, torch's reader", lambda: load_plain(summed, target), None),
+             ("load, safe reader", lambda: load_safe(summed, target), (sums, aside)),
+             ("load, safe reader and checksums", lambda: load_safe(summed, target), None)]
     times: dict[str, list[float]] = {}
     try:
-        for _ in range(args.repeats):
-            for path in (plain, summed, bare):
-                shutil.rmtree(path, ignore_errors=True)
-            times.setdefault("save, torch's writer", []).append(
-                timed(lambda: save(FileSystemWriter(plain), source)))
-            times.setdefault("save, with checksums", []).append(
-                timed(lambda: save(checksums.ChecksumWriter(summed), source)))
-            shutil.copytree(summed, bare)
-            os.remove(os.path.join(bare, checksums.SUMS))
-            for name, fn in (("load, torch's reader", lambda: load_plain(plain, target)),
-                             ("load, safe reader", lambda: load_safe(bare, target)),
-                             ("load, safe reader and checksums",
-                              lambda: load_safe(summed, target))):
+        for r in range(args.repeats):
+            for name, fn, path in saves[r % 2:] + saves[:r % 2]:
+                shutil.rmtree(plain, ignore_errors=True)
+                shutil.rmtree(summed, ignore_errors=True)
                 times.setdefault(name, []).append(timed(fn))
+                if path == summed:
+                    crc = timed(lambda: [checksums.file_sum(os.path.join(summed, n))
+                                         for n in os.listdir(summed)])
+                    times.setdefault("CRC-32 of the files alone", []).append(crc)
+            if not os.path.exists(summed):
+                save(checksums.ChecksumWriter(summed), source)
+            shutil.rmtree(plain, ignore_errors=True)
+            for name, fn, moved in loads[r % 3:] + loads[:r % 3]:
+                if moved:
+                    os.replace(*moved)
+                times.setdefault(name, []).append(timed(fn))
+                if moved:
+                    os.replace(*reversed(moved))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     gb = sum(t.numel() * 4 for t in source["model"].values()) * 3 / 1e9
@@ -108,8 +121,8 @@ def main(argv=None) -> None:
           f"{3 * params:,} fp32 values, {gb:.3g} GB; median of {args.repeats}")
     median = {k: statistics.median(v) for k, v in times.items()}
     for name, seconds in median.items():
-        base = median["save, torch's writer" if name.startswith("save") else
-                      "load, torch's reader"]
+        base = median["load, torch's reader" if name.startswith("load") else
+                      "save, torch's writer"]
         print(f"  {name:33s} {seconds:8.3f} s   x{seconds / base:.3f}")
 
 

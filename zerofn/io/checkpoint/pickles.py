@@ -122,7 +122,7 @@ def trust_class(cls, name: str | None = None):
     return cls
 
 
-def trusted() -> dict[str, object]:
+def trusted_globals() -> dict[str, object]:
     """``{module.qualname: object}`` of every global trusted through torch's registry."""
     out = {}
     for entry in torch.serialization.get_safe_globals():
@@ -168,7 +168,7 @@ class MetadataUnpickler(pickle.Unpickler):
     def __init__(self, file, where: str, survey: bool = False):
         super().__init__(file)
         self.where, self.survey, self.refused = where, survey, []
-        self._trusted = trusted()
+        self._trusted = trusted_globals()
 
     def find_class(self, module: str, name: str):
         path = f"{module}.{name}"
@@ -207,7 +207,7 @@ def globals_in(stream) -> set[str]:
 
 def refused_in(stream) -> list[str]:
     """The globals the archive ``stream`` names that a safe load refuses."""
-    return sorted(globals_in(stream) - ENTRY_GLOBALS - set(trusted()))
+    return sorted(globals_in(stream) - ENTRY_GLOBALS - set(trusted_globals()))
 
 
 def load_entry(stream, where: str, trusted_file: bool = False):

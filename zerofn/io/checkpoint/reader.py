@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from . import checksums, pickles
 
 EXTRA = "extra."     # zerofn's extras: each entry holds one more torch.save blob (extras.py)
+_SMALL = 1 << 20     # bytes: an entry this long is scanned from memory
 
 
 class SafeReader(FileSystemReader):
@@ -53,11 +54,14 @@ class SafeReader(FileSystemReader):
 
     def entry(self, file, item):
         """The stored entry ``item`` reads, as a seekable stream into the open ``file``
-        (through the checkpoint's stream transforms, as ``read_data`` reads it)."""
+        (through the checkpoint's stream transforms, as ``read_data`` reads it); a small
+        one read whole, which torch's archive reader then reads faster than the file."""
         info = self.storage_data[item.storage_index]
         stream = self.transforms.transform_load_stream(
             item, info.transform_descriptors or (), self._slice_file(file, info))
-        return stream if stream.seekable() else io.BytesIO(stream.read())
+        if stream.seekable() and info.length > _SMALL:
+            return stream
+        return io.BytesIO(stream.read())
 
 
 class SafePlanner(DefaultLoadPlanner):
