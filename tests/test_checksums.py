@@ -3,6 +3,7 @@ truncated file anywhere in a checkpoint fails the load on every rank, naming the
 before any value reaches the model, and ``zerofn verify`` finds it offline."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -24,8 +25,9 @@ from zerofn.io.checkpoint import audit, checksums
 
 pytestmark = pytest.mark.multirank
 
-DEEPSPEED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                         "deepspeed_checkpoints", "zero2_fp16_w2", "checkpoint")
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEEPSPEED = os.path.join(HERE, "data", "deepspeed_checkpoints", "zero2_fp16_w2", "checkpoint")
+BENCH = os.path.join(HERE, "..", "tools", "bench_checkpoint.py")
 TRIALS = 8          # flipped bits; as many truncations
 
 
@@ -142,3 +144,15 @@ def test_verify_and_consolidate_find_a_damaged_file(saved, tmp_path, capsys):
     assert f"damaged: {ckpt}/__0_0.distcp does not match its checksum" in said, said
     assert consolidate(["to-full", ckpt, str(tmp_path / "model.safetensors")]) == 1
     assert f"{ckpt}/__0_0.distcp does not match its checksum" in capsys.readouterr().err
+
+
+def test_the_benchmark_measures_every_way(capsys):
+    """tools/bench_checkpoint.py at a tiny size: every save and load it compares runs."""
+    spec = importlib.util.spec_from_file_location("bench_checkpoint", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--params", "3000", "--tensors", "3", "--repeats", "1"])
+    said = capsys.readouterr().out
+    for way in ("save, torch's writer", "save, with checksums", "CRC-32 of the files alone",
+                "load, torch's reader", "load, safe reader", "load, safe reader and checksums"):
+        assert way in said, said
