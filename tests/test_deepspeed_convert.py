@@ -262,8 +262,8 @@ def patched_load(monkeypatch, change):
     """Read the committed files, then ``change(key, data)`` before the converter sees them."""
     real = ds_read.load_file
 
-    def load(path, key):
-        data = real(path, key)
+    def load(path, key, *trusted):
+        data = real(path, key, *trusted)
         change(key, data)
         return data
 

@@ -4,7 +4,8 @@
     ...                        zerofn.shard_params())
     >>> model, opt = zero3(model, opt)
 """
-from .checkpoint import PerRank, RNGState, load_checkpoint, save_checkpoint, wait_for_checkpoint
+from .checkpoint import (PerRank, RNGState, load_checkpoint, save_checkpoint, trust_class,
+                         wait_for_checkpoint)
 from .core.estimate import estimate_model_state_bytes
 from .api import (Transform, compose, mixed_precision, offload, shard_grads, shard_optimizer,
                   shard_params, tensorboard)
@@ -21,6 +22,7 @@ __all__ = [
     "offload", "tensorboard", "log", "flush_logs", "set_log_step",
     "get_state_dict", "set_state_dict", "clip_grad_norm_", "model_state_bytes", "comm_stats",
     "estimate_model_state_bytes", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint",
+    "trust_class",
     "PerRank", "RNGState", "load_pretrained", "save_pretrained", "from_deepspeed_config",
     "RankFailure", "is_transformed",
 ]

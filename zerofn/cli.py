@@ -4,6 +4,7 @@
     zerofn estimate 7B --world 8       model-state bytes per rank by stage, place and role
     zerofn consolidate to-full CKPT OUT.safetensors
     zerofn convert deepspeed CKPT OUT  a DeepSpeed ZeRO checkpoint into a zerofn checkpoint
+    zerofn verify CKPT                 a checkpoint's contents, checksums and safety, offline
     zerofn report LOGDIR               PNG plots of a zf.tensorboard log directory
 
 Each subcommand is its module's own command line, imported only when it runs.
@@ -40,18 +41,21 @@ def main(argv=None) -> int:
         return consolidate.main(rest, prog="zerofn consolidate")
     if command == "convert":
         return _convert(rest)
+    if command == "verify":
+        from .io.checkpoint import audit
+        return audit.main(rest, prog="zerofn verify")
     if command == "report":
         from . import report           # matplotlib, only here
         return report.main(rest, prog="zerofn report")
     print(f"zerofn: unknown command {command!r}; the commands are train, estimate, "
-          f"consolidate, convert, report (see `zerofn --help`).", file=sys.stderr)
+          f"consolidate, convert, verify, report (see `zerofn --help`).", file=sys.stderr)
     return 2
 
 
 def _convert(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: zerofn convert deepspeed CKPT OUT [--tag TAG]\n\nConvert another "
-              "framework's checkpoint into a zerofn checkpoint. Sources: deepspeed.")
+        print("usage: zerofn convert deepspeed CKPT OUT [--tag TAG] [--trusted]\n\nConvert "
+              "another framework's checkpoint into a zerofn checkpoint. Sources: deepspeed.")
         return 0 if argv else 2
     if argv[0] != "deepspeed":
         print(f"zerofn convert: unknown source {argv[0]!r}; zerofn converts from: deepspeed.",

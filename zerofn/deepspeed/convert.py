@@ -1,6 +1,6 @@
 """Convert a DeepSpeed ZeRO-1/2/3 checkpoint into a zerofn checkpoint.
 
-    python -m zerofn.deepspeed.convert CKPT_DIR OUT_DIR [--tag TAG]
+    python -m zerofn.deepspeed.convert CKPT_DIR OUT_DIR [--tag TAG] [--trusted]
 
 ``CKPT_DIR`` is what ``engine.save_checkpoint(CKPT_DIR)`` wrote (its ``latest`` names the
 checkpoint to read), one of its ``global_stepN`` directories, or the save dir with
@@ -16,7 +16,8 @@ and the client state given to ``save_checkpoint`` (as extras). DeepSpeed's own b
 rides along in one extra, ``deepspeed``. See docs/deepspeed_checkpoints.md.
 
 DeepSpeed is not needed: its pickled objects are read by a restricted unpickler that gives
-each DeepSpeed class an inert stand-in (``ds_files``), and the flat partitions are cut apart
+each DeepSpeed class an inert stand-in and refuses any other class a file names unless
+``--trusted`` (``ds_files``), and the flat partitions are cut apart
 from the layout facts written down in ``ds_partitions.zero12_params`` and ``zero3_params``.
 ``read_checkpoint`` (``ds_read``) reads it all into full tensors; this module writes them as
 a zerofn checkpoint.
@@ -29,8 +30,7 @@ import shutil
 import sys
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-
+from ..io.checkpoint.checksums import ChecksumWriter
 from ..io.checkpoint.extras import to_bytes
 from ..io.checkpoint.layout import publish, step_name
 from ..io.consolidate import single_process
@@ -38,7 +38,8 @@ from ..runtime.optimizer import SCALER_KEY
 from .ds_read import DeepSpeedCheckpoint, read_checkpoint
 
 
-def convert(path, out, tag: str | None = None) -> tuple[str, DeepSpeedCheckpoint]:
+def convert(path, out, tag: str | None = None, *,
+            trusted: bool = False) -> tuple[str, DeepSpeedCheckpoint]:
     """Convert the DeepSpeed checkpoint at ``path`` into a zerofn checkpoint root ``out``.
 
     Args:
@@ -46,6 +47,8 @@ def convert(path, out, tag: str | None = None) -> tuple[str, DeepSpeedCheckpoint
         out: the zerofn checkpoint root to write (created if missing); the converted
             checkpoint becomes ``out/step-N`` (N = DeepSpeed's global step) and ``latest``.
         tag: a checkpoint tag under ``path`` instead of its ``latest``.
+        trusted: convert even where the files pickle classes other than DeepSpeed's (they
+            are stood in for and dropped, never run); without it they are refused.
 
     Returns:
         ``(directory written, the DeepSpeedCheckpoint read)``.
@@ -55,7 +58,7 @@ def convert(path, out, tag: str | None = None) -> tuple[str, DeepSpeedCheckpoint
         >>> zerofn.load_checkpoint("zf_ckpt", model, opt)    # doctest: +SKIP
         {'step': 100, 'epoch': 3, 'deepspeed': {...}}
     """
-    ck = read_checkpoint(path, tag)
+    ck = read_checkpoint(path, tag, trusted=trusted)
     root, name = os.fspath(out), step_name(ck.step)
     final, tmp = os.path.join(root, name), os.path.join(root, ".tmp-" + name)
     if os.path.exists(final):
@@ -65,7 +68,7 @@ def convert(path, out, tag: str | None = None) -> tuple[str, DeepSpeedCheckpoint
     extra = {"step": to_bytes(ck.step), **{k: to_bytes(v) for k, v in ck.extras.items()}}
     state = {"model": ck.model, "optim": ck.optim, "extra": extra}
     with single_process():
-        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=True)
+        dcp.save(state, storage_writer=ChecksumWriter(tmp), no_dist=True)
     publish(root, name, keep=None)
     return final, ck
 
@@ -89,9 +92,12 @@ def main(argv=None, prog: str = "python -m zerofn.deepspeed.convert") -> int:
                                            "global_stepN directory")
     parser.add_argument("out", help="zerofn checkpoint root to write")
     parser.add_argument("--tag", help="checkpoint tag under CHECKPOINT instead of 'latest'")
+    parser.add_argument("--trusted", action="store_true",
+                        help="convert files that pickle classes other than DeepSpeed's (never "
+                             "run; their values are dropped); only for a source you trust")
     args = parser.parse_args(argv)
     try:
-        final, ck = convert(args.checkpoint, args.out, args.tag)
+        final, ck = convert(args.checkpoint, args.out, args.tag, trusted=args.trusted)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -3,7 +3,10 @@ has (and whether they are all there), and their pickles unpickled safely.
 
 DeepSpeed pickles some of its own objects (loss scalers, enums) into its files. They are
 read by torch's weights-only unpickler, which runs no pickled code: each DeepSpeed class
-gets an inert ``StandIn`` holding what the pickle held.
+gets an inert ``StandIn`` holding what the pickle held. Any other global a file names
+beyond torch's weights-only defaults and the classes the user trusts
+(``zerofn.trust_class``) is refused, naming the file, unless the conversion is
+``trusted``: then it too gets a stand-in, and the value holding it is dropped.
 """
 from __future__ import annotations
 
@@ -12,44 +15,31 @@ import re
 
 import torch
 
+from ..io.checkpoint.pickles import StandIn, refusal, stand_in
+
 _MODEL_FILE = re.compile(r"(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 # Pipeline stages save layer_NN[-model_MM]-model_states.pt; mixture-of-experts runs add
 # layer_L_expert_E_mp_rank_MM_model_states.pt and expp_rank_R_mp_rank_MM_optim_states.pt.
 _OTHER_PARALLEL = re.compile(r"(layer_\d+|expp_rank_\d+|.*expert_\d+).*\.pt$")
+_DEEPSPEED = "deepspeed."
 
 
 # -- reading pickles without DeepSpeed -------------------------------------------------
-class StandIn:
-    """Stands in for a class pickled into a DeepSpeed checkpoint (a loss scaler, an enum,
-    a dataclass): it keeps what the pickle held, ``args`` and ``state``, and runs nothing."""
-
-    path = ""
-
-    def __new__(cls, *args, **kwargs):
-        obj = super().__new__(cls)
-        obj.args, obj.state = args, None
-        return obj
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        self.state = state
-
-    def __repr__(self):
-        return f"<{self.path} from a DeepSpeed checkpoint>"
-
-
-def load_file(path: str, key: str) -> dict:
-    """``torch.load`` with torch's restricted (weights-only) unpickler; every global it does
-    not allow is replaced by a ``StandIn`` subclass of the same name. The file must be a
+def load_file(path: str, key: str, trusted: bool = False) -> dict:
+    """``torch.load`` with torch's restricted (weights-only) unpickler; every DeepSpeed
+    global it does not allow (every global, when ``trusted``) is replaced by a ``StandIn``
+    subclass of the same name, and any other raises ``ValueError``. The file must be a
     dict holding ``key``."""
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        stand_ins = [(type(name.rsplit(".", 1)[-1], (StandIn,), {"path": name}), name)
-                     for name in unsafe]
-        with torch.serialization.safe_globals(stand_ins):
+    except Exception as e:  # any unreadable file is one clear error naming it
+        raise ValueError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+    foreign = [name for name in unsafe if not name.startswith(_DEEPSPEED)]
+    if foreign and not trusted:
+        raise ValueError(refusal(path, sorted(foreign)))
+    try:
+        with torch.serialization.safe_globals([(stand_in(name), name) for name in unsafe]):
             data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # any unreadable file is one clear error naming it
         raise ValueError(f"cannot read {path}: {type(e).__name__}: {e}") from e

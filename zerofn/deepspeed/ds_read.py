@@ -46,12 +46,15 @@ class DeepSpeedCheckpoint:
     notes: list[str] = field(default_factory=list)
 
 
-def read_checkpoint(path, tag: str | None = None) -> DeepSpeedCheckpoint:
+def read_checkpoint(path, tag: str | None = None, *,
+                    trusted: bool = False) -> DeepSpeedCheckpoint:
     """Read a DeepSpeed ZeRO checkpoint (see the module docstring) into full tensors.
 
     Args:
         path: the save dir (its ``latest`` is read), or one ``global_stepN`` directory.
         tag: a checkpoint tag under ``path`` (e.g. ``"global_step100"``).
+        trusted: stand in for every class the files pickle, not only DeepSpeed's
+            (``ds_files.load_file``); the values holding them are dropped.
 
     Returns:
         A ``DeepSpeedCheckpoint``.
@@ -63,12 +66,12 @@ def read_checkpoint(path, tag: str | None = None) -> DeepSpeedCheckpoint:
     """
     step_dir = find_step_dir(path, tag)
     model_files, optim_files = rank_files(step_dir)
-    optims = {r: load_file(f, "optimizer_state_dict")["optimizer_state_dict"]
+    optims = {r: load_file(f, "optimizer_state_dict", trusted)["optimizer_state_dict"]
               for r, f in sorted(optim_files.items())}
     stage, world = _stage_and_world(optims, optim_files)
     check_model_files(model_files, stage, world, step_dir)
     ranks = range(world) if stage == 3 else [0]   # ZeRO-1/2: rank 0's model file alone
-    models = {r: load_file(model_files[r], "param_shapes") for r in ranks}
+    models = {r: load_file(model_files[r], "param_shapes", trusted) for r in ranks}
     head = models[0]
     _check_head(head, model_files[0], world)
     ck = DeepSpeedCheckpoint(step_dir, stage, world, _module_dtype(head),

@@ -51,7 +51,8 @@ class EngineCheckpoints:
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn=None):
+                        load_module_only: bool = False, custom_load_fn=None, *,
+                        trusted: bool = False):
         """Load what ``save_checkpoint`` wrote under ``load_dir/<tag>`` (default: the tag in
         ``load_dir/latest``). Call on every rank.
 
@@ -60,6 +61,8 @@ class EngineCheckpoints:
             there is no such checkpoint. ``load_module_only`` loads only the weights;
             without ``load_optimizer_states`` the optimizer keeps its state and the counters
             and scheduler are still restored. Loading is always strict.
+            ``trusted`` is ``zerofn.load_checkpoint``'s: without it, pickles naming classes
+            a checkpoint does not hold are refused (``zerofn.trust_class`` admits one).
         """
         if custom_load_fn is not None:
             raise ValueError("load_checkpoint(custom_load_fn=...) is not supported by zerofn.")
@@ -71,7 +74,7 @@ class EngineCheckpoints:
             extras["lr_scheduler"] = self.lr_scheduler
         with_optimizer = load_optimizer_states and not load_module_only
         loaded = zf_load_checkpoint(path, self.module, self.optimizer if with_optimizer else None,
-                                    **extras)
+                                    trusted=trusted, **extras)
         if loaded is None:
             raise FileNotFoundError(f"{path} holds no complete checkpoint (an unfinished save, "
                                     "or not written by save_checkpoint); pick another tag.")

@@ -12,7 +12,10 @@ whose ``latest`` is read, or one checkpoint directory), saved at any world size,
 (model only: the file holds no optimizer state).
 
 No process group is needed: DCP reads every shard from disk. The whole model is held in
-memory once, as for any full state dict.
+memory once, as for any full state dict. Both read safely, as ``load_checkpoint`` does: the
+checkpoint's files are checked against their checksums and its pickles admit only what
+checkpoints hold (a ``.pt`` file only tensors), unless ``--trusted`` (``trusted=True``)
+says to read them as torch would.
 """
 from __future__ import annotations
 
@@ -24,22 +27,28 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import fs
+from .checkpoint import pickles
+from .checkpoint.checksums import ChecksumWriter
 from .checkpoint.layout import resolve
+from .checkpoint.reader import SafePlanner, SafeReader, preflight
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PREFIX = "model."
 
 
-def to_full(checkpoint, out, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def to_full(checkpoint, out, dtype: torch.dtype = torch.float32, *,
+            trusted: bool = False) -> dict[str, torch.Tensor]:
     """Write the checkpoint's model weights to ``out`` (.safetensors, or .pt for torch.save)
-    as full tensors, floating ones in ``dtype``; return them."""
+    as full tensors, floating ones in ``dtype``; return them. ``trusted``: read its
+    pickles as torch would (see the module docstring)."""
     writer = _writer_for(os.fspath(out))
     ckpt = resolve(os.fspath(checkpoint))
-    saved = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    reader = SafeReader(ckpt, trusted=trusted)
+    metadata = reader.read_metadata()
+    saved = metadata.state_dict_metadata
     model_keys = [k for k in saved if k.startswith(PREFIX)]
     if not model_keys:
         raise ValueError(f"{ckpt} holds no model state (no '{PREFIX}*' entries).")
@@ -49,22 +58,27 @@ def to_full(checkpoint, out, dtype: torch.dtype = torch.float32) -> dict[str, to
                          "state dict file of tensors cannot hold.")
     model = {k[len(PREFIX):]: torch.empty(saved[k].size, dtype=saved[k].properties.dtype)
              for k in model_keys}
+    problems = preflight(reader, metadata, {"model": model}, coordinator=True)
+    if problems:
+        raise ValueError(f"Cannot read checkpoint {ckpt}: " + "; ".join(problems))
     with single_process():
-        dcp.load({"model": model}, checkpoint_id=ckpt, no_dist=True)
+        dcp.load({"model": model}, storage_reader=reader, planner=SafePlanner(trusted=trusted),
+                 no_dist=True)
     full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.items()}
     writer(full, os.fspath(out))
     return full
 
 
-def to_dcp(full_file, out_dir) -> None:
-    """Write a ``{fqn: tensor}`` file (.safetensors or torch.save) as a checkpoint directory."""
+def to_dcp(full_file, out_dir, *, trusted: bool = False) -> None:
+    """Write a ``{fqn: tensor}`` file (.safetensors or torch.save) as a checkpoint directory
+    (with checksums). ``trusted``: read a torch.save file as torch would."""
     full_file, out_dir = os.fspath(full_file), os.fspath(out_dir)
     if os.path.exists(out_dir):
         raise FileExistsError(f"{out_dir} exists; pick a new directory for the checkpoint.")
-    model = _read_full(full_file)
+    model = _read_full(full_file, trusted)
     tmp = out_dir.rstrip(os.sep) + ".tmp"
     with single_process():
-        dcp.save({"model": model}, storage_writer=FileSystemWriter(tmp), no_dist=True)
+        dcp.save({"model": model}, storage_writer=ChecksumWriter(tmp), no_dist=True)
     fs.replace(tmp, out_dir)   # complete or absent, never half written
 
 
@@ -85,11 +99,12 @@ def _writer_for(path: str):
     raise ValueError(f"{path}: name the output .safetensors or .pt (torch.save).")
 
 
-def _read_full(path: str) -> dict[str, torch.Tensor]:
+def _read_full(path: str, trusted: bool) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
         return load_file(path)
-    sd = torch.load(path, map_location="cpu", weights_only=True)
+    with open(path, "rb") as f:
+        sd = pickles.load_entry(f, path, trusted)
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ValueError(f"{path} is not a flat {{name: tensor}} state dict; save the "
                          "model's state_dict() itself.")
@@ -108,14 +123,18 @@ def main(argv=None, prog: str = "python -m zerofn.consolidate") -> int:
     back = sub.add_parser("to-dcp", help="full state dict file -> checkpoint directory")
     back.add_argument("full", help="FULL.safetensors or FULL.pt")
     back.add_argument("out", help="a new checkpoint directory")
+    for command in (full, back):
+        command.add_argument("--trusted", action="store_true",
+                             help="read pickles as torch would, running them (only for files "
+                                  "from a source you trust)")
     args = parser.parse_args(argv)
     try:
         if args.command == "to-full":
-            tensors = to_full(args.checkpoint, args.out, DTYPES[args.dtype])
+            tensors = to_full(args.checkpoint, args.out, DTYPES[args.dtype], trusted=args.trusted)
             print(f"wrote {len(tensors)} tensors, "
                   f"{sum(t.numel() for t in tensors.values())} elements, to {args.out}")
         else:
-            to_dcp(args.full, args.out)
+            to_dcp(args.full, args.out, trusted=args.trusted)
             print(f"wrote checkpoint {args.out}")
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -4,10 +4,15 @@
 root on disk and its ``latest`` pointer, ``extras.py`` the step and extra objects,
 ``verify.py`` what the ranks agree on and what a checkpoint can lack, ``staging.py`` the
 host copy a background save writes from, ``narrow.py`` the state offload keeps in bf16,
-saved in bf16. ``docs/checkpoints.md`` describes the format.
+saved in bf16. Safety and integrity: ``pickles.py`` what a load takes from a checkpoint's
+pickles (nothing that runs code), ``checksums.py`` the files' checksums and the writer
+that sums them, ``reader.py`` the reader every load goes through and its checks before
+any value reaches the model, ``audit.py`` ``zerofn verify``. ``docs/checkpoints.md``
+describes the format.
 """
 from .api import AsyncCheckpointer, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from .extras import PerRank, RNGState
+from .pickles import trust_class
 
 __all__ = ["AsyncCheckpointer", "PerRank", "RNGState", "load_checkpoint", "save_checkpoint",
-           "wait_for_checkpoint"]
+           "trust_class", "wait_for_checkpoint"]

@@ -21,7 +21,9 @@ from torch import nn
 from ...runtime import runtime_of
 from ...state.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 from . import extras, layout, verify
+from .checksums import ChecksumWriter
 from .narrow import narrowed
+from .reader import SafePlanner, SafeReader
 from .staging import HostCopy
 
 _log = logging.getLogger(__name__)
@@ -41,8 +43,8 @@ class AsyncCheckpointer:
         ``finish()`` (publish), and ``wait()`` returns ``final``."""
         # The background save runs its collectives on a gloo twin of the group, so they
         # never interleave with training's collectives on the group itself.
-        response = dcp.async_save(state, checkpoint_id=tmp, process_group=self._twin(group),
-                                  async_stager=self.stager)
+        response = dcp.async_save(state, storage_writer=ChecksumWriter(tmp),
+                                  process_group=self._twin(group), async_stager=self.stager)
         self.pending = _chain(getattr(response, "upload_completion", response), finish, final)
 
     def wait(self) -> str | None:
@@ -136,7 +138,7 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     first = dist.get_rank(group) == 0
     finish = (lambda: layout.publish(root, name, keep)) if first else (lambda: None)
     if not async_save:
-        dcp.save(state, checkpoint_id=tmp, process_group=group)
+        dcp.save(state, storage_writer=ChecksumWriter(tmp), process_group=group)
         finish()
         return final
     checkpointer.start(state, tmp, group, finish, final)
@@ -154,7 +156,7 @@ def wait_for_checkpoint() -> str | None:
 # -- load ------------------------------------------------------------------------------
 @_watched("checkpoint load")
 def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    **extra) -> dict | None:
+                    *, trusted: bool = False, **extra) -> dict | None:
     """Load a checkpoint into ``model``, ``optimizer`` and ``extra``; call on every rank.
 
     Args:
@@ -163,6 +165,11 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
             Any world size and any stage may have saved it.
         optimizer: None loads the model alone (e.g. weights converted by
             ``python -m zerofn.consolidate to-dcp``).
+        trusted: read the checkpoint's pickles as torch does, running them. Without it
+            (the default) a checkpoint whose pickles name anything but the classes
+            checkpoints hold is refused, before any code in it runs; ``trust_class``
+            admits one class instead. docs/checkpoints.md, "Loading checkpoints you did
+            not write".
         **extra: as for ``save_checkpoint``: ``Stateful`` objects are loaded in place;
             for a plain value pass any placeholder and read the result from the return.
 
@@ -171,7 +178,8 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
         None, with nothing loaded, when ``path`` holds no checkpoint yet (it does not exist,
         is empty, or holds only a save that never finished), so a job may call this
         unconditionally on start-up. A checkpoint that is there but broken or partial
-        raises ``ValueError`` on every rank.
+        raises ``ValueError`` on every rank, as does one whose files do not match their
+        checksums or whose pickles a safe load refuses; then nothing was loaded.
 
     Example:
         >>> state = zf.load_checkpoint("ckpt", model, opt, sched=sched)
@@ -190,13 +198,12 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
         state = {"model": msd, "optim": osd}
     rank = dist.get_rank(group)
     state["extra"] = extras.placeholders(extra, rank)
-    metadata = verify.agree_on_load(ckpt, state, group)
-    if "extra.step" in metadata and "step" not in extra:
-        state["extra"]["step"] = b""
-    dcp.load(state, checkpoint_id=ckpt, process_group=group)
+    verify.agree_on_load(ckpt, state, group, trusted)
+    dcp.load(state, storage_reader=SafeReader(ckpt, trusted=trusted),
+             planner=SafePlanner(trusted=trusted), process_group=group)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, state["model"], state["optim"])
-    return extras.restore(extra, state["extra"], rank)
+    return extras.restore(extra, state["extra"], rank, trusted)
 

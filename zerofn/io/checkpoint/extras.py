@@ -11,6 +11,8 @@ import io
 
 import torch
 
+from . import pickles
+
 
 class PerRank:
     """Marks an extra whose state differs per rank (a rank's data loader, its RNG).
@@ -57,19 +59,20 @@ def placeholders(extra: dict, rank: int) -> dict:
             for k, v in extra.items()}
 
 
-def restore(extra: dict, loaded: dict, rank: int) -> dict:
+def restore(extra: dict, loaded: dict, rank: int, trusted: bool = False) -> dict:
     """Load the blobs into ``extra``'s ``Stateful`` objects; return the plain values (and
-    the step, unless ``extra`` names its own)."""
+    the step, unless ``extra`` names its own). Blobs are read safely (pickles.py) unless
+    ``trusted``."""
     out = {}
     if "step" in loaded and "step" not in extra:
-        out["step"] = _from_bytes(loaded["step"])
+        out["step"] = _from_bytes(loaded["step"], "step", trusted)
     for key, value in extra.items():
         blob = loaded[key][f"rank{rank}"] if isinstance(value, PerRank) else loaded[key]
         obj = value.obj if isinstance(value, PerRank) else value
         if _is_stateful(obj):
-            obj.load_state_dict(_from_bytes(blob))
+            obj.load_state_dict(_from_bytes(blob, key, trusted))
         else:
-            out[key] = _from_bytes(blob)
+            out[key] = _from_bytes(blob, key, trusted)
     return out
 
 
@@ -80,8 +83,8 @@ def to_bytes(obj) -> bytes:
     return buf.getvalue()
 
 
-def _from_bytes(blob: bytes):
-    return torch.load(io.BytesIO(blob), weights_only=False)
+def _from_bytes(blob: bytes, key: str, trusted: bool):
+    return pickles.load_entry(io.BytesIO(blob), f"extra {key!r}", trusted)
 
 
 def _is_stateful(obj) -> bool:

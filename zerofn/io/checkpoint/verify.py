@@ -3,6 +3,7 @@
 [Note: agreement] Every collective entry point first agrees across ranks in one small
 ``all_gather_object`` (the step and extras on save; the checkpoint's verdict on load), so
 a mismatch raises the same error on every rank instead of leaving some in a collective.
+A load's verdict includes its files' checksums and its pickles' safety (reader.py).
 """
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import socket
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from ...runtime.agree import agree_or_raise, from_first, gather
+from . import checksums, pickles
 from .layout import holds_nothing, resolve
+from .reader import SafeReader, preflight
 
 _MARK = ".zerofn-save"     # rank 0's token in a save's directory (agree_on_directory)
 _PER_RANK = re.compile(r"extra\.(.+)\.rank\d+$")
@@ -94,17 +96,31 @@ def resolve_on_rank0(path: str, group) -> str | None:
     return found
 
 
-def agree_on_load(ckpt: str, state: dict, group) -> dict:
-    """Check the checkpoint against what this rank will load; raise on every rank if any
-    rank found a problem, before the collective load could leave some ranks waiting."""
+def agree_on_load(ckpt: str, state: dict, group, trusted: bool = False) -> None:
+    """Check the checkpoint against what this rank will load into ``state``, its files
+    against their checksums and its pickles against what a safe load takes (unless
+    ``trusted``); raise on every rank if any rank found a problem, before the collective
+    load could leave some ranks waiting, and before any value reaches the model. Adds the
+    checkpoint's step to the extras loaded, when it has one."""
     try:
-        metadata = FileSystemReader(ckpt).read_metadata()
-        problems = _problems(ckpt, metadata, state, dist.get_world_size(group))
+        problems = _load_problems(SafeReader(ckpt, trusted=trusted), ckpt, state, group)
     except Exception as e:  # an unreadable checkpoint is one more problem to agree on
-        metadata, problems = None, [f"cannot read its metadata ({type(e).__name__}: {e}); "
-                                    f"the save did not finish or the file is corrupt"]
+        problems = [f"cannot read it ({type(e).__name__}: {e}); a file is damaged"]
     agree_or_raise(problems, group, f"Cannot load checkpoint {ckpt}")
-    return metadata.state_dict_metadata
+
+
+def _load_problems(reader: SafeReader, ckpt: str, state: dict, group) -> list[str]:
+    try:
+        metadata = reader.read_metadata()
+    except (pickles.Refused, checksums.Mismatch) as e:
+        return [f"cannot read its metadata: {e}"]
+    except Exception as e:  # whatever broke in the pickle, the file is the problem
+        return [f"cannot read its metadata ({type(e).__name__}: {e}); the save did not "
+                f"finish or the file is corrupt"]
+    if "extra.step" in metadata.state_dict_metadata:
+        state["extra"].setdefault("step", b"")
+    problems = _problems(ckpt, metadata, state, dist.get_world_size(group))
+    return problems or preflight(reader, metadata, state, dist.get_rank(group) == 0)
 
 
 def _problems(ckpt: str, metadata, state: dict, world: int) -> list[str]:
@@ -120,7 +136,7 @@ def _problems(ckpt: str, metadata, state: dict, world: int) -> list[str]:
     if wrong:
         problems.append(f"{len(wrong)} shapes differ ({'; '.join(wrong[:3])}): it was saved "
                         f"from another model configuration")
-    return problems + _file_problems(ckpt, metadata)
+    return problems + file_problems(ckpt, metadata)
 
 
 def _per_rank_problems(flat: dict, saved: dict, world: int) -> list[str]:
@@ -154,7 +170,8 @@ def _shape_of(value) -> str:
     return "bytes"
 
 
-def _file_problems(ckpt: str, metadata) -> list[str]:
+def file_problems(ckpt: str, metadata) -> list[str]:
+    """Data files ``metadata`` names that are missing or shorter than it says."""
     need: dict[str, int] = {}
     for info in metadata.storage_data.values():
         end = info.offset + info.length
