@@ -24,9 +24,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+import zerofn as zf
 import zerofn.integrations.lightning as zl
 from support.lightning_gpt import (ACCUMULATE, CONFIG, GLOBAL_BATCH, LR, STEPS_PER_EPOCH,
-                                   LitGPT, Record, Windows, full_weights)
+                                   LitGPT, ManualGPT, Record, Windows, full_weights)
 from support.memory import reset_peak, status_bytes
 from zerofn.nanogpt import GPT, GPTConfig, init_weights
 from zerofn.runtime import runtime_of
@@ -34,6 +35,7 @@ from zerofn.runtime import runtime_of
 STEPS = 2 * STEPS_PER_EPOCH
 QUIET = dict(accelerator="cpu", logger=False, enable_progress_bar=False,
              enable_model_summary=False)
+NO_VALIDATION = dict(limit_val_batches=0, num_sanity_val_steps=0)
 
 
 def rank() -> int:
@@ -46,17 +48,17 @@ def save(out: str, name: str, record: dict) -> None:
 
 
 def fit(strategy, out: str, name: str, devices: int = 2, ckpt_path=None, callbacks=(),
-        module=None, weights: bool = True, **trainer) -> tuple[L.Trainer, dict]:
-    """Fit the GPT (seed 0): 2 epochs of 10 steps, 2 micro-batches each, clipped at norm
-    1; save and return its record (losses, learning rates, final weights, and where
-    Lightning's counters stood when training started)."""
+        make=LitGPT, weights: bool = True, **trainer) -> tuple[L.Trainer, dict]:
+    """Fit ``make(world=devices)`` (seed 0): 2 epochs of 10 steps, 2 micro-batches each,
+    clipped at norm 1; save and return its record (losses, learning rates, final weights,
+    and where Lightning's counters stood when training started)."""
     L.seed_everything(0, verbose=False)
-    module = module or LitGPT(world=devices)
+    module = make(world=devices)
     record = Record()
     settings = dict(devices=devices, strategy=strategy, max_epochs=2,
                     accumulate_grad_batches=ACCUMULATE, gradient_clip_val=1.0,
                     callbacks=[record, *callbacks], enable_checkpointing=bool(callbacks),
-                    default_root_dir=out, **QUIET)
+                    default_root_dir=out, **QUIET, **NO_VALIDATION)
     trainer_ = L.Trainer(**{**settings, **trainer})
     trainer_.fit(module, ckpt_path=ckpt_path)
     result = dict(losses=record.losses, lrs=record.lrs, start=record.start,
@@ -92,17 +94,58 @@ def fabric_run(strategy, out: str, name: str) -> None:
                 opt.step()
                 opt.zero_grad()
     save(out, name, dict(losses=losses, weights=full_weights(model.module)))
+    if strategy == "zerofn_stage_3":
+        fabric.save(f"{out}/fabric-ckpt", {"model": model, "optimizer": opt, "step": 20})
+
+
+def fabric_setup(strategy, optimizer: bool = True):
+    """A fresh GPT (seed 1, unlike the trained one) set up by a new Fabric."""
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    L.seed_everything(1, verbose=False)
+    model = GPT(GPTConfig(**CONFIG))
+    if not optimizer:
+        return fabric, fabric.setup(model), None
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    return (fabric, *fabric.setup(model, opt))
+
+
+def fabric_checkpoints(out: str) -> None:
+    """ZeRO-3's sharded Fabric checkpoint into a model set up alone at ZeRO-2, and into a
+    model and optimizer at ZeRO-1, which saves it as one full file; that file into ZeRO-3."""
+    fabric, model, _ = fabric_setup("zerofn_stage_2", optimizer=False)
+    state = {"model": model, "step": 0}
+    fabric.load(f"{out}/fabric-ckpt", state)
+    alone = dict(weights=full_weights(model.module), step=state["step"])
+    fabric, model, opt = fabric_setup(zl.ZeroFabricStrategy(stage=1, state_dict_type="full"))
+    fabric.load(f"{out}/fabric-ckpt", {"model": model, "optimizer": opt})
+    moments = zf.get_state_dict(model.module, opt.optimizer, full=True)[1]["state"]
+    fabric.save(f"{out}/fabric-full.ckpt", {"model": model, "optimizer": opt, "step": 20})
+    fabric, model, opt = fabric_setup("zerofn_stage_3")
+    state = {"model": model, "optimizer": opt, "step": 0}
+    fabric.load(f"{out}/fabric-full.ckpt", state)
+    again = zf.get_state_dict(model.module, opt.optimizer, full=True)[1]["state"]
+    gap = max((again[n][k] - v).abs().max().item() for n, s in moments.items()
+              for k, v in s.items() if v.dim())
+    save(out, "fabric-checkpoints", dict(alone=alone, full=full_weights(model.module),
+                                         step=state["step"], moment_gap=gap))
 
 
 FABRIC_NAMES = ("zerofn_stage_2_offload", "zerofn_stage_3")     # without --every-name
 
 
 def parity(out: str, every_name: bool) -> None:
-    for name in ("ddp", *zl.STRATEGY_NAMES):
+    fit("ddp", out, "trainer-ddp", callbacks=[every_epoch(f"{out}/ddp-ckpt")])
+    for name in zl.STRATEGY_NAMES:
         fit(name, out, f"trainer-{name}")
     fit("ddp", out, "trainer-ddp-unclipped", gradient_clip_val=None)   # clipping matters
+    fit(zl.ZeroStrategy(stage=3, device_mesh=(2, 1)), out, "trainer-hsdp")
+    for name in ("ddp", "zerofn_stage_2"):
+        fit(name, out, f"manual-{name}", make=ManualGPT, max_epochs=1,
+            accumulate_grad_batches=1, gradient_clip_val=None)
     for name in ("ddp", *(zl.STRATEGY_NAMES if every_name else FABRIC_NAMES)):
         fabric_run(name, out, f"fabric-{name}")
+    fabric_checkpoints(out)
 
 
 def clip_value(out: str) -> None:
@@ -127,7 +170,13 @@ def resume(out: str) -> None:
     """Stage 3: 20 steps straight; 10 steps and stop (ModelCheckpoint); resumed at stage 2."""
     fit("zerofn_stage_3", out, "straight")
     fit("zerofn_stage_3", out, "stopped", callbacks=[every_epoch(f"{out}/ckpt")], max_epochs=1)
+    evaluator = L.Trainer(devices=2, strategy="zerofn_stage_3", default_root_dir=out, **QUIET)
+    metrics = evaluator.validate(LitGPT(world=2), ckpt_path=f"{out}/ckpt/epoch=0-step=10.ckpt",
+                                 verbose=False)
+    save(out, "validated", metrics[0])
     fit("zerofn_stage_2", out, "resumed-world2-stage2", ckpt_path=f"{out}/ckpt/epoch=0-step=10.ckpt")
+    # DDP's own checkpoint file (optimizer state keyed by index) resumed under ZeRO-3
+    fit("zerofn_stage_3", out, "resumed-from-ddp", ckpt_path=f"{out}/ddp-ckpt/epoch=0-step=10.ckpt")
     # the same checkpoint as one full file: saved by rank 0, resumed sharded at stage 1
     full, _ = fit(zl.ZeroStrategy(stage=3, state_dict_type="full"), out, "stopped-full",
                   max_epochs=1)
@@ -157,9 +206,11 @@ def meta_setup(out: str) -> None:
     config = dict(vocab=256, width=768, heads=8, ffn=3072, layers=8, context=16)
     peak = SetupPeak()
     strategy = zl.ZeroStrategy(stage=3, init=init_weights)
-    trainer, _ = fit(strategy, out, "meta", module=LitGPT(world=2, meta=True, config=config),
+    trainer, _ = fit(strategy, out, "meta",
+                     make=lambda world: LitGPT(world=world, meta=True, config=config),
                      callbacks=[peak], weights=False, max_epochs=None, max_steps=1,
-                     enable_checkpointing=False, limit_train_batches=ACCUMULATE)
+                     enable_checkpointing=False, limit_train_batches=1,
+                     accumulate_grad_batches=1)
     rt = runtime_of(trainer.lightning_module)
     rises = [None, None]
     dist.all_gather_object(rises, peak.rise)
@@ -169,7 +220,8 @@ def meta_setup(out: str) -> None:
 
 
 def precisions(out: str) -> None:
-    fit("zerofn_stage_2", out, "bf16-mixed", precision="bf16-mixed")
+    fit("zerofn_stage_2", out, "bf16-mixed", precision="bf16-mixed", max_epochs=1)
+    fit("zerofn_stage_3", out, "bf16-true", precision="bf16-true", weights=False, max_epochs=1)
     # Lightning turns "16-mixed" on the CPU into "bf16-mixed"; its plugin keeps fp16.
     trainer, _ = fit("zerofn_stage_3", out, "16-mixed", max_epochs=1,
                      plugins=[MixedPrecision("16-mixed", "cpu")])
@@ -182,15 +234,21 @@ def precisions(out: str) -> None:
 
 
 def tensorboard(out: str) -> None:
-    logger = TensorBoardLogger(f"{out}/tb", name="gpt")
-    fit(zl.ZeroStrategy(stage=3, tensorboard={"every": 2}), out, "tensorboard", max_epochs=1,
-        logger=logger, log_every_n_steps=1)
-    save(out, "tensorboard-dir", dict(log_dir=logger.log_dir))
+    """zerofn's series in the TensorBoardLogger's directory: 10 steps, then 10 more
+    resumed from the checkpoint into the same directory."""
+    def logged(**settings):
+        logger = TensorBoardLogger(f"{out}/tb", name="gpt", version=0)
+        fit(zl.ZeroStrategy(stage=3, tensorboard={"every": 2}), out, "tensorboard",
+            logger=logger, log_every_n_steps=1, weights=False, **settings)
+        return logger.log_dir
+    logged(max_epochs=1, callbacks=[every_epoch(f"{out}/tb-ckpt")])
+    log_dir = logged(ckpt_path=f"{out}/tb-ckpt/epoch=0-step=10.ckpt")
+    save(out, "tensorboard-dir", dict(log_dir=log_dir))
 
 
 class TwoOptimizers(LitGPT):
-    def __init__(self):
-        super().__init__()
+    def __init__(self, world: int):
+        super().__init__(world=world)
         self.automatic_optimization = False
 
     def configure_optimizers(self):
@@ -208,7 +266,7 @@ def refusals(out: str) -> None:
         "gradient_clip_val": lambda: fit(zl.ZeroStrategy(stage=2, offload="cpu",
                                                          overlap_step=True), out, "never"),
         "configure_optimizers": lambda: fit("zerofn_stage_2", out, "never",
-                                            module=TwoOptimizers(), gradient_clip_val=None,
+                                            make=TwoOptimizers, gradient_clip_val=None,
                                             accumulate_grad_batches=1),
     }
     messages = {}

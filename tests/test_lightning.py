@@ -29,7 +29,7 @@ from zerofn import cli  # noqa: E402
 from support import SLOW  # noqa: E402
 from support.compare import TOL  # noqa: E402
 from support.jobs import ROOT, finish, torchrun  # noqa: E402
-from support.lightning_gpt import LitGPT  # noqa: E402
+from support.lightning_gpt import VAL_WINDOWS, LitGPT, Windows  # noqa: E402
 from support.tensorboard_runs import read  # noqa: E402
 
 JOBS = os.path.join(ROOT, "tests", "lightning_jobs.py")
@@ -84,6 +84,14 @@ def test_the_trainer_follows_ddp_under_each_registered_name(two, name):
 
 
 @pytest.mark.multirank
+def test_hybrid_sharding_and_manual_optimization_follow_ddp(two):
+    """``device_mesh=(2, 1)``: two replicas of one shard (HSDP), ZeRO-3; and a
+    LightningModule stepping its optimizer itself (manual optimization, ZeRO-2)."""
+    same_run(record(two, "trainer-hsdp"), record(two, "trainer-ddp"))
+    same_run(record(two, "manual-zerofn_stage_2"), record(two, "manual-ddp"))
+
+
+@pytest.mark.multirank
 def test_clipping_and_training_move_the_weights_beyond_the_tolerance(two):
     """Parity within TOL means something: without clipping the run lands elsewhere, and
     training moved the weights far from where they started."""
@@ -102,6 +110,18 @@ def test_fabric_follows_ddp(two, name):
     run = record(two, f"fabric-{name}")
     assert gap(run["weights"], ddp["weights"]) < TOL
     assert max(abs(a - b) for a, b in zip(run["losses"], ddp["losses"])) < TOL
+
+
+@pytest.mark.multirank
+def test_fabric_checkpoints_move_between_stages_and_formats(two):
+    """Fabric's ZeRO-3 directory into a model set up alone (ZeRO-2) and into a model and
+    optimizer (ZeRO-1), saved from there as one full file, that loaded at ZeRO-3: the same
+    weights and Adam moments, and the plain value ("step") comes back."""
+    trained = record(two, "fabric-zerofn_stage_3")["weights"]
+    moved = record(two, "fabric-checkpoints")
+    assert gap(moved["alone"]["weights"], trained) == 0 and moved["alone"]["step"] == 20
+    assert gap(moved["full"], trained) == 0 and moved["step"] == 20
+    assert moved["moment_gap"] == 0
 
 
 @pytest.mark.multirank
@@ -124,6 +144,15 @@ def test_resumed_at_another_stage_follows_the_run_not_stopped(two):
         assert run["start"] == dict(global_step=10, epoch=1, scheduler_step=10,
                                     lr=straight["lrs"][10], loss_scale=None), name
         assert (run["global_step"], run["epoch"]) == (20, 2)
+
+
+@pytest.mark.multirank
+def test_ddps_checkpoint_resumes_under_zero3(two):
+    """A run switched from DDP to zerofn at step 10 by changing the strategy's name: DDP's
+    file (full weights, optimizer state keyed by index) resumes under ZeRO-3."""
+    run = record(two, "resumed-from-ddp")
+    same_run(run, record(two, "trainer-ddp"), skip=20)
+    assert run["start"]["global_step"] == 10
 
 
 @pytest.mark.multirank
@@ -152,7 +181,8 @@ def test_checkpoints_on_disk(two):
 @pytest.mark.multirank
 def test_a_zero3_checkpoint_loads_into_a_plain_lightning_module(two, tmp_path):
     """``zerofn consolidate to-full --lightning``: LightningModule.load_from_checkpoint
-    reads it; without --lightning, torch.load gives the module's own state dict."""
+    reads it; without --lightning, torch.load gives the module's own state dict. And the
+    validation loss ``trainer.validate`` found under ZeRO-3 is the plain module's."""
     stopped = record(two, "stopped")["weights"]
     for out, extra in ((tmp_path / "gpt.ckpt", ["--lightning"]), (tmp_path / "gpt.pt", [])):
         assert cli.main(["consolidate", "to-full", str(two / STOPPED), str(out), *extra]) == 0
@@ -161,6 +191,11 @@ def test_a_zero3_checkpoint_loads_into_a_plain_lightning_module(two, tmp_path):
     module = LitGPT()
     module.load_state_dict(torch.load(tmp_path / "gpt.pt"))
     assert gap(full_state(module), stopped) == 0
+    # trainer.validate(ckpt_path=) of the checkpoint, sharded at ZeRO-3 to evaluate
+    windows = Windows(VAL_WINDOWS, held_out=True)
+    with torch.no_grad():
+        plain = torch.stack([module(*windows[i:i + 1]) for i in range(len(windows))]).mean()
+    assert abs(record(two, "validated")["val_loss"] - plain.item()) < TOL
 
 
 def full_state(module) -> dict:
@@ -180,7 +215,7 @@ def test_configure_model_on_meta_never_holds_the_full_model(two):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("flag", ["bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("flag", ["bf16-mixed", "16-mixed", "bf16-true"])
 def test_low_precision_trains(two, flag):
     losses = torch.tensor(record(two, flag)["losses"])
     assert losses.isfinite().all() and losses[-4:].mean() < losses[:4].mean() - 0.1
@@ -197,12 +232,18 @@ def test_fp16_loss_scale_rides_in_the_checkpoint(two):
 
 @pytest.mark.multirank
 def test_zerofn_series_land_in_the_tensorboard_logger_directory(two):
+    """Beside LightningModule.log's, in the same run; the resumed fit numbers its steps on
+    from the checkpoint's (11 to 20), so no step comes twice."""
     log_dir = record(two, "tensorboard-dir")["log_dir"]
-    tags = set()
+    tags, norm_steps = set(), []
     for path in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
-        tags |= set(read(path).Tags()["scalars"])
-    assert "loss" in tags                                    # LightningModule.log's
-    assert {"time/step", "train/grad_norm", "comm/reduce_scatter/bytes"} <= tags   # zerofn's
+        acc = read(path)
+        tags |= set(acc.Tags()["scalars"])
+        if "train/grad_norm" in acc.Tags()["scalars"]:
+            norm_steps += [e.step for e in acc.Scalars("train/grad_norm")]
+    assert "loss" in tags                                                  # Lightning's
+    assert {"time/step", "train/grad_norm", "comm/reduce_scatter/bytes"} <= tags  # zerofn's
+    assert sorted(norm_steps) == list(range(1, 21))
 
 
 # -- what zerofn cannot honour ----------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import zerofn as zf
-from zerofn.data import load_corpus
+from zerofn.data import load_corpus, split
 from zerofn.nanogpt import GPT, GPTConfig
 from zerofn.runtime import runtime_of
 
@@ -24,11 +24,15 @@ STEPS_PER_EPOCH = 10          # optimizer steps
 LR = 1e-3                     # (see support/models.py: Adam at 1e-2 moves parity by 5e-5)
 
 
-class Windows(Dataset):
-    """Fixed windows of the corpus: inputs, and the same bytes shifted by one."""
+VAL_WINDOWS = 8
 
-    def __init__(self, count: int, context: int = CONFIG["context"]):
-        corpus = load_corpus()
+
+class Windows(Dataset):
+    """Fixed windows of the corpus's training part (or its held-out part): inputs, and the
+    same bytes shifted by one."""
+
+    def __init__(self, count: int, context: int = CONFIG["context"], held_out: bool = False):
+        corpus = split(load_corpus())[1 if held_out else 0]
         stride = (len(corpus) - context - 1) // count
         self.windows = torch.stack([corpus[i * stride:i * stride + context + 1]
                                     for i in range(count)]).long()
@@ -64,6 +68,9 @@ class LitGPT(L.LightningModule):
         self.log("loss", loss, sync_dist=True)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self(*batch), sync_dist=True)
+
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
         warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 8))
@@ -74,6 +81,28 @@ class LitGPT(L.LightningModule):
         return DataLoader(Windows(count, self.cfg.context),
                           batch_size=GLOBAL_BATCH // self.hparams.world,
                           shuffle=True)
+
+    def val_dataloader(self):
+        return DataLoader(Windows(VAL_WINDOWS, self.cfg.context, held_out=True),
+                          batch_size=GLOBAL_BATCH // self.hparams.world)
+
+
+class ManualGPT(LitGPT):
+    """The same, optimized by hand: a step per micro-batch, zero_grad through Lightning's
+    optimizer wrapper (torch's own zero_grad, which leaves zerofn's shards to the step)."""
+
+    def __init__(self, world: int = 2):
+        super().__init__(world=world)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self(*batch)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        self.lr_schedulers().step()
+        return loss
 
 
 class Record(L.Callback):

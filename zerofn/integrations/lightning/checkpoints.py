@@ -57,20 +57,38 @@ def full_state(model: nn.Module, optimizer):
     return zf.get_state_dict(model, optimizer, full=True, device="cpu")
 
 
-def load_full(model: nn.Module, optimizer, model_state: dict, optim_state) -> None:
-    """Full (or sharded) state into the sharded model, and the optimizer unless None."""
+def load_full(model: nn.Module, optimizer, model_state: dict, optim_state,
+              names: list[str]) -> None:
+    """Full (or sharded) state into the sharded model, and the optimizer unless None.
+    ``names``: the optimizer's parameters' names, in its order, for a state dict keyed by
+    index (torch's own, as DDP's checkpoints hold it) rather than by name (zerofn's)."""
     if optimizer is None:
         set_model_state_dict(model, model_state)
         return
     if optim_state is None:
         raise KeyError("the checkpoint holds no optimizer state to resume from (saved with "
                        "weights only?); load it for evaluation, or resume from another one.")
-    if any(not isinstance(k, str) for k in optim_state.get("state", {})):
-        raise ValueError("the checkpoint's optimizer state is keyed by parameter index, as "
-                         "another strategy writes it, not by name as zerofn's is: resume "
-                         "from a checkpoint zerofn's strategy wrote, or load its weights "
-                         "alone (trainer.validate, or a new fit from the weights).")
-    zf.set_state_dict(model, optimizer, model_state, optim_state)
+    zf.set_state_dict(model, optimizer, model_state, by_name(optim_state, names))
+
+
+def by_name(optim_state: dict, names: list[str]) -> dict:
+    """An optimizer state dict keyed by parameter index as zerofn keys it, by name."""
+    groups = optim_state["param_groups"]
+    if all(isinstance(i, str) for g in groups for i in g["params"]):
+        return optim_state
+    count = sum(len(g["params"]) for g in groups)
+    if count != len(names):
+        raise ValueError(f"the checkpoint's optimizer holds {count} parameters, this one "
+                         f"{len(names)}: it was saved from another model or optimizer.")
+    return {**optim_state,
+            "state": {names[i]: v for i, v in optim_state["state"].items()},
+            "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in groups]}
+
+
+def param_names(model: nn.Module, optimizer) -> list[str]:
+    """The names of ``optimizer``'s parameters, in its order (before the transform)."""
+    name_of = {p: n for n, p in model.named_parameters()}
+    return [name_of[p] for g in optimizer.param_groups for p in g["params"]]
 
 
 def on_meta(model: nn.Module) -> bool:

@@ -53,6 +53,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         self._backward_sync_control = _NoSync()
         self._group = None
         self._module: nn.Module | None = None
+        self._names: list[str] = []      # the optimizer's parameters, in its order
 
     # -- Lightning's settings -------------------------------------------------------------
     @property
@@ -109,6 +110,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         if self._module is not None:
             raise RuntimeError("ZeroFabricStrategy shards one model; set up one model per "
                                "Fabric.")
+        self._names = ckpt.param_names(module, optimizer)
         self.zero.transform(self.precision.flag, self._group, self.zero.tensorboard_dir(),
                             fitting=fitting)(module, optimizer)
         self._module = module
@@ -178,7 +180,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         else:
             saved = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
             ckpt.load_full(self._module, optimizer, saved.pop(model_key),
-                           saved.pop(optim_key, None) if optim_key else None)
+                           saved.pop(optim_key, None) if optim_key else None, self._names)
             saved.pop(optim_key, None)
         rest = [k for k in state if k not in (model_key, optim_key)]
         _validate_keys_for_strict_loading(rest, saved.keys(), strict=strict)

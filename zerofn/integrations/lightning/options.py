@@ -172,6 +172,16 @@ class ZeroOptions:
                             "during backward, before fp16's overflow check could skip it")
         return problems
 
+    @staticmethod
+    def launch_problems(start_method: str) -> list[str]:
+        """The Trainer's: after a spawned or forked fit, Lightning loads rank 0's state
+        dict into the main process's module, which under zerofn is a shard."""
+        if start_method != "popen":
+            return [f"start_method={start_method!r}: after a spawned or forked fit Lightning "
+                    "hands the main process one rank's state dict, which under zerofn is a "
+                    "shard; launch with 'popen' (Lightning re-runs the script) or torchrun"]
+        return []
+
     def clip_problems(self, clip_val) -> list[str]:
         if self.overlap_step and clip_val:
             return [f"gradient_clip_val={clip_val} with overlap_step=True: the host steps each "

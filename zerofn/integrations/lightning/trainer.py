@@ -33,9 +33,12 @@ class ZeroStrategy(DDPStrategy):
             a directory every rank writes its shard to, loadable at any world size and
             stage; ``"full"``: one file rank 0 writes, full weights and optimizer state.
         accelerator, parallel_devices, cluster_environment, checkpoint_io,
-            precision_plugin, process_group_backend, timeout, start_method: as for
-            Lightning's ``DDPStrategy`` (``timeout`` is also how long a zerofn collective
-            waits for the slowest rank).
+            precision_plugin, process_group_backend, timeout: as for Lightning's
+            ``DDPStrategy`` (``timeout`` is also how long a zerofn collective waits for the
+            slowest rank).
+        start_method: ``"popen"`` only (Lightning re-runs the script per device, or
+            torchrun starts the processes): a spawned or forked fit would hand the main
+            process one rank's shard as the model.
         **options: zerofn's options, each mapped onto its transform option of the same
             name. Offload (``zf.offload``): ``offload`` ("cpu" or "nvme"),
             ``offload_params``, ``nvme_path`` (default: the system's temporary directory),
@@ -63,12 +66,14 @@ class ZeroStrategy(DDPStrategy):
                  precision_plugin=None, process_group_backend=None, timeout=default_pg_timeout,
                  start_method: str = "popen", **options):
         self.zero = ZeroOptions.from_kwargs(stage, state_dict_type=state_dict_type, **options)
+        refuse(self.zero.launch_problems(start_method))
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin,
                          process_group_backend=process_group_backend, timeout=timeout,
                          start_method=start_method)
         self._group = None
+        self._names: list[str] = []      # the optimizer's parameters, in its order
 
     # -- Lightning's settings -------------------------------------------------------------
     @property
@@ -142,6 +147,7 @@ class ZeroStrategy(DDPStrategy):
             if fitting:
                 self.setup_optimizers(trainer)
             optimizer = self.optimizers[0] if fitting else ckpt.eval_optimizer(model)
+            self._names = ckpt.param_names(model, optimizer)
             logdir = self._tensorboard_dir(trainer) if fitting else None
             self.zero.transform(self.precision_plugin.flag, self._group, logdir,
                                 fitting=fitting)(model, optimizer)
@@ -245,7 +251,8 @@ class ZeroStrategy(DDPStrategy):
         else:
             entries = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
             states = entries.pop("optimizer_states", None) or [None]
-            ckpt.load_full(self.model, optimizer, entries.pop("state_dict"), states[0])
+            ckpt.load_full(self.model, optimizer, entries.pop("state_dict"), states[0],
+                           self._names)
         if fitting and self.zero.tensorboard:
             zf.set_log_step(self.model, entries["global_step"])
         return entries
