@@ -23,8 +23,8 @@ from .trainer import ZeroStrategy
 __all__ = ["ZeroStrategy", "ZeroFabricStrategy", "ZeroPrecision", "ZeroFabricPrecision",
            "STRATEGY_NAMES"]
 
-STRATEGY_NAMES = tuple(REGISTERED)    # the names registered on import
-"""The strategy names registered with Lightning's Trainer and Fabric on import."""
+#: The strategy names registered with Lightning's Trainer and Fabric on import.
+STRATEGY_NAMES = tuple(REGISTERED)
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 ZeroFabricStrategy.register_strategies(STRATEGY_REGISTRY)

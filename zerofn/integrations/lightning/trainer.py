@@ -32,10 +32,6 @@ class ZeroStrategy(DDPStrategy):
         state_dict_type: ``"sharded"`` (default): checkpoints are zerofn's DCP checkpoint,
             a directory every rank writes its shard to, loadable at any world size and
             stage; ``"full"``: one file rank 0 writes, full weights and optimizer state.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io,
-            precision_plugin, process_group_backend, timeout: as for Lightning's
-            ``DDPStrategy`` (``timeout`` is also how long a zerofn collective waits for the
-            slowest rank).
         start_method: ``"popen"`` only (Lightning re-runs the script per device, or
             torchrun starts the processes): a spawned or forked fit would hand the main
             process one rank's shard as the model.
@@ -53,6 +49,11 @@ class ZeroStrategy(DDPStrategy):
             True writes zerofn's series (``zf.tensorboard``) into the TensorBoardLogger's
             directory; a directory, or a dict of ``zf.tensorboard`` options (``logdir``,
             ``every``, ...).
+
+    The other arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``,
+    ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``timeout``) are
+    those of Lightning's ``DDPStrategy``; ``timeout`` is also how long a zerofn collective
+    waits for the slowest rank.
 
     Example:
         >>> import zerofn.integrations.lightning
