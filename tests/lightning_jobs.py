@@ -257,6 +257,10 @@ class TwoOptimizers(LitGPT):
         return torch.optim.SGD(params[:half], lr=LR), torch.optim.SGD(params[half:], lr=LR)
 
 
+class Lenient(LitGPT):
+    strict_loading = False
+
+
 def refusals(out: str) -> None:
     """What zerofn cannot honour, each refused on every rank; the job going on to the next
     shows that no rank was left in a collective."""
@@ -268,6 +272,9 @@ def refusals(out: str) -> None:
         "configure_optimizers": lambda: fit("zerofn_stage_2", out, "never",
                                             make=TwoOptimizers, gradient_clip_val=None,
                                             accumulate_grad_batches=1),
+        "sync_batchnorm": lambda: fit("zerofn_stage_2", out, "never", sync_batchnorm=True),
+        "strict_loading": lambda: fit("zerofn_stage_2", out, "never", make=Lenient,
+                                      ckpt_path=f"{out}/ckpt/epoch=0-step=10.ckpt"),
     }
     messages = {}
     for option, attempt in attempts.items():

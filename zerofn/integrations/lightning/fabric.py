@@ -181,7 +181,6 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
             saved = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
             ckpt.load_full(self._module, optimizer, saved.pop(model_key),
                            saved.pop(optim_key, None) if optim_key else None, self._names)
-            saved.pop(optim_key, None)
         rest = [k for k in state if k not in (model_key, optim_key)]
         _validate_keys_for_strict_loading(rest, saved.keys(), strict=strict)
         for name in rest:

@@ -158,10 +158,7 @@ class ZeroOptions:
 
     # -- what zerofn cannot honour --------------------------------------------------------
     def precision_problems(self, flag_name: str) -> list[str]:
-        """Lightning's precision flag against these options."""
-        if flag_name not in FLAGS:
-            return [f"precision={flag_name!r}: zerofn trains with "
-                    f"{', '.join(repr(f) for f in FLAGS)} (zerofn.mixed_precision)"]
+        """Lightning's precision flag (one of ``FLAGS``) against these options."""
         problems = []
         if FLAGS[flag_name].compute is None and self.scaling:
             problems.append(f"{', '.join(sorted(self.scaling))} set, but precision="
@@ -182,11 +179,18 @@ class ZeroOptions:
                     "shard; launch with 'popen' (Lightning re-runs the script) or torchrun"]
         return []
 
-    def clip_problems(self, clip_val) -> list[str]:
+    def trainer_problems(self, clip_val, layer_sync) -> list[str]:
+        """The Trainer's own options: clipping, and the layers it would convert."""
+        problems = []
         if self.overlap_step and clip_val:
-            return [f"gradient_clip_val={clip_val} with overlap_step=True: the host steps each "
-                    "unit during backward, before the global norm exists; drop one of them"]
-        return []
+            problems.append(f"gradient_clip_val={clip_val} with overlap_step=True: the host "
+                            "steps each unit during backward, before the global norm exists; "
+                            "drop one of them")
+        if layer_sync is not None:
+            problems.append("sync_batchnorm=True: zerofn's strategy does not convert the "
+                            "model's BatchNorm layers; convert them yourself "
+                            "(torch.nn.SyncBatchNorm.convert_sync_batchnorm) in __init__")
+        return problems
 
 
 OPTIONS = tuple(f for f in ZeroOptions.__dataclass_fields__ if f not in ("stage", "sharding",

@@ -97,7 +97,8 @@ class ZeroStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         trainer = self.lightning_module.trainer
-        refuse(self.zero.clip_problems(trainer.gradient_clip_val))   # before the group forms
+        # before the process group forms
+        refuse(self.zero.trainer_problems(trainer.gradient_clip_val, self._layer_sync))
         super().setup_environment()
         if self.zero.device_mesh is not None:
             self._group = self.zero.mesh(self.root_device, self.world_size)
