@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
 
 import zerofn.integrations.lightning as zl  # noqa: E402
 from zerofn import cli  # noqa: E402
+from zerofn.consolidate import to_full  # noqa: E402
 from support import SLOW  # noqa: E402
 from support.compare import TOL  # noqa: E402
 from support.jobs import ROOT, finish, torchrun  # noqa: E402
@@ -196,6 +197,18 @@ def test_a_zero3_checkpoint_loads_into_a_plain_lightning_module(two, tmp_path):
     with torch.no_grad():
         plain = torch.stack([module(*windows[i:i + 1]) for i in range(len(windows))]).mean()
     assert abs(record(two, "validated")["val_loss"] - plain.item()) < TOL
+
+
+def test_consolidating_for_lightning_needs_lightnings_entries(tmp_path):
+    """A checkpoint without them (here zerofn's to-dcp of a plain state dict) is refused,
+    naming what is missing; so is a safetensors file as the output."""
+    torch.save({"w": torch.ones(2, 3)}, tmp_path / "plain.pt")
+    assert cli.main(["consolidate", "to-dcp", str(tmp_path / "plain.pt"),
+                     str(tmp_path / "dcp")]) == 0
+    with pytest.raises(ValueError, match=r"no Lightning entries \(extra.lightning\)"):
+        to_full(tmp_path / "dcp", tmp_path / "out.ckpt", lightning=True)
+    with pytest.raises(ValueError, match="a Lightning checkpoint is a torch.save file"):
+        to_full(tmp_path / "dcp", tmp_path / "out.safetensors", lightning=True)
 
 
 def full_state(module) -> dict:

@@ -82,7 +82,9 @@ class ZeroOptions:
             raise TypeError(f"tensorboard={self.tensorboard!r}: True (the Trainer's "
                             "TensorBoardLogger directory), a directory, or a dict of "
                             "zerofn.tensorboard's options (logdir=, every=, ranks=, ...).")
-        self.transform(FLAGS["32-true"], None, None, fitting=True)   # zerofn checks the values
+        # zerofn's transforms check the values (the precision ones under a mixed flag)
+        self.transform(FLAGS["bf16-mixed" if self.scaling else "32-true"], None, None,
+                       fitting=True)
 
     @classmethod
     def from_kwargs(cls, stage: int, **kwargs) -> "ZeroOptions":
