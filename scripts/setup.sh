@@ -15,7 +15,7 @@ NEEDS=(
   "pytest=pytest" "hypothesis=hypothesis" "nbclient=nbclient" "ipykernel=ipykernel"
   "matplotlib=matplotlib" "transformers=transformers>=5,<6" "accelerate=accelerate"
   "sphinx=sphinx>=9,<10" "furo=furo>=2025,<2027"
-  "lightning=lightning>=2.5,<2.7"
+  "lightning=lightning>=2.6,<2.7"
 )
 missing=()
 for pair in "${NEEDS[@]}"; do

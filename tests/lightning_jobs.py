@@ -2,6 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/lightning_jobs.py two OUT [--every-name]
     python tests/lightning_jobs.py one OUT        (one process: devices=1; after ``two``)
+    python tests/lightning_jobs.py figures OUT    (prints what they measured)
 
 ``two``, on two ranks: the Trainer and Fabric under DDP and under zerofn's registered
 names (Fabric under two of them, or all with ``--every-name``); a run stopped at step 10
@@ -298,10 +299,39 @@ def two(out: str, every_name: bool) -> None:
     clip_value(out)
 
 
+def figures(out: str) -> None:
+    """What the runs in OUT measured, as the closing note quotes it (after ``two``, ``one``)."""
+    def load(name):
+        path = os.path.join(out, f"{name}.pt")
+        return torch.load(path, weights_only=False) if os.path.exists(path) else None
+
+    def gaps(run, ref, skip=0):
+        w = max((run["weights"][k] - v).abs().max().item() for k, v in ref["weights"].items())
+        loss = max(abs(a - b) for a, b in zip(run["losses"], ref["losses"][skip:]))
+        return f"weights {w:.1e}, losses {loss:.1e}"
+
+    pairs = [(f"trainer-{n}", "trainer-ddp", 0) for n in zl.STRATEGY_NAMES]
+    pairs += [("trainer-hsdp", "trainer-ddp", 0), ("manual-zerofn_stage_2", "manual-ddp", 0)]
+    pairs += [(f"fabric-{n}", "fabric-ddp", 0) for n in zl.STRATEGY_NAMES]
+    pairs += [(n, "straight", 20) for n in ("resumed-world2-stage2", "resumed-full-stage1",
+                                            "resumed-world1-stage1")]
+    pairs += [("resumed-from-ddp", "trainer-ddp", 20)]
+    for name, ref, skip in pairs:
+        if load(name) is not None:
+            print(f"{name:36} against {ref:12} {gaps(load(name), load(ref), skip)}")
+    peak = load("meta-peak")
+    mib = 2 ** 20
+    print(f"meta set-up: rise {[round(r / mib) for r in peak['rises']]} MiB per rank; model "
+          f"{peak['full'] / mib:.0f} MiB, a rank's share {peak['share'] / mib:.0f} MiB, "
+          f"largest unit {peak['largest'] / mib:.0f} MiB")
+    for flag in ("bf16-mixed", "16-mixed", "bf16-true"):
+        losses = load(flag)["losses"]
+        print(f"{flag:10} loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    print("fp16 loss scale saved / resumed:", load("fp16-scale"))
+
+
 if __name__ == "__main__":
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     torch.set_num_threads(1)
-    if sys.argv[1] == "two":
-        two(sys.argv[2], "--every-name" in sys.argv[3:])
-    else:
-        one(sys.argv[2])
+    {"two": lambda out: two(out, "--every-name" in sys.argv[3:]), "one": one,
+     "figures": figures}[sys.argv[1]](sys.argv[2])
