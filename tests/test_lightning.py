@@ -123,6 +123,7 @@ def test_fabric_checkpoints_move_between_stages_and_formats(two):
     assert gap(moved["alone"]["weights"], trained) == 0 and moved["alone"]["step"] == 20
     assert gap(moved["full"], trained) == 0 and moved["step"] == 20
     assert moved["moment_gap"] == 0
+    assert moved["by_name"]        # optimizer.state_dict(): zerofn's, keyed by name
 
 
 @pytest.mark.multirank
