@@ -21,6 +21,7 @@ NEEDS=(
   "pytest=pytest" "hypothesis=hypothesis" "nbclient=nbclient" "ipykernel=ipykernel"
   "matplotlib=matplotlib" "transformers=transformers>=5,<6" "accelerate=accelerate"
   "sphinx=sphinx>=9,<10" "furo=furo>=2025,<2027"
+  "lightning=lightning>=2.6,<2.7"
 )
 
 die() { echo "setup: $*" >&2; exit 1; }
