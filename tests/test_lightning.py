@@ -127,7 +127,6 @@ def test_fabric_checkpoints_move_between_stages_and_formats(two):
 
 
 @pytest.mark.multirank
-@pytest.mark.xfail(strict=True, reason="needs p.grad views of the reduced gradients (issue 32)")
 def test_clipping_by_value_follows_ddp(two):
     run = record(two, "value-zerofn_stage_2")
     assert "error" not in run, run.get("error")
