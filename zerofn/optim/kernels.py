@@ -33,8 +33,9 @@ def native():
     if _C is None:
         raise RuntimeError(
             "zerofn._C (the C++ CPU Adam) is not built or failed to load: "
-            f"{_IMPORT_ERROR}. Build it with `python3 -m pip install --no-build-isolation "
-            "--no-deps -e .` from the zerofn checkout."
+            f"{_IMPORT_ERROR}. Build it from the zerofn checkout: `bash scripts/setup.sh` "
+            "(into the environment set-up uses), or in your own active environment "
+            "`python -m pip install --no-build-isolation --no-deps -e .`."
         ) from _IMPORT_ERROR
     _warn_if_generic(_C)
     return _C
