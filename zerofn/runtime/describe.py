@@ -10,7 +10,8 @@ log = logging.getLogger("zerofn")
 
 
 def _name(dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+            torch.float64: "fp64"}.get(
         dtype, str(dtype).removeprefix("torch."))
 
 
@@ -54,13 +55,12 @@ def announce(rt, global_rank: int) -> None:
     state, which a user who expected fp32 masters must hear of)."""
     if global_rank != 0:
         return
-    narrow = rt.plan.precision.param_dtype is None and any(
-        u.master_dtype in (torch.bfloat16, torch.float16) for u in rt.units if u.slots)
-    if narrow:
+    narrow = [u.master_dtype for u in rt.units if u.slots
+              and u.master_dtype in (torch.bfloat16, torch.float16)]
+    if rt.plan.precision.param_dtype is None and narrow:
         log.warning("zerofn: %s. The model's parameters are %s and no mixed_precision was "
                     "applied, so the masters and Adam's moments keep that dtype, as "
                     "torch.optim would; add zf.mixed_precision(%s) for fp32 masters and "
-                    "state.", plan_line(rt), _dtypes(rt.units, "dtype"),
-                    next(u.dtype for u in rt.units if u.slots))
+                    "state.", plan_line(rt), _dtypes(rt.units, "dtype"), narrow[0])
     else:
         log.info("zerofn: %s.", plan_line(rt))
