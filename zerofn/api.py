@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .core.plan import (MONITOR_OPTIONS, OFFLOAD_OPTIONS, PARAM_OPTIONS, PRECISION_OPTIONS,
-                        SHARED_OPTIONS, Plan)
+from .core.plan import (MONITOR_OPTIONS, NONFINITE_RULES, OFFLOAD_OPTIONS, PARAM_OPTIONS,
+                        PRECISION_OPTIONS, SHARED_OPTIONS, Plan)
 from .observe.failures import Watch
 from .observe.tensorboard import Monitor
 from .runtime import apply_plan
@@ -51,6 +51,10 @@ def _stage_transform(name: str, stage: int, allowed: tuple[str, ...], options: d
     if unknown:
         raise TypeError(f"zerofn.{name}() got unknown option(s) {unknown}; "
                         f"it accepts {sorted(allowed)}.")
+    if options.get("on_nonfinite") not in (None,) + NONFINITE_RULES:
+        raise ValueError(f"zerofn.{name}(on_nonfinite={options['on_nonfinite']!r}): a step "
+                         f"with inf or nan gradients may {' or '.join(map(repr, NONFINITE_RULES))}"
+                         f" (the default: 'skip').")
     return Transform(f"{name}()", (lambda plan: plan.with_transform(name, stage, options),))
 
 
@@ -86,6 +90,17 @@ def shard_optimizer(**options) -> Transform:
             group's own, from ``init_process_group(timeout=...)``). Past it, or as soon as
             another rank raises or dies, every rank stops with ``zerofn.RankFailure``
             naming that rank and its phase (docs/multinode.md).
+        on_nonfinite: what a step whose gradients hold inf or nan on any rank does:
+            ``"skip"`` (the default) skips it on every rank, leaving masters, moments and
+            the optimizer's step count as they were; ``"raise"`` raises
+            ``zerofn.NonFiniteGradient`` on every rank, naming the step and a parameter,
+            before anything is stepped; ``"ignore"`` checks nothing and costs nothing (the
+            step takes the values, as plain PyTorch would). Under fp16 loss scaling the
+            scaler's rule applies (skip, and lower the scale), and only "skip" is taken;
+            under ``offload(overlap_step=True)`` the default is "raise" and "skip" is
+            refused (the host steps units before the verdict). The check reads every
+            gradient once and the vote back, a wait for the device each step
+            (docs/transforms.md, "Non-finite gradients").
 
     Example:
         >>> model, opt = zerofn.shard_optimizer()(model, opt)

@@ -157,8 +157,10 @@ FP16_IGNORED = {
 FP16_KNOWN = frozenset(("enabled", "auto_cast") + FP16_SCALING) | frozenset(FP16_IGNORED)
 BF16_IGNORED = {
     "immediate_grad_update": Ignored("zerofn updates at the step", (False,)),
-    "check_grad_overflow": Ignored("zerofn checks for overflow only under fp16 loss scaling",
-                                   (False,)),
+    "check_grad_overflow": Ignored(
+        "zerofn skips a step whose gradients hold inf or nan under every precision "
+        "(on_nonfinite='skip', the default); for an unchecked step pass "
+        "on_nonfinite='ignore' to the transforms", (True,)),
     "bf16_master_weights_and_grads": Ignored(
         "zerofn stores bf16 masters only in host memory: with offload_optimizer.device "
         "\"cpu\"", (False,)),

@@ -111,6 +111,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          help="seconds a collective may wait for the slowest rank before "
                               "every rank stops with an error naming it (default "
                               f"{DEFAULT_TIMEOUT:g}; docs/multinode.md)")
+    failing.add_argument("--on-nonfinite", choices=("skip", "raise", "ignore"),
+                         help="a step whose gradients hold inf or nan on any rank: skip it on "
+                              "every rank (default; under fp16 the loss scaler's skip), stop "
+                              "the run naming the step and a parameter (raise; the default "
+                              "under --overlap-step), or take it unchecked (ignore: no cost)")
     return p.parse_args(argv)
 
 
