@@ -122,18 +122,18 @@ def test_forward_and_backward_never_wait_for_the_device(tmp_path):
 
 def staging_runs(rank, world, root):
     from zerofn.checkpoint import save_checkpoint, wait_for_checkpoint
-    from zerofn.io.checkpoint.api import checkpointer
+    from zerofn.io.checkpoint.api import background
     model, opt = on_nccl(root, 3, None, None)     # its state lives on the device
     (x, y), = batches(1, 1, 1)[0]
     model(x.cuda(), y.cuda()).backward()
     opt.step()
     expected = zf.get_state_dict(model, opt, full=True)
     save_checkpoint(os.path.join(root, "ckpt"), model, opt, step=1, async_save=True)
-    staging = checkpointer.stager._staging
+    staging = background().stager._staging
     wait_for_checkpoint()
     save_checkpoint(os.path.join(root, "ckpt"), model, opt, step=2, async_save=True)
     wait_for_checkpoint()
-    reused = checkpointer.stager._staging.data_ptr() == staging.data_ptr()
+    reused = background().stager._staging.data_ptr() == staging.data_ptr()
     fresh, fresh_opt = on_nccl(root, 3, None, None)
     zf.load_checkpoint(os.path.join(root, "ckpt"), fresh, fresh_opt)
     loaded = zf.get_state_dict(fresh, fresh_opt, full=True)

@@ -54,3 +54,14 @@ assert DeepSpeedEngine is engine.DeepSpeedEngine
 assert all(hasattr(deepspeed, name) for name in deepspeed.__all__)
 assert not hasattr(deepspeed, "no_such_name")
 """)
+
+
+def test_import_zerofn_installs_nothing_process_wide():
+    """No exit handler, exception hook or process-group setting at import: the background
+    saver registers its exit wait at the first async save, the failure watch its hook
+    when a transform installs it."""
+    out = run("import atexit, sys, torch, torch.distributed.checkpoint\n"
+              "n, hook = atexit._ncallbacks(), sys.excepthook\n"
+              "import zerofn, zerofn.io.checkpoint.api as api\n"
+              "print(atexit._ncallbacks() - n, sys.excepthook is hook, api._background)")
+    assert out.split() == ["0", "True", "None"]

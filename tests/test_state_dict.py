@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
@@ -108,3 +109,65 @@ def test_a_full_state_dict_goes_to_the_device_asked_for():
         assert model_devices == {"meta"}
         assert state == {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
         assert refused is not None and "full=True" in refused
+
+
+class Gated(torch.nn.Module):
+    """A layer whose ``late`` branch the first steps leave unused."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+        self.late = torch.nn.Parameter(torch.full((6,), 0.5))
+
+    def forward(self, x, use_late: bool):
+        y = self.lin(x)
+        return (y * self.late if use_late else y).square().mean()
+
+
+def _gated_steps(model, opt, xs, use_late: bool) -> None:
+    for x in xs:
+        model(x, use_late).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def unused_then_resumed(rank, world, stage):
+    """Two steps leave ``late`` without a gradient; a fresh model resumes from their
+    checkpoint by the DCP pattern (its own state dict loaded into), then uses ``late``."""
+    torch.manual_seed(0)
+    xs = torch.randn(4, world, 3, 6)
+    rows = lambda x: x[rank]    # this rank's micro-batch of each step
+    transform = {1: zf.shard_optimizer, 2: zf.shard_grads, 3: zf.shard_params}[stage]
+    torch.manual_seed(0)
+    ref = Gated()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    _gated_steps(ref, ref_opt, [x.reshape(-1, 6) for x in xs[:2]], False)
+    _gated_steps(ref, ref_opt, [x.reshape(-1, 6) for x in xs[2:]], True)
+
+    torch.manual_seed(0)
+    first = Gated()
+    first, opt = transform()(first, torch.optim.Adam(first.parameters(), lr=0.1))
+    _gated_steps(first, opt, [rows(x) for x in xs[:2]], False)
+    msd, osd = zf.get_state_dict(first, opt, full=True)
+    saved_state = sorted(osd["state"])
+    torch.manual_seed(0)
+    fresh = Gated()
+    fresh, fresh_opt = transform()(fresh, torch.optim.Adam(fresh.parameters(), lr=0.1))
+    zf.get_state_dict(fresh, fresh_opt)          # makes state to load into, "late"'s too
+    zf.set_state_dict(fresh, fresh_opt, msd, osd)
+    resumed_state = sorted(zf.get_state_dict(fresh, fresh_opt, full=True)[1]["state"])
+    _gated_steps(fresh, fresh_opt, [rows(x) for x in xs[2:]], True)
+    got = zf.get_state_dict(fresh, fresh_opt, full=True)[0]
+    gap = max((got[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return saved_state, resumed_state, gap
+
+
+@pytest.mark.parametrize("world,stage", [(1, 2), (2, 1), (2, 3)])
+def test_a_parameter_never_stepped_keeps_no_state_through_a_resume(world, stage):
+    """torch.optim gives a parameter state at its first gradient. A state dict taken after
+    steps that left it without one holds none for it, and a resume that loads into a fresh
+    optimizer's made-up state (a zero step: Adam's count 1) drops it again, so the
+    parameter's first real step is bias-corrected as plain PyTorch's."""
+    for saved, resumed, gap in run_ranks(world, unused_then_resumed, stage):
+        assert saved == resumed == ["lin.bias", "lin.weight"]
+        assert gap < 1e-6, gap

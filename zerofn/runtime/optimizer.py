@@ -58,6 +58,8 @@ class OptimizerWiring:
         self._handles = [optimizer.register_step_pre_hook(lambda *_: stepper.before_step()),
                          optimizer.register_step_post_hook(lambda *_: stepper.after_step())]
         self._trainable = {slot_of[p].opt_param for g in self.originals for p in g if p.requires_grad}
+        self.stepped = False      # a step or a load ran: the state is torch.optim's own now
+        self._made: set = set()   # params init_state gave state to (no step ever made it)
         plain_zero_grad = optimizer.zero_grad
 
         def sharded_zero_grad(set_to_none: bool = True) -> None:
@@ -70,6 +72,7 @@ class OptimizerWiring:
 
         def stepping(opt, *args, **kwargs):
             observers.step_begin()
+            self.stepped = True
             return step(*args, **kwargs)
 
         # A bound method, as torch's LR schedulers expect to find (they rebind its function).
@@ -116,13 +119,16 @@ class OptimizerWiring:
         self._swap_params(new_of, full_state_of)
 
     def init_state(self) -> None:
-        """Create the optimizer's state where a parameter has none yet (a home that lets the
-        user's optimizer keep it makes it at the first step) with a zero-gradient, zero-lr
-        step, as torch's DCP helpers do, so a checkpoint load has tensors to load into."""
+        """Before the first step, create the optimizer's state where a parameter has none
+        yet (a home that lets the user's optimizer keep it makes it at the first step) with
+        a zero-gradient, zero-lr step, as torch's DCP helpers do, so a checkpoint load has
+        tensors to load into. After a step, a parameter without state is one torch.optim
+        never stepped (it never had a gradient): it stays without, as in plain PyTorch."""
         bare = [p for group in self.optimizer.param_groups for p in group["params"]
                 if p in self._trainable and p not in self.optimizer.state]
-        if not bare:
+        if self.stepped or not bare:
             return
+        self._made.update(bare)
         lrs = []
         for group in self.optimizer.param_groups:
             lrs.append(group.get("lr"))
@@ -138,6 +144,16 @@ class OptimizerWiring:
                     group["lr"] = lr
             for p in bare:
                 p.grad = None
+
+    def forget_made_state(self, loaded: set) -> None:
+        """After a load: state ``init_state`` made for a parameter the checkpoint holds none
+        for goes, so the optimizer holds what was saved, as ``load_state_dict`` leaves it
+        (an Adam step count of 1 would otherwise bias that parameter's first real step).
+        The state is the checkpoint's now: none is made up again."""
+        self.stepped = True
+        for p in self._made - loaded:
+            self.optimizer.state.pop(p, None)
+        self._made.clear()
 
 
 def step_without_hooks(optimizer) -> None:

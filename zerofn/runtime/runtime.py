@@ -339,6 +339,11 @@ class Runtime:
         has tensors to load into."""
         self.stepper.wiring.init_state()
 
+    def forget_made_state(self, loaded: set) -> None:
+        """After a load: drop the state ``init_optimizer_state`` made where the checkpoint
+        held none (``loaded``: the optimizer's params it held state for)."""
+        self.stepper.wiring.forget_made_state(loaded)
+
     # -- teardown ----------------------------------------------------------------------
     def restore(self) -> None:
         """Undo this runtime: full parameters and full optimizer state, no hooks.

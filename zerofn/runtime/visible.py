@@ -27,6 +27,11 @@ Where those rows are not all the step reads, the step learns of the edit (``fold
   its parameter's: ``p.grad`` shows the rows rounded to the compute dtype, and an edited
   copy replaces the rows (else the step keeps the exact ones).
 
+A parameter this rank gave no gradient still shows its reduced rows (another rank's
+gradient, or zeros where no rank gave one): which parameters any rank used is known only at
+the step's vote, and a global clip must see every rank's rows. The step then leaves a
+parameter no rank used alone, as torch.optim leaves one whose ``.grad`` is None.
+
 Under fp16 loss scaling the rows are still scaled, as plain PyTorch's gradients are before
 ``GradScaler.unscale_``: clip with ``zf.clip_grad_norm_``, which unscales.
 

@@ -194,6 +194,7 @@ def _load_optim_state(rt, optimizer, osd: dict) -> None:
     if rt.scaler is not None and SCALER_KEY in osd:
         rt.scaler.load_state_dict(osd[SCALER_KEY])
     slot_of_opt = {s.opt_param: s for s in rt.slot_of.values()}
+    loaded = set()
     with torch.no_grad():
         for group, saved in zip(optimizer.param_groups, groups):
             # Compared as sets: FSDP2 lists a group's params in its own registration order.
@@ -209,6 +210,8 @@ def _load_optim_state(rt, optimizer, osd: dict) -> None:
                 if slot.fqn in osd["state"]:
                     optimizer.state[p] = _load_param_state(rt, slot, optimizer.state.get(p, {}),
                                                            osd["state"][slot.fqn])
+                    loaded.add(p)
+    rt.forget_made_state(loaded)
 
 
 def _load_param_state(rt, slot: ParamSlot, current: dict, saved: dict) -> dict:

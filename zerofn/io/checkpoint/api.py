@@ -61,7 +61,17 @@ class AsyncCheckpointer:
         return self._twins[group]
 
 
-checkpointer = AsyncCheckpointer()    # the one the functions below use
+_background: AsyncCheckpointer | None = None    # made at the first async save
+
+
+def background() -> AsyncCheckpointer:
+    """This process's background saver, made at the first async save (importing zerofn
+    starts nothing); from then on process exit waits for its save in flight."""
+    global _background
+    if _background is None:
+        _background = AsyncCheckpointer()
+        atexit.register(_wait_at_exit)
+    return _background
 
 
 def _chain(upload: Future, finish, final: str) -> Future:
@@ -84,9 +94,6 @@ def _wait_at_exit() -> None:
         wait_for_checkpoint()
     except BaseException:  # the interpreter is exiting: say so rather than lose it silently
         _log.exception("zerofn: the background checkpoint save failed")
-
-
-atexit.register(_wait_at_exit)
 
 
 def _watched(phase: str):
@@ -141,7 +148,7 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
         dcp.save(state, storage_writer=ChecksumWriter(tmp), process_group=group)
         finish()
         return final
-    checkpointer.start(state, tmp, group, finish, final)
+    background().start(state, tmp, group, finish, final)
     return final
 
 
@@ -150,7 +157,7 @@ def wait_for_checkpoint() -> str | None:
 
     Raises what the save raised. Call it before ``destroy_process_group``.
     """
-    return checkpointer.wait()
+    return None if _background is None else _background.wait()
 
 
 # -- load ------------------------------------------------------------------------------
