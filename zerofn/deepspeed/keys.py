@@ -72,6 +72,16 @@ REMOVED = ("nebula", "compression_training", "amp", "quantize_training", "sparse
            "curriculum_learning", "progressive_layer_drop")
 TOP_KNOWN = TOP_USED | frozenset(MONITORS) | frozenset(TOP_IGNORED) | frozenset(REMOVED)
 
+# Sections zerofn reads into: a JSON object, or where DeepSpeed allows it another form
+# (zero_optimization: true is its legacy stage 1; an offload section may be null).
+SECTION_FORMS = {
+    "zero_optimization": (dict, bool), "zero_optimization.offload_optimizer": (dict, None),
+    "zero_optimization.offload_param": (dict, None), "fp16": (dict,), "bf16": (dict,),
+    "bfloat16": (dict,), "optimizer": (dict, None), "optimizer.params": (dict, None),
+    "scheduler": (dict, None), "scheduler.params": (dict, None),
+    "activation_checkpointing": (dict,), "tensorboard": (dict,), "csv_monitor": (dict,),
+}
+
 # -- zero_optimization ------------------------------------------------------------------------
 # (name, its stage3_ alias or None): DeepSpeed accepts either spelling.
 STAGE3_ALIASED = ("prefetch_bucket_size", "param_persistence_threshold",

@@ -49,6 +49,26 @@ def reject_removed(config: dict) -> None:
                          f"refuses them too); delete them from the config.")
 
 
+def check_sections(config: dict) -> None:
+    """Each section zerofn reads into is a JSON object (or the other form DeepSpeed allows
+    it): anything else is refused, naming the section, before any of it is read."""
+    if not isinstance(config, dict):
+        raise ValueError(f"A DeepSpeed config is a JSON object of sections; got "
+                         f"{type(config).__name__} {config!r}.")
+    for path, forms in K.SECTION_FORMS.items():
+        parent, _, name = path.rpartition(".")
+        holder = config.get(parent) if parent else config
+        if not isinstance(holder, dict) or name not in holder:
+            continue
+        value = holder[name]
+        if not any(value is None if form is None else
+                   isinstance(value, form) for form in forms):
+            kinds = " or ".join("null" if f is None else "true/false" if f is bool else
+                                "an object {...}" for f in forms)
+            raise ValueError(f"DeepSpeed config: {path} must be {kinds}; got {value!r}. "
+                             f"Write it as DeepSpeed's documentation does, or leave it out.")
+
+
 # -- unknown keys -------------------------------------------------------------------------
 def _sections(config: dict):
     """``(dotted prefix, section dict, its known keys)`` for every section zerofn checks."""
