@@ -20,7 +20,7 @@ import torch
 from .auto import hidden_size_of, resolve_auto
 from .factories import optimizer_factory, scheduler_factory
 from .ignored import ignored_keys, warn_about_keys
-from .load import check_sections, load_config, reject_removed, warn_unknown
+from .load import check_sections, check_values, load_config, reject_removed, warn_unknown
 from .mapping import (activation_checkpointing, batch_sizes, compose_transforms,
                       monitoring_sections, precision_of, resolve_world_size, stage_of,
                       transform_options, zero3_leaf_units, zero_section)
@@ -66,6 +66,7 @@ def read_config(config_or_path, *, model=None, world_size: int | None = None,
     world = resolve_world_size(world_size)
     stage = stage_of(raw)
     config, filled = resolve_auto(raw, model, stage)
+    check_values(config)
     batch = batch_sizes(config, world)
     param_dtype, precision_opts = precision_of(config)
     transforms = transform_options(config, stage, param_dtype, precision_opts, group,
