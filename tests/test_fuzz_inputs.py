@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import zerofn as zf
 
@@ -42,4 +43,26 @@ def test_configs_the_fuzz_found_are_read_or_refused_by_name(config, says):
         return
     with pytest.raises(ValueError) as e:
         zf.from_deepspeed_config({**BASE, **config}, world_size=1)
+    assert says in str(e.value), str(e.value)
+
+
+OPTIONS_REFUSED = [   # (the transform the fuzz drew, what the error says)
+    # values of the wrong kind went on to the runtime (TypeError or OverflowError there)
+    (lambda: zf.shard_optimizer(bucket_size="cpu"),
+     "zerofn.shard_optimizer(bucket_size='cpu'): bucket_size takes a whole number from 1 up"),
+    (lambda: zf.shard_params(timeout=2**63), "timeout takes a finite number above 0, at most 1e+09"),
+    (lambda: zf.shard_grads(sync_module_states="none"), "sync_module_states takes True or False"),
+    (lambda: zf.mixed_precision(torch.float16, hysteresis=False), "hysteresis takes a whole number"),
+    (lambda: zf.mixed_precision(torch.bfloat16, loss_scale={}), "loss_scale takes a finite number"),
+    (lambda: zf.mixed_precision(torch.bfloat16, initial_scale_power=1e30),
+     "initial_scale_power takes a whole number from 0 to 64"),
+    (lambda: zf.offload("cpu", units_in_flight=[2]), "units_in_flight takes a whole number"),
+    (lambda: zf.offload("cpu", seed=None), "seed takes a whole number from 0 up"),
+]
+
+
+@pytest.mark.parametrize("make, says", OPTIONS_REFUSED)
+def test_options_the_fuzz_found_are_refused_by_name(make, says):
+    with pytest.raises(ValueError) as e:
+        make()
     assert says in str(e.value), str(e.value)
