@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import zerofn as zf
+from zerofn import train
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
 CONFIGS_REFUSED = [   # (the drawn config, less BASE; what the error says)
@@ -66,3 +67,21 @@ def test_options_the_fuzz_found_are_refused_by_name(make, says):
     with pytest.raises(ValueError) as e:
         make()
     assert says in str(e.value), str(e.value)
+
+
+FLAGS_REFUSED = [   # (the flags the fuzz drew, what argparse says)
+    # --heads 0 divided by zero in the job's checks; --context -1 reached torch.empty;
+    # --lr -1 reached torch.optim's own message (naming no flag)
+    (["--heads", "0"], "argument --heads: '0': give a whole number from 1 up"),
+    (["--context", "-1"], "argument --context: '-1': give a whole number from 1 up"),
+    (["--lr", "-1"], "argument --lr: '-1': give a finite number above 0"),
+    (["--clip", "nan"], "argument --clip: 'nan': give a finite number from 0 up"),
+    (["--offload-ratio", "nan"], "argument --offload-ratio: 'nan': give a share from 0 to 1"),
+]
+
+
+@pytest.mark.parametrize("argv, says", FLAGS_REFUSED)
+def test_flags_the_fuzz_found_are_refused_by_name(argv, says, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    assert says in capsys.readouterr().err
