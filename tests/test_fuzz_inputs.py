@@ -1,12 +1,68 @@
-"""The inputs fuzzed: what the fuzz found, each refused where it should have been."""
+"""The inputs fuzzed (hypothesis; support/fuzz_inputs.py): DeepSpeed configs drawn from
+every key zerofn knows (right and wrong types, out-of-range values, unknown keys, "auto"
+where it is and is not allowed), the transforms' options and ``zerofn train``'s flags.
+Every case trains a step or raises zerofn's own error naming the key, option or flag:
+never an internal exception. The suite draws a few examples of each surface (fixed, so a
+run is repeatable); the long run draws that many per surface, afresh:
+
+    ZEROFN_FUZZ_EXAMPLES=3400 python -m pytest -q -p no:cacheprovider tests/test_fuzz_inputs.py
+
+Below the fuzz, the cases it found, each fixed where the input should have been refused."""
 from __future__ import annotations
+
+import os
+import tempfile
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 import zerofn as zf
+from support.fuzz_inputs import (config_case, deepspeed_configs, flags_case, held_to_the_rule,
+                                 leaf_names, option_names, options_case, train_flags,
+                                 transform_options)
+from support.ranks import run_ranks
 from zerofn import train
 
+EXAMPLES = int(os.environ.get("ZEROFN_FUZZ_EXAMPLES", "20"))
+SURFACES = {   # name: (strategy, case(drawn, nvme dir), what an error about it may name)
+    "configs": (deepspeed_configs, lambda d, _: config_case(d[0]), lambda d: leaf_names(d[1])),
+    "options": (transform_options, lambda d, nvme: options_case(*d, nvme),
+                lambda d: option_names(*d)),
+    "flags": (train_flags, lambda d, nvme: flags_case(d[0], nvme), lambda d: d[1]),
+}
+
+
+def fuzz(rank, world, surface, examples):
+    """Draw ``examples`` cases of ``surface`` in a fresh directory (a drawn tensorboard
+    section or NVMe path writes there); how many trained a step and how many were refused."""
+    strategy, run, names = SURFACES[surface]
+    counts = {"trained": 0, "refused": 0}
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              derandomize="ZEROFN_FUZZ_EXAMPLES" not in os.environ,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy())
+    def case(drawn):
+        counts[held_to_the_rule(lambda: run(drawn, nvme), names(drawn))] += 1
+
+    with tempfile.TemporaryDirectory() as cwd:
+        os.chdir(cwd)
+        nvme = os.path.join(cwd, "nvme")
+        os.mkdir(nvme)
+        case()
+    return counts
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("surface", sorted(SURFACES))
+def test_every_input_trains_a_step_or_is_refused_by_name(surface):
+    [counts] = run_ranks(1, fuzz, surface, EXAMPLES, timeout=max(180, EXAMPLES))
+    print(surface, counts)
+    assert sum(counts.values()) == EXAMPLES and counts["trained"] and counts["refused"], counts
+
+
+# -- what the fuzz found -------------------------------------------------------------------
 BASE = {"train_micro_batch_size_per_gpu": 2}
 CONFIGS_REFUSED = [   # (the drawn config, less BASE; what the error says)
     # a section of another type reached .get or .items (AttributeError)
