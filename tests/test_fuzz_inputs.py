@@ -79,7 +79,7 @@ CONFIGS_REFUSED = [   # (the drawn config, less BASE; what the error says)
     ({"zero_optimization": {"stage": 3, "param_persistence_threshold": ""}},
      "zero_optimization.param_persistence_threshold takes a whole number from 0 up; got ''"),
     ({"zero_optimization": {"stage": 0, "allgather_bucket_size": -float("inf")}},
-     "zero_optimization.allgather_bucket_size takes a whole number from 0 up; got -inf"),
+     "zero_optimization.allgather_bucket_size takes a whole number from 1 up; got -inf"),
     ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": []}},
      "zero_optimization.stage3_prefetch_bucket_size takes a whole number"),
     ({"gradient_clipping": None}, "gradient_clipping takes a number from 0 up; got None"),
@@ -90,6 +90,10 @@ CONFIGS_REFUSED = [   # (the drawn config, less BASE; what the error says)
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 2}}},
      "zero_optimization.offload_optimizer.ratio takes a number from 0 to 1; got 2"),
     ({"zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8}}, None),   # (JSON's 5e8)
+    # a bucket size of 0 became bucket_size=0, which the transform refused by its own name
+    ({"zero_optimization": {"stage": 2, "allgather_bucket_size": 0}},
+     "zero_optimization.allgather_bucket_size takes a whole number from 1 up; got 0"),
+    ({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 0}}, None),   # no prefetch
 ]
 
 

@@ -101,9 +101,11 @@ VALUES = {
     "gradient_clipping": Takes("number", 0), "steps_per_print": Takes("int", 1, null=True),
     "dataloader_drop_last": _BOOL, "zero_allow_untested_optimizer": _BOOL,
     "zero_force_ds_cpu_optimizer": _BOOL, "communication_data_type": Takes("str", null=True),
+    # (a bound on elements in flight: 0 would be none at all; prefetch's 0 is "no prefetch")
+    "zero_optimization.reduce_bucket_size": Takes("int", 1),
+    "zero_optimization.allgather_bucket_size": Takes("int", 1),
     **{f"zero_optimization.{p}{name}": _SIZE for p in ("", "stage3_") for name in (
-        "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
-        "param_persistence_threshold")},
+        "prefetch_bucket_size", "param_persistence_threshold")},
     **{f"zero_optimization.{name}": _BOOL for name in (
         "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")},
     **{f"zero_optimization.{section}.{name}": Takes("str", null=True)
