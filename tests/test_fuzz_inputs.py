@@ -145,3 +145,17 @@ def test_flags_the_fuzz_found_are_refused_by_name(argv, says, capsys):
     with pytest.raises(SystemExit):
         train.parse_args(argv)
     assert says in capsys.readouterr().err
+
+
+def test_factories_the_fuzz_found_are_refused_by_name():
+    """A scheduler without a parameter it needs (WarmupCosineLR's total_num_steps), or an
+    optimizer parameter torch refuses, left torch's TypeError or ValueError naming no key."""
+    params = [torch.zeros(2, requires_grad=True)]
+    for config, says in (({"scheduler": {"type": "WarmupCosineLR"}}, "scheduler.params"),
+                         ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}},
+                          "optimizer.params")):
+        s = zf.from_deepspeed_config({**BASE, **config}, world_size=1)
+        with pytest.raises(ValueError) as e:
+            opt = (s.optimizer or (lambda p: torch.optim.SGD(p, lr=0.1)))(params)
+            s.scheduler(opt)
+        assert says in str(e.value) and "DeepSpeed config" in str(e.value), str(e.value)
