@@ -21,6 +21,7 @@ import zerofn as zf
 from support.fuzz_inputs import (config_case, deepspeed_configs, flags_case, held_to_the_rule,
                                  leaf_names, option_names, options_case, train_flags,
                                  transform_options)
+from support.errors import error_of
 from support.ranks import run_ranks
 from zerofn import train
 
@@ -138,6 +139,18 @@ FLAGS_REFUSED = [   # (the flags the fuzz drew, what argparse says)
     (["--clip", "nan"], "argument --clip: 'nan': give a finite number from 0 up"),
     (["--offload-ratio", "nan"], "argument --offload-ratio: 'nan': give a share from 0 to 1"),
 ]
+
+
+def flags_resolved(rank, world, argv):
+    return error_of(train.resolve, train.parse_args(argv), torch.device("cpu"))
+
+
+def test_a_missing_nvme_path_is_named_by_its_flag():
+    """--offload nvme --nvme-path -1 was refused only by offload() at set-up, naming the
+    path but not the flag."""
+    [says] = run_ranks(1, flags_resolved, ["--offload", "nvme", "--nvme-path", "-1"])
+    assert says and "--nvme-path -1 (or the config's nvme_path) is not an existing directory" \
+        in says, says
 
 
 @pytest.mark.parametrize("argv, says", FLAGS_REFUSED)

@@ -3,6 +3,7 @@ the zerofn transforms it maps to; and the model, optimizer and LR schedule it bu
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass, field, replace
 
@@ -114,6 +115,9 @@ def _check(job: Job, args, device: torch.device) -> None:
     if job.offload == "nvme" and not job.nvme_path:
         raise ValueError("--offload nvme needs --nvme-path DIR (a directory on the drive) or "
                          "the config's zero_optimization.offload_optimizer.nvme_path.")
+    if job.offload == "nvme" and not os.path.isdir(job.nvme_path):
+        raise ValueError(f"--nvme-path {job.nvme_path} (or the config's nvme_path) is not an "
+                         f"existing directory on this rank's machine; create it first.")
     if job.offload_params and (job.offload is None or job.stage != 3):
         raise ValueError(f"--offload-params needs --stage 3 and --offload cpu or nvme (here "
                          f"stage {job.stage}, offload {job.offload or 'none'}): only ZeRO-3 "
