@@ -102,13 +102,13 @@ def skip_runs(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_skip_leaves_every_rank_as_if_the_step_never_came(world):
+def test_skip_leaves_every_rank_as_if_the_step_never_came():
     """"skip" (the default): masters, moments and the step count stay as they were on
     every rank (the nan in one rank's rows), and the run then goes on bit for bit as one
     that never saw that batch; clipping, HSDP (the vote over both dims) and fp16 (the
-    scaler's skip, its scale lowered) alike."""
-    for rank_out in run_ranks(world, skip_runs, timeout=300):
+    scaler's skip, its scale lowered) alike. (World 1: tools/fault_campaign.py's
+    nonfinite row, whose short version the suite runs.)"""
+    for rank_out in run_ranks(2, skip_runs, timeout=300):
         for case, (skipped, unchanged, alike) in zip(SKIPS, rank_out):
             assert skipped == [True, False], case
             assert unchanged and alike, case
