@@ -274,9 +274,14 @@ class StepGrads:
         # (only overlap_step's early steps can refuse an edit: only they carry the verdict)
         refused = None if self.early is None else \
             torch.full((), float(self._refused is not None), device=self.device)
-        if rider is None and found is None and self.comm.world == 1 and self.replicas is None:
+        alone = rider is None and self.comm.world == 1 and self.replicas is None
+        if alone and (found is None or self.checked):   # no other rank to ask
             self._raise_refusal(self._refused is not None)
-            return self._drop_ungot(had)     # no other rank to ask
+            # (the guard's verdict is this rank's own: read, not voted)
+            self.overflow = found is not None and bool(found.item() > 0)
+            if self.overflow and self.rule == "raise":
+                self._raise_nonfinite()
+            return self._drop_ungot(had)
         every = all(had)
         # Made on the device: a copy up from the host would wait for the device's queue.
         ballot = torch.ones(len(had), device=self.device) if every else \
