@@ -67,6 +67,8 @@ from ..optim import grad_sumsq_and_finite
 from ..core.units import ParamSlot
 from .agree import gather
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # grad_sumsq_and_finite's
+
 
 class NonFiniteGradient(FloatingPointError):
     """A step's gradients held inf or nan under ``on_nonfinite="raise"``: raised on every
@@ -243,8 +245,10 @@ class StepGrads:
 
     def _nonfinite(self) -> torch.Tensor:
         """1 where any gradient the step reads is inf or nan, else 0 (a tensor: no sync
-        here). Under deferred scaling the host's kernel already found it."""
-        if self.deferred:
+        here). Under deferred scaling the host's kernel finds it in the read it makes for
+        the norm, where it takes every gradient's dtype (a unit of fp64 parameters it does
+        not: torch then checks them all)."""
+        if self.deferred and all(g.dtype in KERNEL_DTYPES for g in self.present()):
             return self.deferred_stats()[1]
         found = torch.zeros((), device=self.device)
         for _, group in by_device_and_dtype(self.present()).items():
