@@ -30,9 +30,9 @@ OFFLOADS = [(1, {}, None), (2, {}, torch.bfloat16), (3, {}, torch.bfloat16),
             (3, {"nvme": True, "params": True}, torch.bfloat16)]
 
 
-def on_nccl(path, stage, opts, dtype):
+def on_nccl(path, stage, opts, dtype, **sharding):
     """A model of ``stage`` on cuda:0 over a world-1 NCCL group, with ``opts`` offload
-    (None: none)."""
+    (None: none) and the ``sharding`` options."""
     torch.cuda.set_device(0)
     group = dist.new_group(backend="nccl")
     _, model = make_models()
@@ -40,7 +40,7 @@ def on_nccl(path, stage, opts, dtype):
     opt = make_optimizer("adamw", model.parameters())
     extra = ([zf.mixed_precision(dtype)] if dtype else []) + \
         ([offload_transform(dict(opts, path=path))] if opts is not None else [])
-    return zf.compose(zero(stage, group=group), *extra)(model, opt)
+    return zf.compose(zero(stage, group=group, **sharding), *extra)(model, opt)
 
 
 def pinned_runs(rank, world, path):
@@ -82,26 +82,30 @@ def test_offload_arenas_are_pinned_at_their_exact_size(tmp_path):
 
 def sync_runs(rank, world, path):
     """Forward and backward under sync-debug mode "error": any synchronizing CUDA call (a
-    blocking copy, an .item(), a stream synchronize) raises. Then the syncs of the step."""
+    blocking copy, an .item(), a stream synchronize) raises. Then the syncs of the step,
+    with the non-finite guard (the default) and without it (on_nonfinite="ignore", which
+    fp16's scaler does not take)."""
     import warnings
     out = []
     for stage, opts, dtype in OFFLOADS:
         if opts.get("nvme"):
             continue      # NVMe's reads are host I/O, and its staging buffers waited for
-        model, opt = on_nccl(path, stage, opts, dtype)
-        data = batches(3, 1, 1)
-        for i, ((x, y),) in enumerate(data):
-            x, y = x.cuda(), y.cuda()
-            torch.cuda.set_sync_debug_mode("error" if i else "default")   # 1st: set-up
-            loss = opt.scale(model(x, y))
-            loss.backward()
-            torch.cuda.set_sync_debug_mode("warn")
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                opt.step()
-                opt.zero_grad()
-            torch.cuda.set_sync_debug_mode("default")
-        out.append(sum("synchroniz" in str(w.message) for w in caught))
+        syncs = []
+        for guard in ({}, {"on_nonfinite": "ignore"})[:1 if dtype == torch.float16 else 2]:
+            model, opt = on_nccl(path, stage, opts, dtype, **guard)
+            for i, ((x, y),) in enumerate(batches(3, 1, 1)):
+                x, y = x.cuda(), y.cuda()
+                torch.cuda.set_sync_debug_mode("error" if i else "default")   # 1st: set-up
+                loss = opt.scale(model(x, y))
+                loss.backward()
+                torch.cuda.set_sync_debug_mode("warn")
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    opt.step()
+                    opt.zero_grad()
+                torch.cuda.set_sync_debug_mode("default")
+            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        out.append(syncs)
     return out
 
 
@@ -109,10 +113,11 @@ def sync_runs(rank, world, path):
 def test_forward_and_backward_never_wait_for_the_device(tmp_path):
     """Items 4 and 6 of issue 13: offloaded shards go up, gradient shards come down and
     reductions finish without the host waiting; the step waits only where it must read
-    (the overflow verdict under fp16)."""
+    (the inf/nan verdict: fp16's overflow, the non-finite guard's), and not at all with
+    on_nonfinite="ignore"."""
     configs = [c for c in OFFLOADS if not c[1].get("nvme")]
-    for config, step_syncs in zip(configs, run_ranks(1, sync_runs, str(tmp_path))[0]):
-        assert step_syncs <= (1 if config[2] == torch.float16 else 0), (config, step_syncs)
+    for config, syncs in zip(configs, run_ranks(1, sync_runs, str(tmp_path))[0]):
+        assert syncs[0] <= 1 and syncs[1:] in ([], [0]), (config, syncs)
 
 
 def staging_runs(rank, world, root):

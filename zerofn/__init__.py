@@ -12,7 +12,7 @@ from .api import (Transform, compose, mixed_precision, offload, shard_grads, sha
 from .observe.failures import RankFailure
 from .observe.log import flush_logs, log, set_log_step
 from .pretrained import load_pretrained, save_pretrained
-from .runtime import is_transformed
+from .runtime import NonFiniteGradient, is_transformed
 from .state.accounting import comm_stats, model_state_bytes
 from .state.clip import clip_grad_norm_
 from .state.state_dict import get_state_dict, set_state_dict
@@ -24,7 +24,7 @@ __all__ = [
     "estimate_model_state_bytes", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint",
     "trust_class",
     "PerRank", "RNGState", "load_pretrained", "save_pretrained", "from_deepspeed_config",
-    "RankFailure", "is_transformed",
+    "RankFailure", "NonFiniteGradient", "is_transformed",
 ]
 
 # The DeepSpeed adapter (config reader, engine, checkpoint converter) loads on first use of

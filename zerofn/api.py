@@ -12,14 +12,15 @@ tensorboard) raises on an untransformed model, where ``compose`` takes any order
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Callable
 
 import torch
 from torch import nn
 
-from .core.plan import (MONITOR_OPTIONS, OFFLOAD_OPTIONS, PARAM_OPTIONS, PRECISION_OPTIONS,
-                        SHARED_OPTIONS, Plan)
+from .core.plan import (MONITOR_OPTIONS, NONFINITE_RULES, OFFLOAD_OPTIONS, PARAM_OPTIONS,
+                        PRECISION_OPTIONS, SHARED_OPTIONS, Plan)
 from .observe.failures import Watch
 from .observe.tensorboard import Monitor
 from .runtime import apply_plan
@@ -51,7 +52,49 @@ def _stage_transform(name: str, stage: int, allowed: tuple[str, ...], options: d
     if unknown:
         raise TypeError(f"zerofn.{name}() got unknown option(s) {unknown}; "
                         f"it accepts {sorted(allowed)}.")
+    check_values(name, options)
     return Transform(f"{name}()", (lambda plan: plan.with_transform(name, stage, options),))
+
+
+def _whole(low: int, high: int | None = None):
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v
+            and (high is None or v <= high),
+            f"a whole number from {low}" + (f" to {high}" if high is not None else " up"))
+
+
+def _positive(none: bool = False, high: float = math.inf):
+    return (lambda v: (none and v is None) or (
+        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+        and v <= high), "a finite number above 0" + (f", at most {high:g}" if high < math.inf
+                                                      else "") + (" (or None)" if none else ""))
+
+
+_BOOL = (lambda v: isinstance(v, bool), "True or False")
+# What each option of the transforms takes, by the name it is given as: checked when the
+# transform is made, so a wrong value is named there, not met deep in the runtime.
+TAKES = {
+    "bucket_size": _whole(1), "sync_module_states": _BOOL, "timeout": _positive(none=True, high=1e9),   # (seconds: 31 years; torch's limit is in ms)
+    "on_nonfinite": (lambda v: v is None or v in NONFINITE_RULES,
+                     " or ".join(map(repr, NONFINITE_RULES)) + " (the default: 'skip')"),
+    "units": (lambda v: v is None or isinstance(v, (list, tuple)) or _whole(1)[0](v),
+              "None, a list of submodules or their names, or a whole number from 1 up"),
+    "init": (lambda v: v is None or callable(v), "None or a function of a module"),
+    "prefetch": _whole(0), "reshard_after_forward": _BOOL, "persist_below": _whole(0),
+    "cast_forward_inputs": _BOOL, "loss_scale": _positive(none=True),
+    "initial_scale_power": _whole(0, 64), "loss_scale_window": _whole(1),
+    "hysteresis": _whole(1), "consecutive_hysteresis": _BOOL, "min_loss_scale": _positive(),
+    "params": _BOOL, "units_in_flight": _whole(1), "seed": _whole(0), "overlap_step": _BOOL,
+    "path": (lambda v: v is None or isinstance(v, (str, os.PathLike)), "None or a directory"),
+}
+
+
+def check_values(name: str, options: dict) -> None:
+    """A ValueError naming the first of ``options`` (given to ``zerofn.name``) whose value
+    is not what it takes (``TAKES``)."""
+    for key, value in options.items():
+        test, words = TAKES.get(key, (None, None))
+        if test is not None and not test(value):
+            raise ValueError(f"zerofn.{name}({key}={value!r}): {key} takes {words}.")
 
 
 def shard_optimizer(**options) -> Transform:
@@ -86,6 +129,17 @@ def shard_optimizer(**options) -> Transform:
             group's own, from ``init_process_group(timeout=...)``). Past it, or as soon as
             another rank raises or dies, every rank stops with ``zerofn.RankFailure``
             naming that rank and its phase (docs/multinode.md).
+        on_nonfinite: what a step whose gradients hold inf or nan on any rank does:
+            ``"skip"`` (the default) skips it on every rank, leaving masters, moments and
+            the optimizer's step count as they were; ``"raise"`` raises
+            ``zerofn.NonFiniteGradient`` on every rank, naming the step and a parameter,
+            before anything is stepped; ``"ignore"`` checks nothing and costs nothing (the
+            step takes the values, as plain PyTorch would). Under fp16 loss scaling the
+            scaler's rule applies (skip, and lower the scale), and only "skip" is taken;
+            under ``offload(overlap_step=True)`` the default is "raise" and "skip" is
+            refused (the host steps units before the verdict). The check reads every
+            gradient once and the vote back, a wait for the device each step
+            (docs/transforms.md, "Non-finite gradients").
 
     Example:
         >>> model, opt = zerofn.shard_optimizer()(model, opt)
@@ -172,7 +226,7 @@ def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype=None
                         f"got {reduce_dtype!r}.")
     return _stage_transform("mixed_precision", 0, PRECISION_OPTIONS,
                             dict(options, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                 cast_forward_inputs=bool(cast_forward_inputs)))
+                                 cast_forward_inputs=cast_forward_inputs))
 
 
 def offload(device: str = "cpu", *, params: bool = False, path: str | None = None,
@@ -235,8 +289,8 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
     """
     if device not in ("cpu", "nvme"):
         raise ValueError(f"offload({device!r}): the device is 'cpu' or 'nvme'.")
-    if units_in_flight < 1:
-        raise ValueError("offload(): units_in_flight must be at least 1.")
+    check_values("offload", dict(params=params, path=path, units_in_flight=units_in_flight,
+                                 seed=seed, overlap_step=overlap_step))
     if state_dtype not in (torch.float32, torch.bfloat16, torch.int8):
         raise ValueError(f"offload(state_dtype={state_dtype!r}): Adam's moments are stored as "
                          "torch.float32, torch.bfloat16 or torch.int8.")
@@ -264,9 +318,9 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
     return _stage_transform("offload", 0, OFFLOAD_OPTIONS,
                             dict(offload=device, offload_params=params, offload_path=path,
                                  units_in_flight=units_in_flight, state_dtype=state_dtype,
-                                 master_dtype=master_dtype, offload_seed=int(seed),
+                                 master_dtype=master_dtype, offload_seed=seed,
                                  offload_ratio=ratio if ratio == "auto" else float(ratio),
-                                 overlap_step=bool(overlap_step), device_budget=device_budget,
+                                 overlap_step=overlap_step, device_budget=device_budget,
                                  host_budget=host_budget,
                                  offload_placement=dict(placement) if placement else None))
 

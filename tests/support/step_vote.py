@@ -8,6 +8,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from zerofn.core.plan import Plan
 from zerofn.runtime.step import StepGrads
 from zerofn.runtime.timing import UNTIMED
 
@@ -30,7 +31,7 @@ class OtherRank:
 def step_grads(comm, got: set, device="cpu") -> StepGrads:
     """The step's gradients over ``comm``, with the context and parts the vote reads."""
     ctx = types.SimpleNamespace(comm=comm, pool=None, units=(), device=torch.device(device),
-                                timing=UNTIMED, replicas=None, copies=None)
+                                timing=UNTIMED, replicas=None, copies=None, plan=Plan())
     return StepGrads(ctx, types.SimpleNamespace(got=got), types.SimpleNamespace(early=None),
                      None, types.SimpleNamespace(cpu_adam=False))
 

@@ -22,6 +22,7 @@ class ShardingPolicy:
     sync_module_states: bool = True
     init: Any = None                   # a meta-built model's initializer
     timeout: float | None = None       # seconds a collective may wait
+    on_nonfinite: str | None = None    # "skip", "raise", "ignore"; None: nonfinite_rule()'s
     prefetch: int = 1                  # ZeRO-3: units gathered ahead
     reshard_after_forward: bool = True
     persist_below: int = 0             # ZeRO-3: parameters kept whole below this size
@@ -86,7 +87,9 @@ OPTION_FIELDS = {
 POLICIES = {"sharding": ShardingPolicy, "precision": PrecisionPolicy,
             "offload": OffloadPolicy, "monitor": MonitorPolicy}
 # The options each transform accepts (shared ones set the whole plan: give each once).
-SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states", "init", "timeout")
+SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states", "init", "timeout",
+                  "on_nonfinite")
+NONFINITE_RULES = ("skip", "raise", "ignore")
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
 OFFLOAD_OPTIONS = ("offload", "offload_path", "offload_params", "units_in_flight", "state_dtype",
                    "master_dtype", "offload_seed", "offload_ratio", "overlap_step",
@@ -134,6 +137,20 @@ class Plan:
             merged[key] = value
         return dataclasses.replace(
             self, stage=max(self.stage, stage), applied=self.applied + (name,), options=merged)
+
+    def scales_loss(self) -> bool:
+        """Whether the loss is scaled (fp16's dynamic scaling, or a static ``loss_scale``)."""
+        return self.precision.loss_scale is not None or self.precision.param_dtype == torch.float16
+
+    def nonfinite_rule(self) -> str:
+        """What a step whose gradients hold inf or nan does: the ``on_nonfinite`` given, else
+        "skip", or "raise" under ``overlap_step`` (whose host steps units before any rank
+        can know: no skip can be kept there). Under fp16 loss scaling "skip" is the loss
+        scaler's (which also lowers the scale); the other two are refused there at set-up."""
+        given = self.sharding.on_nonfinite
+        if given is not None:
+            return given
+        return "raise" if self.offload.overlap_step else "skip"
 
     def describe(self) -> list[str]:
         """The plan as lines compared across ranks at set-up, one per option, so a mismatch

@@ -72,6 +72,57 @@ REMOVED = ("nebula", "compression_training", "amp", "quantize_training", "sparse
            "curriculum_learning", "progressive_layer_drop")
 TOP_KNOWN = TOP_USED | frozenset(MONITORS) | frozenset(TOP_IGNORED) | frozenset(REMOVED)
 
+# Sections zerofn reads into: a JSON object, or where DeepSpeed allows it another form
+# (zero_optimization: true is its legacy stage 1; an offload section may be null).
+SECTION_FORMS = {
+    "zero_optimization": (dict, bool), "zero_optimization.offload_optimizer": (dict, None),
+    "zero_optimization.offload_param": (dict, None), "fp16": (dict,), "bf16": (dict,),
+    "bfloat16": (dict,), "optimizer": (dict, None), "optimizer.params": (dict, None),
+    "scheduler": (dict, None), "scheduler.params": (dict, None),
+    "activation_checkpointing": (dict,), "tensorboard": (dict,), "csv_monitor": (dict,),
+}
+
+
+
+class Takes(NamedTuple):
+    """What a key zerofn acts on may hold: ``kind`` "int" (a whole number, 5e8 too),
+    "number" (finite), "bool" or "str", within ``low``..``high`` (``above``: low itself
+    excluded); ``null``: JSON null too (the default)."""
+    kind: str
+    low: float | None = None
+    high: float | None = None
+    null: bool = False
+    above: bool = False
+
+
+_SIZE = Takes("int", 0)
+_BOOL = Takes("bool")
+VALUES = {
+    "gradient_clipping": Takes("number", 0), "steps_per_print": Takes("int", 1, null=True),
+    "dataloader_drop_last": _BOOL, "zero_allow_untested_optimizer": _BOOL,
+    "zero_force_ds_cpu_optimizer": _BOOL, "communication_data_type": Takes("str", null=True),
+    # (a bound on elements in flight: 0 would be none at all; prefetch's 0 is "no prefetch")
+    "zero_optimization.reduce_bucket_size": Takes("int", 1),
+    "zero_optimization.allgather_bucket_size": Takes("int", 1),
+    **{f"zero_optimization.{p}{name}": _SIZE for p in ("", "stage3_") for name in (
+        "prefetch_bucket_size", "param_persistence_threshold")},
+    **{f"zero_optimization.{name}": _BOOL for name in (
+        "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")},
+    **{f"zero_optimization.{section}.{name}": Takes("str", null=True)
+       for section in ("offload_optimizer", "offload_param") for name in ("device", "nvme_path")},
+    "zero_optimization.offload_optimizer.ratio": Takes("number", 0, 1),
+    "zero_optimization.offload_param.buffer_count": Takes("int", 1),
+    **{f"{section}.enabled": _BOOL for section in ("fp16", "bf16", "bfloat16")},
+    "fp16.auto_cast": _BOOL, "fp16.consecutive_hysteresis": _BOOL,
+    "fp16.loss_scale": Takes("number", 0), "fp16.initial_scale_power": Takes("int", 0, 64),
+    "fp16.loss_scale_window": Takes("int", 1), "fp16.hysteresis": Takes("int", 1),
+    "fp16.min_loss_scale": Takes("number", 0, above=True),
+    **{f"{section}.{name}": Takes("str", null=True) for section in ("tensorboard", "csv_monitor")
+       for name in ("output_path", "job_name")},
+    "tensorboard.enabled": _BOOL, "csv_monitor.enabled": _BOOL,
+    "optimizer.type": Takes("str"), "scheduler.type": Takes("str"),
+}
+
 # -- zero_optimization ------------------------------------------------------------------------
 # (name, its stage3_ alias or None): DeepSpeed accepts either spelling.
 STAGE3_ALIASED = ("prefetch_bucket_size", "param_persistence_threshold",
@@ -157,8 +208,10 @@ FP16_IGNORED = {
 FP16_KNOWN = frozenset(("enabled", "auto_cast") + FP16_SCALING) | frozenset(FP16_IGNORED)
 BF16_IGNORED = {
     "immediate_grad_update": Ignored("zerofn updates at the step", (False,)),
-    "check_grad_overflow": Ignored("zerofn checks for overflow only under fp16 loss scaling",
-                                   (False,)),
+    "check_grad_overflow": Ignored(
+        "zerofn skips a step whose gradients hold inf or nan under every precision "
+        "(on_nonfinite='skip', the default); for an unchecked step pass "
+        "on_nonfinite='ignore' to the transforms", (True,)),
     "bf16_master_weights_and_grads": Ignored(
         "zerofn stores bf16 masters only in host memory: with offload_optimizer.device "
         "\"cpu\"", (False,)),

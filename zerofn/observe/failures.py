@@ -179,8 +179,11 @@ class Watch(StepObserver):
 
     def failed(self, exc: Exception, unit: str | None = None) -> Exception:
         """What to raise for ``exc``: a ``RankFailure`` where a collective failed, else
-        ``exc`` itself, recorded (and noted) as this rank's own error."""
-        if not self.active or isinstance(exc, RankFailure) or getattr(exc, "_zerofn_seen", False):
+        ``exc`` itself, recorded (and noted) as this rank's own error. An error every rank
+        raises alike after agreeing on it (``raised_on_every_rank``: the non-finite guard's)
+        is no rank's failure: it passes untouched."""
+        if not self.active or isinstance(exc, RankFailure) or getattr(exc, "_zerofn_seen", False) \
+                or getattr(exc, "raised_on_every_rank", False):
             return exc
         try:
             exc._zerofn_seen = True    # outer guards leave it alone

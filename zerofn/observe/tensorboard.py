@@ -91,6 +91,9 @@ class Monitor(StepObserver):
         self._samples = 0.0              # written so far
         self._step_ms: dict = {}         # step -> ms, of the last interval read
         self._skipped = 0
+        # on_nonfinite="skip" without loss scaling: the guard's skips, as nonfinite/skipped
+        self._guarded = not plan.scales_loss() and plan.nonfinite_rule() == "skip"
+        self._nonfinite = 0
         self._grad_norm = None
         self._comm: Counter = Counter()  # comm_stats summed over the interval's steps
         self._unplaced = plan.offload.ratio == "auto"     # placed after a step: written then
@@ -163,6 +166,7 @@ class Monitor(StepObserver):
             self._pending.append((self.step, "train/grad_norm", self._grad_norm))
             self._grad_norm = None
         self._skipped += rt.step_skipped()
+        self._nonfinite += self._guarded and rt.step_skipped()
         self._comm.update(rt.comm_stats())
         if self._unplaced:
             with self._logging():
@@ -216,6 +220,8 @@ class Monitor(StepObserver):
         if stragglers is not None:
             scalars["time/step_max"], scalars["time/step_min"] = stragglers
         scalars["train/skipped_steps"] = self._skipped
+        if self._guarded:
+            scalars["nonfinite/skipped"] = self._nonfinite
         scalars.update(comm_series(comm, calls, ms, steps, self.rt.world, self.rt.replica_world))
         scalars.update(self._memory())
         for tag, value in scalars.items():

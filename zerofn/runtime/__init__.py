@@ -7,7 +7,8 @@ outside this folder but the plan and the optimizer kernels."""
 from .attach import is_transformed, runtime_of
 from .events import ObserverKind, StepObserver
 from .runtime import apply_plan
+from .step import NonFiniteGradient
 from .view import RuntimeView
 
-__all__ = ["ObserverKind", "RuntimeView", "StepObserver", "apply_plan", "is_transformed",
-           "runtime_of"]
+__all__ = ["NonFiniteGradient", "ObserverKind", "RuntimeView", "StepObserver", "apply_plan",
+           "is_transformed", "runtime_of"]

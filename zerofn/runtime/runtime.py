@@ -43,7 +43,7 @@ from .params import ParamGatherer
 from .pool import BufferPool
 from .shards import Shards
 from .step import Landing
-from .stepping import Stepper, early_steps
+from .stepping import Stepper, early_steps, nonfinite_problems
 from .visible import VisibleGrads
 
 
@@ -150,6 +150,7 @@ class Runtime:
             problems += kind.preflight(plan, self.device, dist.get_rank(self.group),
                                        dist.get_world_size(self.group))
         problems += overlap_problems(plan, self.optimizer)
+        problems += nonfinite_problems(plan)
         problems += auto_problems(plan.offload, self.device, self.replica_world > 1)
         order = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
         problems += offload_problems(plan.offload, self.optimizer, units,
@@ -219,7 +220,8 @@ class Runtime:
         return self.stepper.scaler
 
     def step_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped (an fp16 overflow on any rank)."""
+        """Whether the last optimizer step was skipped: an inf or nan in any rank's
+        gradients, under fp16's loss scaling or ``on_nonfinite="skip"``."""
         return self.stepper.grads.overflow
 
     def loss_scale(self) -> float | None:
@@ -287,6 +289,7 @@ class Runtime:
 
     def set_step(self, step: int) -> None:
         """The next optimizer step is number ``step`` (a resumed run's own count)."""
+        self.stepper.set_step(step)
         self.observers.set_step(step)
 
     def in_phase(self, name: str, fn, *args, **kwargs):

@@ -74,7 +74,12 @@ class Stepper:
             replicas.end_step()
         if self.placement is not None and not skipped:
             self.placement.after_step()     # ratio="auto", once: placement.py
+        self.grads.number += 1
         self.ctx.observers.step_done()
+
+    def set_step(self, step: int) -> None:
+        """The next optimizer step is number ``step`` (what the non-finite guard names)."""
+        self.grads.number = step
 
     def zero_grad(self) -> None:
         """``optimizer.zero_grad()`` (and the model's): the reduced shards start over."""
@@ -97,13 +102,30 @@ class Stepper:
 def loss_scaler(plan: Plan) -> LossScaler | None:
     """DeepSpeed's rule: dynamic scaling for fp16 unless a static scale is given."""
     p = plan.precision
+    if not plan.scales_loss():
+        return None
     if p.loss_scale is not None:
         return LossScaler(dynamic=False, scale=p.loss_scale)
-    if p.param_dtype != torch.float16:
-        return None
     return LossScaler(dynamic=True, scale=2.0 ** p.initial_scale_power,
                       window=p.loss_scale_window, min_scale=p.min_loss_scale,
                       hysteresis=p.hysteresis, consecutive_hysteresis=p.consecutive_hysteresis)
+
+
+def nonfinite_problems(plan: Plan) -> list[str]:
+    """What ``on_nonfinite`` cannot keep under this plan (step.py's [Note: the non-finite
+    guard]): checked on every rank before any collective."""
+    given = plan.sharding.on_nonfinite
+    if plan.scales_loss() and given in ("raise", "ignore"):
+        return [f"on_nonfinite={given!r}: under loss scaling (fp16, or a static loss_scale) "
+                "the scaler skips a step whose gradients overflow and lowers the scale, "
+                "which is how it finds its scale; leave on_nonfinite unset (or 'skip'), "
+                "or compute in bf16."]
+    if plan.offload.overlap_step and plan.nonfinite_rule() == "skip":
+        return ["on_nonfinite='skip': offload(overlap_step=True) steps units on the host "
+                "during backward, before any rank knows whether a gradient is non-finite, "
+                "so the step cannot be skipped; use 'raise' (the default there: it stops "
+                "the run naming the step and the parameter) or 'ignore'."]
+    return []
 
 
 def early_steps(ctx, homes, optimizer) -> EarlySteps | None:

@@ -20,23 +20,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="Precedence: an explicit flag wins over --config, which wins over the "
                "defaults shown. --model sets the shape; --width etc. override it.")
     run = p.add_argument_group("run")
-    run.add_argument("--nproc", type=int, help="ranks to start on this machine when not "
+    run.add_argument("--nproc", type=_whole(1), help="ranks to start on this machine when not "
                      "already under torchrun (default: the GPU count, else 2)")
     run.add_argument("--config", help="a DeepSpeed ds_config.json: stage, precision, offload, "
                      "batch sizes, accumulation, clipping, optimizer and scheduler")
-    run.add_argument("--steps", type=int, default=200, help="optimizer steps in the whole run (default 200)")
-    run.add_argument("--stop-at", type=int, help="end this run after that optimizer step "
+    run.add_argument("--steps", type=_whole(1), default=200, help="optimizer steps in the whole run (default 200)")
+    run.add_argument("--stop-at", type=_whole(1), help="end this run after that optimizer step "
                      "(saving a checkpoint), e.g. to fit a job's time limit; the LR "
                      "schedule still spans --steps")
     run.add_argument("--seed", type=int, default=0, help="seed for weights and batches "
                      "(default 0)")
-    run.add_argument("--log-every", type=int, help="steps between progress lines when stdout "
+    run.add_argument("--log-every", type=_whole(1), help="steps between progress lines when stdout "
                      "is not a terminal (config: steps_per_print; default 10)")
     run.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard logs to DIR "
                      "every --log-every steps: loss, tokens/s, the step-time breakdown, "
                      "communication and memory per rank (zf.tensorboard; config: the "
                      "tensorboard section; `zerofn report DIR` plots them)")
-    run.add_argument("--eval-batches", type=int, default=8,
+    run.add_argument("--eval-batches", type=_whole(1), default=8,
                      help="global batches of held-out text for the final validation "
                           "loss (default 8)")
 
@@ -74,14 +74,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     zero.add_argument("--master-dtype", choices=("fp32", "bf16"),
                       help="--offload: how the masters are stored (bf16 needs --precision "
                            "bf16; default fp32)")
-    zero.add_argument("--grad-accum", type=int,
+    zero.add_argument("--grad-accum", type=_whole(1),
                       help="micro-batches per optimizer step (default 1)")
     zero.add_argument("--activation-checkpointing", action="store_true",
                       help="recompute each block's activations in backward")
     zero.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
                       help="torch.compile the sharded model (backend default inductor; "
                            "zerofn's hooks stay outside the graphs)")
-    zero.add_argument("--clip", type=float, help="global gradient-norm clip, 0 for none "
+    zero.add_argument("--clip", type=_number(0), help="global gradient-norm clip, 0 for none "
                       "(config: gradient_clipping; default 1.0)")
 
     model = p.add_argument_group("model and data")
@@ -89,39 +89,74 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="preset (default small): " + "; ".join(f"{k} {_millions(c)}"
                                                    for k, c in PRESETS.items()))
     for name in SHAPE_FLAGS:
-        model.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
-    model.add_argument("--batch", type=int, help="global batch in sequences per optimizer "
+        model.add_argument(f"--{name}", type=_whole(1), help=f"override the preset's {name}")
+    model.add_argument("--batch", type=_whole(1), help="global batch in sequences per optimizer "
                        "step (config: train_batch_size; default 16)")
-    model.add_argument("--lr", type=float, help="peak learning rate (config: the optimizer's "
+    model.add_argument("--lr", type=_number(0, above=True), help="peak learning rate (config: the optimizer's "
                        "lr; default 2e-3, AdamW with warm-up and cosine decay)")
 
     ckpt = p.add_argument_group("checkpoints")
     ckpt.add_argument("--save-dir", help="checkpoint root: model, optimizer, LR schedule, "
                       "data position and RNG; one path every rank sees (docs/checkpoints.md)")
-    ckpt.add_argument("--save-every", type=int, help="optimizer steps between checkpoints "
+    ckpt.add_argument("--save-every", type=_whole(1), help="optimizer steps between checkpoints "
                       "(default: only at the end)")
-    ckpt.add_argument("--keep", type=int, default=3, help="newest checkpoints to keep "
+    ckpt.add_argument("--keep", type=_whole(1), default=3, help="newest checkpoints to keep "
                       "(default 3)")
     ckpt.add_argument("--resume", action="store_true", help="continue from --save-dir's "
                       "latest checkpoint, if it has one (else start afresh); implied when "
                       "torchrun restarts the job (TORCHELASTIC_RESTART_COUNT > 0 on any node)")
 
     failing = p.add_argument_group("failures")
-    failing.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+    failing.add_argument("--timeout", type=_number(0, above=True), default=DEFAULT_TIMEOUT,
                          help="seconds a collective may wait for the slowest rank before "
                               "every rank stops with an error naming it (default "
                               f"{DEFAULT_TIMEOUT:g}; docs/multinode.md)")
+    failing.add_argument("--on-nonfinite", choices=("skip", "raise", "ignore"),
+                         help="a step whose gradients hold inf or nan on any rank: skip it on "
+                              "every rank (default; under fp16 the loss scaler's skip), stop "
+                              "the run naming the step and a parameter (raise; the default "
+                              "under --overlap-step), or take it unchecked (ignore: no cost)")
     return p.parse_args(argv)
+
+
+def _whole(low: int):
+    """A flag's type: a whole number from ``low`` up (argparse names the flag)."""
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number from {low} up")
+        return value
+    return whole
+
+
+def _number(low: float, above: bool = False):
+    """A flag's type: a finite number from ``low`` up (``above``: more than ``low``)."""
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value > low if above else value >= low)):
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: give a finite number {'above' if above else 'from'} {low:g}"
+                + ("" if above else " up"))
+        return value
+    return number
 
 
 def _ratio(text: str) -> float | str:
     if text == "auto":
         return text
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a share from 0 to 1, or auto") \
-            from None
+        value = math.nan
+    if not 0 <= value <= 1:     # (nan too)
+        raise argparse.ArgumentTypeError(f"{text!r}: give a share from 0 to 1, or auto")
+    return value
 
 
 def _budget(text: str) -> int | float:

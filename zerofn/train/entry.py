@@ -44,6 +44,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     except ValueError as e:
         alone = say_once(store, str(e))
         raise SystemExit(2) from None
+    except zf.NonFiniteGradient as e:   # --on-nonfinite raise: every rank raised it alike
+        alone = say_once(store, str(e))
+        raise SystemExit(1) from None
     except RuntimeError as e:
         # Another rank failed (also in this job's own collectives): say which, and where.
         failure = translate(e)

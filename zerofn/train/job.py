@@ -3,6 +3,7 @@ the zerofn transforms it maps to; and the model, optimizer and LR schedule it bu
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass, field, replace
 
@@ -37,6 +38,7 @@ class Job:
     steps: int
     eval_batches: int
     compile: str | None = None                     # torch.compile's backend
+    on_nonfinite: str | None = None                # None: the sharding option's default
     tensorboard: dict | None = None                # zf.tensorboard's options
     options: dict = field(default_factory=dict)   # from the config: per transform
     optimizer: object = None                       # the config's factories, or None
@@ -78,6 +80,7 @@ def resolve(args, device: torch.device) -> Job:
         lr=_first(args.lr, None if settings and settings.optimizer else 2e-3),
         log_every=_first(args.log_every, settings and settings.steps_per_print, 10),
         steps=args.steps, eval_batches=args.eval_batches, compile=args.compile,
+        on_nonfinite=args.on_nonfinite,
         options=opts, optimizer=settings and settings.optimizer,
         scheduler=settings and settings.scheduler)
     if job.offload == "none":
@@ -112,6 +115,9 @@ def _check(job: Job, args, device: torch.device) -> None:
     if job.offload == "nvme" and not job.nvme_path:
         raise ValueError("--offload nvme needs --nvme-path DIR (a directory on the drive) or "
                          "the config's zero_optimization.offload_optimizer.nvme_path.")
+    if job.offload == "nvme" and not os.path.isdir(job.nvme_path):
+        raise ValueError(f"--nvme-path {job.nvme_path} (or the config's nvme_path) is not an "
+                         f"existing directory on this rank's machine; create it first.")
     if job.offload_params and (job.offload is None or job.stage != 3):
         raise ValueError(f"--offload-params needs --stage 3 and --offload cpu or nvme (here "
                          f"stage {job.stage}, offload {job.offload or 'none'}): only ZeRO-3 "
@@ -121,6 +127,14 @@ def _check(job: Job, args, device: torch.device) -> None:
                          f"low-precision state is stored off the device; add --offload cpu "
                          f"or nvme.")
     _check_auto(job, device)
+    if job.on_nonfinite in ("raise", "ignore") and job.precision == "fp16":
+        raise ValueError(f"--on-nonfinite {job.on_nonfinite} with --precision fp16: the loss "
+                         f"scaler skips a step whose gradients overflow and lowers its scale; "
+                         f"drop --on-nonfinite (or give skip), or use bf16.")
+    if job.on_nonfinite == "skip" and job.overlap_step:
+        raise ValueError("--on-nonfinite skip with --overlap-step: the host steps units during "
+                         "backward, before any rank knows of a non-finite gradient, so the "
+                         "step cannot be skipped; give raise (the default there) or ignore.")
     if job.offload_ratio != 1.0 and job.offload is None:
         raise ValueError(f"--offload-ratio {job.offload_ratio} is the share --offload keeps "
                          f"off the device: add --offload cpu or nvme.")
@@ -180,6 +194,8 @@ def transforms(job: Job) -> list:
     """zerofn's transforms for the job: the config's options where the flags leave them."""
     opts = job.options
     shared = dict(opts.get("shard_optimizer", {}), init=init_weights)
+    if job.on_nonfinite is not None:
+        shared["on_nonfinite"] = job.on_nonfinite
     out = [zf.shard_optimizer(**shared)]
     if job.stage >= 2:
         out.append(zf.shard_grads())

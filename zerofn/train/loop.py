@@ -59,13 +59,14 @@ def train(args, device) -> None:
         # This rank's loss and data (kept as tensors; read on zf.tensorboard's logging steps).
         zf.log(model, loss=loss, tokens=job.batch * job.cfg.context // dist.get_world_size(),
                samples=job.batch // dist.get_world_size())
-        progress.skipped += norm is not None and not torch.isfinite(norm)
+        progress.skipped += runtime_of(model).step_skipped()
         if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0)
                               or step + 1 == end):
             save(args, model, opt, sched, data, step + 1)
         if progress.wants(step, end):
             mean_loss, peak = gather_stats(loss, device)
-            progress.show(step, mean_loss, lr, None if norm is None else norm.item(), peak)
+            progress.show(step, mean_loss, lr, None if norm is None else norm.item(), peak,
+                          runtime_of(model).step_skipped())
     progress.close()
     zf.flush_logs(model)
     final, _ = gather_stats(loss, device)
@@ -74,8 +75,8 @@ def train(args, device) -> None:
 
 def train_step(model, opt, sched, batch, job: Job, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over the micro-batches, clip, step. Returns this rank's mean
-    loss and the global gradient norm (inf or nan where fp16 overflowed: step skipped;
-    None under --overlap-step, which takes none)."""
+    loss and the global gradient norm (inf or nan where a gradient was: the step is then
+    skipped unless --on-nonfinite ignore; None under --overlap-step, which takes none)."""
     loss = torch.zeros((), device=device)
     micro = list(micro_batches(*batch, job.grad_accum, device))
     for i, (x, y) in enumerate(micro):
@@ -92,7 +93,7 @@ def train_step(model, opt, sched, batch, job: Job, device) -> tuple[torch.Tensor
     # The norm is reported every step, so without clipping it is measured with no limit.
     norm = zf.clip_grad_norm_(model, job.clip if job.clip > 0 else math.inf)
     opt.step()
-    if torch.isfinite(norm):        # DeepSpeed leaves the schedule alone on a skipped step
+    if not runtime_of(model).step_skipped():   # DeepSpeed leaves the schedule alone then
         sched.step()
     return loss, norm
 

@@ -4,7 +4,6 @@ every rank."""
 from __future__ import annotations
 
 import datetime
-import math
 import resource
 import sys
 import time
@@ -160,7 +159,8 @@ class Progress:
         """Whether to report this step (reporting costs a small all-gather)."""
         return self.tty or (step + 1) % self.job.log_every == 0 or step in (self.start, end - 1)
 
-    def show(self, step: int, loss: float, lr: float, norm: float | None, peak: int) -> None:
+    def show(self, step: int, loss: float, lr: float, norm: float | None, peak: int,
+             skipped: bool = False) -> None:
         now = time.perf_counter()
         if self.first_loss is None:
             self.first_loss = loss
@@ -171,7 +171,7 @@ class Progress:
         if dist.get_rank() != 0:
             return
         line = (f"step {step + 1:>5}/{self.args.steps}  loss {loss:.4f}  lr {lr:.3e}  "
-                f"gnorm {_norm_text(norm)}"
+                f"gnorm {_norm_text(norm, skipped, self.job.precision)}"
                 f"  {step_s * 1e3:,.0f} ms  {self.tokens_per_rank / step_s:,.0f} tok/s/rank  "
                 f"peak {peak / 2**20:,.0f} MiB  eta {self._eta(now, step)}")
         print(f"\r{line}", end="", flush=True) if self.tty else print(line, flush=True)
@@ -207,7 +207,8 @@ class Progress:
             return
         if self.first_loss is not None:
             print(f"first loss {self.first_loss:.4f}, validation loss {val:.4f}")
-        skipped = f", {self.skipped} skipped (fp16 overflow)" if self.skipped else ""
+        why = "fp16 overflow" if self.job.precision == "fp16" else "inf or nan gradients"
+        skipped = f", {self.skipped} skipped ({why})" if self.skipped else ""
         print(f"final loss {final:.4f} after {end} steps (ZeRO-{self.job.stage}, "
               f"{_ranks(dist.get_world_size())}{skipped})", flush=True)
 
@@ -221,8 +222,8 @@ def measured(model) -> None:
               + _places(held, runtime_of(model).device.type), flush=True)
 
 
-def _norm_text(norm: float | None) -> str:
-    """The gradient norm as the progress line shows it ("-": none was taken)."""
-    if norm is None:
-        return "-"
-    return f"{norm:.3f}" + ("" if math.isfinite(norm) else " (skipped: fp16 overflow)")
+def _norm_text(norm: float | None, skipped: bool, precision: str) -> str:
+    """The gradient norm as the progress line shows it ("-": none was taken), and why the
+    step was skipped where it was."""
+    why = "fp16 overflow" if precision == "fp16" else "inf or nan"
+    return ("-" if norm is None else f"{norm:.3f}") + (f" (skipped: {why})" if skipped else "")

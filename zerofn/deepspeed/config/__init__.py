@@ -20,7 +20,7 @@ import torch
 from .auto import hidden_size_of, resolve_auto
 from .factories import optimizer_factory, scheduler_factory
 from .ignored import ignored_keys, warn_about_keys
-from .load import load_config, reject_removed, warn_unknown
+from .load import check_sections, check_values, load_config, reject_removed, warn_unknown
 from .mapping import (activation_checkpointing, batch_sizes, compose_transforms,
                       monitoring_sections, precision_of, resolve_world_size, stage_of,
                       transform_options, zero3_leaf_units, zero_section)
@@ -60,11 +60,13 @@ def read_config(config_or_path, *, model=None, world_size: int | None = None,
                 group=None) -> DeepSpeedSettings:
     """``from_deepspeed_config`` with the process group to shard over (for ``initialize``)."""
     raw = load_config(config_or_path)
+    check_sections(raw)
     reject_removed(raw)
     warn_unknown(raw)
     world = resolve_world_size(world_size)
     stage = stage_of(raw)
     config, filled = resolve_auto(raw, model, stage)
+    check_values(config)
     batch = batch_sizes(config, world)
     param_dtype, precision_opts = precision_of(config)
     transforms = transform_options(config, stage, param_dtype, precision_opts, group,

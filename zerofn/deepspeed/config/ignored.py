@@ -32,7 +32,7 @@ def ignored_keys(config: dict, stage: int) -> list[str]:
     out += _reportable(bf16, K.BF16_IGNORED, "bf16.")
     out += _reportable(config.get("activation_checkpointing", {}),
                        K.ACTIVATION_CHECKPOINTING_IGNORED, "activation_checkpointing.")
-    if config.get("optimizer", {}).get("legacy_fusion"):
+    if (config.get("optimizer") or {}).get("legacy_fusion"):
         out.append("optimizer.legacy_fusion=True: zerofn has no fused fp16 optimizer")
     return out
 

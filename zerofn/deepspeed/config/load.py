@@ -7,6 +7,7 @@ import binascii
 import copy
 import difflib
 import json
+import math
 import os
 import warnings
 
@@ -47,6 +48,62 @@ def reject_removed(config: dict) -> None:
     if removed:
         raise ValueError(f"DeepSpeed config: {removed} were removed from DeepSpeed (0.19.8 "
                          f"refuses them too); delete them from the config.")
+
+
+def check_sections(config: dict) -> None:
+    """Each section zerofn reads into is a JSON object (or the other form DeepSpeed allows
+    it): anything else is refused, naming the section, before any of it is read."""
+    if not isinstance(config, dict):
+        raise ValueError(f"A DeepSpeed config is a JSON object of sections; got "
+                         f"{type(config).__name__} {config!r}.")
+    for path, forms in K.SECTION_FORMS.items():
+        parent, _, name = path.rpartition(".")
+        holder = config.get(parent) if parent else config
+        if not isinstance(holder, dict) or name not in holder:
+            continue
+        value = holder[name]
+        if not any(value is None if form is None else
+                   isinstance(value, form) for form in forms):
+            kinds = " or ".join("null" if f is None else "true/false" if f is bool else
+                                "an object {...}" for f in forms)
+            raise ValueError(f"DeepSpeed config: {path} must be {kinds}; got {value!r}. "
+                             f"Write it as DeepSpeed's documentation does, or leave it out.")
+
+
+def check_values(config: dict) -> None:
+    """Each value zerofn acts on is of the kind and range it takes (keys.py's ``VALUES``),
+    after "auto" is filled: anything else is refused, naming the key and what it takes."""
+    for path, takes in K.VALUES.items():
+        *parents, name = path.split(".")
+        holder = config
+        for parent in parents:
+            holder = holder.get(parent) if isinstance(holder, dict) else None
+        if isinstance(holder, dict) and name in holder and not _fits(holder[name], takes):
+            raise ValueError(f"DeepSpeed config: {path} takes {_described(takes)}; got "
+                             f"{holder[name]!r}.")
+
+
+def _fits(value, takes: K.Takes) -> bool:
+    if value is None:
+        return takes.null
+    if takes.kind in ("bool", "str"):
+        return isinstance(value, bool if takes.kind == "bool" else str)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    if takes.kind == "int" and not float(value).is_integer():
+        return False
+    low_ok = takes.low is None or (value > takes.low if takes.above else value >= takes.low)
+    return low_ok and (takes.high is None or value <= takes.high)
+
+
+def _described(takes: K.Takes) -> str:
+    kind = {"int": "a whole number", "number": "a number", "bool": "true or false",
+            "str": "a string"}[takes.kind]
+    if takes.low is not None:
+        kind += f" {'above' if takes.above else 'from'} {takes.low:g}"
+        kind += f" to {takes.high:g}" if takes.high is not None else \
+            ("" if takes.above else " up")
+    return kind + (" (or null)" if takes.null else "")
 
 
 # -- unknown keys -------------------------------------------------------------------------

@@ -133,7 +133,8 @@ def _sharding_options(zero: dict, stage: int) -> tuple[dict, dict]:
     """``(options shared by every stage, shard_params's options)``."""
     buckets = ["reduce_bucket_size"] + (["prefetch_bucket_size"] if stage == 3
                                         else ["allgather_bucket_size"])
-    sizes = [int(zero_value(zero, b)) for b in buckets if zero_value(zero, b) is not None]
+    # (prefetch's 0 means no prefetch, not a bound: it leaves the bound to the others)
+    sizes = [int(zero_value(zero, b)) for b in buckets if zero_value(zero, b)]
     shared = {"bucket_size": max(sizes)} if sizes else {}
     params = {}
     if stage == 3:

@@ -2,6 +2,7 @@
 the warning category for keys zerofn does not act on."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,8 @@ class OptimizerFactory:
     kwargs: dict
 
     def __call__(self, params) -> torch.optim.Optimizer:
-        return self.cls(params, **self.kwargs)
+        with _refused_as("optimizer", self.cls, self.kwargs):
+            return self.cls(params, **self.kwargs)
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,19 @@ class SchedulerFactory:
     kwargs: dict
 
     def __call__(self, optimizer):
-        return self.cls(optimizer, **self.kwargs)
+        with _refused_as("scheduler", self.cls, self.kwargs):
+            return self.cls(optimizer, **self.kwargs)
+
+
+@contextlib.contextmanager
+def _refused_as(section: str, cls: type, kwargs: dict):
+    """What torch's constructor refuses (a missing parameter, a value of the wrong type or
+    range: TypeError or ValueError naming no key) as the config's error, naming the section."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"DeepSpeed config: {section}.params {kwargs} do not make a "
+                         f"{cls.__name__}: {e}. Fix {section}.params.") from e
 
 
 @dataclass(frozen=True)

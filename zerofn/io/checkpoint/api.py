@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ...runtime import runtime_of
 from ...state.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
@@ -45,7 +46,8 @@ class AsyncCheckpointer:
         # never interleave with training's collectives on the group itself.
         response = dcp.async_save(state, storage_writer=ChecksumWriter(tmp),
                                   process_group=self._twin(group), async_stager=self.stager)
-        self.pending = _chain(getattr(response, "upload_completion", response), finish, final)
+        self.pending = _chain(getattr(response, "upload_completion", response), finish, final,
+                              tmp)
 
     def wait(self) -> str | None:
         """Wait for the save in flight; return its directory (None if none). Raises what
@@ -74,7 +76,7 @@ def background() -> AsyncCheckpointer:
     return _background
 
 
-def _chain(upload: Future, finish, final: str) -> Future:
+def _chain(upload: Future, finish, final: str, tmp: str) -> Future:
     done: Future = Future()
 
     def on_upload(f: Future) -> None:
@@ -82,11 +84,27 @@ def _chain(upload: Future, finish, final: str) -> Future:
             f.result()
             finish()
             done.set_result(final)
+        except CheckpointException as e:
+            done.set_exception(save_error(e, tmp))
         except BaseException as e:  # handed to whoever waits: the next save, load or exit
             done.set_exception(e)
 
     upload.add_done_callback(on_upload)
     return done
+
+
+def save_error(e: CheckpointException, tmp: str) -> Exception:
+    """What a failed DCP save raises, as an error a loop's ``except Exception`` catches
+    (DCP's ``CheckpointException`` derives from BaseException): an OSError with the first
+    failing rank's errno where it was one (a full drive: ENOSPC), else a RuntimeError, naming
+    the ranks and the cause. Nothing was published: the previous checkpoint stands."""
+    causes = {rank: f[0] if isinstance(f, tuple) else f for rank, f in e.failures.items()}
+    rank, cause = min(causes.items(), key=lambda item: item[0])
+    text = (f"zerofn: writing the checkpoint {tmp} failed on rank(s) {sorted(causes)} "
+            f"(rank {rank}: {type(cause).__name__}: {cause}); it was not published, the "
+            f"newest complete checkpoint stands, and the run can save again (once there is "
+            f"room, where the drive was full).")
+    return OSError(cause.errno, text) if isinstance(cause, OSError) else RuntimeError(text)
 
 
 def _wait_at_exit() -> None:
@@ -145,7 +163,10 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     first = dist.get_rank(group) == 0
     finish = (lambda: layout.publish(root, name, keep)) if first else (lambda: None)
     if not async_save:
-        dcp.save(state, storage_writer=ChecksumWriter(tmp), process_group=group)
+        try:
+            dcp.save(state, storage_writer=ChecksumWriter(tmp), process_group=group)
+        except CheckpointException as e:
+            raise save_error(e, tmp) from e
         finish()
         return final
     background().start(state, tmp, group, finish, final)
