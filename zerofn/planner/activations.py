@@ -42,12 +42,26 @@ class Activations:
     grads: int
 
 
+_MEASURED: dict = {}
+
+
 def measure(model: nn.Module, inputs: tuple, compute: torch.dtype,
             checkpoint: bool = False) -> Activations:
     """One micro-batch's activations: ``model(*inputs)`` (a scalar loss, or anything whose
     first tensor is summed into one) on fake tensors in the compute dtype. ``inputs``
     may be real or meta tensors; only their shapes and dtypes are read. The model's own
-    parameters are not touched (it may live on the meta device)."""
+    parameters are not touched (it may live on the meta device). Kept per model class,
+    parameter shapes and inputs, so a second plan of the same model measures nothing."""
+    key = (type(model), tuple((n, tuple(p.shape), p.requires_grad)
+                              for n, p in model.named_parameters()),
+           tuple((tuple(t.shape), t.dtype) if torch.is_tensor(t) else repr(t) for t in inputs),
+           compute, checkpoint)
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure(model, inputs, compute, checkpoint)
+    return _MEASURED[key]
+
+
+def _measure(model, inputs, compute, checkpoint) -> Activations:
     with _checkpointing(model, checkpoint):
         keep = _run(model, inputs, compute, drop_grads=False)
         drop = _run(model, inputs, compute, drop_grads=True)
