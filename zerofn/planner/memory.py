@@ -16,9 +16,10 @@ The terms:
   copy per unit at the step where the gradients' dtype is not the masters'.
 - **activations**, measured on fake tensors (activations.py): the peak of forward and
   backward with gradients kept (DDP, ZeRO-1) or let go as they are packed (ZeRO-2/3).
-- **the step's temporaries**: torch's multi-tensor AdamW makes one fp32 list the size of
-  what it steps at once (the whole model under DDP; zerofn's device home steps one unit
-  at a time); zerofn's CPU Adam steps in place.
+- **the step's temporaries**: torch's AdamW makes its temporaries per parameter on a CPU
+  (its for-loop implementation, the default there) and per list on a GPU (multi-tensor:
+  the whole model under DDP, one unit under zerofn's device home, which steps one unit at
+  a time); zerofn's CPU Adam steps in place.
 - **the process**: what a process holds before the model (the interpreter, torch, the
   process group) and the allocator's overhead on what it serves, both measured by the
   probe (probe.py), not guessed.
@@ -59,6 +60,7 @@ class Shape:
     local: int
     shard: int
     unit_shards: tuple[int, ...]
+    largest_tensor: int = 0
 
     @property
     def largest(self) -> int:
@@ -73,7 +75,8 @@ def shape_of(model: nn.Module, world: int) -> Shape:
     return Shape(world=world, params=sum(s.numel for s in slots), tensors=len(slots),
                  local=sum(s.local_numel for s in slots),
                  shard=sum(u.shard_numel for u in units),
-                 unit_shards=tuple(u.shard_numel for u in units if u.slots))
+                 unit_shards=tuple(u.shard_numel for u in units if u.slots),
+                 largest_tensor=max((s.numel for s in slots), default=0))
 
 
 def model_state(c: Candidate, shape: Shape) -> dict[str, dict[str, int]]:
@@ -134,13 +137,16 @@ def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = 4_000_000,
     return total
 
 
-def step_temporaries(c: Candidate, shape: Shape) -> int:
-    """Bytes torch's AdamW allocates while it steps (zerofn's CPU Adam: none)."""
-    if c.stage == 0:
-        return FP32 * shape.params
+def step_temporaries(c: Candidate, shape: Shape, device_is_host: bool = True) -> int:
+    """Bytes torch's AdamW allocates while it steps (zerofn's CPU Adam: none): one fp32
+    temporary (the denominator) of what it steps at once."""
     if c.offload is not None and c.ratio == 1.0:
         return 0
-    return FP32 * shape.largest
+    if device_is_host:
+        rows = shape.largest_tensor if c.stage == 0 else \
+            -(-shape.largest_tensor // shape.world)
+        return FP32 * rows
+    return FP32 * (shape.params if c.stage == 0 else shape.largest)
 
 
 def activations_of(c: Candidate, acts: Activations) -> dict[str, int]:
@@ -170,7 +176,7 @@ def peaks(c: Candidate, shape: Shape, acts: Activations, process: Process = Proc
     resident = {p: sum(state[p].values()) for p in PLACES}
     pool = pool_bytes(c, shape)
     extra = activations_of(c, acts)
-    extra["step"] = step_temporaries(c, shape)
+    extra["step"] = step_temporaries(c, shape, device_is_host)
     out = {}
     for phase in PHASES:
         device = resident["device"] + pool + extra[phase]

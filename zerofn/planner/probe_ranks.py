@@ -72,8 +72,63 @@ def process(options: dict) -> dict:
     c = Candidate(stage=2)
     live = memory.peak(c, memory.shape_of(meta, 1),
                        activations.measure(meta, (x, x), torch.float32))["host"]
+    del model, opt
+    gc.collect()
     return {"base": base, "overhead": max(0.0, rise / live - 1), "calibration_rise": rise,
-            "calibration_live": live}
+            "calibration_live": live, **step_rates(train, cfg)}
+
+
+def step_rates(train, small) -> dict:
+    """Training rates the step-time model reads, in this (one-rank) process:
+    ``compute``: FLOP/s of a GPT's forward and backward (6 per parameter per token) per
+    dtype and width (the narrow calibration GPT and one of width 1024: a wider matmul runs
+    faster); ``zerofn_s_per_param``: each stage's own work at one rank (packing, copies,
+    hooks, the per-unit step), seconds per parameter of a step beyond plain PyTorch's."""
+    from zerofn.nanogpt import GPT, GPTConfig
+    import zerofn as zf
+    wide = GPTConfig(vocab=4096, width=1024, heads=16, ffn=4096, layers=2, context=64)
+    compute = {}
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for cfg in (small, wide):
+            torch.manual_seed(0)
+            model = GPT(cfg).to(dtype)
+            x = torch.randint(cfg.vocab, (2, cfg.context))
+            seconds = _best(lambda: model(x, x).backward())
+            compute.setdefault(name, {})[str(cfg.width)] = \
+                6 * sum(p.numel() for p in model.parameters()) * x.numel() / seconds
+            del model
+    torch.manual_seed(0)
+    plain = GPT(small)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    x = torch.randint(small.vocab, (2, small.context))
+    n = sum(p.numel() for p in plain.parameters())
+
+    def step(model, opt):
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+    base = _best(lambda: step(plain, opt))
+    per_param = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = GPT(small)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ts = [zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()][:stage]
+        model, opt = zf.compose(*ts)(model, opt)
+        per_param[str(stage)] = max(0.0, _best(lambda: step(model, opt)) - base) / n
+        del model, opt
+        gc.collect()
+    return {"compute": compute, "zerofn_s_per_param": per_param}
+
+
+def _best(fn, repeats: int = 4) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def _kb(field: str) -> int:

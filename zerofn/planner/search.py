@@ -18,8 +18,6 @@ from .candidates import DTYPES, Candidate
 from .probe import Machine, load_or_probe
 
 GB = 1e9
-BINDS = {"compute": "compute", "comm": "network (collectives)", "step": "host Adam"
-         if True else "", "copies": "PCIe/NVMe copies"}
 
 
 @dataclass
@@ -134,7 +132,8 @@ def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = Non
     process = memory.Process(base=int(machine.process["base"]),
                              overhead=float(machine.process["overhead"]))
     work = step_time.Work(tokens=batch * _tokens_per_sequence(inputs),
-                          attention_flops=_attention_flops(model, inputs))
+                          attention_flops=_attention_flops(model, inputs),
+                          width=_config(model, "width", "hidden_size"))
     budgets = dict(device=device_budget, host=host_budget, nvme=disk_budget)
     rows = []
     for c in pool:
@@ -145,7 +144,7 @@ def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = Non
                 peak[p] > b}
         rows.append(Row(c, peak, step_time.step_seconds(c, shape, work, machine, on_gpu),
                         not over, over))
-    rows.sort(key=lambda r: (not r.fits, r.seconds["total"]))
+    rows.sort(key=lambda r: (not r.fits, r.seconds["total"], r.peak["device"], r.peak["host"]))
     result = PlanResult(rows, budgets, machine.device)
     fitting = result.fitting()
     if not fitting:
@@ -163,12 +162,16 @@ def _tokens_per_sequence(inputs) -> int:
 def _attention_flops(model: nn.Module, inputs) -> int:
     """Forward flops per token of attention's two context-long matmuls, where the model's
     config says its width and layers (zerofn.nanogpt, transformers' configs)."""
-    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
-    width = getattr(cfg, "width", None) or getattr(cfg, "hidden_size", None)
-    layers = getattr(cfg, "layers", None) or getattr(cfg, "num_hidden_layers", None)
+    width = _config(model, "width", "hidden_size")
+    layers = _config(model, "layers", "num_hidden_layers")
     if not (width and layers):
         return 0
     return 4 * _tokens_per_sequence(inputs) * width * layers
+
+
+def _config(model: nn.Module, *names):
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    return next((getattr(cfg, n) for n in names if getattr(cfg, n, None)), None)
 
 
 class _ActivationProfile:

@@ -3,7 +3,11 @@ reads and the probe's rates (probe.py):
 
 - **compute**: 6 flops per parameter per token (forward 2, backward 4), 8 with activation
   checkpointing (forward again), plus attention's score and value matmuls where the
-  model says its context, at the probed block matmul rate in the compute dtype;
+  model says its context, at the rate the probe measured for a GPT's forward and backward
+  in the compute dtype at the nearest width (log-interpolated between the two it ran),
+  else its block matmul rate;
+- **zerofn's own work** (packing, copies, hooks, the per-unit step), per parameter per
+  stage, as the probe measured it at one rank;
 - **collectives**: each one's bytes per rank over the probed bus bandwidth, plus the
   probed latency per call: DDP's all-reduce (2(n-1)/n of the gradients); ZeRO-1/2's
   reduce-scatter and the step's all-gather of the updated rows ((n-1)/n each); ZeRO-3's
@@ -35,6 +39,25 @@ class Work:
 
     tokens: int            # per rank per optimizer step
     attention_flops: int   # per token, forward (0 where unknown)
+    width: int | None = None
+
+
+def compute_rate(m: Machine, precision: str, width: int | None) -> float:
+    """FLOP/s of forward and backward at ``width``: the probe's GPT rates, interpolated in
+    log width between the two it ran (the nearer outside them); its matmul rate where it
+    has none or the width is unknown."""
+    import math
+    rates = m.process.get("compute", {}).get(precision)
+    if not rates or not width:
+        return m.matmul.get(precision, m.matmul["fp32"])
+    points = sorted((int(w), r) for w, r in rates.items())
+    if width <= points[0][0]:
+        return points[0][1]
+    if width >= points[-1][0]:
+        return points[-1][1]
+    (w0, r0), (w1, r1) = next((a, b) for a, b in zip(points, points[1:]) if a[0] <= width <= b[0])
+    t = (math.log(width) - math.log(w0)) / (math.log(w1) - math.log(w0))
+    return r0 + t * (r1 - r0)
 
 
 def step_seconds(c: Candidate, shape: Shape, work: Work, m: Machine,
@@ -43,8 +66,10 @@ def step_seconds(c: Candidate, shape: Shape, work: Work, m: Machine,
     cb = DTYPES[c.precision].itemsize
     flops_per_token = (8 if c.checkpoint else 6) * shape.params \
         + (4 if c.checkpoint else 3) * work.attention_flops
-    compute = flops_per_token * work.tokens / m.matmul[c.precision if c.precision in m.matmul
-                                                       else "fp32"]
+    compute = flops_per_token * work.tokens / compute_rate(m, c.precision, work.width)
+    if c.stage:
+        compute += m.process.get("zerofn_s_per_param", {}).get(str(c.stage), 0.0) \
+            * shape.params
     comm = _comm(c, shape, m, cb)
     step = _step(c, shape, m)
     copies = _copies(c, shape, m, cb, on_gpu)
