@@ -17,7 +17,7 @@ import zerofn as zf
 from support.loops import zero
 from support.ranks import run_ranks
 from zerofn import cli, train
-from zerofn.estimate import estimate_placement, parse_count
+from zerofn.core.estimate import estimate_placement, parse_count
 from zerofn.nanogpt import GPT, PRESETS
 
 HERE = os.path.dirname(os.path.abspath(__file__))

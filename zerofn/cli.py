@@ -40,8 +40,8 @@ def main(argv=None) -> int:
         run = planner_cli.plan_main if command == "plan" else planner_cli.probe_main
         return run(rest, prog=f"zerofn {command}")
     if command == "estimate":
-        from . import estimate
-        return estimate.main(rest, prog="zerofn estimate")
+        from .planner import state_view
+        return state_view.main(rest, prog="zerofn estimate")
     if command == "consolidate":
         from . import consolidate
         return consolidate.main(rest, prog="zerofn consolidate")
