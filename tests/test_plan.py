@@ -169,3 +169,25 @@ def test_plan_accuracy_runs_grid_points():
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 configurations. Memory |error|" in done.stdout
+
+
+@pytest.mark.multirank
+def test_zerofn_train_plan_auto_trains_the_choice(tmp_path):
+    """``zerofn train --plan auto`` on two ranks: the plan's choice, printed with its
+    reason, trains; flags the plan chooses itself are refused."""
+    machine = tmp_path / "probe.json"
+    machine.write_text(json.dumps(MACHINE.to_json()))
+    flags = ["--model", "tiny", "--context", "32", "--batch", "4", "--steps", "2",
+             "--eval-batches", "1", "--log-every", "1", "--plan", "auto", "--probe",
+             str(machine)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "zerofn.train"]
+    done = subprocess.run(cmd + flags, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("zerofn plan: chosen: ZeRO-") == 1, done.stdout
+    assert "final loss" in done.stdout or "step 2" in done.stdout, done.stdout[-2000:]
+    refused = subprocess.run(cmd + flags + ["--stage", "2"], capture_output=True, text=True,
+                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert refused.returncode != 0
+    assert "--plan auto chooses --stage itself" in refused.stdout + refused.stderr
