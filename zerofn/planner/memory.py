@@ -8,10 +8,10 @@ The terms:
   rank 0's rows of every parameter (rank 0 holds the most: ``torch.chunk``'s split),
   each unit's padded flat shard for the gradients, one 4-byte ``step`` counter per
   parameter tensor. Offloaded homes are ``estimate_placement``'s (zerofn/core/estimate.py).
-- **the pool** (runtime/pool.py): ZeRO-2/3's reduce-scatter send buffers, as many as the
+- **the pool** (runtime/pool.py): the reduce-scatter send buffers, as many as the
   in-flight bound (runtime/comm.py: 4 × ``bucket_size`` bytes, at least
-  ``KEEP_IN_FLIGHT`` + the one filling) allows, each a whole unit in the reduce dtype;
-  ZeRO-1 packs every unit at the step (one buffer per unit); ZeRO-3 adds the gathered
+  ``KEEP_IN_FLIGHT`` + the one filling) allows, each a whole unit in the reduce dtype
+  (ZeRO-1 too: it packs at backward's end under the same bound); ZeRO-3 adds the gathered
   units, the one computing and ``prefetch`` ahead, in the compute dtype, and a pooled
   copy per unit at the step where the gradients' dtype is not the masters'.
 - **activations**, measured on fake tensors (activations.py): the peak of forward and
@@ -123,12 +123,9 @@ def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = 4_000_000,
         return 0
     cb = DTYPES[c.precision].itemsize
     fulls = sorted((shape.world * n for n in shape.unit_shards), reverse=True)
-    if c.stage == 1:
-        send = sum(fulls)             # every unit packed at the step, reduced together
-    else:
-        bound = FP32 * bucket_size
-        fit = max(KEEP_IN_FLIGHT, bound // max(1, cb * fulls[0])) + 1
-        send = sum(fulls[:fit])
+    bound = FP32 * bucket_size
+    fit = max(KEEP_IN_FLIGHT, bound // max(1, cb * fulls[0])) + 1
+    send = sum(fulls[:fit])
     total = cb * send
     if c.stage == 3:
         total += cb * sum(fulls[:1 + prefetch])

@@ -51,6 +51,7 @@ class Machine:
     free: dict[str, int]
     h2d: float | None = None
     d2h: float | None = None
+    cores: int = 0                        # CPU cores (0: not recorded)
     torch: str = torch.__version__
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -110,7 +111,7 @@ def probe(nvme_path: str | None = None, group_sizes: tuple[int, ...] | None = No
     return Machine(device=_device_name(cuda), matmul=matmul, memory_bw=memory_bw,
                    cpu_adam=adam, disk_read=read, disk_write=write, collectives=collectives,
                    process=process, free=free_bytes(nvme_path), h2d=h2d, d2h=d2h,
-                   seconds=time.perf_counter() - start)
+                   cores=os.cpu_count() or 0, seconds=time.perf_counter() - start)
 
 
 def _best(fn, repeats: int = 5) -> float:

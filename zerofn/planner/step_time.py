@@ -19,6 +19,8 @@ reads and the probe's rates (probe.py):
 - **copies**: offload's gradients down and rows up (pinned H2D/D2H on a GPU, memory
   bandwidth on a CPU); NVMe's state read and written once per step at the probed disk
   rates;
+- **shared cores**: ranks on a CPU that outnumber its cores share them (the probe records
+  the count), so their compute takes that much longer;
 - **overlap**, as zerofn has it: on a GPU collectives run on their own stream under
   compute (prefetch, the reduce stream) and the host step overlaps the next unit's
   copies; on a CPU with gloo, collectives and compute share the same cores, so the model
@@ -70,6 +72,8 @@ def step_seconds(c: Candidate, shape: Shape, work: Work, m: Machine,
     if c.stage:
         compute += m.process.get("zerofn_s_per_param", {}).get(str(c.stage), 0.0) \
             * shape.params
+    if not on_gpu and m.cores and shape.world > m.cores:
+        compute *= shape.world / m.cores      # ranks of one machine share its cores
     comm = _comm(c, shape, m, cb)
     step = _step(c, shape, m)
     copies = _copies(c, shape, m, cb, on_gpu)
