@@ -192,6 +192,32 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
+def choices(rows: list[dict]) -> str:
+    """The plan's choice against measurement, per shape and world: with the host budget
+    set between the measured peaks (their median, so some configurations do not fit), the
+    candidate the plan picks among that group's (by predicted peak and time), whether it
+    truly fits, and its measured step time over the fastest that truly fits."""
+    out = ["| shape | world | host budget MB | plan's choice | fits (measured) | "
+           "its step s | fastest that fits | its step s | ratio |",
+           "|---|---:|---:|---|---|---:|---|---:|---:|"]
+    groups = sorted({(r["shape"], r["world"]) for r in rows})
+    for shape, world in groups:
+        group = [r for r in rows if (r["shape"], r["world"]) == (shape, world)]
+        budget = statistics.median(r["peak"] for r in group)
+        planned = [r for r in group if r["pred_peak"] <= budget]
+        fits = [r for r in group if r["peak"] <= budget]
+        if not planned or not fits:
+            continue
+        pick = min(planned, key=lambda r: r["pred_step_s"])
+        best = min(fits, key=lambda r: r["step_s"])
+        name = "{stage}/{offload}".format
+        out.append(f"| {shape} | {world} | {budget / 1e6:,.0f} | {name(**pick)} | "
+                   f"{'yes' if pick['peak'] <= budget else 'NO'} | {pick['step_s']:.3f} | "
+                   f"{name(**best)} | {best['step_s']:.3f} | "
+                   f"{pick['step_s'] / best['step_s']:.2f} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -209,6 +235,8 @@ def main(argv=None) -> int:
     print(table(rows))
     print()
     print(summary(rows))
+    print()
+    print(choices(rows))
     return 0
 
 
