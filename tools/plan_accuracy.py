@@ -44,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--from", dest="source",
                    help="predict again for the measurements in this JSON lines file "
                         "(from --out) instead of running them")
+    p.add_argument("--probe", help="a `zerofn probe` JSON to predict with (default this "
+                                   "machine's, probed once and cached)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -72,13 +74,20 @@ def model_of(shape: str, device=None):
         return GPT(GPTConfig(**SHAPES[shape]))
 
 
-def predict(shape: str, world: int, stage: int, off: str, batch: int) -> dict:
+def predict(shape: str, world: int, stage: int, off: str, batch: int,
+            probe: str | None = None) -> dict:
     import torch
     from zerofn.planner import plan
+    from zerofn.planner.probe import Machine, load_or_probe
+    if probe:
+        with open(probe) as f:
+            machine = Machine.from_json(json.load(f))
+    else:
+        machine = load_or_probe()
     model = model_of(shape, "meta")
     x = torch.zeros(batch, SHAPES[shape]["context"], dtype=torch.long)
     c = candidate(stage, off, batch)
-    r = plan(model, (x, x), world=world, only=[c], on_gpu=False).rows[0]
+    r = plan(model, (x, x), world=world, only=[c], on_gpu=False, machine=machine).rows[0]
     return dict(peak=r.peak["host"], step_s=r.seconds["total"])
 
 
@@ -225,7 +234,7 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for shape, world, stage, off, got in measurements(args):
-        pred = predict(shape, world, stage, off, args.batch)
+        pred = predict(shape, world, stage, off, args.batch, args.probe)
         row = dict(shape=shape, world=world, stage=stage, offload=off, **got,
                    pred_peak=pred["peak"], pred_step_s=pred["step_s"],
                    mem_err=pred["peak"] / got["peak"] - 1,

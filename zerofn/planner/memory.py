@@ -21,8 +21,8 @@ The terms:
   the whole model under DDP, one unit under zerofn's device home, which steps one unit at
   a time); zerofn's CPU Adam steps in place.
 - **the process**: what a process holds before the model (the interpreter, torch, the
-  process group) and the allocator's overhead on what it serves, both measured by the
-  probe (probe.py), not guessed.
+  process group) and the allocator's overhead on what a step makes and frees (the
+  terms above but the model state), both measured by the probe (probe.py), not guessed.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from .candidates import DTYPES, Candidate
 PHASES = ("forward", "backward", "step")
 PLACES = ("device", "host", "nvme")
 KEEP_IN_FLIGHT = 2          # runtime/comm.py
+MMAP_MAX = 32 << 20         # glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 FP32 = 4
 
 
@@ -125,13 +126,19 @@ def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = 4_000_000,
     fulls = sorted((shape.world * n for n in shape.unit_shards), reverse=True)
     bound = FP32 * bucket_size
     fit = max(KEEP_IN_FLIGHT, bound // max(1, cb * fulls[0])) + 1
-    send = sum(fulls[:fit])
-    total = cb * send
     if c.stage == 3:
-        total += cb * sum(fulls[:1 + prefetch])
+        # gathered units share the pool's buffers with the send buffers (params.py): in
+        # backward the one computing, the one prefetched and the one being unpacked
+        fit = max(fit, 2 + prefetch)
+    total = cb * sum(fulls[:fit])
     if c.offload is None and cb != FP32:   # the step's pooled copies in the masters' dtype
         total += FP32 * max(shape.unit_shards)
     return total
+
+
+def pool_buffer_bytes(c: Candidate, shape: Shape) -> int:
+    """Bytes of the pool's largest buffer: a whole unit in the compute dtype."""
+    return DTYPES[c.precision].itemsize * shape.world * shape.largest
 
 
 def step_temporaries(c: Candidate, shape: Shape, device_is_host: bool = True) -> int:
@@ -159,7 +166,9 @@ def activations_of(c: Candidate, acts: Activations) -> dict[str, int]:
 class Process:
     """What a process holds besides the model (measured by the probe): ``base`` bytes of
     resident memory once torch and a process group are up, and ``overhead``, the
-    allocator's bytes per byte served at a step's peak (fragmentation, freed memory kept)."""
+    allocator's bytes per byte of what a step makes and frees (activations, buffers,
+    temporaries: fragmentation, freed memory kept). The model state is made once and kept,
+    so it is counted as it is."""
 
     base: int = 0
     overhead: float = 0.0
@@ -175,13 +184,15 @@ def peaks(c: Candidate, shape: Shape, acts: Activations, process: Process = Proc
     extra = activations_of(c, acts)
     extra["step"] = step_temporaries(c, shape, device_is_host)
     out = {}
+    # glibc maps a buffer of MMAP_MAX or more by itself and unmaps it when freed: no
+    # fragmentation on the pool's large buffers (a GPU's caching allocator: none counted)
+    pool_overhead = 0.0 if pool_buffer_bytes(c, shape) >= MMAP_MAX else process.overhead
     for phase in PHASES:
-        device = resident["device"] + pool + extra[phase]
-        host = resident["host"]
+        churn = pool * (1 + pool_overhead) + extra[phase] * (1 + process.overhead)
+        device, host = resident["device"] + churn, resident["host"]
         if device_is_host:
             host, device = host + device, 0
-        out[phase] = {"device": int(device * (1 + process.overhead * (not device_is_host))),
-                      "host": int(host * (1 + process.overhead) + process.base),
+        out[phase] = {"device": int(device), "host": int(host + process.base),
                       "nvme": resident["nvme"]}
     return out
 

@@ -37,8 +37,9 @@ def collectives(options: dict) -> dict:
 
 def process(options: dict) -> dict:
     """``base``: resident bytes after a tiny ZeRO-2 step (imports, the group, code paths
-    faulted in); ``overhead``: how much more than its live bytes (the memory model's
-    prediction without overhead) a calibration model's step raises the peak by."""
+    faulted in); ``overhead``: how much more than the memory model's prediction of what a
+    step makes and frees (activations, buffers, temporaries) a calibration model's step
+    raises the peak by, beyond its model state."""
     import zerofn as zf
     from zerofn.nanogpt import GPT, GPTConfig
     from . import activations, memory
@@ -70,12 +71,16 @@ def process(options: dict) -> dict:
         meta = GPT(cfg)
     x = torch.zeros(2, cfg.context, dtype=torch.long)
     c = Candidate(stage=2)
-    live = memory.peak(c, memory.shape_of(meta, 1),
-                       activations.measure(meta, (x, x), torch.float32))["host"]
+    shape = memory.shape_of(meta, 1)
+    live = memory.peak(c, shape, activations.measure(meta, (x, x), torch.float32))["host"]
+    state = sum(sum(roles.values()) for roles in memory.model_state(c, shape).values())
     del model, opt
     gc.collect()
-    return {"base": base, "overhead": max(0.0, rise / live - 1), "calibration_rise": rise,
-            "calibration_live": live, **step_rates(train, cfg)}
+    # the model state is made once and kept: the overhead is on the rest
+    return {"base": base, "overhead": max(0.0, (rise - state) / (live - state) - 1),
+            "calibration_rise": rise,
+            "calibration_live": live,
+            **(step_rates(train, cfg) if options.get("rates", True) else {})}
 
 
 def step_rates(train, small) -> dict:
