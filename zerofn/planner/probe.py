@@ -111,7 +111,9 @@ def probe(nvme_path: str | None = None, group_sizes: tuple[int, ...] | None = No
     return Machine(device=_device_name(cuda), matmul=matmul, memory_bw=memory_bw,
                    cpu_adam=adam, disk_read=read, disk_write=write, collectives=collectives,
                    process=process, free=free_bytes(nvme_path), h2d=h2d, d2h=d2h,
-                   cores=os.cpu_count() or 0, seconds=time.perf_counter() - start)
+                   cores=os.cpu_count() or 0, seconds=time.perf_counter() - start,
+                   extra={"cuda": rates_from_cuda(torch.cuda.get_device_properties(0),
+                                                  torch.cuda.mem_get_info())} if cuda else {})
 
 
 def _best(fn, repeats: int = 5) -> float:
