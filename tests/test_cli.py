@@ -17,7 +17,7 @@ import zerofn as zf
 from support.loops import zero
 from support.ranks import run_ranks
 from zerofn import cli, train
-from zerofn.estimate import estimate_placement, parse_count
+from zerofn.core.estimate import estimate_placement, parse_count
 from zerofn.nanogpt import GPT, PRESETS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,7 +30,7 @@ def test_console_script_and_module_dispatch_to_the_subcommands():
     done = subprocess.run([sys.executable, "-m", "zerofn", "--help"], capture_output=True,
                           text=True)
     assert done.returncode == 0
-    for command in ("train", "estimate", "consolidate", "convert deepspeed"):
+    for command in ("train", "plan", "probe", "estimate", "consolidate", "convert deepspeed"):
         assert f"zerofn {command}" in done.stdout, done.stdout
     done = subprocess.run([sys.executable, "-m", "zerofn", "trian"], capture_output=True,
                           text=True)

@@ -28,7 +28,8 @@ LAYERS = {
 ROOM_OF = {"nanogpt": "models", "data": "models", "_C": "optim", "optim": "optim",
            "core": "core", "runtime": "runtime", "state": "state", "observe": "observe",
            "io": "io", "api": "api", "deepspeed": "adapters", "integrations": "adapters",
-           "train": "programs", "cli": "programs", "report": "programs", "estimate": "programs",
+           "train": "programs", "cli": "programs", "report": "programs",
+           "planner": "programs",
            "__main__": "programs", "__init__": "face",
            # faces that keep a documented path: each re-exports from its room
            "checkpoint": "io", "consolidate": "io", "pretrained": "io", "state_dict": "state"}

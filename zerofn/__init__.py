@@ -24,17 +24,21 @@ __all__ = [
     "estimate_model_state_bytes", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint",
     "trust_class",
     "PerRank", "RNGState", "load_pretrained", "save_pretrained", "from_deepspeed_config",
-    "RankFailure", "NonFiniteGradient", "is_transformed",
+    "RankFailure", "NonFiniteGradient", "is_transformed", "plan", "auto",
 ]
 
 # The DeepSpeed adapter (config reader, engine, checkpoint converter) loads on first use of
 # these names (PEP 562): most programs never need it.
-_LAZY = ("deepspeed", "from_deepspeed_config")
+# The planner (zf.plan, zf.auto) likewise: it loads torch's memory tracker.
+_LAZY = ("deepspeed", "from_deepspeed_config", "plan", "auto")
 
 
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in ("plan", "auto"):
+        from .planner import search
+        return getattr(search, name)
     from .deepspeed.config import from_deepspeed_config   # binds "deepspeed" here as well
     globals()["from_deepspeed_config"] = from_deepspeed_config
     return globals()[name]

@@ -1,7 +1,9 @@
 """The ``zerofn`` command line: one entry point for the project's tools.
 
     zerofn train [...]                 the main job (zerofn/train/); --help lists its flags
-    zerofn estimate 7B --world 8       model-state bytes per rank by stage, place and role
+    zerofn plan 125m --batch 8 --world 2 [--host-budget GB]   what to turn on, and if it fits
+    zerofn probe                       this machine's rates for the plan (cached)
+    zerofn estimate 7B --world 8       the plan's model-state view: bytes by stage, place, role
     zerofn consolidate to-full CKPT OUT.safetensors
     zerofn convert deepspeed CKPT OUT  a DeepSpeed ZeRO checkpoint into a zerofn checkpoint
     zerofn verify CKPT                 a checkpoint's contents, checksums and safety, offline
@@ -33,9 +35,13 @@ def main(argv=None) -> int:
         from . import train
         train.main(rest)
         return 0
+    if command in ("plan", "probe"):
+        from .planner import cli as planner_cli
+        run = planner_cli.plan_main if command == "plan" else planner_cli.probe_main
+        return run(rest, prog=f"zerofn {command}")
     if command == "estimate":
-        from . import estimate
-        return estimate.main(rest, prog="zerofn estimate")
+        from .planner import state_view
+        return state_view.main(rest, prog="zerofn estimate")
     if command == "consolidate":
         from . import consolidate
         return consolidate.main(rest, prog="zerofn consolidate")
@@ -47,7 +53,7 @@ def main(argv=None) -> int:
     if command == "report":
         from . import report           # matplotlib, only here
         return report.main(rest, prog="zerofn report")
-    print(f"zerofn: unknown command {command!r}; the commands are train, estimate, "
+    print(f"zerofn: unknown command {command!r}; the commands are train, plan, probe, estimate, "
           f"consolidate, convert, verify, report (see `zerofn --help`).", file=sys.stderr)
     return 2
 

@@ -14,7 +14,7 @@ materialize only this rank's rows.
 This package is a program, not part of the library: nothing in zerofn imports it
 (``zerofn/cli.py`` runs it for ``zerofn train``), and it uses zerofn as a training script
 of one's own would, through public names: ``zerofn``'s, ``zerofn.nanogpt``,
-``zerofn.data`` and ``zerofn.estimate``. Not yet public: ``runtime_of`` from
+``zerofn.data`` and ``zerofn.core.estimate`` (the estimate's formulas). Not yet public: ``runtime_of`` from
 ``zerofn.runtime.runtime`` (the units, plan and device the banner names, ratio="auto"'s
 placement it prints, the device restarts are agreed on, the step failures name) and
 ``DEFAULT_TIMEOUT``, ``default_store`` and ``translate`` from ``zerofn.observe.failures``.

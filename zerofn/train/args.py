@@ -64,6 +64,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "set-up (in (0, 1]; default 0.9). On a CPU device give bytes: "
                            "the host is the device there, and a share is of a GPU's free "
                            "memory")
+    zero.add_argument("--plan", choices=("auto",),
+                      help="auto: stage, offload, stored dtypes, activation checkpointing "
+                           "and the micro-batch from `zerofn plan`'s choice within "
+                           "--device-budget (bytes) and --host-budget, printed with its "
+                           "reason (docs/plan.md)")
+    zero.add_argument("--host-budget", type=float, metavar="BYTES",
+                      help="--plan auto: host memory per rank, in bytes")
+    zero.add_argument("--probe", help="--plan auto: a `zerofn probe` JSON to plan with "
+                                      "(default this machine's, probed once and cached)")
     zero.add_argument("--overlap-step", action="store_true",
                       help="--offload cpu, ZeRO-2/3, --clip 0, not fp16: the host steps each "
                            "unit during backward (micro-batches but the last accumulate "

@@ -89,6 +89,12 @@ def resolve(args, device: torch.device) -> Job:
         # The flag names the directory; the config's csv_monitor still applies.
         job.tensorboard = dict(opts.get("tensorboard", {}), every=job.log_every,
                                **({"logdir": args.tensorboard} if args.tensorboard else {}))
+    if getattr(args, "plan", None) == "auto":
+        from .planned import planned, refusals      # (the planner only when asked for)
+        given = refusals(args)
+        if given:
+            raise ValueError(f"--plan auto chooses {', '.join(given)} itself: leave them out.")
+        job = planned(job, args, device)
     _check(job, args, device)
     return job
 

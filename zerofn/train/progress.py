@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-from zerofn.estimate import ROLES, estimate_placement
+from zerofn.core.estimate import ROLES, estimate_placement
 from zerofn.runtime import runtime_of
 
 from .args import PRECISIONS

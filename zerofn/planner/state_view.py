@@ -1,5 +1,6 @@
-"""``zerofn estimate``: model-state bytes per rank by stage, place and role, before
-building anything; the formulas are zerofn/core/estimate.py's, re-exported here.
+"""``zerofn estimate``: the plan's model-state view: model-state bytes per rank by stage,
+place and role, before building anything, from zerofn/core/estimate.py's formulas
+(``zerofn plan`` adds activations, buffers, the process and step time; docs/plan.md).
 
     zerofn estimate 7B --world 8                       # the stage 0-3 table, bf16 + Adam
     zerofn estimate --model 1b --world 2 --offload cpu --offload-params
@@ -12,11 +13,7 @@ import sys
 import torch
 from torch import nn
 
-from .core.estimate import (DTYPES, HOST_RING_DEPTH, PLACES, ROLES, count_params,
-                            estimate_model_state_bytes, estimate_placement, parse_count, table)
-
-__all__ = ["DTYPES", "PLACES", "ROLES", "estimate_model_state_bytes", "estimate_placement",
-           "main", "parse_count", "table"]
+from zerofn.core.estimate import DTYPES, HOST_RING_DEPTH, count_params, parse_count, table
 
 
 def _description(n: int, world: int, precision: str, optimizer_states: int,
@@ -111,7 +108,7 @@ def _model(args) -> int | nn.Module:
         raise ValueError("give a parameter count (e.g. 7B) or --model PRESET, one of them.")
     if args.model is None:
         return parse_count(args.size)
-    from .nanogpt import GPT, PRESETS
+    from zerofn.nanogpt import GPT, PRESETS
     if args.model not in PRESETS:
         raise ValueError(f"--model {args.model!r}: the presets are {', '.join(PRESETS)}.")
     with torch.device("meta"):

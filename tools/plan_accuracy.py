@@ -1,0 +1,253 @@
+"""The planner's predictions against measurement on this machine: per-rank peak memory
+(peak RSS on a CPU, the allocator's peak on CUDA) and step time, over stages 0-3 × no
+offload / CPU / NVMe × two shapes × worlds 1, 2 and 4.
+
+    python tools/plan_accuracy.py                       # the whole grid, a markdown table
+    python tools/plan_accuracy.py --shapes wide --worlds 2 --stages 2 --offloads none
+
+Every configuration runs in a fresh set of processes (``torchrun``, one thread per rank):
+glibc keeps freed heap, so a second configuration in the same process would start from a
+high-water mark it did not cause. A rank's peak is its kernel high-water mark (VmHWM,
+the whole process: what a budget has to hold), the configuration's the largest rank's;
+its step time is the median of the timed steps, each the slowest rank's. The prediction
+is ``zf.plan`` for that one candidate with this machine's probe (``zerofn probe``), made
+before and apart from the run: nothing measured here feeds it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SHAPES = {
+    # many narrow units, and a few wide ones (the issue's two shapes, scaled to this machine)
+    "narrow": dict(vocab=4096, width=256, heads=4, ffn=1024, layers=16, context=64),
+    "wide": dict(vocab=4096, width=1024, heads=16, ffn=4096, layers=4, context=64),
+}
+OFFLOADS = {"none": None, "cpu": "cpu", "nvme": "nvme"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="narrow,wide")
+    p.add_argument("--worlds", default="1,2,4")
+    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--offloads", default="none,cpu,nvme")
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    p.add_argument("--steps", type=int, default=4, help="timed steps (after 2 untimed)")
+    p.add_argument("--out", help="JSON lines of every measurement, appended as they come")
+    p.add_argument("--from", dest="source",
+                   help="predict again for the measurements in this JSON lines file "
+                        "(from --out) instead of running them")
+    p.add_argument("--probe", help="a `zerofn probe` JSON to predict with (default this "
+                                   "machine's, probed once and cached)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def grid(args) -> list[tuple[str, int, int, str]]:
+    out = []
+    for shape in args.shapes.split(","):
+        for world in map(int, args.worlds.split(",")):
+            for stage in map(int, args.stages.split(",")):
+                for off in args.offloads.split(","):
+                    if stage == 0 and off != "none":
+                        continue
+                    out.append((shape, world, stage, off))
+    return out
+
+
+def candidate(stage: int, off: str, batch: int):
+    from zerofn.planner import Candidate
+    return Candidate(stage=stage, offload=OFFLOADS[off], micro_batch=batch)
+
+
+def model_of(shape: str, device=None):
+    import torch
+    from zerofn.nanogpt import GPT, GPTConfig
+    with torch.device(device or "cpu"):
+        return GPT(GPTConfig(**SHAPES[shape]))
+
+
+def predict(shape: str, world: int, stage: int, off: str, batch: int,
+            probe: str | None = None) -> dict:
+    import torch
+    from zerofn.planner import plan
+    from zerofn.planner.probe import Machine, load_or_probe
+    if probe:
+        with open(probe) as f:
+            machine = Machine.from_json(json.load(f))
+    else:
+        machine = load_or_probe()
+    model = model_of(shape, "meta")
+    x = torch.zeros(batch, SHAPES[shape]["context"], dtype=torch.long)
+    c = candidate(stage, off, batch)
+    r = plan(model, (x, x), world=world, only=[c], on_gpu=False, machine=machine).rows[0]
+    return dict(peak=r.peak["host"], step_s=r.seconds["total"])
+
+
+# -- worker: one configuration, under torchrun -------------------------------------------
+def _kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def worker(spec: str) -> None:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    shape, world, stage, off, batch, steps = json.loads(spec)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = model_of(shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, opt = candidate(stage, off, batch).apply(model, opt, nvme_path=tmp)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randint(SHAPES[shape]["vocab"], (batch, SHAPES[shape]["context"] + 1),
+                          generator=g)
+        times = []
+        for i in range(2 + steps):
+            dist.barrier()
+            t = time.perf_counter()
+            model(x[:, :-1], x[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+            if i >= 2:
+                times.append(time.perf_counter() - t)
+        mine = dict(peak=_kb("VmHWM") * 1024, times=times)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            step = statistics.median(max(r["times"][i] for r in everyone)
+                                     for i in range(steps))
+            print("RESULT " + json.dumps(dict(peak=max(r["peak"] for r in everyone),
+                                              step_s=step)), flush=True)
+        del model, opt
+        gc.collect()
+    dist.destroy_process_group()
+
+
+def measure(shape, world, stage, off, args) -> dict:
+    spec = json.dumps([shape, world, stage, off, args.batch, args.steps])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(world), __file__, "--worker", spec]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if done.returncode or line is None:
+        raise RuntimeError(f"{shape} w{world} s{stage} {off} failed:\n{done.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def measurements(args):
+    """(shape, world, stage, offload, measured) per configuration: run now (and appended
+    to ``--out``), or read from ``--from``."""
+    if args.source:
+        with open(args.source) as f:
+            for line in f:
+                r = json.loads(line)
+                yield r["shape"], r["world"], r["stage"], r["offload"], r["measured"]
+        return
+    for shape, world, stage, off in grid(args):
+        got = measure(shape, world, stage, off, args)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(dict(shape=shape, world=world, stage=stage, offload=off,
+                                        batch=args.batch, measured=got)) + "\n")
+        yield shape, world, stage, off, got
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| shape | world | stage | offload | peak measured MB | predicted MB | error |"
+           " step measured s | predicted s | error |", "|---|---:|---:|---|---:|---:|---:|"
+           "---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['shape']} | {r['world']} | {r['stage']} | {r['offload']} | "
+                   f"{r['peak'] / 1e6:,.0f} | {r['pred_peak'] / 1e6:,.0f} | "
+                   f"{100 * r['mem_err']:+.1f} % | {r['step_s']:.3f} | {r['pred_step_s']:.3f} |"
+                   f" {100 * r['time_err']:+.1f} % |")
+    return "\n".join(out)
+
+
+def summary(rows: list[dict]) -> str:
+    mem = sorted(abs(r["mem_err"]) for r in rows)
+    tim = sorted(abs(r["time_err"]) for r in rows)
+    return (f"{len(rows)} configurations. Memory |error|: median {100 * statistics.median(mem):.1f} %,"
+            f" worst {100 * mem[-1]:.1f} %. Step time |error|: median "
+            f"{100 * statistics.median(tim):.1f} %, worst {100 * tim[-1]:.1f} %; Spearman rank "
+            f"correlation {spearman([r['pred_step_s'] for r in rows], [r['step_s'] for r in rows]):.2f}.")
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(xs):
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        out = [0.0] * len(xs)
+        for i, j in enumerate(order):
+            out[j] = i
+        return out
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    if n < 2:
+        return float("nan")
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def choices(rows: list[dict]) -> str:
+    """The plan's choice against measurement, per shape and world: with the host budget
+    set between the measured peaks (their median, so some configurations do not fit), the
+    candidate the plan picks among that group's (by predicted peak and time), whether it
+    truly fits, and its measured step time over the fastest that truly fits."""
+    out = ["| shape | world | host budget MB | plan's choice | fits (measured) | "
+           "its step s | fastest that fits | its step s | ratio |",
+           "|---|---:|---:|---|---|---:|---|---:|---:|"]
+    groups = sorted({(r["shape"], r["world"]) for r in rows})
+    for shape, world in groups:
+        group = [r for r in rows if (r["shape"], r["world"]) == (shape, world)]
+        budget = statistics.median(r["peak"] for r in group)
+        planned = [r for r in group if r["pred_peak"] <= budget]
+        fits = [r for r in group if r["peak"] <= budget]
+        if not planned or not fits:
+            continue
+        pick = min(planned, key=lambda r: r["pred_step_s"])
+        best = min(fits, key=lambda r: r["step_s"])
+        name = "{stage}/{offload}".format
+        out.append(f"| {shape} | {world} | {budget / 1e6:,.0f} | {name(**pick)} | "
+                   f"{'yes' if pick['peak'] <= budget else 'NO'} | {pick['step_s']:.3f} | "
+                   f"{name(**best)} | {best['step_s']:.3f} | "
+                   f"{pick['step_s'] / best['step_s']:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return 0
+    rows = []
+    for shape, world, stage, off, got in measurements(args):
+        pred = predict(shape, world, stage, off, args.batch, args.probe)
+        row = dict(shape=shape, world=world, stage=stage, offload=off, **got,
+                   pred_peak=pred["peak"], pred_step_s=pred["step_s"],
+                   mem_err=pred["peak"] / got["peak"] - 1,
+                   time_err=pred["step_s"] / got["step_s"] - 1)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    print(table(rows))
+    print()
+    print(summary(rows))
+    print()
+    print(choices(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""``zf.plan``: every candidate way to train a model at a world size, its predicted peak
+bytes per place and step time, those that fit the budgets sorted by time, and the choice
+with what binds it; ``zf.auto`` applies the choice.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import activations as acts_mod
+from . import memory, step_time
+from .candidates import DTYPES, Candidate
+from .probe import Machine, load_or_probe
+
+GB = 1e9
+
+
+@dataclass
+class Row:
+    candidate: Candidate
+    peak: dict[str, int]          # place -> bytes
+    seconds: dict[str, float]
+    fits: bool
+    over: dict[str, int]          # place -> bytes above its budget
+
+    def to_json(self) -> dict:
+        return dict(candidate=self.candidate.to_json(), describe=self.candidate.describe(),
+                    peak=self.peak, seconds=self.seconds, fits=self.fits, over=self.over)
+
+
+@dataclass
+class PlanResult:
+    """The plan: ``rows`` (every candidate, fitting ones first, each group by time),
+    ``choice`` (the fastest that fits, or None) and ``reason``."""
+
+    rows: list[Row]
+    budgets: dict[str, float | None]
+    machine: str
+    choice: Candidate | None = None
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def fitting(self) -> list[Row]:
+        return [r for r in self.rows if r.fits]
+
+    def table(self, limit: int | None = 20) -> str:
+        head = f"{'#':>3} {'plan':<58}{'device GB':>10}{'host GB':>9}{'nvme GB':>9}" \
+               f"{'step s':>9}  fits"
+        out = [head, "-" * len(head)]
+        for i, r in enumerate(self.rows[:limit]):
+            p = r.peak
+            out.append(f"{i + 1:>3} {r.candidate.describe():<58}{p['device'] / GB:>10.2f}"
+                       f"{p['host'] / GB:>9.2f}{p['nvme'] / GB:>9.2f}"
+                       f"{r.seconds['total']:>9.3f}  {'yes' if r.fits else 'no'}")
+        if limit and len(self.rows) > limit:
+            out.append(f"... {len(self.rows) - limit} more (--all, or --json)")
+        return "\n".join(out + ["", self.reason])
+
+    def to_json(self) -> dict:
+        return dict(machine=self.machine, budgets=self.budgets,
+                    choice=None if self.choice is None else self.choice.to_json(),
+                    reason=self.reason, rows=[r.to_json() for r in self.rows])
+
+
+class NoPlanFits(ValueError):
+    """No candidate fits the budgets; the message names the smallest budgets that would."""
+
+
+def candidates(batch: int, precision: str = "fp32", nvme: bool = True,
+               checkpointing: bool = True) -> list[Candidate]:
+    """Every configuration the plan weighs for ``batch`` sequences per rank per step."""
+    offloads = [None, "cpu"] + ["nvme"] * nvme
+    splits = [(m, batch // m) for m in _divisors(batch)][-3:]
+    out = []
+    for stage, off, ck, (mb, acc) in itertools.product(range(4), offloads,
+                                                       (False, True)[:1 + checkpointing],
+                                                       splits):
+        homes = [dict()] if off is None else \
+            [dict(ratio=1.0), dict(ratio=0.5)] + [dict(params=True)] * (stage == 3)
+        stored = [dict()] if off is None or precision == "fp32" else \
+            [dict(), dict(state_dtype="bf16")]
+        for home, st in itertools.product(homes, stored):
+            c = Candidate(stage=stage, precision=precision, offload=off, checkpoint=ck,
+                          micro_batch=mb, accum=acc, **home, **st)
+            if not c.problems(2) and not (stage == 0 and precision != "fp32"):
+                out.append(c)
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = None,
+         precision: str | None = None, device_budget: float | None = None,
+         host_budget: float | None = None, disk_budget: float | None = None,
+         machine: Machine | None = None, on_gpu: bool | None = None, nvme: bool = True,
+         only: list[Candidate] | None = None) -> PlanResult:
+    """Every candidate for ``model`` at ``world`` ranks, predicted and sorted.
+
+    Args:
+        model: the model, real or on the meta device (only shapes are read).
+        example_batch: one rank's micro-batch of inputs, as the model is called
+            (a tensor or a tuple); its first dimension is the sequences.
+        world: ranks the model trains on.
+        batch: sequences per rank per optimizer step (default: the example's); split
+            into micro-batch × accumulation.
+        precision: compute dtype, "fp32" or "bf16" (default bf16 on a GPU, else fp32).
+        device_budget, host_budget, disk_budget: bytes per rank (host: per machine
+            share, as the probe measures free memory); None: unbounded.
+        machine: the probe's rates (default: this machine's, probed once and cached).
+        on_gpu: whether the device is a GPU (default: whether this machine has one).
+        only: weigh these candidates instead of every one.
+
+    Raises:
+        NoPlanFits: no candidate fits; names the smallest budgets that would.
+    """
+    inputs = example_batch if isinstance(example_batch, tuple) else (example_batch,)
+    rows_in = inputs[0].shape[0]
+    batch = batch or rows_in
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    precision = precision or ("bf16" if on_gpu else "fp32")
+    machine = machine or load_or_probe()
+    pool = only or candidates(batch, precision, nvme)
+    shape = memory.shape_of(model, world)
+    profile = _ActivationProfile(model, inputs)
+    process = memory.Process(base=int(machine.process["base"]),
+                             overhead=float(machine.process["overhead"]))
+    work = step_time.Work(tokens=batch * _tokens_per_sequence(inputs),
+                          attention_flops=_attention_flops(model, inputs),
+                          width=_config(model, "width", "hidden_size"))
+    budgets = dict(device=device_budget, host=host_budget, nvme=disk_budget)
+    rows = []
+    for c in pool:
+        peak = memory.peak(c, shape, profile.at(c), process, device_is_host=not on_gpu)
+        if not on_gpu:
+            peak["device"] = peak["host"]    # the device is this memory
+        over = {p: int(peak[p] - b) for p, b in budgets.items() if b is not None and
+                peak[p] > b}
+        rows.append(Row(c, peak, step_time.step_seconds(c, shape, work, machine, on_gpu),
+                        not over, over))
+    rows.sort(key=lambda r: (not r.fits, r.seconds["total"], r.peak["device"], r.peak["host"]))
+    result = PlanResult(rows, budgets, machine.device)
+    fitting = result.fitting()
+    if not fitting:
+        raise NoPlanFits(_refusal(rows, budgets))
+    result.choice = fitting[0].candidate
+    result.reason = _reason(fitting[0], rows)
+    return result
+
+
+def _tokens_per_sequence(inputs) -> int:
+    first = inputs[0]
+    return int(first.shape[1]) if first.dim() > 1 else 1
+
+
+def _attention_flops(model: nn.Module, inputs) -> int:
+    """Forward flops per token of attention's two context-long matmuls, where the model's
+    config says its width and layers (zerofn.nanogpt, transformers' configs)."""
+    width = _config(model, "width", "hidden_size")
+    layers = _config(model, "layers", "num_hidden_layers")
+    if not (width and layers):
+        return 0
+    return 4 * _tokens_per_sequence(inputs) * width * layers
+
+
+def _config(model: nn.Module, *names):
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    return next((getattr(cfg, n) for n in names if getattr(cfg, n, None)), None)
+
+
+class _ActivationProfile:
+    """Activations per (precision, checkpointing, micro-batch): measured at micro-batch 1
+    and 2 and extended in a line, as every term of a transformer's activations grows with
+    the sequences in it (the gradients' part does not)."""
+
+    def __init__(self, model, inputs):
+        self.model, self.inputs = model, inputs
+        self._measured: dict = {}
+
+    def _measure(self, precision: str, checkpoint: bool, rows: int):
+        key = (precision, checkpoint, rows)
+        if key not in self._measured:
+            sliced = tuple(_rows(t, rows) for t in self.inputs)
+            self._measured[key] = acts_mod.measure(self.model, sliced, DTYPES[precision],
+                                                   checkpoint)
+        return self._measured[key]
+
+    def at(self, c: Candidate) -> acts_mod.Activations:
+        one = self._measure(c.precision, c.checkpoint, 1)
+        if c.micro_batch == 1:
+            return one
+        two = self._measure(c.precision, c.checkpoint, 2)
+        m = c.micro_batch
+        return acts_mod.Activations(**{
+            f: getattr(one, f) + (m - 1) * (getattr(two, f) - getattr(one, f))
+            for f in ("forward", "saved", "backward_kept", "backward_dropped", "grads")})
+
+
+def _rows(t, n: int):
+    if not torch.is_tensor(t) or t.dim() == 0:
+        return t
+    return torch.zeros((n,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta")
+
+
+def _reason(best: Row, rows: list[Row]) -> str:
+    faster = [r for r in rows if not r.fits and r.seconds["total"] < best.seconds["total"]]
+    parts = [f"chosen: {best.candidate.describe()}: peak "
+             + ", ".join(f"{p} {best.peak[p] / GB:.2f} GB" for p in ("device", "host", "nvme")
+                         if best.peak[p]) + f"; step {best.seconds['total']:.3f} s"]
+    terms = {k: v for k, v in best.seconds.items() if k != "total"}
+    slowest = max(terms, key=terms.get)
+    bound = {"compute": "compute", "comm": "the network (collectives)",
+             "step": "the optimizer step" + (" (host Adam)" if best.candidate.offload else ""),
+             "copies": "the host/NVMe copies (PCIe, disk)"}[slowest]
+    parts.append(f"its time is bound by {bound} ({terms[slowest]:.3f} s of the step)")
+    if faster:
+        r = min(faster, key=lambda r: r.seconds["total"])
+        place = max(r.over, key=r.over.get)
+        parts.append(f"the fastest candidate, {r.candidate.describe()} "
+                     f"({r.seconds['total']:.3f} s), needs {r.peak[place] / GB:.2f} GB of "
+                     f"{place} memory: {place} memory binds")
+    return "; ".join(parts) + "."
+
+
+def _refusal(rows: list[Row], budgets: dict) -> str:
+    """The smallest budget of each bound place that, with the others as given, fits."""
+    set_budgets = {p: b for p, b in budgets.items() if b is not None}
+    lines = ["no candidate fits " + ", ".join(f"{p} {b / GB:.2f} GB"
+                                               for p, b in set_budgets.items()) + "."]
+    for place in set_budgets:
+        others_fit = [r for r in rows if all(p == place or p not in r.over for p in r.over)]
+        if others_fit:
+            r = min(others_fit, key=lambda r: r.peak[place])
+            lines.append(f"the smallest {place} budget that fits (the others as given) is "
+                         f"{r.peak[place] / GB:.2f} GB: {r.candidate.describe()}")
+    r = min(rows, key=lambda r: sum(r.over.values()))
+    lines.append("the nearest candidate, " + r.candidate.describe() + ", needs " + ", ".join(
+        f"{p} {r.peak[p] / GB:.2f} GB" for p in set_budgets) + ".")
+    return " ".join(lines)
+
+
+def auto(model: nn.Module, optimizer, example_batch, *, world: int | None = None,
+         nvme_path: str | None = None, init=None, quiet: bool = False, **plan_kw):
+    """Plan, apply the choice, say it: ``(model, optimizer, plan_result)``. The choice's
+    micro-batch × accumulation is the loop's to follow (``plan_result.choice``)."""
+    import torch.distributed as dist
+    if world is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+    result = plan(model, example_batch, world=world, nvme=nvme_path is not None, **plan_kw)
+    model, optimizer = result.choice.apply(model, optimizer, nvme_path, init)
+    if not quiet and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"zerofn plan: {result.reason}", file=sys.stderr, flush=True)
+    return model, optimizer, result
+
+
+def dumps(result: PlanResult) -> str:
+    return json.dumps(result.to_json(), indent=1)

@@ -1,0 +1,120 @@
+"""Seconds of one optimizer step for a candidate, from the same schedule the memory model
+reads and the probe's rates (probe.py):
+
+- **compute**: 6 flops per parameter per token (forward 2, backward 4), 8 with activation
+  checkpointing (forward again), plus attention's score and value matmuls where the
+  model says its context, at the rate the probe measured for a GPT's forward and backward
+  in the compute dtype at the nearest width (log-interpolated between the two it ran),
+  else its block matmul rate;
+- **zerofn's own work** (packing, copies, hooks, the per-unit step), per parameter per
+  stage, as the probe measured it at one rank;
+- **collectives**: each one's bytes per rank over the probed bus bandwidth, plus the
+  probed latency per call: DDP's all-reduce (2(n-1)/n of the gradients); ZeRO-1/2's
+  reduce-scatter and the step's all-gather of the updated rows ((n-1)/n each); ZeRO-3's
+  forward and backward all-gathers and the reduce-scatter ((n-1)/n each, per
+  micro-batch for the gathers); one call per unit;
+- **the optimizer step**: torch's AdamW on the device touches 7 fp32 words per element
+  (read parameter, gradient, two moments; write parameter and moments) at the probed
+  memory bandwidth; zerofn's CPU Adam at the probed rate per state dtype;
+- **copies**: offload's gradients down and rows up (pinned H2D/D2H on a GPU, memory
+  bandwidth on a CPU); NVMe's state read and written once per step at the probed disk
+  rates;
+- **shared cores**: ranks on a CPU that outnumber its cores share them (the probe records
+  the count), so their compute takes that much longer;
+- **overlap**, as zerofn has it: on a GPU collectives run on their own stream under
+  compute (prefetch, the reduce stream) and the host step overlaps the next unit's
+  copies; on a CPU with gloo, collectives and compute share the same cores, so the model
+  adds them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .candidates import DTYPES, Candidate
+from .memory import Shape
+from .probe import Machine
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one step of the model does per rank, independent of the candidate."""
+
+    tokens: int            # per rank per optimizer step
+    attention_flops: int   # per token, forward (0 where unknown)
+    width: int | None = None
+
+
+def compute_rate(m: Machine, precision: str, width: int | None) -> float:
+    """FLOP/s of forward and backward at ``width``: the probe's GPT rates, interpolated in
+    log width between the two it ran (the nearer outside them); its matmul rate where it
+    has none or the width is unknown."""
+    import math
+    rates = m.process.get("compute", {}).get(precision)
+    if not rates or not width:
+        return m.matmul.get(precision, m.matmul["fp32"])
+    points = sorted((int(w), r) for w, r in rates.items())
+    if width <= points[0][0]:
+        return points[0][1]
+    if width >= points[-1][0]:
+        return points[-1][1]
+    (w0, r0), (w1, r1) = next((a, b) for a, b in zip(points, points[1:]) if a[0] <= width <= b[0])
+    t = (math.log(width) - math.log(w0)) / (math.log(w1) - math.log(w0))
+    return r0 + t * (r1 - r0)
+
+
+def step_seconds(c: Candidate, shape: Shape, work: Work, m: Machine,
+                 on_gpu: bool = False) -> dict[str, float]:
+    """``{"compute", "comm", "step", "copies", "total"}`` seconds."""
+    cb = DTYPES[c.precision].itemsize
+    flops_per_token = (8 if c.checkpoint else 6) * shape.params \
+        + (4 if c.checkpoint else 3) * work.attention_flops
+    compute = flops_per_token * work.tokens / compute_rate(m, c.precision, work.width)
+    if c.stage:
+        compute += m.process.get("zerofn_s_per_param", {}).get(str(c.stage), 0.0) \
+            * shape.params
+    if not on_gpu and m.cores and shape.world > m.cores:
+        compute *= shape.world / m.cores      # ranks of one machine share its cores
+    comm = _comm(c, shape, m, cb)
+    step = _step(c, shape, m)
+    copies = _copies(c, shape, m, cb, on_gpu)
+    if on_gpu:      # side streams: collectives under compute, copies under the host step
+        total = max(compute, comm) + max(step, copies)
+    else:
+        total = compute + comm + step + copies
+    return dict(compute=compute, comm=comm, step=step, copies=copies, total=total)
+
+
+def _comm(c: Candidate, shape: Shape, m: Machine, cb: int) -> float:
+    n = shape.world
+    if n == 1:
+        return 0.0
+    latency, bw = m.collective(n)
+    full = cb * shape.params
+    units = len(shape.unit_shards)
+    if c.stage == 0:
+        return 2 * (n - 1) / n * full / bw + c.accum * latency
+    if c.stage in (1, 2):
+        return 2 * (n - 1) / n * full / bw + 2 * units * latency
+    gathers = 2 * c.accum       # forward and backward, each micro-batch
+    return (gathers + 1) * (n - 1) / n * full / bw + (gathers + 1) * units * latency
+
+
+def _step(c: Candidate, shape: Shape, m: Machine) -> float:
+    elements = shape.params if c.stage == 0 else shape.local
+    if c.offload is None:
+        return 7 * 4 * elements / m.memory_bw
+    host = elements * c.ratio
+    rate = m.cpu_adam.get(c.state_dtype, m.cpu_adam["fp32"])
+    return host / rate + 7 * 4 * elements * (1 - c.ratio) / m.memory_bw
+
+
+def _copies(c: Candidate, shape: Shape, m: Machine, cb: int, on_gpu: bool) -> float:
+    if c.offload is None:
+        return 0.0
+    moved = shape.local * c.ratio
+    down, up = (m.d2h, m.h2d) if on_gpu and m.h2d else (m.memory_bw / 2, m.memory_bw / 2)
+    seconds = cb * moved / down + cb * moved / up
+    if c.offload == "nvme":
+        stored = moved * (4 + 2 * 4)     # masters and two moments, read and written
+        seconds += stored / m.disk_read + stored / m.disk_write
+    return seconds
