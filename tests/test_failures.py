@@ -227,6 +227,39 @@ def test_a_full_drive_during_a_swap_write_is_named(tmp_path):
     assert "only 4,096 bytes went through" in got["short"][1]
 
 
+def _one_rank_swap_refused(rank, world, path):
+    """Rank 1's swap file finds the drive full when it reserves its space (ranks sharing a
+    drive: the free space each saw at the check held its own file, not both)."""
+    import errno
+
+    import zerofn.runtime.offload.nvme_file as nvme
+    from support.models import make_optimizer
+
+    real = nvme.os.posix_fallocate
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    nvme.os.posix_fallocate = full if rank == 1 else real
+    try:
+        _, model = make_models()
+        zf.compose(zf.shard_grads(), zf.offload("nvme", path=path))(
+            model, make_optimizer("adamw", model.parameters()))
+        return None, os.listdir(path)
+    except ValueError as e:
+        return str(e), os.listdir(path)
+    finally:
+        nvme.os.posix_fallocate = real
+
+
+@pytest.mark.multirank
+def test_a_swap_file_the_drive_cannot_hold_is_refused_on_every_rank(tmp_path):
+    from support.ranks import run_ranks
+    for error, left in run_ranks(2, _one_rank_swap_refused, str(tmp_path), timeout=120):
+        assert error is not None and "(rank 1)" in error and "No space left" in error, error
+        assert "swap file" in error and str(tmp_path) in error
+    assert os.listdir(tmp_path) == []       # rank 1's file removed; rank 0's once collected
+
+
 @pytest.mark.multirank
 def test_zerofn_train_with_a_stalled_rank_ends_and_leaves_nothing_running(tmp_path):
     """The main job under torchrun: rank 1 stalls in step 3's forward; rank 0 stops at

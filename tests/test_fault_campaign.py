@@ -31,12 +31,12 @@ def test_the_short_campaign_catches_or_survives_every_fault():
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "|---" not in line]
-    assert len(rows) == 6, out.stdout          # the header and five faults
+    assert len(rows) == 7, out.stdout          # the header and six faults
     for row in rows[1:]:
         name, count, ok, lost, _ = (c.strip() for c in row.strip("|").split("|"))
         ran = int(count.split()[0])
         assert ok == str(ran) and lost == "0", row
-    assert out.stdout.count("replay: python tools/fault_campaign.py") == 5 * int(trials)
+    assert out.stdout.count("replay: python tools/fault_campaign.py") == 6 * int(trials)
 
 
 def full_drive_saves(rank, world, root):

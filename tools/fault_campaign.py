@@ -20,6 +20,11 @@ Rows (each a subcommand; ``all`` runs them in this order):
   checkpoint's size, and the next save (sync or async) made: caught where every rank
   raises; then the previous checkpoint still loads, and once space is freed the same
   ranks save again and that checkpoint loads to the uninterrupted run's state.
+- ``full-swap``: NVMe offload's swap files on such a tmpfs, filled to a drawn share of
+  what every rank's swap files take: caught where every rank's set-up raises (set-up
+  reserves the files' space, so no later swap write can find the drive full; ranks sharing
+  the drive may each see room for its own file but not for both); then, the space freed,
+  the same ranks train to the run's reference state.
 - ``corrupt``: one bit flipped at a drawn offset, or a drawn truncation, in a drawn file of
   a complete checkpoint: caught where every rank's load raises.
 - ``nonfinite``: nan, inf or -inf in one rank's loss or in one parameter's gradient rows at
@@ -112,7 +117,8 @@ def _child(store, rank, world, fn, args, write) -> None:
 
 
 # -- the job ----------------------------------------------------------------------------------
-def build(stage: int, offload: str | None, precision: str = "fp32", **sharding):
+def build(stage: int, offload: str | None, precision: str = "fp32", offload_path=None,
+          **sharding):
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -121,7 +127,9 @@ def build(stage: int, offload: str | None, precision: str = "fp32", **sharding):
     if PRECISIONS[precision] is not None:
         scaling = {"initial_scale_power": 8, "hysteresis": 1} if precision == "fp16" else {}
         transforms.append(zf.mixed_precision(PRECISIONS[precision], **scaling))
-    if offload:
+    if offload_path is not None:
+        transforms.append(zf.offload("nvme", path=offload_path))
+    elif offload:
         transforms.append(zf.offload(offload))
     return zf.compose(*transforms)(model, opt)
 
@@ -395,12 +403,81 @@ def draw_full_disk(rng: random.Random) -> dict:
                 mode=rng.choice(["sync", "async"]), free=rng.randrange(0, 200_000))
 
 
+# -- a full disk under NVMe offload's swap files -------------------------------------------------
+def swap_on_full_disk(rank, world, stage, drive, free):
+    """The drive filled to ``free`` bytes, a model offloaded to NVMe there: what its set-up
+    raised (set-up checks the drive's free space and reserves the swap files' with
+    fallocate, so no later swap write can find the drive full); then the space freed, the
+    same model built again and trained: its digest."""
+    filler = os.path.join(drive, "filler")
+    if rank == 0:
+        avail = os.statvfs(drive).f_bavail * os.statvfs(drive).f_frsize
+        with open(filler, "wb") as f:
+            f.write(b"\0" * max(0, avail - free))
+    dist.barrier()
+    try:
+        build(stage, None, offload_path=drive)
+        raised = None
+    except Exception as e:       # noqa: BLE001 (what it is, is the finding)
+        raised = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    if rank == 0:
+        os.remove(filler)
+    dist.barrier()
+    model, opt = build(stage, None, offload_path=drive)
+    for step in range(STEPS):
+        train_step(model, opt, step, rank, world)
+    return raised, digest(model, opt)
+
+
+def swap_trial(trial: dict, references: dict) -> tuple[bool, bool, str]:
+    key = (trial["world"], trial["stage"])
+    if key not in references:    # the same run with its swap files on a roomy drive
+        with tempfile.TemporaryDirectory() as roomy:
+            references[key] = _only(on_ranks(trial["world"], swap_reference, trial["stage"],
+                                             roomy))
+    want, needed = references[key]
+    free = int(trial["share"] * needed)      # short of what the swap files take
+    with small_drive(8 << 20) as drive:
+        if drive is None:
+            return False, False, "SKIPPED: mount -t tmpfs needs root"
+        out = on_ranks(trial["world"], swap_on_full_disk, trial["stage"], drive, free)
+    results = [value for kind, value in out.values() if kind == "ok"]
+    if len(results) != trial["world"]:
+        return False, True, f"a rank failed beyond the set-up: {out}"
+    caught = all(r[0] is not None and drive in r[0] and "free" in r[0] for r in results)
+    same = all(r[1] == want for r in results)
+    return caught and same, not same, \
+        (f"free {free:,} of the {needed:,} bytes needed: " + (f"every rank raised ({results[0][0][:120]})"
+                                              if caught else f"NOT CAUGHT on every rank: "
+                                              f"{[r[0] for r in results]}")
+         + ("; once freed, the run trains to the reference state" if same
+            else "; THE RUN AFTERWARDS DIFFERS"))
+
+
+def swap_reference(rank, world, stage, drive):
+    """The run's digest, and the bytes every rank's swap files take on the drive."""
+    model, opt = build(stage, None, offload_path=drive)
+    dist.barrier()
+    used = sum(os.stat(os.path.join(drive, f)).st_blocks * 512 for f in os.listdir(drive))
+    for step in range(STEPS):
+        train_step(model, opt, step, rank, world)
+    return digest(model, opt), used
+
+
+def draw_swap(rng: random.Random) -> dict:
+    return dict(world=rng.choice([1, 2]), stage=rng.choice([1, 2, 3]),
+                share=round(rng.uniform(0, 0.95), 3))
+
+
 # -- the campaign -----------------------------------------------------------------------------
 ROWS = {   # command: (the table's name for it, draw(rng, index), trial(trial, cache))
     "kill-sync": ("kill during sync save", lambda rng, i: draw_kill(rng, "sync"), kill_trial),
     "kill-async": ("kill during async save", lambda rng, i: draw_kill(rng, "async"),
                    kill_trial),
     "full-disk": ("full disk during save", lambda rng, i: draw_full_disk(rng), full_disk_trial),
+    "full-swap": ("full disk under NVMe swap files", lambda rng, i: draw_swap(rng),
+                  swap_trial),
     "corrupt": ("flipped bit / truncated file", lambda rng, i: draw_corrupt(rng),
                 corrupt_trial),
     "nonfinite": ("NaN / inf (fp32, bf16, fp16)", draw_nonfinite, nonfinite_trial),

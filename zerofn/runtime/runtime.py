@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core.plan import Plan
 from ..core.units import build_units, set_dtypes
+from .agree import agree_or_raise
 from .attach import attach, detach, is_transformed, runtime_of
 from .comm import Comm, device_problems
 from .context import RuntimeContext
@@ -207,7 +208,21 @@ class Runtime:
         per_unit = plan.stage < 3 and len(units) > 1   # (each all-gather overlaps a step)
         spec = HomeSpec(self.optimizer, plan.offload, plan.precision.reduce_dtype, self.device,
                         dist.get_rank(), self.observers.timing, _param_dtypes(units, plan))
-        return make_homes(spec, units, order, sharded, per_unit)
+        if plan.offload.device is None:
+            return make_homes(spec, units, order, sharded, per_unit)
+        # Ranks sharing one drive reserve their swap files' space at once: the free space
+        # each saw at the check may hold one rank's file but not every rank's, and a rank
+        # refused there must not leave the others waiting in the first collective.
+        try:
+            homes, problems = make_homes(spec, units, order, sharded, per_unit), []
+        except OSError as e:
+            homes, problems = None, [str(e)]
+        try:
+            agree_or_raise(problems, self.group, "zerofn set-up failed")
+        except ValueError:
+            self.observers.close()
+            raise
+        return homes
 
     def zero_grad(self) -> None:
         """``optimizer.zero_grad()`` and ``model.zero_grad()``: the shards start over."""

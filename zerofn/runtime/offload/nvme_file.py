@@ -73,9 +73,14 @@ def nvme_problems(path, need_bytes: int, optimizer, units=()) -> list[str]:
         return [f"offload('nvme'): cannot write to {path!r}; choose a writable directory."]
     free = shutil.disk_usage(path).free
     if free < need_bytes:
-        return [(f"offload('nvme'): {path!r} has {free / 2**30:.2f} GiB free, the swap file "
-                 f"needs {need_bytes / 2**30:.2f} GiB; free space or choose another drive.")]
+        return [(f"offload('nvme'): {path!r} has {_size(free)} free, the swap file needs "
+                 f"{_size(need_bytes)}; free space or choose another drive.")]
     return []
+
+
+def _size(n: int) -> str:
+    """Bytes as GiB where that says something, else exactly (a small model's swap files)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n:,} bytes"
 
 
 def remove_stale(path: str, rank: int) -> None:
@@ -113,9 +118,16 @@ class SwapFile:
         remove_stale(path, rank)
         self.name = swap_name(path, rank)
         self.fd, self.direct = _open(self.name)
-        os.posix_fallocate(self.fd, 0, max(size, BLOCK))
         self._cleanup = weakref.finalize(self, _close_and_remove, self.fd, self.name)
         atexit.register(self._cleanup)
+        try:    # the space reserved now: no later swap write can find the drive full
+            os.posix_fallocate(self.fd, 0, max(size, BLOCK))
+        except OSError as e:
+            self._cleanup()
+            raise OSError(e.errno, f"offload('nvme'): reserving {_size(size)} for the swap "
+                                   f"file {self.name} failed: {e.strerror} (other ranks' swap "
+                                   "files on that drive take their share); free space on it "
+                                   "or give offload's path= another drive.") from e
 
     def read_state(self, unit, buf: torch.Tensor) -> torch.Tensor:
         """The unit's master|m|v into ``buf`` (the step never needs the old compute shard)."""
