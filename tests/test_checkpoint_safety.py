@@ -448,3 +448,35 @@ def test_what_zerofn_saves_as_extras_needs_nothing_refused():
                                        "b": b"x", "d": torch.float16, "z": 1j}):
         assert pickles.refused_in(io.BytesIO(saved(value))) == []
         assert pickles.refused_in(io.BytesIO(extras.to_bytes(value))) == []
+
+
+def test_an_enum_pickled_by_name_loads_and_no_other_getattr_does():
+    """Python 3.11's first releases (Debian 12's python3, 3.11.2) pickle an enum member as
+    ``getattr(its class, its name)``: DCP's metadata then names ``builtins.getattr``, which
+    the metadata reader admits for an admitted enum's member alone."""
+    import enum
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from zerofn.io.checkpoint.pickles import Refused, load_metadata
+    other = object()
+
+    class AsOldPython(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, enum.Enum):
+                return getattr, (type(obj), obj.name)
+            if obj is other:
+                return getattr, (torch.Size, "mro")
+            return NotImplemented
+
+    def pickled(value) -> bytes:
+        out = io.BytesIO()
+        AsOldPython(out).dump(value)
+        return out.getvalue()
+    members = list(_MEM_FORMAT_ENCODING)
+    assert b"getattr" in pickled(members)
+    assert load_metadata(pickled(members), "here") == members
+    with pytest.raises(Refused, match="builtins.getattr"):
+        load_metadata(pickled([other]), "here")

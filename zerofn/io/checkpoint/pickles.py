@@ -28,6 +28,7 @@ given ``trusted=True`` reads the checkpoint as torch itself would, running its p
 """
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 
@@ -172,6 +173,8 @@ class MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         path = f"{module}.{name}"
+        if path == "builtins.getattr":
+            return self._enum_member
         if path in METADATA_GLOBALS:
             return super().find_class(module, name)
         if path in self._trusted:
@@ -180,6 +183,18 @@ class MetadataUnpickler(pickle.Unpickler):
             raise Refused(self.where, [path])
         self.refused.append(path)
         return stand_in(path)
+
+    def _enum_member(self, cls, name):
+        """``getattr`` as a pickle may call it: only for a member of an admitted enum, by
+        name, which is how Python 3.11's first releases (Debian 12's 3.11.2) pickle
+        ``_MEM_FORMAT_ENCODING``'s members; anything else is refused as ``getattr``."""
+        if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) \
+                and name in cls.__members__:
+            return cls[name]
+        if not self.survey:
+            raise Refused(self.where, ["builtins.getattr"])
+        self.refused.append("builtins.getattr")
+        return stand_in("builtins.getattr")
 
 
 def load_metadata(data: bytes, where: str, trusted_file: bool = False):
