@@ -344,6 +344,17 @@ def small_drive(size: int):
         os.rmdir(path)
 
 
+def filled(path: str, free: int, rank: int) -> str:
+    """Rank 0 fills ``path``'s drive to ``free`` bytes; every rank waits. The filler's path."""
+    filler = os.path.join(path, "filler")
+    if rank == 0:
+        avail = os.statvfs(path).f_bavail * os.statvfs(path).f_frsize
+        with open(filler, "wb") as f:
+            f.write(b"\0" * max(0, avail - free))
+    dist.barrier()
+    return filler
+
+
 def save_on_full_disk(rank, world, stage, mode, root, free):
     """One checkpoint saved, the drive filled to ``free`` bytes, the next save made: what
     it raised; then space freed, the save made again."""
@@ -351,13 +362,8 @@ def save_on_full_disk(rank, world, stage, mode, root, free):
     train_step(model, opt, 0, rank, world)
     save(root, model, opt, 1, mode)
     train_step(model, opt, 1, rank, world)
-    filler = os.path.join(root, "filler")
     dist.barrier()
-    if rank == 0:
-        avail = os.statvfs(root).f_bavail * os.statvfs(root).f_frsize
-        with open(filler, "wb") as f:
-            f.write(b"\0" * max(0, avail - free))
-    dist.barrier()
+    filler = filled(root, free, rank)
     try:
         save(root, model, opt, 2, mode)
         raised = None
@@ -409,12 +415,7 @@ def swap_on_full_disk(rank, world, stage, drive, free):
     raised (set-up checks the drive's free space and reserves the swap files' with
     fallocate, so no later swap write can find the drive full); then the space freed, the
     same model built again and trained: its digest."""
-    filler = os.path.join(drive, "filler")
-    if rank == 0:
-        avail = os.statvfs(drive).f_bavail * os.statvfs(drive).f_frsize
-        with open(filler, "wb") as f:
-            f.write(b"\0" * max(0, avail - free))
-    dist.barrier()
+    filler = filled(drive, free, rank)
     try:
         build(stage, None, offload_path=drive)
         raised = None
@@ -424,10 +425,7 @@ def swap_on_full_disk(rank, world, stage, drive, free):
     if rank == 0:
         os.remove(filler)
     dist.barrier()
-    model, opt = build(stage, None, offload_path=drive)
-    for step in range(STEPS):
-        train_step(model, opt, step, rank, world)
-    return raised, digest(model, opt)
+    return raised, trained_on_nvme(rank, world, stage, drive)
 
 
 def swap_trial(trial: dict, references: dict) -> tuple[bool, bool, str]:
@@ -457,12 +455,18 @@ def swap_trial(trial: dict, references: dict) -> tuple[bool, bool, str]:
 
 def swap_reference(rank, world, stage, drive):
     """The run's digest, and the bytes every rank's swap files take on the drive."""
+    return trained_on_nvme(rank, world, stage, drive, measure=True)
+
+
+def trained_on_nvme(rank, world, stage, drive, measure: bool = False):
+    """The run with its swap files on ``drive``: its digest (and, with ``measure``, the
+    bytes every rank's swap files take there)."""
     model, opt = build(stage, None, offload_path=drive)
     dist.barrier()
     used = sum(os.stat(os.path.join(drive, f)).st_blocks * 512 for f in os.listdir(drive))
     for step in range(STEPS):
         train_step(model, opt, step, rank, world)
-    return digest(model, opt), used
+    return (digest(model, opt), used) if measure else digest(model, opt)
 
 
 def draw_swap(rng: random.Random) -> dict:
