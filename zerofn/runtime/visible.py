@@ -50,6 +50,8 @@ from torch.distributed.tensor import DTensor
 
 from ..core.units import ParamSlot, Unit
 
+FINGERPRINT_CHUNK = 1 << 16     # elements a fingerprint sums at once on a CPU (x64 on a GPU)
+
 
 class VisibleGrads:
     """Shows each reduced unit's rows on its parameters' ``.grad`` (``show``) and folds what
@@ -161,8 +163,13 @@ class VisibleGrads:
 def fingerprint(rows: torch.Tensor) -> torch.Tensor:
     """The integer sum of the rows' bits (a 0-d int64 on their device): exact, any order,
     and changed by any edit short of one that cancels itself bit for bit."""
-    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[rows.element_size()]
-    return rows.view(bits).sum(dtype=torch.int64)
+    bits = rows.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[rows.element_size()])
+    # torch widens the whole input to int64 before summing it: 8 bytes an element at once
+    # (on a CPU a heap block that fragments the heap step after step). In chunks the
+    # temporary stays small and is reused; on a CPU it is also 3-5x faster.
+    chunk = FINGERPRINT_CHUNK if bits.device.type == "cpu" else FINGERPRINT_CHUNK << 6
+    return torch.stack([c.sum(dtype=torch.int64) for c in bits.reshape(-1).split(chunk)]
+                       ).sum()
 
 
 def _rows_of(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
