@@ -15,7 +15,7 @@ import sys
 import torch
 
 from .probe import cache_path, load_or_probe
-from .search import NoPlanFits, dumps, plan
+from .search import MARGIN, NoPlanFits, dumps, plan
 
 GB = 1e9
 
@@ -55,6 +55,12 @@ def plan_main(argv=None, prog: str = "zerofn plan") -> int:
     p.add_argument("--host-budget", type=float, help="GB of host memory per rank")
     p.add_argument("--disk", type=float, help="GB of NVMe per rank")
     p.add_argument("--no-nvme", action="store_true", help="leave NVMe offload out")
+    p.add_argument("--margin", type=float, default=MARGIN,
+                   help="a candidate fits where its predicted peaks this share above them "
+                        f"are within the budgets (default {MARGIN}: the model's error)")
+    p.add_argument("--saves", choices=("sync", "async", "none"), default="sync",
+                   help="how the run saves checkpoints: its save phase's host memory "
+                        "(async: a host copy of the state first)")
     p.add_argument("--gpu", action="store_true",
                    help="plan for a GPU (the probe's rates then should be a GPU's: --probe)")
     p.add_argument("--probe", help="a probe's JSON (default this machine's, cached)")
@@ -70,7 +76,8 @@ def plan_main(argv=None, prog: str = "zerofn plan") -> int:
         result = plan(model, (x, x), world=args.world, precision=args.precision,
                       device_budget=_bytes(args.device_budget),
                       host_budget=_bytes(args.host_budget), disk_budget=_bytes(args.disk),
-                      machine=machine, on_gpu=args.gpu or None, nvme=not args.no_nvme)
+                      machine=machine, on_gpu=args.gpu or None, nvme=not args.no_nvme,
+                      margin=args.margin, saves=None if args.saves == "none" else args.saves)
     except NoPlanFits as e:
         print(f"error: {e}", file=sys.stderr)
         return 3

@@ -33,14 +33,15 @@ from torch import nn
 
 from zerofn.core.estimate import estimate_placement
 from zerofn.core.units import build_units
+from zerofn.runtime.host_malloc import THRESHOLD
 
 from .activations import Activations
 from .candidates import DTYPES, Candidate
 
-PHASES = ("forward", "backward", "step")
+PHASES = ("forward", "backward", "step", "save")
+SAVES = (None, "sync", "async")     # how the run saves checkpoints (save_checkpoint)
 PLACES = ("device", "host", "nvme")
 KEEP_IN_FLIGHT = 2          # runtime/comm.py
-MMAP_MAX = 32 << 20         # glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 FP32 = 4
 
 
@@ -62,6 +63,14 @@ class Shape:
     shard: int
     unit_shards: tuple[int, ...]
     largest_tensor: int = 0
+    tensor_numels: tuple[int, ...] = ()
+    named_local: int = 0      # rank 0's rows summed over the state dict's names (tied: each)
+
+    def mapped(self, itemsize: int, threshold: int = THRESHOLD) -> int:
+        """Bytes of the whole gradients that are blocks of ``threshold`` bytes or more:
+        under zerofn's runtime on a CPU glibc maps each by itself and unmaps it when freed
+        (runtime/host_malloc.py), so the heap's overhead does not apply to them."""
+        return sum(itemsize * n for n in self.tensor_numels if itemsize * n >= threshold)
 
     @property
     def largest(self) -> int:
@@ -73,11 +82,15 @@ def shape_of(model: nn.Module, world: int) -> Shape:
     will do: only shapes are read)."""
     units = build_units(model, None, world, 0)
     slots = [s for u in units for s in u.slots]
+    rows = {id(s.param): s.local_numel for s in slots}
     return Shape(world=world, params=sum(s.numel for s in slots), tensors=len(slots),
                  local=sum(s.local_numel for s in slots),
                  shard=sum(u.shard_numel for u in units),
                  unit_shards=tuple(u.shard_numel for u in units if u.slots),
-                 largest_tensor=max((s.numel for s in slots), default=0))
+                 largest_tensor=max((s.numel for s in slots), default=0),
+                 tensor_numels=tuple(s.numel for s in slots),
+                 named_local=sum(rows.get(id(p), 0) for _, p in
+                                 model.named_parameters(remove_duplicate=False)))
 
 
 def model_state(c: Candidate, shape: Shape) -> dict[str, dict[str, int]]:
@@ -118,8 +131,9 @@ def _offloaded_state(c: Candidate, shape: Shape) -> dict[str, dict[str, int]]:
 
 
 def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = 4_000_000,
-               prefetch: int = 1) -> int:
-    """Bytes the runtime's buffer pool holds once a step has run (runtime/pool.py)."""
+               prefetch: int = 1, gloo: bool = True) -> int:
+    """Bytes the runtime's buffer pool holds once a step has run (runtime/pool.py);
+    ``gloo``: the collectives are gloo's (a CPU device), not NCCL's."""
     if c.stage == 0:
         return 0
     cb = DTYPES[c.precision].itemsize
@@ -131,6 +145,10 @@ def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = 4_000_000,
         # backward the one computing, the one prefetched and the one being unpacked
         fit = max(fit, 2 + prefetch)
     total = cb * sum(fulls[:fit])
+    if gloo and shape.world > 2:
+        # zerofn's gloo reduce-scatter brings every other rank's chunk into a scratch as
+        # large as the send buffer (runtime/comm.py), held while it runs
+        total += cb * fulls[0]
     if c.offload is None and cb != FP32:   # the step's pooled copies in the masters' dtype
         total += FP32 * max(shape.unit_shards)
     return total
@@ -159,7 +177,50 @@ def activations_of(c: Candidate, acts: Activations) -> dict[str, int]:
     backward = acts.backward_kept if c.stage <= 1 else acts.backward_dropped
     if c.stage == 0:
         backward -= acts.grads
-    return {"forward": acts.forward, "backward": backward, "step": 0}
+    return {"forward": acts.forward, "backward": backward, "step": 0, "save": 0}
+
+
+def state_dict_bytes(c: Candidate, shape: Shape) -> dict[str, int]:
+    """Bytes of the rank's state dicts (``get_state_dict``): the model's, its rows of every
+    parameter by name as fp32 masters (tied parameters under each name); the optimizer's,
+    two fp32 moments a row and a step counter per tensor."""
+    named = shape.named_local if c.stage else \
+        shape.named_local * shape.world    # (stage 0: whole, as rows at world 1)
+    rows = shape.params if c.stage == 0 else shape.local
+    return {"model": FP32 * named, "optim": 2 * FP32 * rows + FP32 * shape.tensors}
+
+
+def save_copies(c: Candidate, shape: Shape, saves: str | None,
+                device_is_host: bool = True) -> int:
+    """Bytes of the state dicts a save copies to the host: a background save stages all of
+    them; a synchronous one has DCP's copies, which it keeps until the rank's file is done:
+    every tensor on a GPU, and on a CPU each that is a view into a larger buffer (its rows
+    of a whole parameter past world 1, a unit's flat masters under ZeRO-3 or mixed
+    precision, offloaded state in its arena), not torch's own moments or whole fp32
+    parameters."""
+    sizes = state_dict_bytes(c, shape)
+    if saves is None:
+        return 0
+    if saves == "async" or not device_is_host:
+        return sizes["model"] + sizes["optim"]
+    whole = c.stage == 0 or (c.stage < 3 and shape.world == 1 and c.precision == "fp32"
+                             and c.offload is None)
+    return (0 if whole else sizes["model"]) + (sizes["optim"] if c.offload else 0)
+
+
+def save_bytes(c: Candidate, shape: Shape, saves: str | None,
+               device_is_host: bool = True) -> int:
+    """Host bytes a checkpoint save holds between steps (io/checkpoint): its copies of the
+    state dicts (``save_copies``), NVMe state read into memory whole (its swap file's
+    bytes), low-precision host state decoded into fp32 (12 bytes a row)."""
+    if saves is None:
+        return 0
+    out = save_copies(c, shape, saves, device_is_host)
+    if c.offload == "nvme":
+        out += sum(model_state(c, shape)["nvme"].values())
+    elif c.offload == "cpu" and (c.state_dtype, c.master_dtype) != ("fp32", "fp32"):
+        out += 3 * FP32 * int(shape.local * c.ratio)
+    return out
 
 
 @dataclass(frozen=True)
@@ -175,32 +236,55 @@ class Process:
 
 
 def peaks(c: Candidate, shape: Shape, acts: Activations, process: Process = Process(),
-          device_is_host: bool = True) -> dict[str, dict[str, int]]:
-    """``{phase: {place: bytes}}``: rank 0's peak in each phase. Where the device is the
-    CPU (this machine) its bytes are host memory too, and the process's base counts once."""
+          device_is_host: bool = True, saves: str | None = None
+          ) -> dict[str, dict[str, int]]:
+    """``{phase: {place: bytes}}``: rank 0's peak in each phase (``saves``: how the run
+    saves checkpoints, SAVES; None leaves the save phase at the step's resident bytes).
+    Where the device is the CPU (this machine) its bytes are host memory too, and the
+    process's base counts once."""
     state = model_state(c, shape)
     resident = {p: sum(state[p].values()) for p in PLACES}
-    pool = pool_bytes(c, shape)
+    pool = pool_bytes(c, shape, gloo=device_is_host)
     extra = activations_of(c, acts)
     extra["step"] = step_temporaries(c, shape, device_is_host)
     out = {}
-    # glibc maps a buffer of MMAP_MAX or more by itself and unmaps it when freed: no
-    # fragmentation on the pool's large buffers (a GPU's caching allocator: none counted)
-    pool_overhead = 0.0 if pool_buffer_bytes(c, shape) >= MMAP_MAX else process.overhead
+    # Under zerofn's runtime on a CPU glibc maps every block of THRESHOLD bytes or more by
+    # itself and unmaps it when freed (runtime/host_malloc.py): no heap overhead on the
+    # pool's large buffers or on ZeRO-1's large whole gradients. (A GPU's caching
+    # allocator: none counted.)
+    pool_overhead = 0.0 if pool_buffer_bytes(c, shape) >= THRESHOLD else process.overhead
+    mapped = {phase: 0 for phase in PHASES}
+    if device_is_host and c.stage == 1:
+        mapped["backward"] = min(shape.mapped(DTYPES[c.precision].itemsize), extra["backward"])
+    # DDP's gradients are made in each backward and freed by zero_grad (set_to_none), in
+    # a process whose mmap threshold glibc moves up to 32 MiB: the allocator's overhead
+    # falls on them as on any other memory a step makes and frees
+    remade = state["device"]["grads"] * process.overhead \
+        if device_is_host and c.stage == 0 else 0
     for phase in PHASES:
-        churn = pool * (1 + pool_overhead) + extra[phase] * (1 + process.overhead)
+        churn = pool * (1 + pool_overhead) + mapped[phase] + \
+            (extra[phase] - mapped[phase]) * (1 + process.overhead) + \
+            (remade if phase in ("backward", "step") else 0)
         device, host = resident["device"] + churn, resident["host"]
         if device_is_host:
             host, device = host + device, 0
         out[phase] = {"device": int(device), "host": int(host + process.base),
                       "nvme": resident["nvme"]}
+    saving = save_bytes(c, shape, saves, device_is_host)
+    if device_is_host and saves is not None:
+        # the heap keeps what the step freed (all but the blocks glibc maps by itself),
+        # and the save's copies take that memory first
+        kept = max(out[ph]["host"] for ph in PHASES if ph != "save") - max(mapped.values())
+        out["save"]["host"] = max(kept, out["save"]["host"] + saving)
+    else:
+        out["save"]["host"] += saving
     return out
 
 
 def peak(c: Candidate, shape: Shape, acts: Activations, process: Process = Process(),
-         device_is_host: bool = True) -> dict[str, int]:
+         device_is_host: bool = True, saves: str | None = None) -> dict[str, int]:
     """The largest of each place over the phases."""
-    by_phase = peaks(c, shape, acts, process, device_is_host)
+    by_phase = peaks(c, shape, acts, process, device_is_host, saves)
     return {place: max(by_phase[ph][place] for ph in PHASES) for place in PLACES}
 
 

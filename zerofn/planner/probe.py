@@ -8,11 +8,14 @@ machine makes a rate low rather than noisy):
   dtype on the training device (one thread per rank on a CPU, as zerofn's ranks run);
 - ``memory_bw``: host memory bandwidth (bytes/s read plus written by a large copy);
 - ``cpu_adam``: zerofn's C++ Adam, parameters per second per state dtype, one thread;
+  ``cpu_adam_all``: the same with every core (a GPU's rank has the cores its machine's
+  ranks share: ``zerofn train`` gives each ``cores // ranks``);
 - ``h2d``/``d2h``: pinned copies to and from the GPU, where there is one;
 - ``disk_read``/``disk_write``: the NVMe offload path's file bandwidth (direct to the
   file, synced);
-- ``collectives``: all-reduce latency (4 KiB) and bus bandwidth (16 MiB) per group size
-  on the backend training would use (gloo on CPUs, NCCL on GPUs), in real processes;
+- ``collectives``: all-reduce latency (4 KiB) and bus bandwidth (16 MiB), and zerofn's own
+  reduce-scatter and all-gather bandwidth, per group size on the backend training would
+  use (gloo on CPUs, NCCL on GPUs), in real processes;
 - ``process``: the resident memory of a process once torch, zerofn and a process group
   are up and a tiny step has run (``base``), and the allocator's overhead, measured by
   training a calibration model and comparing its peak with what it holds;
@@ -43,7 +46,7 @@ class Machine:
     device: str
     matmul: dict[str, float]              # compute dtype -> FLOP/s
     memory_bw: float                      # bytes/s
-    cpu_adam: dict[str, float]            # state dtype -> parameters/s
+    cpu_adam: dict[str, float]            # state dtype -> parameters/s, one thread
     disk_read: float
     disk_write: float
     collectives: dict[str, dict[str, float]]   # group size -> latency_s, bus_bw
@@ -52,17 +55,20 @@ class Machine:
     h2d: float | None = None
     d2h: float | None = None
     cores: int = 0                        # CPU cores (0: not recorded)
+    cpu_adam_all: dict[str, float] = field(default_factory=dict)   # ... every core
     torch: str = torch.__version__
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
 
-    def collective(self, size: int) -> tuple[float, float]:
-        """(latency s, bus bandwidth bytes/s) for a group of ``size``: the probed size
-        nearest from below (a larger group's ring is no faster per byte)."""
+    def collective(self, size: int, kind: str = "all_reduce") -> tuple[float, float]:
+        """(latency s, bandwidth bytes/s) of ``kind`` ("all_reduce", zerofn's
+        "reduce_scatter" or "all_gather") for a group of ``size``: the probed size nearest
+        from below (a larger group's ring is no faster per byte). A probe that did not time
+        zerofn's own gives the all-reduce's bus bandwidth."""
         sizes = sorted(int(k) for k in self.collectives)
         near = max([s for s in sizes if s <= size], default=sizes[0])
         got = self.collectives[str(near)]
-        return got["latency_s"], got["bus_bw"]
+        return got["latency_s"], got.get(f"{kind}_bw", got["bus_bw"])
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -103,6 +109,7 @@ def probe(nvme_path: str | None = None, group_sizes: tuple[int, ...] | None = No
         adam = cpu_adam_rates()
     finally:
         torch.set_num_threads(threads)
+    adam_all = cpu_adam_rates(16 << 20)     # (more work: every core starts and joins)
     h2d, d2h = transfer_rates() if cuda else (None, None)
     read, write = disk_rates(nvme_path or tempfile.gettempdir())
     sizes = group_sizes or default_group_sizes(cuda)
@@ -111,9 +118,11 @@ def probe(nvme_path: str | None = None, group_sizes: tuple[int, ...] | None = No
     return Machine(device=_device_name(cuda), matmul=matmul, memory_bw=memory_bw,
                    cpu_adam=adam, disk_read=read, disk_write=write, collectives=collectives,
                    process=process, free=free_bytes(nvme_path), h2d=h2d, d2h=d2h,
-                   cores=os.cpu_count() or 0, seconds=time.perf_counter() - start,
+                   cores=os.cpu_count() or 0, cpu_adam_all=adam_all,
+                   seconds=time.perf_counter() - start,
                    extra={"cuda": rates_from_cuda(torch.cuda.get_device_properties(0),
-                                                  torch.cuda.mem_get_info())} if cuda else {})
+                                                  torch.cuda.mem_get_info()),
+                          "gpus": torch.cuda.device_count()} if cuda else {})
 
 
 def _best(fn, repeats: int = 5) -> float:
@@ -155,7 +164,7 @@ def copy_rate(device: torch.device, numel: int = 16 << 20) -> float:
 
 
 def cpu_adam_rates(numel: int = 4 << 20) -> dict[str, float]:
-    """zerofn's C++ Adam, parameters per second on one thread: fp32 masters and moments
+    """zerofn's C++ Adam, parameters per second on torch's threads: fp32 masters and moments
     (bf16 and int8 moments step through the same kernel with a conversion, measured the
     same way where the kernel is built for them)."""
     from zerofn.optim import adam_step
@@ -220,8 +229,9 @@ def process_memory(repeats: int = 3) -> dict[str, float]:
     tiny step run, and the allocator's overhead on a calibration model's step: the median
     of ``repeats`` fresh processes (the overhead varies from one to the next: 10 to 22 %
     on this machine's 2 shared cores), the training rates from the first."""
-    runs = [_run_ranks(1, "process", {"rates": i == 0}) for i in range(repeats)]
-    out = dict(runs[0])
+    cuda = torch.cuda.is_available()
+    runs = [_run_ranks(1, "process", {"rates": i == 0, "cuda": cuda}) for i in range(repeats)]
+    out = dict(runs[0], zerofn_own=_run_ranks(1, "own", {"cuda": cuda}))
     for key in ("base", "overhead", "calibration_rise"):
         out[key] = sorted(r[key] for r in runs)[repeats // 2]
     out["overheads"] = [r["overhead"] for r in runs]
@@ -229,7 +239,7 @@ def process_memory(repeats: int = 3) -> dict[str, float]:
 
 
 def free_bytes(nvme_path: str | None) -> dict[str, int]:
-    out = {"host": _mem_available()}
+    out = {"host": mem_available()}
     if torch.cuda.is_available():
         out["device"] = torch.cuda.mem_get_info()[0]
     import shutil
@@ -237,7 +247,7 @@ def free_bytes(nvme_path: str | None) -> dict[str, int]:
     return out
 
 
-def _mem_available() -> int:
+def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):

@@ -15,9 +15,12 @@ from torch import nn
 from . import activations as acts_mod
 from . import memory, step_time
 from .candidates import DTYPES, Candidate
-from .probe import Machine, load_or_probe
+from .probe import Machine, mem_available, load_or_probe
 
 GB = 1e9
+# Predicted peaks must fit their budgets with this share to spare: the memory model's
+# largest under-prediction measured on this machine, 5.8 % in a save (docs/plan.md).
+MARGIN = 0.06
 
 
 @dataclass
@@ -26,11 +29,13 @@ class Row:
     peak: dict[str, int]          # place -> bytes
     seconds: dict[str, float]
     fits: bool
-    over: dict[str, int]          # place -> bytes above its budget
+    over: dict[str, int]          # place -> bytes above its budget (and the margin)
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)   # phase -> place -> bytes
 
     def to_json(self) -> dict:
         return dict(candidate=self.candidate.to_json(), describe=self.candidate.describe(),
-                    peak=self.peak, seconds=self.seconds, fits=self.fits, over=self.over)
+                    peak=self.peak, phases=self.phases, seconds=self.seconds, fits=self.fits,
+                    over=self.over)
 
 
 @dataclass
@@ -100,7 +105,8 @@ def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = Non
          precision: str | None = None, device_budget: float | None = None,
          host_budget: float | None = None, disk_budget: float | None = None,
          machine: Machine | None = None, on_gpu: bool | None = None, nvme: bool = True,
-         only: list[Candidate] | None = None) -> PlanResult:
+         only: list[Candidate] | None = None, margin: float = MARGIN,
+         saves: str | None = "sync") -> PlanResult:
     """Every candidate for ``model`` at ``world`` ranks, predicted and sorted.
 
     Args:
@@ -116,6 +122,11 @@ def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = Non
         machine: the probe's rates (default: this machine's, probed once and cached).
         on_gpu: whether the device is a GPU (default: whether this machine has one).
         only: weigh these candidates instead of every one.
+        margin: a candidate fits where its predicted device and host peaks, this share
+            above them, are within the budgets (the memory model's error; NVMe's bytes
+            are the swap files' own sizes, exact).
+        saves: how the run saves checkpoints: "sync" (``save_checkpoint``), "async"
+            (``async_save=True``: a host copy of the state first) or None (it does not).
 
     Raises:
         NoPlanFits: no candidate fits; names the smallest budgets that would.
@@ -137,21 +148,28 @@ def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = Non
     budgets = dict(device=device_budget, host=host_budget, nvme=disk_budget)
     rows = []
     for c in pool:
-        peak = memory.peak(c, shape, profile.at(c), process, device_is_host=not on_gpu)
+        phases = memory.peaks(c, shape, profile.at(c), process, device_is_host=not on_gpu,
+                              saves=saves)
+        peak = {p: max(by[p] for by in phases.values()) for p in memory.PLACES}
         if not on_gpu:
             peak["device"] = peak["host"]    # the device is this memory
-        over = {p: int(peak[p] - b) for p, b in budgets.items() if b is not None and
-                peak[p] > b}
+        over = {p: int(need - b) for p, b in budgets.items()
+                if b is not None and (need := _needed(peak, p, margin)) > b}
         rows.append(Row(c, peak, step_time.step_seconds(c, shape, work, machine, on_gpu),
-                        not over, over))
+                        not over, over, phases))
     rows.sort(key=lambda r: (not r.fits, r.seconds["total"], r.peak["device"], r.peak["host"]))
     result = PlanResult(rows, budgets, machine.device)
     fitting = result.fitting()
     if not fitting:
-        raise NoPlanFits(_refusal(rows, budgets))
+        raise NoPlanFits(_refusal(rows, budgets, margin))
     result.choice = fitting[0].candidate
-    result.reason = _reason(fitting[0], rows)
+    result.reason = _reason(fitting[0], rows, margin)
     return result
+
+
+def _needed(peak: dict[str, int], place: str, margin: float) -> int:
+    """The budget ``place`` needs for a predicted ``peak``: the margin above it."""
+    return peak[place] if place == "nvme" else int(peak[place] * (1 + margin))
 
 
 def _tokens_per_sequence(inputs) -> int:
@@ -208,7 +226,7 @@ def _rows(t, n: int):
     return torch.zeros((n,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta")
 
 
-def _reason(best: Row, rows: list[Row]) -> str:
+def _reason(best: Row, rows: list[Row], margin: float) -> str:
     faster = [r for r in rows if not r.fits and r.seconds["total"] < best.seconds["total"]]
     parts = [f"chosen: {best.candidate.describe()}: peak "
              + ", ".join(f"{p} {best.peak[p] / GB:.2f} GB" for p in ("device", "host", "nvme")
@@ -223,12 +241,13 @@ def _reason(best: Row, rows: list[Row]) -> str:
         r = min(faster, key=lambda r: r.seconds["total"])
         place = max(r.over, key=r.over.get)
         parts.append(f"the fastest candidate, {r.candidate.describe()} "
-                     f"({r.seconds['total']:.3f} s), needs {r.peak[place] / GB:.2f} GB of "
-                     f"{place} memory: {place} memory binds")
+                     f"({r.seconds['total']:.3f} s), needs "
+                     f"{_needed(r.peak, place, margin) / GB:.2f} GB of {place} memory "
+                     f"(its peak and a {margin:.0%} margin): {place} memory binds")
     return "; ".join(parts) + "."
 
 
-def _refusal(rows: list[Row], budgets: dict) -> str:
+def _refusal(rows: list[Row], budgets: dict, margin: float) -> str:
     """The smallest budget of each bound place that, with the others as given, fits."""
     set_budgets = {p: b for p, b in budgets.items() if b is not None}
     lines = ["no candidate fits " + ", ".join(f"{p} {b / GB:.2f} GB"
@@ -238,25 +257,42 @@ def _refusal(rows: list[Row], budgets: dict) -> str:
         if others_fit:
             r = min(others_fit, key=lambda r: r.peak[place])
             lines.append(f"the smallest {place} budget that fits (the others as given) is "
-                         f"{r.peak[place] / GB:.2f} GB: {r.candidate.describe()}")
+                         f"{_needed(r.peak, place, margin) / GB:.2f} GB (a {margin:.0%} "
+                         f"margin over the predicted peak): {r.candidate.describe()}")
     r = min(rows, key=lambda r: sum(r.over.values()))
     lines.append("the nearest candidate, " + r.candidate.describe() + ", needs " + ", ".join(
-        f"{p} {r.peak[p] / GB:.2f} GB" for p in set_budgets) + ".")
+        f"{p} {_needed(r.peak, p, margin) / GB:.2f} GB" for p in set_budgets) + ".")
     return " ".join(lines)
 
 
 def auto(model: nn.Module, optimizer, example_batch, *, world: int | None = None,
          nvme_path: str | None = None, init=None, quiet: bool = False, **plan_kw):
     """Plan, apply the choice, say it: ``(model, optimizer, plan_result)``. The choice's
-    micro-batch × accumulation is the loop's to follow (``plan_result.choice``)."""
+    micro-batch × accumulation is the loop's to follow (``plan_result.choice``). A budget
+    not given is what is free now (``free_budgets``): the choice fits this machine."""
     import torch.distributed as dist
     if world is None:
         world = dist.get_world_size() if dist.is_initialized() else 1
+    on_gpu = plan_kw.setdefault("on_gpu", torch.cuda.is_available())
+    for place, free in free_budgets(on_gpu).items():
+        if plan_kw.get(f"{place}_budget") is None:
+            plan_kw[f"{place}_budget"] = free
     result = plan(model, example_batch, world=world, nvme=nvme_path is not None, **plan_kw)
     model, optimizer = result.choice.apply(model, optimizer, nvme_path, init)
     if not quiet and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"zerofn plan: {result.reason}", file=sys.stderr, flush=True)
     return model, optimizer, result
+
+
+def free_budgets(on_gpu: bool) -> dict[str, int]:
+    """What a rank may use where no budget is given: this machine's available host memory
+    shared by its ranks (torchrun's ``LOCAL_WORLD_SIZE``), and on a GPU the device's free
+    memory now."""
+    import os
+    out = {"host": mem_available() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
+    if on_gpu:
+        out["device"] = torch.cuda.mem_get_info()[0]
+    return out
 
 
 def dumps(result: PlanResult) -> str:

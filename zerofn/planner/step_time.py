@@ -6,13 +6,15 @@ reads and the probe's rates (probe.py):
   model says its context, at the rate the probe measured for a GPT's forward and backward
   in the compute dtype at the nearest width (log-interpolated between the two it ran),
   else its block matmul rate;
-- **zerofn's own work** (packing, copies, hooks, the per-unit step), per parameter per
-  stage, as the probe measured it at one rank;
-- **collectives**: each one's bytes per rank over the probed bus bandwidth, plus the
-  probed latency per call: DDP's all-reduce (2(n-1)/n of the gradients); ZeRO-1/2's
-  reduce-scatter and the step's all-gather of the updated rows ((n-1)/n each); ZeRO-3's
-  forward and backward all-gathers and the reduce-scatter ((n-1)/n each, per
-  micro-batch for the gathers); one call per unit;
+- **zerofn's own work** (packing, copies, hooks, the per-unit step, Python): per unit
+  and per parameter for each stage, as the probe measured it at one rank on two
+  calibration GPTs (many small units; few large ones);
+- **collectives**: each one's bytes per rank over its probed bandwidth, plus the probed
+  latency per call: DDP's all-reduce (2(n-1)/n of the gradients, at the all-reduce's bus
+  bandwidth); zerofn's reduce-scatter and all-gather at their own (on gloo zerofn does
+  them its own way, runtime/comm.py): ZeRO-1/2's reduce-scatter and the step's
+  all-gather of the updated rows, ZeRO-3's forward and backward all-gathers (per
+  micro-batch) and the reduce-scatter, (n-1)/n each; one call per unit;
 - **the optimizer step**: torch's AdamW on the device touches 7 fp32 words per element
   (read parameter, gradient, two moments; write parameter and moments) at the probed
   memory bandwidth; zerofn's CPU Adam at the probed rate per state dtype;
@@ -20,7 +22,8 @@ reads and the probe's rates (probe.py):
   bandwidth on a CPU); NVMe's state read and written once per step at the probed disk
   rates;
 - **shared cores**: ranks on a CPU that outnumber its cores share them (the probe records
-  the count), so their compute takes that much longer;
+  the count), so each term (compute, gloo's reductions, the step, the copies) takes that
+  much longer;
 - **overlap**, as zerofn has it: on a GPU collectives run on their own stream under
   compute (prefetch, the reduce stream) and the host step overlaps the next unit's
   copies; on a CPU with gloo, collectives and compute share the same cores, so the model
@@ -70,18 +73,28 @@ def step_seconds(c: Candidate, shape: Shape, work: Work, m: Machine,
         + (4 if c.checkpoint else 3) * work.attention_flops
     compute = flops_per_token * work.tokens / compute_rate(m, c.precision, work.width)
     if c.stage:
-        compute += m.process.get("zerofn_s_per_param", {}).get(str(c.stage), 0.0) \
-            * shape.params
-    if not on_gpu and m.cores and shape.world > m.cores:
-        compute *= shape.world / m.cores      # ranks of one machine share its cores
+        compute += own_work(m, c.stage, shape)
     comm = _comm(c, shape, m, cb)
-    step = _step(c, shape, m)
+    step = _step(c, shape, m, on_gpu)
     copies = _copies(c, shape, m, cb, on_gpu)
     if on_gpu:      # side streams: collectives under compute, copies under the host step
-        total = max(compute, comm) + max(step, copies)
-    else:
-        total = compute + comm + step + copies
-    return dict(compute=compute, comm=comm, step=step, copies=copies, total=total)
+        return dict(compute=compute, comm=comm, step=step, copies=copies,
+                    total=max(compute, comm) + max(step, copies))
+    # On a CPU every term is the cores' work (gloo reduces on them too); ranks that
+    # outnumber the cores share them, each term taking that much longer
+    share = shape.world / m.cores if m.cores and shape.world > m.cores else 1.0
+    out = dict(compute=compute * share, comm=comm * share, step=step * share,
+               copies=copies * share)
+    return dict(out, total=sum(out.values()))
+
+
+def own_work(m: Machine, stage: int, shape: Shape) -> float:
+    """zerofn's own seconds a step at ``stage``: the probe's cost per unit and per
+    parameter (an older probe's per parameter only)."""
+    own = m.process.get("zerofn_own", {}).get(str(stage))
+    if own is None:
+        return m.process.get("zerofn_s_per_param", {}).get(str(stage), 0.0) * shape.params
+    return own["per_unit"] * len(shape.unit_shards) + own["per_param"] * shape.params
 
 
 def _comm(c: Candidate, shape: Shape, m: Machine, cb: int) -> float:
@@ -93,19 +106,37 @@ def _comm(c: Candidate, shape: Shape, m: Machine, cb: int) -> float:
     units = len(shape.unit_shards)
     if c.stage == 0:
         return 2 * (n - 1) / n * full / bw + c.accum * latency
-    if c.stage in (1, 2):
-        return 2 * (n - 1) / n * full / bw + 2 * units * latency
-    gathers = 2 * c.accum       # forward and backward, each micro-batch
-    return (gathers + 1) * (n - 1) / n * full / bw + (gathers + 1) * units * latency
+    _, scatter = m.collective(n, "reduce_scatter")
+    _, gather = m.collective(n, "all_gather")
+    moved = (n - 1) / n * full
+    # the gradients' reduce-scatter; ZeRO-1/2's all-gather of the updated rows, ZeRO-3's
+    # gathers of the parameters in forward and backward, each micro-batch
+    gathers = 1 if c.stage in (1, 2) else 2 * c.accum
+    return moved / scatter + gathers * moved / gather + (1 + gathers) * units * latency
 
 
-def _step(c: Candidate, shape: Shape, m: Machine) -> float:
+def _step(c: Candidate, shape: Shape, m: Machine, on_gpu: bool) -> float:
     elements = shape.params if c.stage == 0 else shape.local
     if c.offload is None:
         return 7 * 4 * elements / m.memory_bw
     host = elements * c.ratio
-    rate = m.cpu_adam.get(c.state_dtype, m.cpu_adam["fp32"])
-    return host / rate + 7 * 4 * elements * (1 - c.ratio) / m.memory_bw
+    return host / host_adam_rate(m, c.state_dtype, shape.world, on_gpu) + \
+        7 * 4 * elements * (1 - c.ratio) / m.memory_bw
+
+
+def host_adam_rate(m: Machine, state_dtype: str, world: int, on_gpu: bool) -> float:
+    """Parameters per second zerofn's CPU Adam steps for one rank. On a CPU device each
+    rank has one thread (the probe's rates are per thread, as the CPU grid runs). A GPU's
+    rank has its machine's cores shared by the machine's ranks (``zerofn train`` gives each
+    ``cores // ranks``): the one-thread rate times those threads, at most the rate the
+    probe measured with every core."""
+    one = m.cpu_adam.get(state_dtype, m.cpu_adam["fp32"])
+    if not on_gpu or not m.cores:
+        return one
+    ranks = max(1, min(world, m.extra.get("gpus", world)))
+    threads = max(1, m.cores // ranks)
+    every = m.cpu_adam_all.get(state_dtype, m.cpu_adam_all.get("fp32", float("inf")))
+    return min(one * threads, every)
 
 
 def _copies(c: Candidate, shape: Shape, m: Machine, cb: int, on_gpu: bool) -> float:

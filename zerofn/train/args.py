@@ -70,7 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "--device-budget (bytes) and --host-budget, printed with its "
                            "reason (docs/plan.md)")
     zero.add_argument("--host-budget", type=float, metavar="BYTES",
-                      help="--plan auto: host memory per rank, in bytes")
+                      help="--plan auto: host memory per rank, in bytes (default the "
+                           "host's available memory shared by this machine's ranks)")
     zero.add_argument("--probe", help="--plan auto: a `zerofn probe` JSON to plan with "
                                       "(default this machine's, probed once and cached)")
     zero.add_argument("--overlap-step", action="store_true",

@@ -1,7 +1,8 @@
 """``zerofn train --plan auto``: the job's stage, offload, stored dtypes, activation
 checkpointing and micro-batch × accumulation from the plan's choice (zerofn.planner),
-within ``--device-budget`` and ``--host-budget``. Rank 0 plans (its machine's probe) and
-every rank takes its choice, so ranks of machines with different probes cannot differ."""
+within ``--device-budget`` and ``--host-budget`` (where not given, what is free at
+start). Rank 0 plans (its machine's probe) and every rank takes its choice, so ranks of
+machines with different probes cannot differ."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 from zerofn.nanogpt import GPT
 from zerofn.planner.probe import Machine, load_or_probe
-from zerofn.planner.search import NoPlanFits, candidates, plan
+from zerofn.planner.search import NoPlanFits, candidates, free_budgets, plan
 
 CHOSEN = ("stage", "offload", "offload_params", "offload_ratio", "state_dtype",
           "master_dtype", "grad_accum", "activation_checkpointing")
@@ -63,10 +64,13 @@ def _plan(job, args, device, world):
     # zerofn train runs stages 1-3 (no DDP) and NVMe only where a path is given
     pool = [c for c in candidates(per_rank, job.precision, job.nvme_path is not None)
             if c.stage]
+    free = free_budgets(on_gpu)     # where a budget is not given: what is free now
+    saves = "async" if args.save_dir else None     # (the loop saves in the background)
+    budget = _device_budget(job.device_budget, on_gpu)
     return plan(model, (x, x), world=world, batch=per_rank, precision=job.precision,
-                device_budget=_device_budget(job.device_budget, on_gpu),
-                host_budget=args.host_budget, machine=_machine(args.probe), on_gpu=on_gpu,
-                only=pool)
+                device_budget=free.get("device") if budget is None else budget,
+                host_budget=free["host"] if args.host_budget is None else args.host_budget,
+                machine=_machine(args.probe), on_gpu=on_gpu, only=pool, saves=saves)
 
 
 def _device_budget(budget, on_gpu: bool):
