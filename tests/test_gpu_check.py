@@ -236,7 +236,7 @@ def test_pending_stands_for_the_parts_not_passed_yet_in_order():
             "race": {"status": "failed"}, "deepspeed": {"status": "skipped"}}
     assert results.expand_pending(["build", "pending"], done) == \
         ["build", "parity", "job", "largest", "largest_int8", "split", "split_7b", "profile",
-         "race", "compile", "nvme", "deepspeed", "split_ds"]
+         "race", "compile", "nvme", "deepspeed", "split_ds", "plan"]
     passed = {n: {"status": "ok"} for n in catalog.PART_NAMES}
     assert results.expand_pending(["pending", "race"], passed) == ["race"]
     assert parse_args(["--parts", "build,pending"]).parts == ["build", "pending"]
@@ -466,3 +466,16 @@ def test_deepspeed_sweeps_its_ratio_and_its_best_meets_zerofn(launches, monkeypa
                                   "auto": dict(status="ok", tokens_per_s=9000.0)}}}
     text = "\n".join(report.goals({"split": split, "split_ds": result}))
     assert "at its best ratio, 1.31B | ≥ 1.3× | 1.50× | meets |" in text
+
+
+def test_the_plan_part_reads_the_records_and_predicts_the_runs_they_were():
+    """The plan part's inputs on a CPU: the committed records' zerofn rows (GiB and ms as
+    the tables print them) and a prediction of the candidate a record ran."""
+    from gpu_check import planning
+    with open(ROOT / "docs" / "gpu_results.json") as f:
+        recorded = json.load(f)["parts"]
+    got = planning.measured(recorded["largest"], catalog.LARGE_CPU)
+    assert got == pytest.approx(dict(gpu=43.51 * 2**30, host=106.63 * 2**30, step=14.5329))
+    assert planning.measured(recorded["largest"], "1x1") is None
+    pred = planning.predict(str(ROOT / "docs" / "plan_probe.json"), "256x2", 2, True)
+    assert pred["gpu"] > 0 and pred["host"] > 0 and pred["step"] > 0

@@ -40,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--offloads", default="none,cpu,nvme")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--steps", type=int, default=4, help="timed steps (after 2 untimed)")
+    p.add_argument("--save", action="store_true",
+                   help="also save a checkpoint after the timed steps (stages 1-3) and "
+                        "measure the save's own peak against the plan's save phase")
     p.add_argument("--out", help="JSON lines of every measurement, appended as they come")
     p.add_argument("--from", dest="source",
                    help="predict again for the measurements in this JSON lines file "
@@ -76,19 +79,29 @@ def model_of(shape: str, device=None):
 
 def predict(shape: str, world: int, stage: int, off: str, batch: int,
             probe: str | None = None) -> dict:
+    """The plan's peak host bytes and step seconds for one configuration, and its save
+    phase's host bytes under a synchronous save."""
     import torch
     from zerofn.planner import plan
-    from zerofn.planner.probe import Machine, load_or_probe
-    if probe:
-        with open(probe) as f:
-            machine = Machine.from_json(json.load(f))
-    else:
-        machine = load_or_probe()
+    machine = machine_of(probe)
     model = model_of(shape, "meta")
     x = torch.zeros(batch, SHAPES[shape]["context"], dtype=torch.long)
     c = candidate(stage, off, batch)
-    r = plan(model, (x, x), world=world, only=[c], on_gpu=False, machine=machine).rows[0]
-    return dict(peak=r.peak["host"], step_s=r.seconds["total"])
+    r = plan(model, (x, x), world=world, only=[c], on_gpu=False, machine=machine,
+             saves=None).rows[0]
+    saving = plan(model, (x, x), world=world, only=[c], on_gpu=False, machine=machine,
+                  saves="sync").rows[0]
+    return dict(peak=r.peak["host"], step_s=r.seconds["total"],
+                save_peak=saving.phases["save"]["host"])
+
+
+def machine_of(probe: str | None):
+    """The probe's ``Machine``: from ``probe``'s JSON, else this machine's (cached)."""
+    from zerofn.planner.probe import Machine, load_or_probe
+    if not probe:
+        return load_or_probe()
+    with open(probe) as f:
+        return Machine.from_json(json.load(f))
 
 
 # -- worker: one configuration, under torchrun -------------------------------------------
@@ -102,7 +115,7 @@ def worker(spec: str) -> None:
 
     import torch
     import torch.distributed as dist
-    shape, world, stage, off, batch, steps = json.loads(spec)
+    shape, world, stage, off, batch, steps, save = json.loads(spec)   # save: a shared dir
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -124,24 +137,34 @@ def worker(spec: str) -> None:
             if i >= 2:
                 times.append(time.perf_counter() - t)
         mine = dict(peak=_kb("VmHWM") * 1024, times=times)
+        if save and stage:    # the save's own peak: the high-water mark reset to now
+            import zerofn as zf
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            zf.save_checkpoint(save, model, opt, step=1)
+            mine["save_peak"] = _kb("VmHWM") * 1024
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         if rank == 0:
             step = statistics.median(max(r["times"][i] for r in everyone)
                                      for i in range(steps))
-            print("RESULT " + json.dumps(dict(peak=max(r["peak"] for r in everyone),
-                                              step_s=step)), flush=True)
+            got = dict(peak=max(r["peak"] for r in everyone), step_s=step)
+            if save and stage:
+                got["save_peak"] = max(r["save_peak"] for r in everyone)
+            print("RESULT " + json.dumps(got), flush=True)
         del model, opt
         gc.collect()
     dist.destroy_process_group()
 
 
 def measure(shape, world, stage, off, args) -> dict:
-    spec = json.dumps([shape, world, stage, off, args.batch, args.steps])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(world), __file__, "--worker", spec]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
+    with tempfile.TemporaryDirectory() as shared:     # the ranks' one checkpoint root
+        spec = json.dumps([shape, world, stage, off, args.batch, args.steps,
+                           args.save and os.path.join(shared, "checkpoints")])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(world), __file__, "--worker", spec]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if done.returncode or line is None:
         raise RuntimeError(f"{shape} w{world} s{stage} {off} failed:\n{done.stderr[-3000:]}")
@@ -187,6 +210,21 @@ def summary(rows: list[dict]) -> str:
             f"correlation {spearman([r['pred_step_s'] for r in rows], [r['step_s'] for r in rows]):.2f}.")
 
 
+def save_table(rows: list[dict]) -> str:
+    """The save's own peak (a synchronous ``save_checkpoint`` after the timed steps)
+    against the plan's save phase."""
+    out = ["| shape | world | stage | offload | save peak measured MB | predicted MB | error |",
+           "|---|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['shape']} | {r['world']} | {r['stage']} | {r['offload']} | "
+                   f"{r['save_peak'] / 1e6:,.0f} | {r['pred_save_peak'] / 1e6:,.0f} | "
+                   f"{100 * r['save_err']:+.1f} % |")
+    errors = sorted(abs(r["save_err"]) for r in rows)
+    return "\n".join(out) + (f"\n\n{len(rows)} saves: |error| median "
+                             f"{100 * statistics.median(errors):.1f} %, worst "
+                             f"{100 * errors[-1]:.1f} %.")
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     def ranks(xs):
         order = sorted(range(len(xs)), key=xs.__getitem__)
@@ -201,30 +239,48 @@ def spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
-def choices(rows: list[dict]) -> str:
-    """The plan's choice against measurement, per shape and world: with the host budget
-    set between the measured peaks (their median, so some configurations do not fit), the
-    candidate the plan picks among that group's (by predicted peak and time), whether it
-    truly fits, and its measured step time over the fastest that truly fits."""
-    out = ["| shape | world | host budget MB | plan's choice | fits (measured) | "
+def choices(rows: list[dict], args) -> str:
+    """``zf.plan``'s choice (what ``zf.auto`` applies) against measurement, per shape and
+    world, under two host budgets: *roomy*, a tenth above the largest measured peak
+    without offload (every candidate fits: the choice should be the fastest), and *tight*,
+    the measured peaks' median (about half do not fit). Is the choice one that truly
+    fits, and how does its measured step compare with the fastest that truly fits?"""
+    out = ["| shape | world | budget | host budget MB | plan's choice | fits (measured) | "
            "its step s | fastest that fits | its step s | ratio |",
-           "|---|---:|---:|---|---|---:|---|---:|---:|"]
-    groups = sorted({(r["shape"], r["world"]) for r in rows})
-    for shape, world in groups:
+           "|---|---:|---|---:|---|---|---:|---|---:|---:|"]
+    name = "{stage}/{offload}".format
+    for shape, world in sorted({(r["shape"], r["world"]) for r in rows}):
         group = [r for r in rows if (r["shape"], r["world"]) == (shape, world)]
-        budget = statistics.median(r["peak"] for r in group)
-        planned = [r for r in group if r["pred_peak"] <= budget]
-        fits = [r for r in group if r["peak"] <= budget]
-        if not planned or not fits:
-            continue
-        pick = min(planned, key=lambda r: r["pred_step_s"])
-        best = min(fits, key=lambda r: r["step_s"])
-        name = "{stage}/{offload}".format
-        out.append(f"| {shape} | {world} | {budget / 1e6:,.0f} | {name(**pick)} | "
-                   f"{'yes' if pick['peak'] <= budget else 'NO'} | {pick['step_s']:.3f} | "
-                   f"{name(**best)} | {best['step_s']:.3f} | "
-                   f"{pick['step_s'] / best['step_s']:.2f} |")
+        budgets = {"roomy": 1.1 * max(r["peak"] for r in group if r["offload"] == "none"),
+                   "tight": statistics.median(r["peak"] for r in group)}
+        for label, budget in budgets.items():
+            best = min((r for r in group if r["peak"] <= budget), key=lambda r: r["step_s"])
+            pick = choose(shape, world, group, budget, args)
+            head = f"| {shape} | {world} | {label} | {budget / 1e6:,.0f} | "
+            if pick is None:
+                out.append(head + f"refused | — | — | {name(**best)} | {best['step_s']:.3f} "
+                                  f"| — |")
+                continue
+            out.append(head + f"{name(**pick)} | {'yes' if pick['peak'] <= budget else 'NO'} | "
+                       f"{pick['step_s']:.3f} | {name(**best)} | {best['step_s']:.3f} | "
+                       f"{pick['step_s'] / best['step_s']:.2f} |")
     return "\n".join(out)
+
+
+def choose(shape: str, world: int, group: list[dict], budget: float, args) -> dict | None:
+    """The group's row ``zf.plan`` chooses within ``budget`` (its margin included), or None
+    where it refuses."""
+    import torch
+    from zerofn.planner import NoPlanFits, plan
+    x = torch.zeros(args.batch, SHAPES[shape]["context"], dtype=torch.long)
+    by = {candidate(r["stage"], r["offload"], args.batch): r for r in group}
+    try:
+        result = plan(model_of(shape, "meta"), (x, x), world=world, only=list(by),
+                      on_gpu=False, machine=machine_of(args.probe), host_budget=budget,
+                      saves=None)
+    except NoPlanFits:
+        return None
+    return by[result.choice]
 
 
 def main(argv=None) -> int:
@@ -239,13 +295,19 @@ def main(argv=None) -> int:
                    pred_peak=pred["peak"], pred_step_s=pred["step_s"],
                    mem_err=pred["peak"] / got["peak"] - 1,
                    time_err=pred["step_s"] / got["step_s"] - 1)
+        if "save_peak" in got:
+            row.update(pred_save_peak=pred["save_peak"],
+                       save_err=pred["save_peak"] / got["save_peak"] - 1)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     print(table(rows))
     print()
     print(summary(rows))
     print()
-    print(choices(rows))
+    print(choices(rows, args))
+    if any("save_peak" in r for r in rows):
+        print()
+        print(save_table([r for r in rows if "save_peak" in r]))
     return 0
 
 

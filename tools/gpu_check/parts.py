@@ -10,7 +10,7 @@ import shutil
 import sys
 import time
 
-from . import benchmarks, parity, profiling
+from . import benchmarks, parity, planning, profiling
 from .catalog import LIMIT
 from .commands import pytest, run, tail
 from .paths import TRACE_DIR
@@ -102,4 +102,5 @@ PART_RUNNERS = {"build": part_build, "tests": part_tests, "parity": parity.part_
                 "compare": benchmarks.part_compare, "profile": profiling.part_profile,
                 "race": part_race, "compile": part_compile, "nvme": benchmarks.part_nvme,
                 "deepspeed": benchmarks.part_deepspeed, "split": benchmarks.part_split,
-                "split_7b": benchmarks.part_split_7b, "split_ds": benchmarks.part_split_ds}
+                "split_7b": benchmarks.part_split_7b, "split_ds": benchmarks.part_split_ds,
+                "plan": planning.part_plan}
