@@ -125,6 +125,12 @@ def test_plan_fits_its_budget_or_names_the_smallest_that_would():
     assert len(bare.fitting()) >= len(within.fitting())
 
 
+def test_a_save_the_plan_does_not_know_is_refused():
+    with pytest.raises(ValueError, match="saves='weekly': one of"):
+        plan(_meta_gpt(), (torch.zeros(2, CFG.context, dtype=torch.long),) * 2, world=1,
+             machine=MACHINE, on_gpu=False, saves="weekly")
+
+
 def test_a_gpu_plan_keeps_device_and_host_apart():
     model = _meta_gpt()
     x = torch.zeros(2, CFG.context, dtype=torch.long)

@@ -184,8 +184,8 @@ def state_dict_bytes(c: Candidate, shape: Shape) -> dict[str, int]:
     """Bytes of the rank's state dicts (``get_state_dict``): the model's, its rows of every
     parameter by name as fp32 masters (tied parameters under each name); the optimizer's,
     two fp32 moments a row and a step counter per tensor."""
-    named = shape.named_local if c.stage else \
-        shape.named_local * shape.world    # (stage 0: whole, as rows at world 1)
+    # stage 0 holds whole parameters: rank 0's rows times the ranks, padding included
+    named = shape.named_local * (1 if c.stage else shape.world)
     rows = shape.params if c.stage == 0 else shape.local
     return {"model": FP32 * named, "optim": 2 * FP32 * rows + FP32 * shape.tensors}
 

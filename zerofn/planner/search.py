@@ -131,6 +131,9 @@ def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = Non
     Raises:
         NoPlanFits: no candidate fits; names the smallest budgets that would.
     """
+    if saves not in memory.SAVES:
+        raise ValueError(f"saves={saves!r}: one of {memory.SAVES} (how the run saves "
+                         f"checkpoints: save_checkpoint, async_save=True, or not at all).")
     inputs = example_batch if isinstance(example_batch, tuple) else (example_batch,)
     rows_in = inputs[0].shape[0]
     batch = batch or rows_in

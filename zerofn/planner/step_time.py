@@ -73,7 +73,7 @@ def step_seconds(c: Candidate, shape: Shape, work: Work, m: Machine,
         + (4 if c.checkpoint else 3) * work.attention_flops
     compute = flops_per_token * work.tokens / compute_rate(m, c.precision, work.width)
     if c.stage:
-        compute += own_work(m, c.stage, shape)
+        compute += zerofn_work(m, c.stage, shape)
     comm = _comm(c, shape, m, cb)
     step = _step(c, shape, m, on_gpu)
     copies = _copies(c, shape, m, cb, on_gpu)
@@ -88,7 +88,7 @@ def step_seconds(c: Candidate, shape: Shape, work: Work, m: Machine,
     return dict(out, total=sum(out.values()))
 
 
-def own_work(m: Machine, stage: int, shape: Shape) -> float:
+def zerofn_work(m: Machine, stage: int, shape: Shape) -> float:
     """zerofn's own seconds a step at ``stage``: the probe's cost per unit and per
     parameter (an older probe's per parameter only)."""
     own = m.process.get("zerofn_own", {}).get(str(stage))
