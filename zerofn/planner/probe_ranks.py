@@ -122,10 +122,10 @@ RATE_SHAPES = {"cpu": ((256, 1024), 2, 64), "cuda": ((1024, 4096), 4, 1024)}
 
 
 def step_rates(small, device: torch.device = torch.device("cpu")) -> dict:
-    """Training rates the step-time model reads, in this (one-rank) process:
-    ``compute``: FLOP/s of a GPT's forward and backward (6 per parameter per token) per
-    dtype and width (a wider matmul runs faster); ``zerofn_own``: each stage's own work
-    (``own_work``)."""
+    """``compute``: FLOP/s of a GPT's forward and backward (6 per parameter per token) per
+    dtype and width (a wider matmul runs faster), in this (one-rank) process: the
+    calibration GPT ``small`` and wider ones (RATE_SHAPES). zerofn's own work per step is
+    ``own_work``'s, in a process of its own."""
     from zerofn.nanogpt import GPT, GPTConfig
     widths, rows, context = RATE_SHAPES[device.type]
     compute = {}
