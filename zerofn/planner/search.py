@@ -276,8 +276,9 @@ def auto(model: nn.Module, optimizer, example_batch, *, world: int | None = None
     import torch.distributed as dist
     if world is None:
         world = dist.get_world_size() if dist.is_initialized() else 1
-    on_gpu = plan_kw.setdefault("on_gpu", torch.cuda.is_available())
-    for place, free in free_budgets(on_gpu).items():
+    if plan_kw.get("on_gpu") is None:
+        plan_kw["on_gpu"] = torch.cuda.is_available()
+    for place, free in free_budgets(plan_kw["on_gpu"]).items():
         if plan_kw.get(f"{place}_budget") is None:
             plan_kw[f"{place}_budget"] = free
     result = plan(model, example_batch, world=world, nvme=nvme_path is not None, **plan_kw)
