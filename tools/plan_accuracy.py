@@ -83,16 +83,16 @@ def predict(shape: str, world: int, stage: int, off: str, batch: int,
     phase's host bytes under a synchronous save."""
     import torch
     from zerofn.planner import plan
+    from zerofn.planner.memory import PHASES, largest
     machine = machine_of(probe)
     model = model_of(shape, "meta")
     x = torch.zeros(batch, SHAPES[shape]["context"], dtype=torch.long)
     c = candidate(stage, off, batch)
     r = plan(model, (x, x), world=world, only=[c], on_gpu=False, machine=machine,
-             saves=None).rows[0]
-    saving = plan(model, (x, x), world=world, only=[c], on_gpu=False, machine=machine,
-                  saves="sync").rows[0]
-    return dict(peak=r.peak["host"], step_s=r.seconds["total"],
-                save_peak=saving.phases["save"]["host"])
+             saves="sync").rows[0]
+    training = largest(r.phases, [ph for ph in PHASES if ph != "save"])   # (no save in it)
+    return dict(peak=training["host"], step_s=r.seconds["total"],
+                save_peak=r.phases["save"]["host"])
 
 
 def machine_of(probe: str | None):
@@ -105,16 +105,13 @@ def machine_of(probe: str | None):
 
 
 # -- worker: one configuration, under torchrun -------------------------------------------
-def _kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def worker(spec: str) -> None:
     import gc
 
     import torch
     import torch.distributed as dist
+
+    from zerofn.runtime.memory import proc_bytes
     shape, world, stage, off, batch, steps, save = json.loads(spec)   # save: a shared dir
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -136,13 +133,13 @@ def worker(spec: str) -> None:
             opt.zero_grad()
             if i >= 2:
                 times.append(time.perf_counter() - t)
-        mine = dict(peak=_kb("VmHWM") * 1024, times=times)
+        mine = dict(peak=proc_bytes("VmHWM"), times=times)
         if save and stage:    # the save's own peak: the high-water mark reset to now
             import zerofn as zf
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
             zf.save_checkpoint(save, model, opt, step=1)
-            mine["save_peak"] = _kb("VmHWM") * 1024
+            mine["save_peak"] = proc_bytes("VmHWM")
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         if rank == 0:

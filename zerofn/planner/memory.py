@@ -50,21 +50,32 @@ class Shape:
     """What the memory model reads of a model laid out over ``world`` ranks (rank 0).
 
     Attributes:
-        params: unique parameter elements; tensors: unique parameter tensors.
+        tensor_numels: each unique parameter tensor's elements.
         local: rank 0's rows of every parameter (elements).
         shard: the units' padded flat shards together (elements).
         unit_shards: each unit's padded shard (elements), in unit order.
+        named_local: rank 0's rows summed over the state dict's names (a tied parameter
+            under each of its names).
     """
 
     world: int
-    params: int
-    tensors: int
+    tensor_numels: tuple[int, ...]
     local: int
     shard: int
     unit_shards: tuple[int, ...]
-    largest_tensor: int = 0
-    tensor_numels: tuple[int, ...] = ()
-    named_local: int = 0      # rank 0's rows summed over the state dict's names (tied: each)
+    named_local: int = 0
+
+    @property
+    def params(self) -> int:
+        return sum(self.tensor_numels)
+
+    @property
+    def tensors(self) -> int:
+        return len(self.tensor_numels)
+
+    @property
+    def largest_tensor(self) -> int:
+        return max(self.tensor_numels, default=0)
 
     def mapped(self, itemsize: int, threshold: int = THRESHOLD) -> int:
         """Bytes of the whole gradients that are blocks of ``threshold`` bytes or more:
@@ -83,12 +94,10 @@ def shape_of(model: nn.Module, world: int) -> Shape:
     units = build_units(model, None, world, 0)
     slots = [s for u in units for s in u.slots]
     rows = {id(s.param): s.local_numel for s in slots}
-    return Shape(world=world, params=sum(s.numel for s in slots), tensors=len(slots),
+    return Shape(world=world, tensor_numels=tuple(s.numel for s in slots),
                  local=sum(s.local_numel for s in slots),
                  shard=sum(u.shard_numel for u in units),
                  unit_shards=tuple(u.shard_numel for u in units if u.slots),
-                 largest_tensor=max((s.numel for s in slots), default=0),
-                 tensor_numels=tuple(s.numel for s in slots),
                  named_local=sum(rows.get(id(p), 0) for _, p in
                                  model.named_parameters(remove_duplicate=False)))
 
@@ -284,8 +293,12 @@ def peaks(c: Candidate, shape: Shape, acts: Activations, process: Process = Proc
 def peak(c: Candidate, shape: Shape, acts: Activations, process: Process = Process(),
          device_is_host: bool = True, saves: str | None = None) -> dict[str, int]:
     """The largest of each place over the phases."""
-    by_phase = peaks(c, shape, acts, process, device_is_host, saves)
-    return {place: max(by_phase[ph][place] for ph in PHASES) for place in PLACES}
+    return largest(peaks(c, shape, acts, process, device_is_host, saves))
+
+
+def largest(by_phase: dict[str, dict[str, int]], phases=PHASES) -> dict[str, int]:
+    """Each place's largest bytes over ``phases`` of ``peaks``' answer."""
+    return {place: max(by_phase[ph][place] for ph in phases) for place in PLACES}
 
 
 def _zeros() -> dict[str, int]:

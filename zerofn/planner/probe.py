@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from zerofn.runtime.memory import proc_bytes
+
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "zerofn")
 BLOCK_WIDTH = 1024
 
@@ -239,20 +241,12 @@ def process_memory(repeats: int = 3) -> dict[str, float]:
 
 
 def free_bytes(nvme_path: str | None) -> dict[str, int]:
-    out = {"host": mem_available()}
+    out = {"host": proc_bytes("MemAvailable", "/proc/meminfo")}
     if torch.cuda.is_available():
         out["device"] = torch.cuda.mem_get_info()[0]
     import shutil
     out["disk"] = shutil.disk_usage(nvme_path or tempfile.gettempdir()).free
     return out
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _device_name(cuda: bool) -> str:

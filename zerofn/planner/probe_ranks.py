@@ -13,6 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from zerofn.runtime.memory import proc_bytes
+
 
 def collectives(options: dict) -> dict:
     """All-reduce latency (4 KiB) and bus bandwidth (16 MiB; a ring moves 2(n-1)/n of the
@@ -77,7 +79,7 @@ def process(options: dict) -> dict:
     model, opt = train(tiny, 2)
     del model, opt
     gc.collect()
-    base = _kb("VmRSS") * 1024
+    base = proc_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     if device.type == "cuda":
@@ -86,7 +88,7 @@ def process(options: dict) -> dict:
         before = torch.cuda.memory_allocated(device)
     cfg = GPTConfig(vocab=4096, width=256, heads=4, ffn=1024, layers=4, context=64)
     model, opt = train(cfg, 3)
-    rise = _kb("VmHWM") * 1024 - base if device.type == "cpu" else \
+    rise = proc_bytes("VmHWM") - base if device.type == "cpu" else \
         torch.cuda.max_memory_allocated(device) - before
     with torch.device("meta"):
         meta = GPT(cfg)
@@ -212,11 +214,6 @@ def _best(fn, repeats: int = 4, device: torch.device = torch.device("cpu")) -> f
         return time.perf_counter() - t
     timed()
     return min(timed() for _ in range(repeats))
-
-
-def _kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def main(argv) -> None:

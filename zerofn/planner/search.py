@@ -15,7 +15,9 @@ from torch import nn
 from . import activations as acts_mod
 from . import memory, step_time
 from .candidates import DTYPES, Candidate
-from .probe import Machine, mem_available, load_or_probe
+from zerofn.runtime.memory import proc_bytes
+
+from .probe import Machine, load_or_probe
 
 GB = 1e9
 # Predicted peaks must fit their budgets with this share to spare: the memory model's
@@ -153,7 +155,7 @@ def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = Non
     for c in pool:
         phases = memory.peaks(c, shape, profile.at(c), process, device_is_host=not on_gpu,
                               saves=saves)
-        peak = {p: max(by[p] for by in phases.values()) for p in memory.PLACES}
+        peak = memory.largest(phases)
         if not on_gpu:
             peak["device"] = peak["host"]    # the device is this memory
         over = {p: int(need - b) for p, b in budgets.items()
@@ -293,7 +295,8 @@ def free_budgets(on_gpu: bool) -> dict[str, int]:
     shared by its ranks (torchrun's ``LOCAL_WORLD_SIZE``), and on a GPU the device's free
     memory now."""
     import os
-    out = {"host": mem_available() // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
+    out = {"host": proc_bytes("MemAvailable", "/proc/meminfo")
+           // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))}
     if on_gpu:
         out["device"] = torch.cuda.mem_get_info()[0]
     return out

@@ -1,6 +1,6 @@
 """Model-state bytes a runtime holds, by role and place, measured from the tensors that
 exist (unique storages), not computed from a formula: a fair check of the formulas in
-docs/design.md."""
+docs/design.md. And the process's own figures as the kernel keeps them (``proc_bytes``)."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -80,3 +80,15 @@ def model_state_bytes(ctx, optimizer, homes, shards, reducer) -> dict[str, dict[
         for role, n in roles.items():
             out[where][role] += n
     return dict(out)
+
+
+def proc_bytes(field: str, path: str = "/proc/self/status") -> int:
+    """A kernel figure kept in kB, in bytes: ``VmHWM`` (this process's peak resident
+    memory), ``VmRSS``, or with ``path="/proc/meminfo"`` ``MemAvailable``; 0 where the
+    kernel keeps none (not Linux)."""
+    try:
+        with open(path) as f:
+            return next((int(line.split()[1]) * 1024 for line in f
+                         if line.startswith(field + ":")), 0)
+    except OSError:
+        return 0

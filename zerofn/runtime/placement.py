@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .memory import proc_bytes
 from .offload import in_parameter_order
 
 DEFAULT_SHARE = 0.9     # of the device memory free at set-up, where no budget is given
@@ -65,7 +66,7 @@ class AutoPlacement:
             return torch.cuda.max_memory_allocated(device)
         # the host is the device: the process's peak, less what the homes hold there
         held = sum(a.buffer.nbytes for a in self.homes.arenas() if hasattr(a, "buffer"))
-        return _peak_resident_bytes() - held
+        return proc_bytes("VmHWM") - held
 
     @staticmethod
     def _cost(unit) -> int:
@@ -77,11 +78,3 @@ class AutoPlacement:
         t = torch.tensor([count], device=self.ctx.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctx.groups.everyone)
         return int(t.item())
-
-
-def _peak_resident_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
