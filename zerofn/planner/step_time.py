@@ -31,6 +31,7 @@ reads and the probe's rates (probe.py):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .candidates import DTYPES, Candidate
@@ -51,7 +52,6 @@ def compute_rate(m: Machine, precision: str, width: int | None) -> float:
     """FLOP/s of forward and backward at ``width``: the probe's GPT rates, interpolated in
     log width between the two it ran (the nearer outside them); its matmul rate where it
     has none or the width is unknown."""
-    import math
     rates = m.process.get("compute", {}).get(precision)
     if not rates or not width:
         return m.matmul.get(precision, m.matmul["fp32"])
