@@ -2,6 +2,7 @@
 no optimizer state (and, with params=True, no parameter shards)."""
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -173,6 +174,29 @@ def test_swap_files_of_a_killed_run_do_not_break_the_next(tmp_path):
     stale.write_bytes(b"left by a killed run")
     errs = run_ranks(1, offload_vs_pytorch_nvme, str(tmp_path))
     assert errs[0][0] < 1e-5 and not stale.exists()
+
+
+def two_nvme_models_in_one_process(rank, world, path):
+    first, first_opt = build_offloaded(2, "adamw", {"nvme": True, "path": path})
+    second, second_opt = build_offloaded(2, "adamw", {"nvme": True, "path": path})
+    names = sorted(os.listdir(path))
+    del first, first_opt
+    gc.collect()
+    ref, _ = make_models()
+    ref_opt = make_optimizer("adamw", ref.parameters())
+    data = batches(3, 1, world)
+    train_reference(ref, ref_opt, data)
+    train_sharded(second, second_opt, data, rank, world)
+    return names, sorted(os.listdir(path)), max_errors(ref, ref_opt, second, second_opt)
+
+
+@pytest.mark.multirank
+def test_two_models_offloaded_to_one_drive_in_one_process_keep_their_own_swap_files(tmp_path):
+    """Each swap file has its own name: the second model's file was the first's (one per
+    rank and process), opened with truncation, and removed when the first was freed."""
+    names, left, errs = run_ranks(1, two_nvme_models_in_one_process, str(tmp_path))[0]
+    assert len(names) == 2 and len(left) == 1 and left[0] in names
+    assert errs[0] < 1e-5
 
 
 def offload_vs_pytorch_nvme(rank, world, path):

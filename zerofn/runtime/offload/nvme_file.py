@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import errno
 import glob
+import itertools
 import os
 import shutil
 import weakref
@@ -30,8 +31,13 @@ def _round(n: int, to: int = BLOCK) -> int:
     return -(-n // to) * to
 
 
+_SWAPS = itertools.count()     # swap files this process made: each its own name
+
+
 def swap_name(path: str, rank: int) -> str:
-    return os.path.join(path, f"zerofn-rank{rank}-{os.getpid()}.swap")
+    """A new swap file's path: two models offloaded to one drive in one process (a notebook,
+    a reference model) must not open, truncate or remove each other's file."""
+    return os.path.join(path, f"zerofn-rank{rank}-{os.getpid()}-{next(_SWAPS)}.swap")
 
 
 FP32 = StoredForm()
@@ -86,7 +92,7 @@ def _size(n: int) -> str:
 def remove_stale(path: str, rank: int) -> None:
     """Swap files of this rank left by processes that no longer run (killed runs)."""
     for name in glob.glob(os.path.join(path, f"zerofn-rank{rank}-*.swap")):
-        pid = int(name.rsplit("-", 1)[1].split(".")[0])
+        pid = int(os.path.basename(name).split("-")[2].split(".")[0])   # (-N.swap or .swap)
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
