@@ -14,7 +14,6 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.utils.data import TensorDataset
 
 try:    # a resumable data loader; GPU machines may not have torchdata
@@ -30,6 +29,7 @@ from support.models import CONFIG, ParityGPT, batches, make_optimizer
 from support.ranks import run_ranks
 from zerofn.checkpoint import RNGState, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from zerofn.consolidate import main
+from zerofn.io.checkpoint.checksums import ChecksumWriter
 from zerofn.nanogpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.multirank
@@ -120,8 +120,8 @@ GATE = threading.Event()
 
 def gated_writes():
     """Hold every checkpoint write until GATE opens: training must go on meanwhile."""
-    write = FileSystemWriter.write_data
-    FileSystemWriter.write_data = lambda self, plan, planner: (GATE.wait(), write(self, plan, planner))[1]
+    write = ChecksumWriter.write_data
+    ChecksumWriter.write_data = lambda self, plan, planner: (GATE.wait(), write(self, plan, planner))[1]
 
 
 def resume_parts(seed: int):
@@ -208,17 +208,17 @@ def child(root: str, stage: str) -> None:
     train_sharded(model, opt, batches(2, 1, 1, per_rank=ROWS), 0, 1)
     if stage == "exit":
         torch.save(zf.get_state_dict(model, opt, full=True), f"{root}.expected")
-        write = FileSystemWriter.write_data
-        FileSystemWriter.write_data = lambda *a: (threading.Event().wait(2), write(*a))[1]
+        write = ChecksumWriter.write_data
+        ChecksumWriter.write_data = lambda *a: (threading.Event().wait(2), write(*a))[1]
         save_checkpoint(root, model, opt, step=2, async_save=True)
         return   # no wait: the exit path must finish and publish the save
-    write = FileSystemWriter.write_data
+    write = ChecksumWriter.write_data
 
     def write_then_die(self, plan, planner):
         write(self, plan, planner).wait()           # data files on disk, no metadata yet
         os.kill(os.getpid(), signal.SIGKILL)
 
-    FileSystemWriter.write_data = write_then_die
+    ChecksumWriter.write_data = write_then_die
     save_checkpoint(root, model, opt, step=3)
 
 

@@ -1,18 +1,25 @@
 """Checksums: every file a save writes (async too) is summed as written; a flipped bit or a
 truncated file anywhere in a checkpoint fails the load on every rank, naming the file,
-before any value reaches the model, and ``zerofn verify`` finds it offline."""
+before any value reaches the model, and ``zerofn verify`` finds it offline. The writer
+puts a rank's data in files of bounded size, so a save holds one file's copies at a time."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import random
 import shutil
+import subprocess
+import sys
+import textwrap
 import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 import zerofn as zf
 from support.errors import error_of
@@ -39,6 +46,7 @@ def build(seed: int):
 
 
 def save(rank, world, root):
+    checksums.FILE_BYTES = 200        # several data files a rank: every reader meets them
     model, opt = build(0)
     model(torch.randn(4, 5)).sum().backward()
     opt.step()
@@ -74,6 +82,35 @@ def test_every_file_a_save_writes_is_summed_as_written(saved, tmp_path):
             with open(os.path.join(ckpt, name), "rb") as f:
                 data = f.read()
             assert sums == {"size": len(data), "crc32": zlib.crc32(data)}, (ckpt, name)
+
+
+def tensor_bytes_by_file(ckpt: str) -> dict[str, list[int]]:
+    """``{data file: the bytes of each rank's piece of a tensor in it, in order}``, from
+    the checkpoint's own ``.metadata``."""
+    md = FileSystemReader(ckpt).read_metadata()
+    out: dict[str, list[tuple[int, int]]] = {}
+    for index, info in md.storage_data.items():
+        meta = md.state_dict_metadata[index.fqn]
+        if isinstance(meta, BytesStorageMetadata):
+            continue
+        chunk = next(c for c in meta.chunks if tuple(c.offsets) == tuple(index.offset))
+        nbytes = math.prod(chunk.sizes) * meta.properties.dtype.itemsize
+        out.setdefault(info.relative_path, []).append((info.offset, nbytes))
+    return {name: [n for _, n in sorted(pieces)] for name, pieces in out.items()}
+
+
+def test_each_rank_writes_files_of_bounded_size(saved):
+    """Files of FILE_BYTES (200 here) of the rank's own pieces at most, a larger piece
+    alone; each filled until the next piece would not fit."""
+    for ckpt in (f"{saved}/sync/step-00000001", f"{saved}/async/step-00000002"):
+        files = tensor_bytes_by_file(ckpt)
+        for rank in (0, 1):
+            mine = [files[f"__{rank}_{n}.distcp"] for n in range(len(files))
+                    if f"__{rank}_{n}.distcp" in files]
+            assert len(mine) > 2, (ckpt, files)
+            for this, after in zip(mine, mine[1:] + [None]):
+                assert sum(this) <= 200 or len(this) == 1, (ckpt, rank, this)
+                assert after is None or sum(this) + after[0] > 200, (ckpt, rank, this, after)
 
 
 def damage(ckpt: str, rng: random.Random, kind: str) -> str:
@@ -146,6 +183,39 @@ def test_verify_and_consolidate_find_a_damaged_file(saved, tmp_path, capsys):
     assert f"{ckpt}/__0_0.distcp does not match its checksum" in capsys.readouterr().err
 
 
+SAVE_VIEWS = textwrap.dedent("""
+    import os, sys, tempfile, torch, torch.distributed.checkpoint as dcp
+    from zerofn.io.checkpoint.checksums import ChecksumWriter
+    from zerofn.runtime.memory import proc_bytes
+    arena = torch.randn(32 << 20)                  # 128 MiB, saved as 32 views of 4 MiB
+    views = {f"t{i}": arena[i << 20:(i + 1) << 20] for i in range(32)}
+    with open("/proc/self/clear_refs", "w") as f:  # the peak so far: forgotten
+        f.write("5")
+    before = proc_bytes("VmHWM")
+    with tempfile.TemporaryDirectory() as d:
+        dcp.save(views, storage_writer=ChecksumWriter(d, file_bytes=int(sys.argv[1])),
+                 no_dist=True)
+        extra = (proc_bytes("VmHWM") - before) >> 20
+        files = sum(name.endswith(".distcp") for name in os.listdir(d))
+        back = {k: torch.empty_like(v) for k, v in views.items()}
+        dcp.load(back, checkpoint_id=d, no_dist=True)
+    same = all(torch.equal(back[k], v) for k, v in views.items())
+    print(files, same, extra)
+""")
+
+
+@pytest.mark.parametrize("file_mib, files", [(16, 8), (1024, 1)])
+def test_a_save_holds_one_files_copies_at_a_time(file_mib, files):
+    """DCP copies each view it writes and keeps the copy until its file is done: a save's
+    extra peak is one file's worth (16 MiB files: 8 of them), not the state's (one file:
+    128 MiB). Measured in a fresh process, whose peak the save alone can raise."""
+    out = subprocess.run([sys.executable, "-c", SAVE_VIEWS, str(file_mib << 20)],
+                         capture_output=True, text=True, check=True).stdout.split()
+    written, same, extra_mib = int(out[0]), out[1] == "True", int(out[2])
+    assert (written, same) == (files, True), out
+    assert 0.8 * min(file_mib, 128) <= extra_mib <= 1.5 * min(file_mib, 128) + 8, out
+
+
 def test_the_benchmark_measures_every_way(capsys):
     """tools/bench_checkpoint.py at a tiny size: every save and load it compares runs."""
     spec = importlib.util.spec_from_file_location("bench_checkpoint", BENCH)
@@ -153,6 +223,7 @@ def test_the_benchmark_measures_every_way(capsys):
     spec.loader.exec_module(bench)
     bench.main(["--params", "3000", "--tensors", "3", "--repeats", "1"])
     said = capsys.readouterr().out
-    for way in ("save, torch's writer", "save, with checksums", "CRC-32 of the files alone",
+    for way in ("save, torch's writer", "save, with checksums", "save, with checksums, one file",
+                "CRC-32 of the files alone",
                 "load, torch's reader", "load, safe reader", "load, safe reader and checksums"):
         assert way in said, said

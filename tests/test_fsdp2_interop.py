@@ -19,6 +19,7 @@ from support.loops import build_parity, train_sharded
 from support.models import batches
 from support.ranks import run_ranks
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
+from zerofn.io.checkpoint import checksums
 
 pytestmark = pytest.mark.multirank
 
@@ -34,9 +35,11 @@ SAVERS = {"zero3": lambda: (), "ratio": lambda: (zf.offload("cpu", ratio=0.3),),
 
 
 def zerofn_to_fsdp2(rank, world, root, saver="zero3"):
+    checksums.FILE_BYTES = 1024     # each rank's data in several files, as a large save's
     model, opt = build_parity(3, "adamw", *SAVERS[saver]())
     train_sharded(model, opt, batches(STEPS, 1, world), rank, world)
     ckpt = save_checkpoint(root, model, opt, step=STEPS)
+    assert rank or all(os.path.exists(f"{ckpt}/__{r}_1.distcp") for r in range(world))
     saved = zf.get_state_dict(model, opt, full=True)
     later = batches(STEPS, 1, world, seed=2)
     train_sharded(model, opt, later, rank, world)

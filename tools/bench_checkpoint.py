@@ -9,8 +9,9 @@ entries) is saved and loaded on one process through DCP, each way ``--repeats`` 
 the order rotating each time, and the median of each is printed:
 
 - save: torch's ``FileSystemWriter`` against zerofn's ``ChecksumWriter`` (every file
-  summed as it is written, ``checksums.json`` beside ``.metadata``); both fsync, and each
-  writes into an empty directory.
+  summed as it is written, ``checksums.json`` beside ``.metadata``, the data in files of
+  256 MiB at most), and against ``ChecksumWriter`` writing one file, as torch's does; all
+  fsync, and each writes into an empty directory.
 - load, all of the same files: torch's ``FileSystemReader`` and ``DefaultLoadPlanner``
   (plain pickles) against what ``zerofn.load_checkpoint`` runs before and during DCP's
   load, without the collectives: ``SafeReader.read_metadata`` (.metadata summed,
@@ -86,28 +87,28 @@ def main(argv=None) -> None:
     params = int(args.params)
     source, target = state(params, args.tensors, True), state(params, args.tensors, False)
     root = tempfile.mkdtemp(dir=args.dir)
-    plain, summed = os.path.join(root, "plain"), os.path.join(root, "summed")
+    plain, summed, single = (os.path.join(root, n) for n in ("plain", "summed", "single"))
     sums, aside = os.path.join(summed, checksums.SUMS), os.path.join(root, checksums.SUMS)
     saves = [("save, torch's writer", lambda: save(FileSystemWriter(plain), source), plain),
              ("save, with checksums",
-              lambda: save(checksums.ChecksumWriter(summed), source), summed)]
+              lambda: save(checksums.ChecksumWriter(summed), source), summed),
+             ("save, with checksums, one file", lambda: save(
+                 checksums.ChecksumWriter(single, file_bytes=1 << 62), source), single)]
     loads = [("load, torch's reader", lambda: load_plain(summed, target), None),
              ("load, safe reader", lambda: load_safe(summed, target), (sums, aside)),
              ("load, safe reader and checksums", lambda: load_safe(summed, target), None)]
     times: dict[str, list[float]] = {}
     try:
         for r in range(args.repeats):
-            for name, fn, path in saves[r % 2:] + saves[:r % 2]:
-                shutil.rmtree(plain, ignore_errors=True)
-                shutil.rmtree(summed, ignore_errors=True)
+            for name, fn, path in saves[r % 3:] + saves[:r % 3]:
+                shutil.rmtree(path, ignore_errors=True)
                 times.setdefault(name, []).append(timed(fn))
                 if path == summed:
                     crc = timed(lambda: [checksums.file_sum(os.path.join(summed, n))
                                          for n in os.listdir(summed)])
                     times.setdefault("CRC-32 of the files alone", []).append(crc)
-            if not os.path.exists(summed):
-                save(checksums.ChecksumWriter(summed), source)
             shutil.rmtree(plain, ignore_errors=True)
+            shutil.rmtree(single, ignore_errors=True)
             for name, fn, moved in loads[r % 3:] + loads[:r % 3]:
                 if moved:
                     os.replace(*moved)

@@ -26,18 +26,30 @@ core of the development machine, SHA-256 1.0, BLAKE2b 0.9, MD5 0.6), it releases
 while it runs, and it catches every error burst of up to 32 bits; with the size, every
 truncation. It guards against corruption, not against someone who rewrites a file and its
 sum: that is the safe readers' job (pickles.py).
+
+[Note: bounded files] DCP's writer keeps every tensor it writes until the file is done,
+and copies each that is a view into a larger buffer (a row of a whole parameter, a unit's
+flat masters, offloaded state in its arena: most of zerofn's state) or that lives on a
+GPU. With one file per rank, as DCP writes by default, a synchronous save held a second
+copy of the rank's whole state. ``ChecksumWriter`` splits each rank's items into files of
+at most ``file_bytes`` (a rank's piece of a tensor larger than that gets a file of its
+own), so a save holds one file's copies at a time. Readers, DCP's and FSDP2's alike, find
+every item's file in ``.metadata``.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
+import math
 import os
+import queue
 import zlib
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.futures import Future
 
 from .. import fs
@@ -46,6 +58,7 @@ SUMS = "checksums.json"
 METADATA = ".metadata"
 _FORMAT, _VERSION, _ALGORITHM = "zerofn checksums", 1, "crc32"
 _CHUNK = 16 << 20          # bytes read at a time when a file is summed at load
+FILE_BYTES = 256 << 20     # a data file's bytes at most, but for a larger tensor's own
 
 
 class Mismatch(ValueError):
@@ -97,19 +110,32 @@ class _Summed:
 
 class ChecksumWriter(FileSystemWriter):
     """``FileSystemWriter`` that writes ``checksums.json``: the CRC-32 and size of every
-    file of the checkpoint (see the module docstring). Takes FileSystemWriter's arguments;
-    the checkpoint has one global ``.metadata`` (``dcp.save``'s default)."""
+    file of the checkpoint, and each rank's data in files of at most ``file_bytes`` (None:
+    ``FILE_BYTES``); see the module docstring. Takes FileSystemWriter's arguments; the
+    checkpoint has one global ``.metadata`` (``dcp.save``'s default)."""
 
-    def __init__(self, path, **kwargs):
+    def __init__(self, path, file_bytes: int | None = None, **kwargs):
         super().__init__(path, **kwargs)
         self.fs = _SummingFileSystem()
+        self.file_bytes = FILE_BYTES if file_bytes is None else file_bytes
 
     def write_data(self, plan, planner) -> Future:
-        results = super().write_data(plan, planner).wait()    # written when it returns
+        results = self._write_files(plan, planner).wait()    # written when it returns
         done: Future = Future()
         done.set_result([dataclasses.replace(r, storage_data=_Summed(
             r.storage_data, *self.fs.sums[r.storage_data.relative_path])) for r in results])
         return done
+
+    def _write_files(self, plan, planner) -> Future:
+        """DCP's ``write_data`` with the rank's items in bounded files (``thread_count``
+        threads take them in turn, each holding the copies of the file it writes)."""
+        if not self.single_file_per_rank:          # a file per item: bounded already
+            return super().write_data(plan, planner)
+        files: queue.Queue = queue.Queue()
+        for n, items in enumerate(bounded_files(plan.items, self.file_bytes)):
+            name = f"{plan.storage_data.prefix}{n}{DEFAULT_SUFFIX}"
+            files.put((self.fs.concat_path(self.path, name), name, items))
+        return self._write_data(planner, files)
 
     def finish(self, metadata, results) -> None:
         files, plain = {}, []
@@ -124,6 +150,24 @@ class ChecksumWriter(FileSystemWriter):
         crc, size = file_sum(os.path.join(root, METADATA))
         files[METADATA] = {"size": size, "crc32": crc}
         write_sums(root, files)
+
+
+def bounded_files(items: list[WriteItem], file_bytes: int) -> list[list[WriteItem]]:
+    """``items`` in order, in files of at most ``file_bytes`` of tensor data (a larger
+    tensor alone in one); the byte items (small: counters, extras) in the first."""
+    files: list[list[WriteItem]] = [[i for i in items if i.type == WriteItemType.BYTE_IO]]
+    size = 0
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO:
+            continue
+        data = item.tensor_data          # the rank's piece: chunk.sizes (size: the whole)
+        nbytes = math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+        if size and size + nbytes > file_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(item)
+        size += nbytes
+    return files
 
 
 def write_sums(ckpt: str, files: dict) -> None:
