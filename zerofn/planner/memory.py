@@ -33,6 +33,7 @@ from torch import nn
 
 from zerofn.core.estimate import estimate_placement
 from zerofn.core.units import build_units
+from zerofn.io.checkpoint.checksums import FILE_BYTES
 from zerofn.runtime.host_malloc import THRESHOLD
 
 from .activations import Activations
@@ -202,11 +203,10 @@ def state_dict_bytes(c: Candidate, shape: Shape) -> dict[str, int]:
 def save_copies(c: Candidate, shape: Shape, saves: str | None,
                 device_is_host: bool = True) -> int:
     """Bytes of the state dicts a save copies to the host: a background save stages all of
-    them; a synchronous one has DCP's copies, which it keeps until the rank's file is done:
-    every tensor on a GPU, and on a CPU each that is a view into a larger buffer (its rows
-    of a whole parameter past world 1, a unit's flat masters under ZeRO-3 or mixed
-    precision, offloaded state in its arena), not torch's own moments or whole fp32
-    parameters."""
+    them; a synchronous one has DCP's copies: every tensor on a GPU, and on a CPU each that
+    is a view into a larger buffer (its rows of a whole parameter past world 1, a unit's
+    flat masters under ZeRO-3 or mixed precision, offloaded state in its arena), not
+    torch's own moments or whole fp32 parameters."""
     sizes = state_dict_bytes(c, shape)
     if saves is None:
         return 0
@@ -217,14 +217,26 @@ def save_copies(c: Candidate, shape: Shape, saves: str | None,
     return (0 if whole else sizes["model"]) + (sizes["optim"] if c.offload else 0)
 
 
+def save_held(c: Candidate, shape: Shape, saves: str | None,
+              device_is_host: bool = True) -> int:
+    """Bytes of ``save_copies`` held at once: a synchronous save's copies of one data file
+    (io/checkpoint/checksums.py: DCP keeps a file's copies until it is written, in files
+    of ``FILE_BYTES`` at most, or one larger tensor's rows)."""
+    copies = save_copies(c, shape, saves, device_is_host)
+    if saves != "sync":
+        return copies
+    rows = shape.largest_tensor if c.stage == 0 else -(-shape.largest_tensor // shape.world)
+    return min(copies, max(FILE_BYTES, FP32 * rows))
+
+
 def save_bytes(c: Candidate, shape: Shape, saves: str | None,
                device_is_host: bool = True) -> int:
     """Host bytes a checkpoint save holds between steps (io/checkpoint): its copies of the
-    state dicts (``save_copies``), NVMe state read into memory whole (its swap file's
+    state dicts (``save_held``), NVMe state read into memory whole (its swap file's
     bytes), low-precision host state decoded into fp32 (12 bytes a row)."""
     if saves is None:
         return 0
-    out = save_copies(c, shape, saves, device_is_host)
+    out = save_held(c, shape, saves, device_is_host)
     if c.offload == "nvme":
         out += sum(model_state(c, shape)["nvme"].values())
     elif c.offload == "cpu" and (c.state_dtype, c.master_dtype) != ("fp32", "fp32"):

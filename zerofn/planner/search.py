@@ -21,8 +21,8 @@ from .probe import Machine, load_or_probe
 
 GB = 1e9
 # Predicted peaks must fit their budgets with this share to spare: the memory model's
-# largest under-prediction measured on this machine, 5.8 % in a save (docs/plan.md).
-MARGIN = 0.06
+# largest under-prediction measured on this machine, 8.5 % in a save (docs/plan.md).
+MARGIN = 0.09
 
 
 @dataclass
