@@ -219,14 +219,17 @@ def save_copies(c: Candidate, shape: Shape, saves: str | None,
 
 def save_held(c: Candidate, shape: Shape, saves: str | None,
               device_is_host: bool = True) -> int:
-    """Bytes of ``save_copies`` held at once: a synchronous save's copies of one data file
-    (io/checkpoint/checksums.py: DCP keeps a file's copies until it is written, in files
-    of ``FILE_BYTES`` at most, or one larger tensor's rows)."""
+    """Bytes a save's copies hold at once. A synchronous save: DCP's copies of one data
+    file (io/checkpoint/checksums.py: DCP keeps a file's copies until it is written, in
+    files of ``FILE_BYTES`` at most, or one larger tensor's rows). A background save: all
+    it stages, and on a GPU one file's copies more (it stages device tensors into views
+    of one page-locked buffer, io/checkpoint/staging.py, and DCP copies each view)."""
     copies = save_copies(c, shape, saves, device_is_host)
-    if saves != "sync":
-        return copies
     rows = shape.largest_tensor if c.stage == 0 else -(-shape.largest_tensor // shape.world)
-    return min(copies, max(FILE_BYTES, FP32 * rows))
+    one_file = min(copies, max(FILE_BYTES, FP32 * rows))
+    if saves == "sync":
+        return one_file
+    return copies + (0 if device_is_host else one_file)
 
 
 def save_bytes(c: Candidate, shape: Shape, saves: str | None,
