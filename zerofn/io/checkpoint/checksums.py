@@ -58,7 +58,7 @@ SUMS = "checksums.json"
 METADATA = ".metadata"
 _FORMAT, _VERSION, _ALGORITHM = "zerofn checksums", 1, "crc32"
 _CHUNK = 16 << 20          # bytes read at a time when a file is summed at load
-FILE_BYTES = 256 << 20     # a data file's bytes at most, but for a larger tensor's own
+FILE_BYTES = 256 << 20     # a data file's bytes at most (a larger piece: a file alone)
 
 
 class Mismatch(ValueError):
@@ -153,8 +153,8 @@ class ChecksumWriter(FileSystemWriter):
 
 
 def bounded_files(items: list[WriteItem], file_bytes: int) -> list[list[WriteItem]]:
-    """``items`` in order, in files of at most ``file_bytes`` of tensor data (a larger
-    tensor alone in one); the byte items (small: counters, extras) in the first."""
+    """``items`` in order, in files of at most ``file_bytes`` of the rank's tensor data
+    (a larger piece alone in one); the byte items (small: counters, extras) in the first."""
     files: list[list[WriteItem]] = [[i for i in items if i.type == WriteItemType.BYTE_IO]]
     size = 0
     for item in items:
