@@ -78,6 +78,11 @@ class Shape:
     def largest_tensor(self) -> int:
         return max(self.tensor_numels, default=0)
 
+    def largest_piece(self, stage: int) -> int:
+        """Elements of the largest piece of one parameter a rank holds: the whole tensor
+        under DDP (stage 0), its rows under ZeRO."""
+        return self.largest_tensor if stage == 0 else -(-self.largest_tensor // self.world)
+
     def mapped(self, itemsize: int, threshold: int = THRESHOLD) -> int:
         """Bytes of the whole gradients that are blocks of ``threshold`` bytes or more:
         under zerofn's runtime on a CPU glibc maps each by itself and unmaps it when freed
@@ -175,9 +180,7 @@ def step_temporaries(c: Candidate, shape: Shape, device_is_host: bool = True) ->
     if c.offload is not None and c.ratio == 1.0:
         return 0
     if device_is_host:
-        rows = shape.largest_tensor if c.stage == 0 else \
-            -(-shape.largest_tensor // shape.world)
-        return FP32 * rows
+        return FP32 * shape.largest_piece(c.stage)
     return FP32 * (shape.params if c.stage == 0 else shape.largest)
 
 
@@ -225,8 +228,7 @@ def save_held(c: Candidate, shape: Shape, saves: str | None,
     it stages, and on a GPU one file's copies more (it stages device tensors into views
     of one page-locked buffer, io/checkpoint/staging.py, and DCP copies each view)."""
     copies = save_copies(c, shape, saves, device_is_host)
-    rows = shape.largest_tensor if c.stage == 0 else -(-shape.largest_tensor // shape.world)
-    one_file = min(copies, max(FILE_BYTES, FP32 * rows))
+    one_file = min(copies, max(FILE_BYTES, FP32 * shape.largest_piece(c.stage)))
     if saves == "sync":
         return one_file
     return copies + (0 if device_is_host else one_file)
