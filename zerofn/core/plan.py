@@ -22,6 +22,7 @@ class ShardingPolicy:
     sync_module_states: bool = True
     init: Any = None                   # a meta-built model's initializer
     timeout: float | None = None       # seconds a collective may wait
+    stall_warning: float | None = 60.0  # seconds in one wait before it is logged
     on_nonfinite: str | None = None    # "skip", "raise", "ignore"; None: nonfinite_rule()'s
     prefetch: int = 1                  # ZeRO-3: units gathered ahead
     reshard_after_forward: bool = True
@@ -88,7 +89,7 @@ POLICIES = {"sharding": ShardingPolicy, "precision": PrecisionPolicy,
             "offload": OffloadPolicy, "monitor": MonitorPolicy}
 # The options each transform accepts (shared ones set the whole plan: give each once).
 SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states", "init", "timeout",
-                  "on_nonfinite")
+                  "stall_warning", "on_nonfinite")
 NONFINITE_RULES = ("skip", "raise", "ignore")
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
 OFFLOAD_OPTIONS = ("offload", "offload_path", "offload_params", "units_in_flight", "state_dtype",

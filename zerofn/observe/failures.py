@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ..runtime.events import StepObserver
+from .stalls import StallWatch
 
 KEY = "zerofn/progress/"       # + the global rank
 DEFAULT_TIMEOUT = 300.0        # seconds; zerofn train's --timeout
@@ -86,13 +87,16 @@ class Watch(StepObserver):
         timeout: the seconds a collective may wait (the sharding option ``timeout=``,
             which the runtime sets on its groups, runtime/mesh.py); None: the group's own,
             which ``init_process_group(timeout=...)`` set.
+        stall_warning: the seconds one wait lasts before this rank logs it (stalls.py);
+            None: never.
     """
 
     # A weak reference to the newest of this process, for ``translate``: weak, so that
     # it does not keep a finished model and its memory.
     latest: weakref.ref | None = None
 
-    def __init__(self, group=None, timeout: float | None = None):
+    def __init__(self, group=None, timeout: float | None = None,
+                 stall_warning: float | None = None):
         self.rank = dist.get_rank()
         self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self.store = default_store()
@@ -104,6 +108,7 @@ class Watch(StepObserver):
         self.unit = None
         self.between = False   # the last optimizer step is done, the next forward not begun
         self.active = True
+        self.stalls = StallWatch(stall_warning, self.rank, self.where, self.timeout)
         Watch.latest = weakref.ref(self)
         _hook_uncaught()
         self._write()
@@ -116,7 +121,7 @@ class Watch(StepObserver):
     @staticmethod
     def attach(rt) -> "Watch":
         """Every runtime is watched, over every rank of its layout."""
-        return Watch(rt.group, rt.plan.sharding.timeout)
+        return Watch(rt.group, rt.plan.sharding.timeout, rt.plan.sharding.stall_warning)
 
     def forward_begin(self) -> None:
         self.enter("forward")
@@ -152,6 +157,7 @@ class Watch(StepObserver):
     def close(self) -> None:
         """Stop recording: the runtime is undone."""
         self.active = False
+        self.stalls.close()
 
     # -- records -----------------------------------------------------------------------
     def where(self) -> str:

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from .timing import UNTIMED
+from .timing import UNTIMED, WatchedWaits
 
 
 class StepObserver:
@@ -23,9 +23,12 @@ class StepObserver:
 
     Attributes:
         timing: a ``runtime.timing.Timing`` to time the runtime's regions with, or None.
+        stalls: a watch of long waits (``waiting(kind, unit)``, a context around each wait
+            for a collective: observe/stalls.py), or None.
     """
 
     timing = None
+    stalls = None
 
     def forward_begin(self) -> None:
         """The model's forward starts (not a recompute inside backward)."""
@@ -107,7 +110,9 @@ class Observers(StepObserver):
 
     def __init__(self, observers: list[StepObserver]):
         self.all = observers
-        self.timing = next((o.timing for o in observers if o.timing is not None), UNTIMED)
+        timing = next((o.timing for o in observers if o.timing is not None), UNTIMED)
+        stalls = next((o.stalls for o in observers if o.stalls is not None), None)
+        self.timing = timing if stalls is None else WatchedWaits(timing, stalls)
 
     def find(self, cls) -> StepObserver | None:
         return next((o for o in self.all if isinstance(o, cls)), None)

@@ -95,6 +95,33 @@ class Untimed:
 UNTIMED = Untimed()
 
 
+class WatchedWaits:
+    """``timing`` whose waits for collectives (``collective``, and ``waited`` of what
+    ``issue`` started) a stall watch follows (``stalls.waiting(kind, unit)``: the failure
+    watch's, observe/stalls.py); everything else is ``timing``'s own."""
+
+    def __init__(self, timing, stalls):
+        self._timing, self._stalls = timing, stalls
+        self.active = timing.active
+
+    def __getattr__(self, name):
+        return getattr(self._timing, name)
+
+    @contextlib.contextmanager
+    def collective(self, kind: str):
+        with self._stalls.waiting(kind, None), self._timing.collective(kind):
+            yield
+
+    def issue(self, kind, what, unit, start_it, wait_series, stall=True) -> Waited:
+        waited = self._timing.issue(kind, what, unit, start_it, wait_series, stall)
+        waited.timing = self        # (its wait comes back here)
+        return waited
+
+    def waited(self, w: Waited) -> None:
+        with self._stalls.waiting(w.kind, w.unit):
+            self._timing.waited(w)
+
+
 class Timing(Untimed):
     """Labels, and durations per series on the host and device clocks (see the Note)."""
 
