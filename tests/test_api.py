@@ -82,6 +82,15 @@ def test_bad_options_fail_at_once():
         zf.shard_optimizer(prefetch=2)
     with pytest.raises(TypeError, match="compose"):
         zf.compose(zf.shard_params(), "shard_grads")
+    with pytest.raises(TypeError, match=r"^zerofn.compose\(\) needs at least one transform"):
+        zf.compose()
+    with pytest.raises(TypeError, match=r"^zerofn.offload\(\) got unknown option\(s\) "
+                                        r"\['param'\] \(did you mean 'params'\?\); it accepts"):
+        zf.offload("cpu", param=True)
+    with pytest.raises(TypeError, match=r"\['prefech'\] \(did you mean 'prefetch'\?\)"):
+        zf.shard_params(prefech=2)
+    with pytest.raises(TypeError, match=r"\['logdir_'\] \(did you mean 'logdir'\?\)"):
+        zf.tensorboard("runs", logdir_="x")
 
 
 def disagreeing(rank, world, what):

@@ -153,8 +153,16 @@ def grads_as_seen(rank, world, stage):
     aliased = torch.equal(after, before * 2) and local.data_ptr() == after.data_ptr()
     shape = tuple(p.grad.shape) == tuple(p.shape)
     placements = [repr(pl) for pl in p.grad.placements]
+    # torch's zero_grad reaches the optimizer's gradients at once, the model's views at
+    # the next forward (visible.py's [Note: the optimizer's markers]); the model's own
+    # zero_grad clears them at once.
     opt.zero_grad()
+    with torch.no_grad():
+        model(x.chunk(world)[rank], y.chunk(world)[rank])
     cleared = all(q.grad is None for q in model.parameters())
+    model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    model.zero_grad()
+    cleared = cleared and all(q.grad is None for q in model.parameters())
     return kinds, frozen, aliased, shape, placements, cleared
 
 

@@ -158,12 +158,16 @@ def test_nvme_path_faults_fail_at_set_up_on_every_rank(tmp_path):
 
 
 def test_nvme_too_small_drive_is_named():
+    from zerofn.core.plan import OffloadPolicy
+    from zerofn.runtime.offload import optimizer_problems
     from zerofn.runtime.offload.nvme_file import nvme_problems
     _, model = make_models()
-    problems = nvme_problems("/tmp", 2**60, make_optimizer("adamw", model.parameters()))
+    problems = nvme_problems("/tmp", 2**60)
     assert problems and "GiB free" in problems[0]
-    assert "Adam and AdamW only" in nvme_problems(
-        "/tmp", 1, make_optimizer("sgd", model.parameters()))[0]
+    nvme = OffloadPolicy(device="nvme", path="/tmp")
+    assert "Adam and AdamW only" in optimizer_problems(
+        nvme, make_optimizer("sgd", model.parameters()), swapped=True)[0]
+    assert not optimizer_problems(nvme, make_optimizer("adamw", model.parameters()), True)
 
 
 @pytest.mark.multirank

@@ -80,30 +80,35 @@ def units_on(device: str, sizes, compute=torch.float32) -> list[Unit]:
             for i, n in enumerate(sizes)]
 
 
-def spec_for(opt, path=None) -> HomeSpec:
-    """Homes built for AdamW, gradients landing in bf16 (the reduce dtype)."""
-    return HomeSpec(opt, OffloadPolicy(device="nvme" if path else "cpu", path=path),
+def spec_for(path=None) -> HomeSpec:
+    """Homes built for the offload alone, gradients landing in bf16 (the reduce dtype)."""
+    return HomeSpec(OffloadPolicy(device="nvme" if path else "cpu", path=path),
                     torch.bfloat16, torch.device("cpu"))
 
 
 def test_offload_for_a_cuda_device_pins_exactly_its_arenas(calls):
-    """Masters, Adam state, bf16 compute copies and gradients: each arena registered once,
-    at the sum of its aligned views; the step counters (host only) are not pinned."""
+    """Masters, bf16 compute copies and gradients at set-up, Adam's moments once AdamW is
+    bound: each arena registered once, at the sum of its aligned views; the step counters
+    (host only) are not pinned."""
     sizes = [1000, 3000, 70]
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
-    store = HostHome(units_on("cuda", sizes, torch.bfloat16), spec_for(opt))
+    store = HostHome(units_on("cuda", sizes, torch.bfloat16), spec_for())
     aligned = sum(-(-n // ALIGN) * ALIGN for n in sizes)
-    want = sorted([aligned * 4 * 3, aligned * 2, aligned * 2])   # fp32 x3 | bf16 | bf16 grads
+    laid_out = [aligned * 4, aligned * 2, aligned * 2]   # fp32 masters | bf16 | bf16 grads
+    assert sorted(n for _, n in calls["register"]) == sorted(laid_out)
+    store.bind(opt)
+    want = sorted(laid_out + [aligned * 4 * 2])          # | fp32 moments
     assert sorted(n for _, n in calls["register"]) == want
-    assert sorted(a.buffer.nbytes for a in store.arenas()) == want
-    on_cpu = HostHome(units_on("cpu", sizes, torch.bfloat16), spec_for(opt))
-    assert len(calls["register"]) == 3 and on_cpu.arenas()
+    # (and the step counters, unpinned: none here, these units hold no parameters)
+    assert sorted(a.buffer.nbytes for a in store.arenas()) == sorted(want + [0])
+    on_cpu = HostHome(units_on("cpu", sizes, torch.bfloat16), spec_for())
+    on_cpu.bind(opt)
+    assert len(calls["register"]) == 4 and on_cpu.arenas()
 
 
 def test_nvme_pins_its_staging_ring_and_gradients_for_a_cuda_device(calls, tmp_path):
-    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
     units = units_on("cuda", [5000, 200])
-    store = NvmeHome(units, spec_for(opt, str(tmp_path)))
+    store = NvmeHome(units, spec_for(str(tmp_path)))
     block = max(store.file.block.values())
     assert all(b.data_ptr() % 4096 == 0 and b.nbytes == block for b in store.staging)   # O_DIRECT
     assert sorted(n for _, n in calls["register"]) == sorted(

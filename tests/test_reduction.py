@@ -126,10 +126,11 @@ def lent_shard_runs(rank, world):
             shards = [t for t in rt.reducer.grad_shard.values() if t is not None]
             lent.append(bool(shards) and all(t.data_ptr() in rt.ctx.pool._owned for t in shards))
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad()      # (followed at the next forward, or a look at the state:)
+            grad_bytes = zf.model_state_bytes(model)["cpu"]["grads"]
             pool_bytes.append(rt.ctx.pool.nbytes())
         held = [t for t in rt.reducer.grad_shard.values() if t is not None]
-        out[stage] = (lent, held, zf.model_state_bytes(model)["cpu"]["grads"], pool_bytes)
+        out[stage] = (lent, held, grad_bytes, pool_bytes)
     return out
 
 

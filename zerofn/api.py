@@ -12,6 +12,9 @@ tensorboard) raises on an untransformed model, where ``compose`` takes any order
 """
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
 import os
 from typing import Callable
@@ -34,14 +37,17 @@ OBSERVERS = (Watch, Monitor)
 
 
 class Transform:
-    """A composable transform: ``model, optimizer = transform(model, optimizer)``."""
+    """A composable transform: ``model = transform(model)``, then build the optimizer over
+    ``model.parameters()`` (FSDP2's order: zerofn binds it at its first step), or
+    ``model, optimizer = transform(model, optimizer)`` with one built before."""
 
     def __init__(self, name: str, edits: tuple[Edit, ...]):
         self.name = name
         self._edits = edits
 
-    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        return apply_plan(model, optimizer, self._edits, OBSERVERS)
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        model = apply_plan(model, optimizer, self._edits, OBSERVERS)
+        return model if optimizer is None else (model, optimizer)
 
     def __repr__(self) -> str:
         return f"zerofn.{self.name}"
@@ -50,10 +56,35 @@ class Transform:
 def _stage_transform(name: str, stage: int, allowed: tuple[str, ...], options: dict) -> Transform:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise TypeError(f"zerofn.{name}() got unknown option(s) {unknown}; "
+        raise TypeError(f"zerofn.{name}() got unknown option(s) {unknown}{_meant(unknown, allowed)}; "
                         f"it accepts {sorted(allowed)}.")
     check_values(name, options)
     return Transform(f"{name}()", (lambda plan: plan.with_transform(name, stage, options),))
+
+
+def _meant(unknown, allowed) -> str:
+    """``" (did you mean 'params'?)"`` for the first unknown name close to an allowed one."""
+    for name in unknown:
+        close = difflib.get_close_matches(name, allowed, n=1)
+        if close:
+            return f" (did you mean {close[0]!r}?)"
+    return ""
+
+
+def keywords_named(fn):
+    """``fn``, whose unknown keyword arguments raise a TypeError that names what it accepts
+    and the closest (Python's own names only the stranger)."""
+    accepted = [p.name for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        unknown = sorted(set(kwargs) - set(accepted))
+        if unknown:
+            raise TypeError(f"zerofn.{fn.__name__}() got unknown option(s) {unknown}"
+                            f"{_meant(unknown, accepted)}; it accepts {accepted}.")
+        return fn(*args, **kwargs)
+    return checked
 
 
 def _whole(low: int, high: int | None = None):
@@ -74,6 +105,7 @@ _BOOL = (lambda v: isinstance(v, bool), "True or False")
 # transform is made, so a wrong value is named there, not met deep in the runtime.
 TAKES = {
     "bucket_size": _whole(1), "sync_module_states": _BOOL, "timeout": _positive(none=True, high=1e9),   # (seconds: 31 years; torch's limit is in ms)
+    "stall_warning": _positive(none=True, high=1e9),
     "on_nonfinite": (lambda v: v is None or v in NONFINITE_RULES,
                      " or ".join(map(repr, NONFINITE_RULES)) + " (the default: 'skip')"),
     "units": (lambda v: v is None or isinstance(v, (list, tuple)) or _whole(1)[0](v),
@@ -129,6 +161,11 @@ def shard_optimizer(**options) -> Transform:
             group's own, from ``init_process_group(timeout=...)``). Past it, or as soon as
             another rank raises or dies, every rank stops with ``zerofn.RankFailure``
             naming that rank and its phase (docs/multinode.md).
+        stall_warning: seconds a rank may wait in one of zerofn's collectives before it
+            logs which one (the unit's gather, the step's vote), in which phase, and that
+            every rank must take part: under ZeRO-3 an evaluation or ``generate`` on one
+            rank alone waits in the first gather for ranks that never come (default 60;
+            None: never). The wait goes on until ``timeout``.
         on_nonfinite: what a step whose gradients hold inf or nan on any rank does:
             ``"skip"`` (the default) skips it on every rank, leaving masters, moments and
             the optimizer's step count as they were; ``"raise"`` raises
@@ -205,8 +242,8 @@ def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype=None
     reduce_dtype=torch.float32)``. The default reduces in bf16 instead: half the gradient
     traffic and memory, but the sums are rounded to bf16: close to FSDP2, not bit for bit.
 
-    fp16 needs loss scaling: ``opt.scale(loss).backward()`` (the same call is a no-op for
-    bf16 and fp32, so one loop serves all).
+    fp16 needs loss scaling: ``zf.scale_loss(model, loss).backward()`` (the same call
+    returns the loss itself for bf16 and fp32, so one loop serves all).
 
     Options:
         loss_scale: None for dynamic scaling under fp16 (none under bf16), or a static scale.
@@ -229,6 +266,7 @@ def mixed_precision(param_dtype: torch.dtype = torch.bfloat16, reduce_dtype=None
                                  cast_forward_inputs=cast_forward_inputs))
 
 
+@keywords_named
 def offload(device: str = "cpu", *, params: bool = False, path: str | None = None,
             units_in_flight: int = 2, state_dtype: torch.dtype = torch.float32,
             master_dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -325,6 +363,7 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
                                  offload_placement=dict(placement) if placement else None))
 
 
+@keywords_named
 def tensorboard(logdir, *, every: int = 10, ranks="0", profile: dict | None = None,
                 memory_snapshot: int = 0, csv=False) -> Transform:
     """Write what every step spends (time, communication, memory) and the values given to
@@ -406,6 +445,9 @@ def compose(*transforms: Transform) -> Transform:
         ...                        zerofn.shard_params())
         >>> model, opt = zero3(model, opt)
     """
+    if not transforms:
+        raise TypeError("zerofn.compose() needs at least one transform, e.g. "
+                        "zerofn.compose(zerofn.shard_optimizer(), zerofn.shard_grads()).")
     for t in transforms:
         if not isinstance(t, Transform):
             raise TypeError(f"zerofn.compose() takes transforms such as zerofn.shard_params(), "

@@ -73,3 +73,13 @@ def assert_same_state(a, b) -> None:
         for k, v in st.items():
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(ob["state"][fqn][k])), (fqn, k)
     assert oa["param_groups"] == ob["param_groups"]
+
+
+def full_state(model, opt) -> tuple[dict, dict]:
+    """``zf.get_state_dict(model, opt, full=True)``, copied (the step counters are the
+    optimizer's own), in the form ``assert_same_state`` compares."""
+    msd, osd = zf.get_state_dict(model, opt, full=True)
+    return ({k: v.clone() for k, v in msd.items()},
+            {"state": {f: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+                       for f, st in osd["state"].items()},
+             "param_groups": osd["param_groups"]})

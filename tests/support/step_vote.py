@@ -33,7 +33,7 @@ def step_grads(comm, got: set, device="cpu") -> StepGrads:
     ctx = types.SimpleNamespace(comm=comm, pool=None, units=(), device=torch.device(device),
                                 timing=UNTIMED, replicas=None, copies=None, plan=Plan())
     return StepGrads(ctx, types.SimpleNamespace(got=got), types.SimpleNamespace(early=None),
-                     None, types.SimpleNamespace(cpu_adam=False))
+                     None, types.SimpleNamespace(defers_scaling=False))
 
 
 def vote(mine: set, theirs: list[float], device="cpu", found=None, rider=None):

@@ -33,18 +33,28 @@ class ZeroModule:
 
 
 def runtime_of(model: nn.Module) -> RuntimeView:
-    """The runtime a zerofn transform put on ``model`` (as ``RuntimeView`` shows it); a
-    clear error where none did."""
-    rt = model.__dict__.get(ATTR)
+    """The runtime a zerofn transform put on ``model`` (or on the module a
+    ``torch.compile`` wrapper holds), as ``RuntimeView`` shows it; a clear error where none
+    did."""
+    rt = unwrap(model).__dict__.get(ATTR) if isinstance(model, nn.Module) else None
     if rt is None:
         raise ValueError("This model has not been transformed by zerofn; apply e.g. "
-                         "zerofn.shard_optimizer() to (model, optimizer) first.")
+                         "zerofn.shard_optimizer() to it first (model = transform(model), or "
+                         "model, opt = transform(model, opt)).")
     return rt
 
 
 def is_transformed(model: nn.Module) -> bool:
-    """Whether a zerofn transform put a runtime on ``model``."""
-    return isinstance(model, nn.Module) and ATTR in model.__dict__
+    """Whether a zerofn transform put a runtime on ``model`` (or the module it compiles)."""
+    return isinstance(model, nn.Module) and ATTR in unwrap(model).__dict__
+
+
+def unwrap(model):
+    """The module a ``torch.compile`` wrapper holds (``_orig_mod``), else ``model``: zerofn
+    keeps its runtime on the module itself, so it takes the model compiled or not."""
+    inner = model.__dict__.get("_modules", {}).get("_orig_mod") \
+        if type(model).__name__ == "OptimizedModule" else None
+    return inner if inner is not None else model
 
 
 def attach(model: nn.Module, runtime) -> None:

@@ -28,7 +28,8 @@ from .offload import cpu_adam_steps
 
 
 def overlap_problems(plan, optimizer) -> list[str]:
-    """What stops ``overlap_step``: checked on every rank before any collective."""
+    """What stops ``overlap_step``: checked on every rank before any collective
+    (``optimizer``: the one given to the transform, or None)."""
     if not plan.offload.overlap_step:
         return []
     why = []
@@ -41,7 +42,11 @@ def overlap_problems(plan, optimizer) -> list[str]:
     if plan.precision.param_dtype == torch.float16:
         why.append("fp16 loss scaling must see every gradient's overflow verdict before any "
                    "unit steps: use bf16")
-    if not cpu_adam_steps(optimizer):
+    if optimizer is None:
+        why.append("it steps units during backward, before any optimizer.step() could make "
+                   "the optimizer known: give it to the transform, model, opt = "
+                   "zf.compose(...)(model, opt)")
+    elif not cpu_adam_steps(optimizer):
         why.append(f"zerofn's CPU Adam steps each unit alone; {type(optimizer).__name__} "
                    "steps all parameters at once")
     return [f"offload(overlap_step=True): {w}." for w in why]

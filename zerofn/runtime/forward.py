@@ -16,12 +16,14 @@ from .hooks import eager, in_backward, on_backward_begin
 class ForwardHooks:
     """The hooks around the model's forward, registered at construction, removed by
     ``remove``: ZeRO-3's gather before each unit runs and free after (``gatherer``), the
-    units' inputs tracked for backward (``tracker``, backward.py's [Note: a unit's backward
-    is done]), mixed precision's input cast, and the observers' forward and backward
-    events."""
+    units' inputs tracked for backward (the ``reducer``'s tracker, backward.py's [Note: a
+    unit's backward is done]), mixed precision's input cast, the observers' forward and
+    backward events, and at each forward the loop's ``zero_grad`` followed (the
+    ``stepper``'s, optimizer.py's [Note: zero_grad without a patch])."""
 
-    def __init__(self, ctx, model, gatherer, tracker):
-        self.ctx, self.model, self.gatherer, self.tracker = ctx, model, gatherer, tracker
+    def __init__(self, ctx, model, gatherer, reducer, stepper):
+        self.ctx, self.model, self.gatherer = ctx, model, gatherer
+        self.tracker, self.stepper = reducer.tracker, stepper
         self.observers = ctx.observers
         self._handles = self._unit_hooks() + self._model_hooks()
 
@@ -68,6 +70,7 @@ class ForwardHooks:
 
     def _forward_begins(self, module, args) -> None:
         if not in_backward():   # (a checkpointed recompute is part of backward)
+            self.stepper.follow_zero_grad()
             self.observers.forward_begin()
 
     def _forward_ends(self, module, args, output=None) -> None:

@@ -304,6 +304,17 @@ class GradReducer:
             for s in unit.trainable:
                 s.param.grad = None
 
+    def zero_rows(self, slots) -> None:
+        """The loop's ``zero_grad`` reached only ``slots``: their reduced rows start over
+        (the next reduction adds to zeros), and they got no gradient since."""
+        for unit in self.ctx.units:
+            shard = self.grad_shard.get(unit)
+            for s in unit.trainable:
+                if s in slots:
+                    self.got.discard(s)
+                    if shard is not None:
+                        s.shard_of(shard).zero_()
+
     def zero_grad(self) -> None:
         """What ``optimizer.zero_grad()`` means for the shards: the next reduction starts
         over; shards taken from the pool go back to it (the caller has waited for their

@@ -69,10 +69,12 @@ def model_state_bytes(ctx, optimizer, homes, shards, reducer) -> dict[str, dict[
     # the step writes and sends to the device (under params=True, the shards themselves).
     params = [s.sharded if s.sharded is not None else s.param for s in slots] \
         + homes.compute_copies()
-    grads = [s.param.grad for s in slots] + [s.opt_param.grad for s in slots] \
-        + list(reducer.grad_shard.values()) + list(homes.grads.values())
-    opt = [s.opt_param for s in slots] + [t for state in optimizer.state.values()
-                                          for t in state.values()] + homes.state_buffers()
+    # (an optimizer's own .grad is a marker outside the step: visible.py)
+    grads = [s.param.grad for s in slots] + list(reducer.grad_shard.values()) \
+        + list(homes.grads.values())
+    state = optimizer.state.values() if optimizer is not None else ()
+    opt = [s.opt_param for s in slots] + [t for st in state for t in st.values()] \
+        + homes.state_buffers()
     out = _by_role({role: _extents(ts, arenas) for role, ts in
                     (("params", params), ("grads", grads), ("optimizer", opt))})
     out[ctx.device.type]["buffers"] += ctx.pool.nbytes()

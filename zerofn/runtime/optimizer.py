@@ -1,17 +1,32 @@
-"""The user's optimizer, rewired to step this rank's shards.
+"""The user's optimizer, bound to step this rank's shards.
 
-The optimizer keeps its class, hyperparameters and param groups; each parameter in its
-groups is replaced, in place and in order, by the tensor holding this rank's rows of it.
-Every optimizer torch.optim ships that updates each element from that element alone
+Binding keeps the optimizer's class, hyperparameters and param groups; each parameter in
+its groups is replaced, in place and in order, by the tensor holding this rank's rows of
+it. Every optimizer torch.optim ships that updates each element from that element alone
 (Adam, AdamW, SGD, RMSprop, Adagrad, ...) then computes exactly what it computes on the
-full tensors. Step hooks attach the reduced gradient shards before the step and share
-the updated rows after it.
+full tensors. torch's own step hooks (``register_step_pre_hook``/``post_hook``) run
+zerofn's step around the optimizer's: no method is set on the instance, so
+``optimizer.step`` stays torch's (LR schedulers check it) and ``zero_grad`` is torch's.
+
+[Note: zero_grad without a patch] After a reducing backward, and after a step, each bound
+parameter's ``.grad`` is a marker (visible.py): torch's ``zero_grad`` sets it to None, or
+zeroes it, as it does any gradient, and the runtime reads that as the loop's
+``zero_grad`` (at the step, and at the next forward). During zerofn's own step the
+markers are taken off, so torch's step finds no gradient and steps nothing twice.
+
+[Note: finding the optimizer] A transform given the optimizer binds it at set-up. One given
+none (FSDP2's order: shard, then build the optimizer over ``model.parameters()``) leaves
+the runtime unbound; the first optimizer whose step holds its parameters is bound then, by
+a step pre-hook torch.optim runs for every optimizer (``finder.py``), agreed on every rank
+before the step; zerofn's functions given an optimizer (state dicts, checkpoints) bind it
+as well. A later optimizer over the same parameters takes them over with fresh state, as a
+new torch.optim optimizer starts fresh; the one it replaced is retired (stepping it
+raises).
 """
 from __future__ import annotations
 
-import types
-
 import torch
+from torch.distributed.tensor import DTensor
 
 
 # These mix elements across a tensor (factored moments, line searches, sparse rows), so
@@ -20,68 +35,66 @@ NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 
 
 def check_optimizer(optimizer, slot_of: dict) -> list[str]:
-    """Problems with the optimizer, as messages (raised by the caller on every rank)."""
+    """Problems with the optimizer, as messages (raised by the caller on every rank).
+    ``slot_of``: each tensor that stands for a model parameter (its whole parameter,
+    ZeRO-3's registered DTensor) -> its slot."""
+    name = type(optimizer).__name__
     problems = []
-    if type(optimizer).__name__ in NOT_ELEMENTWISE:
+    if name in NOT_ELEMENTWISE:
         problems.append(
-            f"{type(optimizer).__name__} does not update each element independently, so a "
-            "sharded step would differ from the unsharded one; use an elementwise optimizer "
-            "such as AdamW or SGD.")
+            f"{name} does not update each element independently, so a sharded step would "
+            "differ from the unsharded one; use an elementwise optimizer such as AdamW or SGD.")
+    seen = set()
     for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            if p not in slot_of:
-                problems.append(f"param group {i} holds a tensor of shape {tuple(p.shape)} that "
-                                "is not a parameter of the model; build the optimizer over "
-                                "model.parameters().")
+            slot = slot_of.get(p)
+            if slot is None:
+                problems.append(f"param group {i} of {name} holds a tensor of shape "
+                                f"{tuple(p.shape)} that is not a parameter of the model; "
+                                "build the optimizer over model.parameters().")
+            elif slot in seen:
+                problems.append(f"{name} holds parameter {slot.fqn!r} twice; give each "
+                                "parameter to one param group once.")
+            seen.add(slot)
     return problems
 
 
-class OptimizerWiring:
+def signature(optimizer) -> list[str]:
+    """What every rank's optimizer must agree on: its class and its groups' sizes."""
+    return [type(optimizer).__name__] + [f"group {i}: {len(g['params'])} params"
+                                         for i, g in enumerate(optimizer.param_groups)]
+
+
+class OptimizerBinding:
     """Everything zerofn changes on the user's optimizer, in one place, with its exact
-    inverse (``restore``): shard params in its groups, step hooks, and on the instance a
-    ``step`` that announces itself and runs under the guard, a ``zero_grad`` that clears
-    the gradient shards, and ``scale`` (fp16 loss scaling).
+    inverse (``restore``): shard params in its groups (state it holds cut to them), step
+    hooks around torch's own step, and state-dict hooks for fp16's loss scale.
 
     Args:
-        slot_of: each of the model's parameters -> its slot (whose ``opt_param`` the
-            optimizer steps instead).
-        stepper: whose ``before_step``, ``after_step``, ``zero_grad`` and loss ``scaler``
-            the optimizer's step, zero_grad and scale call (stepping.py).
-        observers: told when a step begins; their guard wraps it.
+        slot_of: each tensor that stands for a model parameter -> its slot (whose
+            ``opt_param`` the optimizer steps instead).
+        stepper: whose ``before_step`` and ``after_step`` the step hooks run (stepping.py).
+        observers: told when a step begins; their guard wraps zerofn's part of it.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, slot_of: dict, stepper, observers):
         self.optimizer = optimizer
-        self.originals = [list(g["params"]) for g in optimizer.param_groups]
-        self._swap_params({p: slot_of[p].opt_param for g in self.originals for p in g},
-                          lambda p, v: _shard_state(slot_of[p], v))
-        self._handles = [optimizer.register_step_pre_hook(lambda *_: stepper.before_step()),
-                         optimizer.register_step_post_hook(lambda *_: stepper.after_step())]
-        self._trainable = {slot_of[p].opt_param for g in self.originals for p in g if p.requires_grad}
-        self.stepped = False      # a step or a load ran: the state is torch.optim's own now
-        self._made: set = set()   # params init_state gave state to (no step ever made it)
-        plain_zero_grad = optimizer.zero_grad
+        self.slots = [[slot_of[p] for p in g["params"]] for g in optimizer.param_groups]
+        self._swap({p: slot_of[p].opt_param for g in optimizer.param_groups for p in g["params"]},
+                   lambda p, v: _shard_state(slot_of[p], v))
+        before, after = observers.guard(stepper.before_step), observers.guard(stepper.after_step)
 
-        def sharded_zero_grad(set_to_none: bool = True) -> None:
-            plain_zero_grad(set_to_none)
-            stepper.zero_grad()
-
-        optimizer.zero_grad = sharded_zero_grad
-        own_step = optimizer.__dict__.get("step")
-        step = observers.guard(optimizer.step)
-
-        def stepping(opt, *args, **kwargs):
+        def pre_hook(opt, args, kwargs):
             observers.step_begin()
             self.stepped = True
-            return step(*args, **kwargs)
+            before()
 
-        # A bound method, as torch's LR schedulers expect to find (they rebind its function).
-        optimizer.step = types.MethodType(stepping, optimizer)
-        self._step = (own_step, optimizer.step)
-        # fp32 before scaling, as DeepSpeed does: an fp16 loss times 2**16 would itself be inf.
+        self._handles = [optimizer.register_step_pre_hook(pre_hook),
+                         optimizer.register_step_post_hook(lambda *_: after())]
+        self._trainable = {s.opt_param for g in self.slots for s in g if s.requires_grad}
+        self.stepped = False      # a step or a load ran: the state is torch.optim's own now
+        self._made: set = set()   # params init_state gave state to (no step ever made it)
         scaler = stepper.scaler
-        optimizer.scale = (lambda loss: loss) if scaler is None else \
-            (lambda loss: loss.float() * scaler.scale)
         if scaler is not None:
             self._handles += [
                 optimizer.register_state_dict_post_hook(
@@ -90,7 +103,10 @@ class OptimizerWiring:
                     lambda opt, sd: _load_scaler(scaler, sd)),
             ]
 
-    def _swap_params(self, new_of: dict, convert) -> None:
+    def holds(self, slot) -> bool:
+        return any(slot in g for g in self.slots)
+
+    def _swap(self, new_of: dict, convert) -> None:
         old_state = self.optimizer.state
         state = type(old_state)(old_state.default_factory) if hasattr(old_state, "default_factory") \
             else {}
@@ -102,21 +118,28 @@ class OptimizerWiring:
         self.optimizer.state = state
 
     def restore(self, full_state_of) -> None:
-        """Put the original parameters back, with full optimizer state from ``full_state_of``."""
+        """Put the model's parameters back in the groups (each slot's ``param``: after the
+        runtime's restore, what the model registers), with full optimizer state from
+        ``full_state_of``."""
+        self._remove_hooks()
+        new_of = {}
+        for group, slots in zip(self.optimizer.param_groups, self.slots):
+            new_of.update((p, s.param) for p, s in zip(group["params"], slots))
+        self._swap(new_of, full_state_of)
+
+    def retire(self, param_of) -> None:
+        """Another optimizer took the parameters over: the model's parameters
+        (``param_of(slot)``) go back in the groups, without state (its tensors were the
+        homes', which the new optimizer starts afresh)."""
+        self._remove_hooks()
+        for group, slots in zip(self.optimizer.param_groups, self.slots):
+            group["params"][:] = [param_of(s) for s in slots]
+        self.optimizer.state.clear()
+
+    def _remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
-        del self.optimizer.zero_grad
-        del self.optimizer.scale
-        own, ours = self._step
-        if self.optimizer.__dict__.get("step") == ours:   # (else wrapped again since: ours
-            if own is None:                                # stays, passing calls through)
-                del self.optimizer.step
-            else:
-                self.optimizer.step = own
-        new_of = {}
-        for group, originals in zip(self.optimizer.param_groups, self.originals):
-            new_of.update(zip(group["params"], originals))
-        self._swap_params(new_of, full_state_of)
+        self._handles = []
 
     def init_state(self) -> None:
         """Before the first step, create the optimizer's state where a parameter has none
@@ -134,16 +157,17 @@ class OptimizerWiring:
             lrs.append(group.get("lr"))
             if "lr" in group:
                 group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
-        for p in bare:
-            p.grad = torch.zeros_like(p)
+        grads = {p: p.grad for group in self.optimizer.param_groups for p in group["params"]}
+        for p in grads:     # (markers off: only the bare ones step)
+            p.grad = torch.zeros_like(p) if p in self._made else None
         try:
             step_without_hooks(self.optimizer)
         finally:
             for group, lr in zip(self.optimizer.param_groups, lrs):
                 if lr is not None:
                     group["lr"] = lr
-            for p in bare:
-                p.grad = None
+            for p, g in grads.items():
+                p.grad = g
 
     def forget_made_state(self, loaded: set) -> None:
         """After a load: state ``init_state`` made for a parameter the checkpoint holds none
@@ -180,7 +204,11 @@ def _load_scaler(scaler, state_dict: dict) -> dict:
 
 
 def _shard_state(slot, value):
-    """Existing state of a full parameter, cut to this rank's rows."""
+    """Existing state of a parameter, cut to this rank's rows: of a whole parameter, its
+    rows; of ZeRO-3's registered DTensor (an optimizer built after sharding), its local
+    rows."""
+    if isinstance(value, DTensor) and value.to_local().shape == slot.local_shape:
+        return value.to_local().clone()
     if torch.is_tensor(value) and value.dim() > 0 and value.shape == slot.shape:
         return slot.rows_of(value).clone()
     return value

@@ -24,8 +24,9 @@ from torch.distributed.tensor import DTensor
 
 from ..core.plan import Plan
 from ..core.units import build_units, set_dtypes
-from .agree import agree_or_raise
-from .attach import attach, detach, is_transformed, runtime_of
+from . import finder
+from .agree import agree_or_raise, gather
+from .attach import attach, detach, is_transformed, runtime_of, unwrap
 from .comm import Comm, device_problems
 from .context import RuntimeContext
 from .copies import CopyStreams
@@ -38,8 +39,9 @@ from .host_malloc import return_large_frees
 from .materialize import meta_state, rng_digest, target_device
 from .memory import model_state_bytes
 from .mesh import groups_of, set_timeout
-from .offload import HomeSpec, auto_problems, make_homes, offload_problems
-from .optimizer import check_optimizer
+from .offload import (HomeSpec, auto_problems, cpu_adam_steps, make_homes, offload_problems,
+                      optimizer_problems)
+from .optimizer import check_optimizer, signature
 from .params import ParamGatherer
 from .pool import BufferPool
 from .shards import Shards
@@ -51,12 +53,13 @@ from .visible import VisibleGrads
 def apply_plan(model: nn.Module, optimizer, edits, observer_kinds=()):
     """The transforms' work: ``edits`` applied to the model's plan (a new one, or the one
     an earlier transform left), and a runtime built from it, asking ``observer_kinds``
-    ([Note: observers] in events.py) whether to watch it."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"zerofn transforms take (model, optimizer); got {type(model).__name__} "
-                        "as the model.")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"zerofn transforms take (model, optimizer); got "
+    ([Note: observers] in events.py) whether to watch it. ``optimizer``: the one to bind
+    now, or None ([Note: finding the optimizer] in optimizer.py). Returns the model the
+    user holds (a compiled one stays compiled; its inner module is transformed)."""
+    held, model = model, unwrap(model)
+    refuse_wrapped(held, model)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"zerofn transforms take (model) or (model, optimizer); got "
                         f"{type(optimizer).__name__} as the optimizer.")
     old = runtime_of(model) if is_transformed(model) else None
     plan = old.plan if old is not None else Plan()
@@ -70,12 +73,40 @@ def apply_plan(model: nn.Module, optimizer, edits, observer_kinds=()):
         raise ValueError("offload(params=True) offloads parameter shards, which only ZeRO-3 "
                          "has: add zerofn.shard_params(), or drop params=True.")
     if old is not None:
-        if old.optimizer is not optimizer:
+        bound = old.optimizer
+        if optimizer is not None and bound is not None and bound is not optimizer:
             raise ValueError("This model was transformed with another optimizer; pass the "
                              "optimizer the earlier transform returned.")
+        optimizer = optimizer or bound
         old.restore()
     Runtime(model, optimizer, plan, observer_kinds)
-    return model, optimizer
+    return held
+
+
+def refuse_wrapped(held: nn.Module, model: nn.Module) -> None:
+    """A model another data-parallel wrapper already holds cannot be sharded again: refused
+    before any collective, naming the wrapper."""
+    if not isinstance(held, nn.Module):
+        raise TypeError(f"zerofn transforms take (model) or (model, optimizer); got "
+                        f"{type(held).__name__} as the model.")
+    wrapper = next((type(m).__name__ for m in (held, model)
+                    if isinstance(m, (nn.parallel.DistributedDataParallel,
+                                      nn.parallel.DataParallel))), None)
+    if wrapper is not None:
+        raise ValueError(f"zerofn: this model is wrapped in {wrapper}, which reduces "
+                         "gradients itself; zerofn does that (and shards): give the "
+                         f"transform the module inside ({wrapper}.module), not the wrapper.")
+    fsdp = next((type(m).__name__ for m in model.modules() if _sharded_by_fsdp(m)), None)
+    if fsdp is not None:
+        raise ValueError(f"zerofn: this model holds {fsdp}, which FSDP already shards; "
+                         "apply zerofn's transforms to a model FSDP has not wrapped (one or "
+                         "the other, not both).")
+
+
+def _sharded_by_fsdp(module: nn.Module) -> bool:
+    """FSDP2's ``fully_shard`` (its class mixes in ``FSDPModule``) or FSDP1's wrapper."""
+    names = {c.__name__ for c in type(module).__mro__}
+    return bool(names & {"FSDPModule", "FullyShardedDataParallel"})
 
 
 class Runtime:
@@ -86,8 +117,9 @@ class Runtime:
 
     def __init__(self, model: nn.Module, optimizer, plan: Plan, observer_kinds=()):
         # What it sits on, and over which ranks (before any collective: a bad device or
-        # timeout is raised on every rank alike).
-        self.model, self.optimizer, self.plan = model, optimizer, plan
+        # timeout is raised on every rank alike). The optimizer is bound at the end, or
+        # when found ([Note: finding the optimizer] in optimizer.py).
+        self.model, self.plan, self.optimizer = model, plan, None
         groups, self.device = _resolve_group(plan.sharding.group, model)
         set_timeout(groups, plan.sharding.timeout)
         comm = Comm(groups.shard, plan.sharding.bucket_size, self.device)
@@ -102,13 +134,13 @@ class Runtime:
         self.rank, self.world, self.backend = comm.rank, comm.world, comm.backend
         self.replica_world = 1 if replicas is None else replicas.world
         # The units, agreed on by every rank, then the observers the caller asked for.
-        units, problems = self._build_units(observer_kinds)
-        self._agree_across_ranks(problems)
+        units, problems = self._build_units(observer_kinds, optimizer)
+        self._agree_across_ranks(problems, optimizer)
         self.units = units
         self.observers = Observers([o for kind in observer_kinds if (o := kind.attach(self))])
         order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
         # Every unit's home (offload/): where its masters and optimizer state live.
-        self.homes = self._make_homes(units, order)
+        self.homes = self._make_homes(units, order, optimizer)
         crosses = any(self.homes.home_of(u) != "device" for u in units if u.slots)
         ctx = RuntimeContext(self.device, plan, groups, comm, replicas, BufferPool(),
                              CopyStreams(self.device, units, crosses, self.observers.timing),
@@ -122,17 +154,86 @@ class Runtime:
         self.shards = Shards(ctx, model, self.homes, self.gatherer)
         self.shards.lay_out(optimizer)
         self.slot_of = {s.param: s for u in units for s in u.slots}   # (after meta's new params)
+        # What an optimizer may hold for each parameter: the whole one, or ZeRO-3's DTensor.
+        self.param_index = {**self.slot_of, **{s.sharded: s for s in self.slot_of.values()
+                                                if s.sharded is not None}}
         visible = VisibleGrads(units, self.mesh, self.placements, ctx.pool)
         landing = Landing(ctx, self.homes, visible, early_steps(ctx, self.homes, optimizer))
         self.reducer = GradReducer(ctx, visible, landing, self.gatherer)
-        self.stepper = Stepper(ctx, optimizer, self.homes, self.shards, self.reducer)
-        self.homes.register_state(optimizer)
-        self.forward = ForwardHooks(ctx, model, self.gatherer, self.reducer.tracker)
+        self.stepper = Stepper(ctx, self.homes, self.shards, self.reducer)
+        self.forward = ForwardHooks(ctx, model, self.gatherer, self.reducer, self.stepper)
         attach(model, self)
+        if optimizer is not None:     # (its problems were agreed on with the plan's)
+            self._bind(optimizer)
+        finder.watch(self)
         announce(self, dist.get_rank())
 
+    # -- the optimizer ---------------------------------------------------------------
+    def bind(self, optimizer, takeover: bool = False) -> None:
+        """Step with ``optimizer`` from now on ([Note: finding the optimizer] in
+        optimizer.py): its problems, agreed on every rank, are raised on every rank before
+        anything changes. Collective: every rank calls it, at the optimizer's first step or
+        a state-dict access. Where another optimizer is bound, ``takeover`` (a new
+        optimizer's first step) lets this one take the parameters over, with fresh state,
+        and retires the other; else it is refused."""
+        if optimizer is self.optimizer:
+            return
+        name = type(optimizer).__name__
+        problems = self._optimizer_problems(optimizer, takeover)
+        gathered = gather((problems, signature(optimizer)), self.group)
+        for rank, (probs, _) in enumerate(gathered):
+            if probs:
+                raise ValueError(f"zerofn cannot step this model with this {name} (rank "
+                                 f"{rank}): " + " ".join(probs))
+        differ = next((r for r, (_, sig) in enumerate(gathered) if sig != gathered[0][1]), None)
+        if differ is not None:
+            raise ValueError(f"zerofn: the ranks' optimizers differ (rank 0: "
+                             f"{gathered[0][1]}, rank {differ}: {gathered[differ][1]}); build "
+                             "the same optimizer on every rank.")
+        old = self.optimizer
+        if old is not None:
+            self._retire(old, optimizer)
+        self._bind(optimizer)
+
+    def _optimizer_problems(self, optimizer, takeover: bool) -> list[str]:
+        """What stops ``optimizer`` stepping this model (checked on every rank)."""
+        problems = check_optimizer(optimizer, self.param_index)
+        problems += overlap_problems(self.plan, optimizer)
+        nvme = any(self.homes.home_of(u) == "nvme" for u in self.units if u.slots)
+        problems += optimizer_problems(self.plan.offload, optimizer, nvme)
+        old = self.optimizer
+        if old is None or problems:
+            return problems
+        binding = self.stepper.binding
+        held = {self.param_index[p] for g in optimizer.param_groups for p in g["params"]}
+        if not takeover:
+            problems.append(f"it is not the {type(old).__name__} that steps this model; "
+                            "pass that one (the optimizer the transform returned, or the "
+                            "one stepped first).")
+        elif not any(binding.holds(s) for s in held):
+            problems.append(f"zerofn steps one optimizer per model, and "
+                            f"{_a(type(old).__name__)} already steps its other parameters; "
+                            "put all of them in one optimizer (param groups may differ).")
+        return problems
+
+    def _retire(self, old, new) -> None:
+        """``new`` takes over from ``old``: ``old``'s state goes (the homes' with it), and
+        stepping ``old`` again raises."""
+        self.prepare_state_dict()
+        self.stepper.binding.retire(VisibleGrads.param_of)
+        self.homes.forget_state()
+        finder.retire(old, f"zerofn: this {type(old).__name__} no longer steps its model: "
+                           f"{_a(type(new).__name__)} built later took its parameters over at "
+                           "its first step (with fresh state, as a new torch.optim optimizer "
+                           "starts). Step that one only.")
+
+    def _bind(self, optimizer) -> None:
+        self.stepper.bind(optimizer, self.param_index)
+        self.optimizer = optimizer
+        finder.bound(optimizer)
+
     # -- set-up ----------------------------------------------------------------------
-    def _build_units(self, observer_kinds):
+    def _build_units(self, observer_kinds, optimizer):
         if meta_state(self.model) is None:
             return [], ["some of the model's parameters are on the meta device and some are "
                         "not; build the whole model under torch.device('meta') (the transforms "
@@ -146,29 +247,28 @@ class Runtime:
             return [], [str(e)]
         compute = plan.precision.param_dtype
         set_dtypes(units, compute, mixed=compute is not None)
-        problems = check_optimizer(self.optimizer, {s.param: s for u in units for s in u.slots})
+        problems = [] if optimizer is None else \
+            check_optimizer(optimizer, {s.param: s for u in units for s in u.slots})
         for kind in observer_kinds:    # [Note: observers]
             problems += kind.preflight(plan, self.device, dist.get_rank(self.group),
                                        dist.get_world_size(self.group))
-        problems += overlap_problems(plan, self.optimizer)
+        problems += overlap_problems(plan, optimizer)
         problems += nonfinite_problems(plan)
         problems += auto_problems(plan.offload, self.device, self.replica_world > 1)
         order = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
-        problems += offload_problems(plan.offload, self.optimizer, units,
+        problems += offload_problems(plan.offload, optimizer, units,
                                      _param_dtypes(units, plan), compute, order)
         return units, problems
 
-    def _signature(self) -> list[str]:
-        lines = self.plan.describe() + [type(self.optimizer).__name__]
+    def _signature(self, optimizer) -> list[str]:
+        lines = self.plan.describe() + ([] if optimizer is None else signature(optimizer))
         lines += [f"{n} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}"
                   for n, p in self.model.named_parameters()]
-        lines += [f"group {i}: {len(g['params'])} params"
-                  for i, g in enumerate(self.optimizer.param_groups)]
         return lines
 
-    def _agree_across_ranks(self, problems: list[str]) -> None:
+    def _agree_across_ranks(self, problems: list[str], optimizer) -> None:
         """One small collective: every rank raises the same error, or none does."""
-        sig = self._signature()
+        sig = self._signature(optimizer)
         digest = hashlib.sha256("\n".join(sig).encode()).hexdigest()
         # A meta-built model is initialized on every rank, not broadcast: the ranks' random
         # generators must agree, or each would keep rows of a different model.
@@ -202,12 +302,13 @@ class Runtime:
                 if ctx.replicas is not None:   # then replica 0's, which has shard rank 0's
                     ctx.replicas.broadcast(local)
 
-    def _make_homes(self, units, order: dict):
+    def _make_homes(self, units, order: dict, optimizer):
         plan = self.plan
         sharded = {u for u in units if plan.stage == 3 and not u.replicated and u.slots}
         per_unit = plan.stage < 3 and len(units) > 1   # (each all-gather overlaps a step)
-        spec = HomeSpec(self.optimizer, plan.offload, plan.precision.reduce_dtype, self.device,
-                        dist.get_rank(), self.observers.timing, _param_dtypes(units, plan))
+        spec = HomeSpec(plan.offload, plan.precision.reduce_dtype, self.device,
+                        dist.get_rank(), self.observers.timing, _param_dtypes(units, plan),
+                        adam=optimizer is None or cpu_adam_steps(optimizer))
         if plan.offload.device is None:
             return make_homes(spec, units, order, sharded, per_unit)
         # Ranks sharing one drive reserve their swap files' space at once: the free space
@@ -252,7 +353,9 @@ class Runtime:
         return out
 
     def model_state_bytes(self) -> dict[str, dict[str, int]]:
-        """``zf.model_state_bytes``, measured (memory.py)."""
+        """``zf.model_state_bytes``, measured (memory.py), after the loop's ``zero_grad``
+        (optimizer.py's [Note: zero_grad without a patch])."""
+        self.stepper.follow_zero_grad()
         return model_state_bytes(self.ctx, self.optimizer, self.homes, self.shards, self.reducer)
 
     def units_on_device(self) -> list:
@@ -336,7 +439,9 @@ class Runtime:
 
     def prepare_state_dict(self) -> None:
         """Bring every home's state into memory (until the next step), so the optimizer's
-        tensors hold values. Every state dict access starts here."""
+        tensors hold values. Every state dict access starts here (after the loop's
+        ``zero_grad``, optimizer.py's [Note: zero_grad without a patch])."""
+        self.stepper.follow_zero_grad()
         self.shards.settle_copies()  # a load may write host rows a copy to the device reads
         if self.gatherer is not None:   # nor may a gather started before the load be used
             self.gatherer.discard_pending()
@@ -350,14 +455,16 @@ class Runtime:
         self.shards.settle_copies()   # NVMe's materialized rows are let go at the next step
 
     def init_optimizer_state(self) -> None:
-        """Create the optimizer's state (a zero step) where it has none yet, so a load
-        has tensors to load into."""
-        self.stepper.wiring.init_state()
+        """Create the bound optimizer's state (a zero step) where it has none yet, so a
+        load has tensors to load into."""
+        if self.stepper.binding is not None:
+            self.stepper.binding.init_state()
 
     def forget_made_state(self, loaded: set) -> None:
         """After a load: drop the state ``init_optimizer_state`` made where the checkpoint
         held none (``loaded``: the optimizer's params it held state for)."""
-        self.stepper.wiring.forget_made_state(loaded)
+        if self.stepper.binding is not None:
+            self.stepper.binding.forget_made_state(loaded)
 
     # -- teardown ----------------------------------------------------------------------
     def restore(self) -> None:
@@ -377,11 +484,19 @@ class Runtime:
                     module._parameters[name] = s.param
         slot_of_opt = {s.opt_param: s for s in self.slot_of.values()}
         # Optimizer state goes where torch.optim keeps it: with the parameter.
-        self.stepper.wiring.restore(
-            lambda shard, v: self.full_tensor(slot_of_opt[shard], v, self.device)
-            if torch.is_tensor(v) and v.shape == shard.shape and v.dim() > 0 else v)
+        if self.stepper.binding is not None:
+            self.stepper.binding.restore(
+                lambda shard, v: self.full_tensor(slot_of_opt[shard], v, self.device)
+                if torch.is_tensor(v) and v.shape == shard.shape and v.dim() > 0 else v)
+            finder.unbound(self.optimizer)
+        finder.forget(self)
         detach(self.model)
         self.ctx.pool.clear()
+
+
+def _a(name: str) -> str:
+    """``"an AdamW"``, ``"a SGD"``: the class name with its article."""
+    return ("an " if name[:1].upper() in "AEIOU" else "a ") + name
 
 
 def _param_dtypes(units, plan) -> dict:

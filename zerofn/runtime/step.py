@@ -147,7 +147,7 @@ class StepGrads:
         self._found: torch.Tensor | None = None    # this rank's inf/nan verdict, scaled loss
         self._refused: str | None = None     # an edit of p.grad this rank cannot honour
         # [Note: deferred scaling]: the factor the step's gradients still need.
-        self.deferred = homes.cpu_adam
+        self.deferred = homes.defers_scaling
         self.grad_scale = 1.0
         self._stats: tuple[torch.Tensor, torch.Tensor] | None = None   # deferred_stats()
         self._landed: set[ParamSlot] = set()    # slots whose rows the step reads on the host

@@ -5,7 +5,8 @@ home steps its rows (homes.step: the device's with the user's optimizer, the hos
 zerofn's CPU Adam, the swap file's streamed), each unit's updated rows sent back to the
 compute parameters as soon as the unit is done; the user's own ``step()`` then finds no
 gradient left and does nothing. ``after_step`` (the post-hook) updates the loss scale,
-waits for the updated rows' all-gathers, and places ratio="auto"'s units once.
+waits for the updated rows' all-gathers, and places ratio="auto"'s units once. Both are
+torch's own step hooks on the optimizer, registered when it is bound (optimizer.py).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from ..core.plan import Plan
 from .clip import clip_grads
 from .early_step import EarlySteps
-from .optimizer import OptimizerWiring
+from .optimizer import OptimizerBinding
 from .placement import AutoPlacement
 from .precision import LossScaler
 from .step import StepGrads
@@ -22,34 +23,44 @@ from .step import StepGrads
 
 class Stepper:
     """The step's parts and the two step hooks (see the module note): the step's
-    gradients and verdict (``grads``), fp16's loss ``scaler``, ratio="auto"'s
-    ``placement``, and the wiring of the user's optimizer (``wiring``), whose step hooks
-    call ``before_step`` and ``after_step``.
+    gradients and verdict (``grads``), fp16's loss ``scaler``, and, once an optimizer is
+    bound (``bind``), ratio="auto"'s ``placement`` and the binding of the optimizer
+    (``binding``), whose step hooks call ``before_step`` and ``after_step``.
 
     Args:
-        optimizer: the user's optimizer (rewired here).
         homes: the units' homes, which step their rows (offload/).
         shards: refreshes compute rows from the updated masters (shards.py).
         reducer: whose shards the gradients are, with the step's landing (grads.py).
     """
 
-    def __init__(self, ctx, optimizer, homes, shards, reducer):
-        self.ctx, self.optimizer, self.homes, self.shards = ctx, optimizer, homes, shards
+    def __init__(self, ctx, homes, shards, reducer):
+        self.ctx, self.homes, self.shards = ctx, homes, shards
         self.scaler = loss_scaler(ctx.plan)
         self.grads = StepGrads(ctx, reducer, reducer.landing, self.scaler, homes)
         self.early = reducer.landing.early
-        # [Note: placing by the first step] (placement.py)
-        self.placement = AutoPlacement(ctx, homes, optimizer) \
-            if ctx.plan.offload.ratio == "auto" and ctx.plan.offload.device else None
-        slot_of = {s.param: s for u in ctx.units for s in u.slots}
         self.reducer = reducer
-        self.wiring = OptimizerWiring(optimizer, slot_of, self, ctx.observers)
+        self.optimizer = None
+        self.binding: OptimizerBinding | None = None
+        self.placement: AutoPlacement | None = None
         self._stepped = False    # the homes stepped this step (not skipped)
+
+    def bind(self, optimizer, slot_of: dict) -> None:
+        """Step with ``optimizer`` from now on (its problems were agreed on already): its
+        groups hold the shards first, then the homes give it their state."""
+        self.binding = OptimizerBinding(optimizer, slot_of, self, self.ctx.observers)
+        self.homes.bind(optimizer)
+        self.optimizer = optimizer
+        # [Note: placing by the first step] (placement.py)
+        if self.ctx.plan.offload.ratio == "auto" and self.ctx.plan.offload.device:
+            self.placement = AutoPlacement(self.ctx, self.homes, optimizer)
 
     def before_step(self) -> None:
         skip = self.grads.settle()
         self.shards.settle_copies()   # the step rewrites host rows the last copies read
         self._stepped = not skip
+        # [Note: zero_grad without a patch] (optimizer.py): the optimizer, run by a home
+        # below and by its own step next, must find no gradient but those zerofn gives it.
+        self.reducer.visible.unmark()
         if not skip:
             # Each unit's updated rows head back as soon as its home is done with it,
             # overlapping the step of the next one; a home that steps with zerofn's CPU
@@ -75,11 +86,26 @@ class Stepper:
         if self.placement is not None and not skipped:
             self.placement.after_step()     # ratio="auto", once: placement.py
         self.grads.number += 1
+        self.reducer.visible.mark()
         self.ctx.observers.step_done()
 
     def set_step(self, step: int) -> None:
         """The next optimizer step is number ``step`` (what the non-finite guard names)."""
         self.grads.number = step
+
+    def follow_zero_grad(self) -> None:
+        """At a forward: where the loop's ``zero_grad`` took the optimizer's markers off
+        (optimizer.py's [Note: zero_grad without a patch]), the reduced rows start over:
+        all of them, or the parameters it reached."""
+        visible = self.reducer.visible
+        cleared = visible.loop_cleared()
+        if not cleared:
+            return
+        if cleared >= visible.marked():
+            self.zero_grad()
+        else:
+            self.reducer.zero_rows(cleared)
+            visible.forget(cleared)
 
     def zero_grad(self) -> None:
         """``optimizer.zero_grad()`` (and the model's): the reduced shards start over."""
@@ -94,7 +120,7 @@ class Stepper:
         return total
 
     def restore(self) -> None:
-        """Undo the wiring: the optimizer's full parameters and state come back."""
+        """Before undoing the binding: nothing of the step's stays."""
         self.grads.prepare()
         self.grads.release()
 

@@ -17,7 +17,7 @@ class RuntimeView(Protocol):
 
     # what it sits on, and over which ranks
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None    # None until one is bound
     plan: object                # core/plan.py's Plan
     device: torch.device
     group: object               # every rank of the layout (HSDP: both mesh dims)
@@ -34,6 +34,7 @@ class RuntimeView(Protocol):
     # the step
     scaler: object              # fp16's LossScaler, or None
 
+    def bind(self, optimizer, takeover: bool = False) -> None: ...
     def step_skipped(self) -> bool: ...
     def loss_scale(self) -> float | None: ...
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,

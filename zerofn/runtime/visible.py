@@ -39,6 +39,16 @@ The view is withdrawn at ``zero_grad`` and, for a parameter autograd accumulates
 whole one: ZeRO-1/2, ZeRO-3's persistent ones), when the next backward reaches it: a hook
 that runs before the accumulation gives autograd back the parameter's own ``.grad`` (None),
 so micro-batches accumulate as before.
+
+[Note: the optimizer's markers] The optimizer steps each parameter's rows (``opt_param``),
+not the model's parameter, so its ``zero_grad`` never reaches ``p.grad``. While the rows are
+shown, each ``opt_param.grad`` is a marker instead: a tensor of its shape backed by one
+element. torch's ``zero_grad`` takes it off (``set_to_none``) or zeroes it in place, which
+bumps its version counter; either is read as the loop's ``zero_grad`` of that parameter,
+with no read of the device: at the step (``fold``: no gradient, as torch.optim skips a
+parameter whose ``.grad`` is None) and at the next forward (``loop_cleared``: the reduction
+starts over). The markers are off while zerofn's step runs the optimizer (``unmark``, then
+``mark``), so it steps only the rows zerofn gives it.
 """
 from __future__ import annotations
 
@@ -72,6 +82,10 @@ class VisibleGrads:
         self._prints: dict[Unit, torch.Tensor] = {}    # watched unit -> its rows' fingerprint
         self._watched: set[Unit] = set()   # units whose rows backward copied elsewhere
         self._shards: dict = {}    # the reducer's shards, as ``show`` was given them
+        # [Note: the optimizer's markers]: slot -> (marker, its version when set)
+        self._markers: dict[ParamSlot, tuple[torch.Tensor, int]] = {}
+        self._cleared: set[ParamSlot] = set()   # marked slots the loop's zero_grad reached
+        self._made: dict[ParamSlot, torch.Tensor] = {}   # each slot's marker, made once
         mine = weakref.ref(self)
         # [Note: gradients as a loop sees them]: autograd accumulates into whole parameters.
         self._hooks = [s.param.register_hook(functools.partial(_before_accumulation, mine, s))
@@ -106,12 +120,14 @@ class VisibleGrads:
                 grad = s.as_dtensor(s.shard_of(rows), self.mesh, self.placements)
                 self.param_of(s).grad = grad
                 self.shown[s] = grad
+                self._markers[s] = (self._marker(s), 0)
+        self.mark()
 
     def fold(self) -> tuple[set[Unit], set[ParamSlot]]:
         """What the loop did to the shown gradients since ``show``, made part of the rows
         the step reads. Returns the units whose rows changed, and the slots
         whose ``.grad`` the loop set to None. Idempotent: a second call finds nothing new."""
-        changed, dropped = set(), set()
+        changed, dropped = set(), self.loop_cleared()
         for unit, rows in self._rows.items():
             replaced = False
             for s in unit.trainable:
@@ -127,6 +143,49 @@ class VisibleGrads:
                     self._shards[unit].copy_(rows)
                 changed.add(unit)
         return changed, dropped
+
+    def loop_cleared(self) -> set[ParamSlot]:
+        """The marked slots whose marker the loop's ``zero_grad`` took off or zeroed, so
+        far ([Note: the optimizer's markers])."""
+        for s, (marker, version) in self._markers.items():
+            if s not in self._cleared and (s.opt_param.grad is not marker
+                                           or marker._version != version):
+                self._cleared.add(s)
+        return set(self._cleared)
+
+    def _marker(self, slot: ParamSlot) -> torch.Tensor:
+        """The slot's marker: made once (on a GPU each would cost a kernel a step), again
+        only where its rows moved (ratio="auto" moves them to the device)."""
+        t = slot.opt_param
+        marker = self._made.get(slot)
+        if marker is None or (marker.device, marker.dtype, marker.shape) != \
+                (t.device, t.dtype, t.shape):
+            marker = torch.ones((), dtype=t.dtype, device=t.device).expand(t.shape)
+            self._made[slot] = marker
+        return marker
+
+    def marked(self) -> set[ParamSlot]:
+        return set(self._markers)
+
+    def forget(self, slots) -> None:
+        """``slots``' rows started over (the loop cleared them): no marker stands for them."""
+        for s in slots:
+            self._markers.pop(s, None)
+            self._cleared.discard(s)
+
+    def unmark(self) -> None:
+        """Take the markers off: the optimizer is about to step (the loop's clearing was
+        read at ``fold``)."""
+        for s, (marker, _) in self._markers.items():
+            if s.opt_param.grad is marker:
+                s.opt_param.grad = None
+
+    def mark(self) -> None:
+        """Put the markers (back) on, where the loop has not cleared them."""
+        for s, (marker, _) in self._markers.items():
+            if s not in self._cleared:
+                s.opt_param.grad = marker
+                self._markers[s] = (marker, marker._version)
 
     def _edited(self, unit: Unit, rows: torch.Tensor) -> bool:
         """Whether a fingerprinted unit's rows changed since the last look."""
@@ -144,6 +203,9 @@ class VisibleGrads:
             self.fold()
         for s in self.shown:
             self.param_of(s).grad = None
+        self.unmark()
+        self._markers.clear()
+        self._cleared.clear()
         for copy in self._copies.values():
             self.pool.give(copy)
         self.shown.clear()

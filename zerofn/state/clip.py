@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from ..runtime import runtime_of
+from .plain import clip_grad_norm_ as clip_plain, plain_model
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
@@ -17,7 +18,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     step's Adam kernel (runtime/step.py, [Note: deferred scaling]).
 
     Args:
-        model: a model transformed by zerofn.
+        model: a model transformed by zerofn (or ``zf.auto``'s stage 0: DDP's, whose
+            reduced gradients torch's own clip takes).
         max_norm: the largest global norm the gradients may have.
         norm_type: the norm's order (``float("inf")`` for the largest magnitude).
         error_if_nonfinite: raise if the total norm is inf or nan.
@@ -30,4 +32,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         >>> zf.clip_grad_norm_(model, 1.0)
         >>> opt.step()
     """
+    if plain_model(model) is not None:
+        return clip_plain(model, max_norm, float(norm_type), error_if_nonfinite)
     return runtime_of(model).clip_grad_norm(max_norm, float(norm_type), error_if_nonfinite)

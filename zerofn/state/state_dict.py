@@ -20,6 +20,7 @@ from ..core.units import ParamSlot
 from ..runtime import runtime_of
 from ..runtime.agree import agree_or_raise
 from ..runtime.optimizer import SCALER_KEY
+from . import plain
 from .hooks import module_state, take_state
 
 
@@ -39,7 +40,9 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: 
     ``step``) stays where torch.optim wants it.
 
     Args:
-        model, optimizer: what a zerofn transform returned.
+        model, optimizer: what a zerofn transform returned (or, as ``zf.auto`` returns its
+            stage 0, a DDP model or one on a single rank: torch's own state dict, plain
+            replicated tensors, in the same names; plain.py).
         full: plain full tensors (a gather) rather than Shard(0) DTensors over zerofn's own
             buffers.
         device: where the full tensors go (None: where each lies).
@@ -47,9 +50,12 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: 
     Example:
         >>> msd, osd = zf.get_state_dict(model, opt, full=True, device="cuda")
     """
-    rt = runtime_of(model)
-    _check_optimizer(rt, optimizer)
     _check_device(full, device)
+    if plain.plain_model(model) is not None:
+        return plain.get_state_dict(model, optimizer, full, device)
+    rt = runtime_of(model)
+    model = rt.model     # (the module itself, where torch.compile wraps it)
+    _check_optimizer(rt, optimizer)
     rt.prepare_state_dict()
     rt.init_optimizer_state()
     return (get_model_state_dict(model, full=full, device=device),
@@ -62,8 +68,11 @@ def get_model_state_dict(model: nn.Module, *, full: bool = False, device=None) -
     The model's own ``state_dict()`` makes it, its hooks included (hooks.py), over the
     masters: the keys are the ones the hooks give, the values never the compute copies.
     """
-    rt = runtime_of(model)
     _check_device(full, device)
+    if plain.plain_model(model) is not None:
+        return plain.get_model_state_dict(model, full, device)
+    rt = runtime_of(model)
+    model = rt.model     # (the module itself, where torch.compile wraps it)
     rt.prepare_state_dict()
     if full:
         msd = module_state(rt, model, lambda s: rt.full_tensor(s, s.opt_param.detach(), device))
@@ -83,7 +92,10 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sta
                    optim_state_dict: dict) -> None:
     """Load state in ``get_state_dict``'s format (sharded DTensors of any world size, or
     full tensors) into a zerofn model and optimizer. Call on every rank."""
+    if plain.plain_model(model) is not None:
+        return plain.set_state_dict(model, optimizer, model_state_dict, optim_state_dict)
     rt = runtime_of(model)
+    model = rt.model     # (the module itself, where torch.compile wraps it)
     _check_optimizer(rt, optimizer)
     set_model_state_dict(model, model_state_dict)
     _load_optim_state(rt, optimizer, optim_state_dict)
@@ -95,7 +107,10 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict) -> None:
     The model's own ``load_state_dict()`` reads it, its hooks included (hooks.py): a hook
     may merge or rename keys. Nothing is written unless every rank's state dict fits.
     """
+    if plain.plain_model(model) is not None:
+        return plain.set_model_state_dict(model, model_state_dict)
     rt = runtime_of(model)
+    model = rt.model     # (the module itself, where torch.compile wraps it)
     rt.prepare_state_dict()
     try:
         taken, problems = take_state(rt, model, model_state_dict), []
@@ -157,9 +172,9 @@ def _local_value(rt, slot: ParamSlot, value) -> torch.Tensor:
 
 
 def _check_optimizer(rt, optimizer) -> None:
-    if optimizer is not rt.optimizer:
-        raise ValueError("This optimizer is not the one zerofn transformed with this model; "
-                         "pass the optimizer the transform returned.")
+    """The optimizer that steps the model: bound now where none is yet (an optimizer built
+    after the transform), refused where another one steps it. Collective."""
+    rt.bind(optimizer)
 
 
 def _is_sharded_state(slot: ParamSlot, value) -> bool:

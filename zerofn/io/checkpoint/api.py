@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ...runtime import runtime_of
+from ...state.plain import group_of as plain_group, plain_model
 from ...state.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 from . import extras, layout, verify
 from .checksums import ChecksumWriter
@@ -120,6 +121,8 @@ def _watched(phase: str):
     def wrap(fn):
         @functools.wraps(fn)
         def call(path, model, *args, **kwargs):
+            if plain_model(model) is not None:     # (no runtime: nothing watches)
+                return fn(path, model, *args, **kwargs)
             return runtime_of(model).in_phase(phase, fn, path, model, *args, **kwargs)
         return call
     return wrap
@@ -147,11 +150,12 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     wait_for_checkpoint()
     if keep is not None and keep < 1:
         raise ValueError(f"keep={keep}: keep at least the checkpoint being written (keep >= 1).")
-    group = runtime_of(model).group    # every rank (HSDP: both mesh dims)
+    group = _group(model)
     root, name = os.fspath(path), layout.step_name(step)
     tmp, final = layout.unfinished(root, name), os.path.join(root, name)
     msd, osd = get_state_dict(model, optimizer)
-    narrowed(runtime_of(model), msd, osd)     # state offload keeps in bf16, in bf16
+    if plain_model(model) is None:
+        narrowed(runtime_of(model), msd, osd)     # state offload keeps in bf16, in bf16
     blobs = extras.blobs({"step": step, **extra}, dist.get_rank(group))
     if dist.get_rank(group) == 0:
         layout.clear_unfinished(root)
@@ -171,6 +175,11 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
         return final
     background().start(state, tmp, group, finish, final)
     return final
+
+
+def _group(model):
+    """Every rank the model's state is spread over (HSDP: both mesh dims)."""
+    return plain_group(model) if plain_model(model) is not None else runtime_of(model).group
 
 
 def wait_for_checkpoint() -> str | None:
@@ -214,8 +223,7 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
         >>> start = state["step"] if state else 0
     """
     wait_for_checkpoint()
-    rt = runtime_of(model)
-    group = rt.group
+    group = _group(model)
     ckpt = verify.resolve_on_rank0(os.fspath(path), group)
     if ckpt is None:
         return None

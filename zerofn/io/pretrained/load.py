@@ -54,6 +54,7 @@ def load_pretrained(model: nn.Module, path, *, rename=None, strict: bool = True)
         >>> zerofn.load_pretrained(model, "llama-dir", rename=lambda k: k.removeprefix("base."))
     """
     rt = runtime_of(model)
+    model = rt.model     # (the module itself, where torch.compile wraps it)
     rt.prepare_state_dict()
     with contextlib.ExitStack() as files:
         what = f"load_pretrained({os.fspath(path)!r}) failed"

@@ -65,6 +65,7 @@ def save_pretrained(model: nn.Module, directory, *, max_shard_size="5GB", dtype=
         >>> transformers.AutoModelForCausalLM.from_pretrained("out/llama")
     """
     rt = runtime_of(model)
+    model = rt.model     # (the module itself, where torch.compile wraps it)
     limit = _shard_bytes(max_shard_size)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"save_pretrained(dtype={dtype!r}): pass a floating torch dtype or None.")

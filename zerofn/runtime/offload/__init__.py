@@ -18,26 +18,52 @@ from .tiers import in_parameter_order, placement_problems, tiers_of
 
 __all__ = ["ALIGN", "DeviceHome", "FlatBuffers", "Home", "HomeSpec", "Homes", "HostArena", "HostHome",
            "LowpHostHome", "NvmeHome", "auto_problems", "cpu_adam_steps", "form_of",
-           "HostCosts", "in_parameter_order", "make_homes", "offload_problems"]
+           "HostCosts", "in_parameter_order", "make_homes", "offload_problems",
+           "optimizer_problems"]
 
 
 def offload_problems(policy, optimizer, units, param_dtypes: dict, compute_dtype,
                      order: dict) -> list[str]:
     """What stops the offload ``policy`` asks for: checked on every rank before any
-    collective. ``order``: the model's parameters' indices (which units stay, tiers.py)."""
-    problems = lowp_problems(policy, optimizer, units, compute_dtype)
+    collective. ``order``: the model's parameters' indices (which units stay, tiers.py).
+    ``optimizer``: where the transform was given one (else None: ``optimizer_problems``
+    checks it once it is found)."""
+    problems = lowp_problems(policy, units, compute_dtype)
     problems += placement_problems(units, policy)
     if problems or policy.device is None:
         return problems
+    cpu_adam = optimizer is None or cpu_adam_steps(optimizer)
     try:
-        tiers = tiers_of(units, policy, order, HostCosts(policy, optimizer))
+        tiers = tiers_of(units, policy, order, HostCosts(policy, cpu_adam))
     except ValueError as e:
         return problems + [str(e)]
     swapped = [u for u in units if tiers[u] == "nvme"]
-    if swapped:
+    if optimizer is not None:
+        problems += optimizer_problems(policy, optimizer, bool(swapped))
+    if swapped and not problems:
         problems += nvme_problems(policy.path, swap_bytes(swapped, param_dtypes, form_of(policy)),
-                                  optimizer, swapped)
+                                  swapped)
     return problems
+
+
+def optimizer_problems(policy, optimizer, swapped: bool) -> list[str]:
+    """What ``optimizer`` cannot do under the offload ``policy``: state in fewer bits, and
+    the swap file (``swapped``: some unit lives there), are Adam's, which zerofn's CPU Adam
+    steps."""
+    if policy.device is None or cpu_adam_steps(optimizer):
+        return []
+    name = type(optimizer).__name__
+    lowp = [f"{n}={v}" for n, v in (("state_dtype", policy.state_dtype),
+                                     ("master_dtype", policy.master_dtype))
+            if v != torch.float32]
+    if lowp:
+        return [f"offload({', '.join(lowp)}) stores Adam's state, which zerofn's CPU Adam "
+                f"steps: use torch.optim.Adam, AdamW or zerofn.optim.CPUAdam (without "
+                f"amsgrad), not {name}, or leave the dtypes at fp32."]
+    if swapped:
+        return [f"offload('nvme') steps Adam and AdamW only (got {name}); use "
+                "offload('cpu') for other optimizers."]
+    return []
 
 
 def form_of(policy) -> StoredForm:
@@ -46,16 +72,17 @@ def form_of(policy) -> StoredForm:
 
 
 class HostCosts:
-    """What units cost in host memory under ``policy`` with ``optimizer``, for ratio="auto"'s
-    ``host_budget`` (tiers.py): a unit on the host holds its stored state (masters and Adam's
-    moments in their stored form; masters alone for another optimizer, which makes its own
-    state elsewhere) and, where the compute dtype is not the masters', a copy of its rows;
-    every offloaded unit's gradients land in a host buffer; and once any unit is in the
-    swap file, its staging ring holds ``units_in_flight`` of the largest block."""
+    """What units cost in host memory under ``policy``, for ratio="auto"'s ``host_budget``
+    (tiers.py): a unit on the host holds its stored state (masters and Adam's moments in
+    their stored form where zerofn's CPU Adam steps, ``cpu_adam``; masters alone for
+    another optimizer, which makes its own state elsewhere) and, where the compute dtype is
+    not the masters', a copy of its rows; every offloaded unit's gradients land in a host
+    buffer; and once any unit is in the swap file, its staging ring holds
+    ``units_in_flight`` of the largest block."""
 
-    def __init__(self, policy, optimizer):
+    def __init__(self, policy, cpu_adam: bool):
         self.form, self.in_flight = form_of(policy), policy.units_in_flight
-        self.cpu_adam = cpu_adam_steps(optimizer)
+        self.cpu_adam = cpu_adam
 
     def on_host(self, unit) -> int:
         """The unit's state and rows on the host (its landing buffer is ``landing``)."""
@@ -91,9 +118,9 @@ def auto_problems(policy, device, replicated: bool) -> list[str]:
     return [f"offload(ratio='auto'): {w}." for w in why]
 
 
-def lowp_problems(policy, optimizer, units, compute_dtype) -> list[str]:
+def lowp_problems(policy, units, compute_dtype) -> list[str]:
     """Low-precision offloaded state is stepped by zerofn's CPU Adam from fp32 masters'
-    values."""
+    values (which optimizer steps is ``optimizer_problems``')."""
     asked = [f"{name}={value}" for name, value in (("state_dtype", policy.state_dtype),
                                                   ("master_dtype", policy.master_dtype))
              if value != torch.float32]
@@ -101,10 +128,6 @@ def lowp_problems(policy, optimizer, units, compute_dtype) -> list[str]:
         return []
     what = f"offload({', '.join(asked)})"
     problems = []
-    if not cpu_adam_steps(optimizer):
-        problems.append(f"{what} stores Adam's state, which zerofn's CPU Adam steps: use "
-                        f"torch.optim.Adam, AdamW or zerofn.optim.CPUAdam (without amsgrad), "
-                        f"not {type(optimizer).__name__}, or leave the dtypes at fp32.")
     if any(u.master_dtype not in (None, torch.float32) for u in units):
         problems.append(f"{what} needs fp32 masters (their values): add "
                         "zf.mixed_precision(torch.bfloat16), whose masters are fp32 whatever "
@@ -120,7 +143,7 @@ def make_homes(spec: HomeSpec, units, order: dict, sharded, per_unit: bool) -> H
     one home, or ``Homes`` over several. ``order``: parameter name -> index in the model;
     ``sharded``: ZeRO-3's sharded units; ``per_unit``: the device steps one unit at a time."""
     policy = spec.policy
-    tiers = tiers_of(units, policy, order, HostCosts(policy, spec.optimizer))
+    tiers = tiers_of(units, policy, order, HostCosts(policy, spec.adam))
     of = {t: [u for u in units if u.slots and tiers[u] == t] for t in ("device", "host", "nvme")}
     # (a device home exists under ratio="auto" even empty: units move into it)
     empty_device = policy.ratio == "auto" or not any(of.values())

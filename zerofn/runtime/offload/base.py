@@ -8,13 +8,16 @@ to the unit's own where several share a model. The runtime talks to it only thro
 ``Home``: no caller asks which kind it holds, so a new placement is a new class, not new
 branches; "no offload" is the device home, not the absence of one.
 
-Lifetime, per runtime: built at set-up from the units; ``place_masters`` takes each unit's
-initial rows once (and ``param_shard`` its ZeRO-3 compute shard under ``params=True``);
-``register_state`` hands the optimizer its state tensors; then every step lands the
-gradients the home takes during backward in ``grads`` and calls ``step``, which gives each
-unit's updated compute rows to the runtime as soon as the unit is done. ``materialize``
-makes the state readable for a state-dict access until the next step; ``recast`` follows
-masters changed outside a step.
+Lifetime, per runtime: built at set-up from the units and the offload policy, before any
+optimizer is known; ``place_masters`` takes each unit's initial rows once (and
+``param_shard`` its ZeRO-3 compute shard under ``params=True``). ``bind`` is given the
+optimizer when the runtime finds it (at set-up where the transform was given it, else at
+its first step or state-dict access): the optimizer chooses the kernel that steps and the
+state it needs, never the layout, so what backward does before then is the same either
+way. Then every step lands the gradients the home takes during backward in ``grads`` and
+calls ``step``, which gives each unit's updated compute rows to the runtime as soon as the
+unit is done. ``materialize`` makes the state readable for a state-dict access until the
+next step; ``recast`` follows masters changed outside a step.
 """
 from __future__ import annotations
 
@@ -104,26 +107,28 @@ def decoupled_weight_decay(optimizer) -> bool:
 
 @dataclass(frozen=True)
 class HomeSpec:
-    """What every home is built from: the optimizer it steps for, the offload policy (how
-    its state is stored, where the swap file goes), the device, the global rank (which
-    names a swap file: HSDP's replicas share shard ranks), the timing its work fills, and
-    ZeRO-3 ``params=True``'s compute dtype per unit whose shard a home holds."""
+    """What every home is built from: the offload policy (how its state is stored, where
+    the swap file goes), the device, the global rank (which names a swap file: HSDP's
+    replicas share shard ranks), the timing its work fills, and ZeRO-3 ``params=True``'s
+    compute dtype per unit whose shard a home holds. Not the optimizer: homes are laid out
+    before it is known (the module note); ``adam`` says whether the one the transform was
+    given (if any) has its state stepped by zerofn's CPU Adam, which ratio="auto"'s host
+    budget counts (assumed where none was given)."""
 
-    optimizer: torch.optim.Optimizer
     policy: object                  # core/plan.py's OffloadPolicy
     reduce_dtype: torch.dtype | None
     device: torch.device
     rank: int = 0
     timing: object = UNTIMED
     param_dtypes: dict = field(default_factory=dict)
+    adam: bool = True
 
     def grad_dtype(self, unit: Unit) -> torch.dtype:
-        """What a unit's gradients land in off the device: the reduce dtype where zerofn's
-        CPU Adam reads them (scaled fp16 too: it unscales as it reads, step.py's [Note:
-        deferred scaling]); the masters' where torch.optim steps them."""
-        if cpu_adam_steps(self.optimizer):
-            return self.reduce_dtype or unit.compute_dtype
-        return unit.master_dtype
+        """What a unit's gradients land in off the device: the reduce dtype, scaled fp16
+        too. Whatever steps them reads them so and unscales as it reads (step.py's [Note:
+        deferred scaling]): zerofn's CPU Adam in its kernel, another optimizer as the host
+        casts them to the masters' dtype (host.py)."""
+        return self.reduce_dtype or unit.compute_dtype
 
 
 class Home(abc.ABC):
@@ -133,8 +138,11 @@ class Home(abc.ABC):
     Attributes:
         grads: ``{unit: buffer}`` the unit's reduced gradient rows land in during backward
             (off the device); a unit not in it keeps them on the device until the step.
-        cpu_adam: zerofn's CPU Adam steps (step.py then defers unscaling and clipping to
-            its kernel); else the user's torch.optim optimizer steps the masters.
+        defers_scaling: the step multiplies gradients by the unscale factor and the clip
+            coefficient as it reads them (step.py's [Note: deferred scaling]): every home
+            off the device, whatever optimizer it is bound to.
+        cpu_adam: zerofn's CPU Adam steps; else the user's torch.optim optimizer steps the
+            masters (known once bound).
         param_reader: ZeRO-3 parameter shards read ahead of their gathers (``take(unit)``)
             where they live in a file, else None.
         time_series: the monitor's series this offload's work fills.
@@ -144,7 +152,8 @@ class Home(abc.ABC):
     tier = "host"        # where its state lives: "device", "host" or "nvme"
     units: list          # the units it holds
     grads: dict
-    cpu_adam: bool
+    defers_scaling = True
+    cpu_adam = False
     param_reader = None
     ring = None          # ring.py's HostRing, where gradients and rows cross through one
     time_series: tuple[str, ...] = ()
@@ -164,8 +173,10 @@ class Home(abc.ABC):
         """ZeRO-3 ``params=True``: the unit's compute shard in ``dtype``, held here."""
 
     @abc.abstractmethod
-    def register_state(self, optimizer) -> None:
-        """Give the optimizer its state tensors, so its state dict is the usual one."""
+    def bind(self, optimizer) -> None:
+        """The optimizer that steps these units, found: choose the kernel that steps them,
+        make the state it needs, and give the optimizer its state tensors, so its state
+        dict is the usual one (state it already holds, e.g. loaded, moves in)."""
 
     @abc.abstractmethod
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
@@ -187,7 +198,13 @@ class Home(abc.ABC):
         """Masters changed outside a step (set-up, a load): compute copies follow."""
 
     def materialize(self, optimizer) -> None:
-        """Make every state tensor readable in memory until the next step (state dicts)."""
+        """Make every state tensor readable in memory until the next step (state dicts);
+        ``optimizer`` None (none bound yet): the masters alone."""
+
+    def forget_state(self) -> None:
+        """Another optimizer takes the units over: the optimizer state it will see starts
+        afresh (the masters stay). Where the user's optimizer keeps its own, it goes with
+        the optimizer retired."""
 
     def compute_copies(self) -> list[torch.Tensor]:
         """Host copies of the rows in the compute dtype (model state, for accounting)."""

@@ -36,11 +36,11 @@ class DeviceHome(Home):
     """
 
     tier = "device"
+    defers_scaling = False     # (the step's gradients are unscaled in place here)
 
     def __init__(self, units, spec: HomeSpec, sharded=(), per_unit: bool = False):
         self.units, self.per_unit = list(units), per_unit
         self.device, self.timing = spec.device, spec.timing
-        self.cpu_adam = False        # the user's optimizer steps here
         self.grads: dict = {}        # (the step reads the reduced rows where they lie)
         flat = {u: (u.master_dtype, u.shard_numel) for u in self.units
                 if u.slots and (u in sharded or u.compute_dtype != u.master_dtype)}
@@ -69,8 +69,9 @@ class DeviceHome(Home):
         self.shards[unit] = shard
         return shard
 
-    def register_state(self, optimizer) -> None:
-        """The optimizer makes its own state, next to the masters, at its first step."""
+    def bind(self, optimizer) -> None:
+        """The user's optimizer steps here, and makes its own state, next to the masters, at
+        its first step."""
 
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
              copies=None, early=None) -> None:

@@ -27,12 +27,19 @@ class Homes(Home):
         self.part_of = {u: p for p in self.parts for u in p.units}
         self.units = [u for p in self.parts for u in p.units]
         self.grads = {u: g for p in self.parts for u, g in p.grads.items()}
-        self.cpu_adam = any(p.cpu_adam for p in self.parts)
+        self.defers_scaling = any(p.defers_scaling for p in self.parts)
         self.ring = next((p.ring for p in self.parts if p.ring is not None), None)
         self.param_reader = next((p.param_reader for p in self.parts
                                   if p.param_reader is not None), None)
-        self.time_series = tuple(dict.fromkeys(t for p in self.parts for t in p.time_series))
         self.timing = self.parts[0].timing
+
+    @property
+    def cpu_adam(self) -> bool:
+        return any(p.cpu_adam for p in self.parts)
+
+    @property
+    def time_series(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(t for p in self.parts for t in p.time_series))
 
     def _of(self, unit: Unit) -> Home:
         return self.part_of[unit]
@@ -69,9 +76,9 @@ class Homes(Home):
     def arenas(self) -> list:
         return [a for p in self.parts for a in p.arenas()]
 
-    def register_state(self, optimizer) -> None:
+    def bind(self, optimizer) -> None:
         for p in self.parts:
-            p.register_state(optimizer)
+            p.bind(optimizer)
 
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
              copies=None, early=None) -> None:
@@ -85,6 +92,10 @@ class Homes(Home):
     def materialize(self, optimizer) -> None:
         for p in self.parts:
             p.materialize(optimizer)
+
+    def forget_state(self) -> None:
+        for p in self.parts:
+            p.forget_state()
 
     def compute_copies(self) -> list[torch.Tensor]:
         return [t for p in self.parts for t in p.compute_copies()]

@@ -11,7 +11,14 @@ For Adam and AdamW the step runs in ``zerofn.optim.adam_step`` over each paramet
 of the unit's flat buffers (fp32 masters; a unit of another dtype steps as torch.optim's
 own Adam does, in its dtype); their views are registered as the optimizer's own state
 (``step``, ``exp_avg``, ``exp_avg_sq``), so state dicts see nothing different. Any other
-torch.optim optimizer steps the host masters itself.
+torch.optim optimizer steps the host masters itself, a unit at a time, from the unit's
+gradients cast to the masters' dtype.
+
+[Note: the layout before the optimizer] The masters, the gradients' landing buffers (in
+the reduce dtype, whatever steps them) and the ring are laid out at set-up from the
+offload policy alone; the optimizer, found later where the transform was not given one
+(``bind``), adds only Adam's moments, in an arena of their own. So a backward, a clip or
+a vote before the first step does the same as under the optimizer it will find.
 """
 from __future__ import annotations
 
@@ -33,16 +40,12 @@ class HostHome(Home):
 
     def __init__(self, units: list[Unit], spec: HomeSpec, per_unit: bool = False,
                  ring: bool = False):
-        optimizer, grad_dtype_of = spec.optimizer, spec.grad_dtype
+        grad_dtype_of = spec.grad_dtype
         self.timing = spec.timing
         # per_unit: an arena for each unit (not one for all), so that ``release`` gives a
         # unit's host memory back (offload's ratio="auto" moves units to the device).
         self._groups = _per_unit if per_unit else _by_dtype
         self._arenas_of: dict = {}
-        self.cpu_adam = cpu_adam_steps(optimizer)
-        self.decoupled = decoupled_weight_decay(optimizer)
-        if self.cpu_adam:
-            self.time_series += ("cpu_adam",)
         self.pin = pins(device_of(units))
         # (units without parameters have no dtype; they take no room either)
         self.master_dtype = {u: u.master_dtype or torch.float32 for u in units}
@@ -54,11 +57,12 @@ class HostHome(Home):
         self._steps = None
         self.compute_copy = {}
         self.grads = {}
+        self.decoupled = True
         # ring: the step brings each unit's gradients down and sends its rows up through a
         # few slots ([Note: the host ring] in ring.py), so there is no per-unit host buffer
-        # for either. CPU Adam only: a torch optimizer steps from gradients on the host.
+        # for either.
         self.ring = HostRing([u for u in units if u.slots], grad_dtype_of, self._rows_dtype,
-                             self.pin) if ring and self.cpu_adam else None
+                             self.pin) if ring else None
         if self.ring is not None:
             self._arenas.append(self.ring.arena)
         else:
@@ -93,12 +97,21 @@ class HostHome(Home):
         return compute if compute != self.master_dtype[unit] else None
 
     def _allocate_state(self) -> None:
-        """Masters and (for CPU Adam) both moments, in the masters' dtype."""
-        for dtype, mine in self._groups(self.master_dtype):
-            states = [self.master] + ([self.exp_avg, self.exp_avg_sq] if self.cpu_adam else [])
-            arena = HostArena([u.shard_numel for u in mine] * len(states), dtype, self.pin)
-            for state in states:
-                state.update({u: arena.take(u.shard_numel) for u in mine})
+        """The masters, in their dtype ([Note: the layout before the optimizer])."""
+        self._allocate({u: self.master_dtype[u] for u in self.units}, [self.master])
+
+    def _allocate_moments(self) -> None:
+        """Adam's two moments, in the masters' dtype, once CPU Adam is the kernel."""
+        self._allocate({u: self.master_dtype[u] for u in self.units},
+                       [self.exp_avg, self.exp_avg_sq])
+
+    def _allocate(self, dtype_of: dict, tables: list) -> None:
+        """A view of each unit's shard size per table (zeros: a fresh arena), one arena per
+        dtype (or unit)."""
+        for dtype, mine in self._groups(dtype_of):
+            arena = HostArena([u.shard_numel for u in mine] * len(tables), dtype, self.pin)
+            for table in tables:
+                table.update({u: arena.take(u.shard_numel) for u in mine})
             self._keep(arena, mine)
 
     def _keep(self, arena: HostArena, units) -> None:
@@ -162,10 +175,16 @@ class HostHome(Home):
     def compute_copies(self) -> list[torch.Tensor]:
         return list(self.compute_copy.values())
 
-    def register_state(self, optimizer) -> None:
-        """Views of the flat Adam state; a torch optimizer keeps its own state."""
+    def bind(self, optimizer) -> None:
+        """zerofn's CPU Adam steps Adam and AdamW: its moments are made now, and their
+        views registered as the optimizer's own state; another optimizer keeps its own."""
+        self.cpu_adam = cpu_adam_steps(optimizer)
+        self.decoupled = decoupled_weight_decay(optimizer)
         if not self.cpu_adam:
             return
+        self.time_series = tuple(dict.fromkeys(self.time_series + ("cpu_adam",)))
+        if not self.exp_avg:
+            self._allocate_moments()
         units = self.units
         trainable = [s for u in units for s in u.trainable]
         self._steps = HostArena([1] * len(trainable), torch.float32)
@@ -179,34 +198,50 @@ class HostHome(Home):
                     state[k].copy_(v)
                 optimizer.state[s.opt_param] = state
 
+    def forget_state(self) -> None:
+        for t in (*self.exp_avg.values(), *self.exp_avg_sq.values()):
+            t.zero_()
+
     def step(self, optimizer, grads: dict, after_unit, grad_scale: float = 1.0,
              copies=None, early=None) -> None:
         """Unit by unit. Without the ring, the rows each unit's ``after_unit`` copies out
         are rewritten only by the next step, which settles those copies first."""
         if self.ring is not None:
             return self._step_through_ring(optimizer, grads, after_unit, grad_scale, copies)
-        if not self.cpu_adam:
-            return self._torch_step(optimizer, grads, after_unit)
         group_of = groups_by_param(optimizer)
         for u in self.units:
             if early is None or not early.take(u):   # (stepped during backward)
-                self._adam(optimizer, group_of, u, grads, self.compute_copy.get(u), grad_scale)
+                self._step_rows(optimizer, group_of, u, grads, self.compute_copy.get(u),
+                                grad_scale)
             after_unit(u, self.updated_rows(u))
 
-    def _torch_step(self, optimizer, grads: dict, after_unit) -> None:
-        """Another optimizer steps the host masters itself, from the landed gradients as
-        their ``.grad`` (without its step hooks: they fire once, for the user's own call);
-        the rows go up cast as ``updated_rows`` gives them."""
-        slots = [s for u in self.units for s in u.trainable]
+    def _step_rows(self, optimizer, group_of: dict, unit: Unit, grads: dict, rows,
+                   grad_scale: float) -> list:
+        """Step ``unit``'s masters with the kernel ``bind`` chose; CPU Adam writes ``rows``
+        in the compute dtype too where given. Returns the slots whose rows it wrote."""
+        if self.cpu_adam:
+            return self._adam(optimizer, group_of, unit, grads, rows, grad_scale)
+        self._torch_unit(optimizer, unit, grads, grad_scale)
+        return []
+
+    def _torch_unit(self, optimizer, unit: Unit, grads: dict, grad_scale: float) -> None:
+        """Another optimizer steps the unit's host masters itself (without its step hooks:
+        they fire once, for the user's own call), from the landed gradients cast to the
+        masters' dtype and times ``grad_scale`` as they are read, given as its ``.grad``."""
+        slots = [s for s in unit.trainable if grads.get(s) is not None]
+        if not slots:
+            return
+        cast = torch.empty(unit.shard_numel, dtype=self.master_dtype[unit])
         for s in slots:
-            s.opt_param.grad = grads.get(s)
+            g = s.shard_of(cast).copy_(grads[s])
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)
+            s.opt_param.grad = g
         try:
             step_without_hooks(optimizer)
         finally:
             for s in slots:
                 s.opt_param.grad = None
-        for u in self.units:
-            after_unit(u, self.updated_rows(u))
 
     def _step_through_ring(self, optimizer, grads: dict, after_unit, grad_scale: float,
                            copies) -> None:
@@ -223,7 +258,7 @@ class HostHome(Home):
             landed = self.ring.grads(i, u)
             rows = self.ring.rows(i, u)
             mine = {s: s.shard_of(landed) for s in u.slots if grads.get(s) is not None}
-            written = self._adam(optimizer, group_of, u, mine, rows, grad_scale)
+            written = self._step_rows(optimizer, group_of, u, mine, rows, grad_scale)
             if rows is None:
                 rows = self.master[u]
             else:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import HostArena, point_at, stand_in
+from .base import HostArena, decoupled_weight_decay, point_at, stand_in
 from .host import HostHome, _per_unit
 from .stored import StoredForm
 
@@ -41,7 +41,11 @@ class LowpHostHome(HostHome):
         self.state: dict = {}       # unit -> its UnitState (views of the arenas)
         self._unit_of = {s: u for u in units for s in u.slots}
         self.resident: dict = {}    # unit -> fp32 (master, exp_avg, exp_avg_sq) while decoded
+        self._optimizer = None      # (bound later, where the transform was given none)
         super().__init__(units, spec, per_unit, ring)
+        filler = HostArena([1], torch.float32)     # what undecoded tensors view
+        self._arenas.append(filler)
+        self._filler = filler.take(1)
 
     # -- storage -------------------------------------------------------------------------
     def _allocate_state(self) -> None:
@@ -86,10 +90,13 @@ class LowpHostHome(HostHome):
                 s.opt_param = stand_in(s.local_shape, torch.float32)
         return master
 
-    def register_state(self, optimizer) -> None:
+    def bind(self, optimizer) -> None:
+        """zerofn's CPU Adam steps the stored form (set-up refuses another optimizer: the
+        runtime's ``offload_problems``); the optimizer's state tensors are stand-ins."""
+        self.cpu_adam, self.decoupled = True, decoupled_weight_decay(optimizer)
+        self.time_series = tuple(dict.fromkeys(self.time_series + ("cpu_adam",)))
         trainable = [s for u in self.units for s in u.trainable]
-        self._steps = HostArena([1] * (len(trainable) + 1), torch.float32)
-        self._filler = self._steps.take(1)
+        self._steps = HostArena([1] * len(trainable), torch.float32)
         before = {}
         for s in trainable:
             before[s] = optimizer.state.get(s.opt_param, {})
@@ -103,6 +110,11 @@ class LowpHostHome(HostHome):
                 for k, v in state.items():
                     optimizer.state[s.opt_param][k].copy_(v)
             self.evict()
+
+    def forget_state(self) -> None:
+        self.evict()
+        for st in self.state.values():
+            self.form.zero(st)
 
     def release(self, units) -> None:
         for u in units:
@@ -141,7 +153,7 @@ class LowpHostHome(HostHome):
                 views = [s.shard_of(f) for f in flats[u]] if flats else [None] * 3
                 if self._faced_masters:
                     point_at(s.opt_param, views[0], s.local_shape, self._filler)
-                state = optimizer.state.get(s.opt_param)
+                state = optimizer.state.get(s.opt_param) if optimizer is not None else None
                 if state:
                     point_at(state["exp_avg"], views[1], s.local_shape, self._filler)
                     point_at(state["exp_avg_sq"], views[2], s.local_shape, self._filler)

@@ -51,11 +51,11 @@ class NvmeHome(Home):
     time_series = ("d2h", "h2d", "cpu_adam", "nvme_read", "nvme_write")
 
     def __init__(self, units, spec: HomeSpec, form: StoredForm = FP32):
-        optimizer, grad_dtype_of, policy = spec.optimizer, spec.grad_dtype, spec.policy
+        grad_dtype_of, policy = spec.grad_dtype, spec.policy
         path, rank, in_flight = policy.path, spec.rank, policy.units_in_flight
         param_dtypes = {u: dt for u, dt in spec.param_dtypes.items() if u in units}
         self.timing = spec.timing     # (its I/O threads use its host clock)
-        self.decoupled = decoupled_weight_decay(optimizer)
+        self.decoupled = True         # (AdamW's, until bind finds the optimizer)
         pin = pins(device_of(units))     # what the device reads and writes is page-locked
         self.grads, self._arenas = {}, []
         for dtype in {grad_dtype_of(u) for u in units}:
@@ -82,6 +82,10 @@ class NvmeHome(Home):
         stand_ins = {dt: HostArena([1], dt) for dt in set(self.params.values())}
         self._arenas += stand_ins.values()
         self._param_stand_in = {dt: a.take(1) for dt, a in stand_ins.items()}
+        filler = HostArena([1], torch.float32)      # what unread masters and state point at
+        self._arenas.append(filler)
+        self._stand_in = filler.take(1)
+        self._optimizer = None
         self.param_reader = ParamReads(self) if self.params else None
 
     def arenas(self) -> list:
@@ -213,11 +217,13 @@ class NvmeHome(Home):
             unit.shard = self.param_shard(unit, self.params[unit])
 
     # -- state dicts -------------------------------------------------------------------
-    def register_state(self, optimizer) -> None:
+    def bind(self, optimizer) -> None:
+        """The swap file's state is Adam's (set-up refuses another optimizer: nvme_file.py's
+        ``nvme_problems``): the optimizer's state tensors are stand-ins until read."""
+        self.decoupled = decoupled_weight_decay(optimizer)
         trainable = [s for u in self.units for s in u.trainable]
-        steps = HostArena([1] * (len(trainable) + 1), torch.float32)   # host, not device
+        steps = HostArena([1] * len(trainable), torch.float32)   # host, not device
         self._arenas.append(steps)
-        self._stand_in = steps.take(1)
         for u in self.units:
             face = self._face(u)
             for s in u.trainable:
@@ -225,6 +231,15 @@ class NvmeHome(Home):
                                                 "exp_avg": torch.empty(0, dtype=face),
                                                 "exp_avg_sq": torch.empty(0, dtype=face)}
         self._point(optimizer, None)
+
+    def forget_state(self) -> None:
+        """Each unit's moments in the file at zero, a unit at a time through the ring."""
+        self.evict()
+        buf = self.staging[0]
+        for u in self.units:
+            self.file.read_block(u, buf)        # (the whole block: a parameter shard too)
+            self.form.zero(self.form.views(u, buf))
+            self._write(u, buf)
 
     def materialize(self, optimizer) -> None:
         """Read every unit into memory and point the optimizer's tensors (and the parameter
@@ -284,7 +299,7 @@ class NvmeHome(Home):
             for s in u.slots:
                 views = [s.shard_of(f) for f in flats[u]] if flats else [None] * 3
                 point_at(s.opt_param, views[0], s.local_shape, self._stand_in)
-                state = optimizer.state.get(s.opt_param)
+                state = optimizer.state.get(s.opt_param) if optimizer is not None else None
                 if state:
                     point_at(state["exp_avg"], views[1], s.local_shape, self._stand_in)
                     point_at(state["exp_avg_sq"], views[2], s.local_shape, self._stand_in)

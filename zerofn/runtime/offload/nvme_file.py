@@ -20,7 +20,6 @@ import weakref
 import torch
 
 from ..pinned import host_buffer
-from .base import cpu_adam_steps
 from .stored import StoredForm
 
 BLOCK = 4096                     # bytes: O_DIRECT alignment of buffers, offsets and sizes
@@ -59,11 +58,9 @@ def swap_bytes(units, param_dtypes: dict, form: StoredForm = FP32) -> int:
     return sum(block_bytes(u, param_dtypes.get(u), form) for u in units)
 
 
-def nvme_problems(path, need_bytes: int, optimizer, units=()) -> list[str]:
-    """What stops an NVMe store at ``path``: checked on every rank before any collective."""
-    if not cpu_adam_steps(optimizer):
-        return [(f"offload('nvme') steps Adam and AdamW only (got {type(optimizer).__name__}); "
-                 "use offload('cpu') for other optimizers.")]
+def nvme_problems(path, need_bytes: int, units=()) -> list[str]:
+    """What stops an NVMe store at ``path``: checked on every rank before any collective
+    (which optimizer steps it: offload/__init__.py's ``optimizer_problems``)."""
     # The swap file's masters and Adam state are fp32, stepped by the C++ kernel: a wider
     # dtype would be rounded (and its gradients are no kernel input).
     wide = next((s for u in units for s in u.slots if s.param.dtype.itemsize > 4), None)
