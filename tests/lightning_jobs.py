@@ -61,10 +61,15 @@ def fit(strategy, out: str, name: str, devices: int = 2, ckpt_path=None, callbac
                     callbacks=[record, *callbacks], enable_checkpointing=bool(callbacks),
                     default_root_dir=out, **QUIET, **NO_VALIDATION)
     trainer_ = L.Trainer(**{**settings, **trainer})
-    trainer_.fit(module, ckpt_path=ckpt_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_.fit(module, ckpt_path=ckpt_path)
+    state = trainer_.strategy.lightning_module_state_dict()
     result = dict(losses=record.losses, lrs=record.lrs, start=record.start,
                   weights=full_weights(trainer_.lightning_module) if weights else None,
-                  global_step=trainer_.global_step, epoch=trainer_.current_epoch)
+                  global_step=trainer_.global_step, epoch=trainer_.current_epoch,
+                  overridden=sum("has been overridden" in str(w.message) for w in caught),
+                  module_state={k: type(v).__name__ for k, v in state.items()})
     save(out, name, result)
     return trainer_, result
 

@@ -139,7 +139,7 @@ def measure(rank, world, configs):
             ts += [zf.offload(offload, params=params, path=tmp)] if offload else []
             model, opt = zf.compose(*ts)(model, opt)
             x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
-            opt.scale(model(x, x)).backward()
+            zf.scale_loss(model, model(x, x)).backward()
             opt.step()
             held = zf.model_state_bytes(model)
             units = len(zf.runtime.runtime.runtime_of(model).units)

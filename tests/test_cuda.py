@@ -96,7 +96,7 @@ def sync_runs(rank, world, path):
             for i, ((x, y),) in enumerate(batches(3, 1, 1)):
                 x, y = x.cuda(), y.cuda()
                 torch.cuda.set_sync_debug_mode("error" if i else "default")   # 1st: set-up
-                loss = opt.scale(model(x, y))
+                loss = zf.scale_loss(model, model(x, y))
                 loss.backward()
                 torch.cuda.set_sync_debug_mode("warn")
                 with warnings.catch_warnings(record=True) as caught:

@@ -169,7 +169,7 @@ def continue_training(rank, world, runs):
         for step in range(TOOL.BEFORE, TOOL.BEFORE + TOOL.AFTER):
             x, y = TOOL.rank_rows(TOOL.global_batch(step), rank, world)
             loss = model(x, y)
-            opt.scale(loss).backward()
+            zf.scale_loss(model, loss).backward()
             zf.clip_grad_norm_(model, got["deepspeed"]["gradient_clipping"])
             opt.step()
             opt.zero_grad()

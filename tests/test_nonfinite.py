@@ -37,7 +37,7 @@ def poisoned_steps(model, opt, data, rank, world, bad=None, *, clip=None):
         loss = model(x.chunk(world)[rank], y.chunk(world)[rank])
         if bad == (step, rank, "loss"):
             loss = loss * NAN
-        opt.scale(loss).backward()
+        zf.scale_loss(model, loss).backward()
         if bad == (step, rank, "grad"):
             dict(model.named_parameters())[POISONED].grad.to_local().view(-1)[0] = NAN
         if clip:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 import pytest
 import torch
@@ -96,7 +97,10 @@ def zero_run(rank, world, out, resume=None, meta=False):
         model=model, args=arguments(out, world, **save), train_dataset=Rows(),
         eval_dataset=Rows(whole=True),
         zerofn=zf.compose(zf.shard_optimizer(**init), zf.shard_grads(), zf.shard_params()))
-    trainer.train(resume_from_checkpoint=resume)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=resume)
+    trainer.overridden = sum("has been overridden" in str(w.message) for w in caught)
     opt = zf.runtime.runtime.runtime_of(model).optimizer
     weights, _ = zf.get_state_dict(model, opt, full=True)
     return trainer, {k: v.numpy() for k, v in weights.items()}
@@ -113,7 +117,8 @@ def zero_trainer(rank, world, root):
     return dict(loss=history(first, "loss"), grad_norm=history(first, "grad_norm"),
                 weights=weights, resumed_loss=history(resumed, "loss"),
                 resumed_weights=resumed_weights, checkpoint=sorted(os.listdir(checkpoint)),
-                lr_steps=resumed.lr_scheduler.last_epoch, eval_loss=eval_loss)
+                lr_steps=resumed.lr_scheduler.last_epoch, eval_loss=eval_loss,
+                overridden=first.overridden + resumed.overridden)
 
 
 @pytest.mark.multirank
@@ -138,6 +143,7 @@ def test_zero3_trainer_follows_trainer_and_resumes_exactly(tmp_path):
     for k, v in r["weights"].items():
         assert (r["resumed_weights"][k] == v).all(), k
     assert r["lr_steps"] == STEPS
+    assert r["overridden"] == 0     # torch's LR scheduler finds torch's own step()
     # Trainer's checkpoint: Hugging Face weights, a sharded zerofn checkpoint, no
     # rank-0 torch.save of the optimizer
     assert {"model.safetensors", "config.json", "zerofn", "trainer_state.json",

@@ -143,7 +143,7 @@ def train_step(model, opt, step: int, rank: int, world: int, poison=None) -> Non
     loss = model(x, x)
     if poison and poison[0] == "loss":
         loss = loss * poison[1]
-    opt.scale(loss).backward()
+    zf.scale_loss(model, loss).backward()
     if poison and poison[0] == "grad":
         local = model.blocks[0].fc.weight.grad.to_local().view(-1)
         if local.numel():

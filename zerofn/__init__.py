@@ -15,12 +15,14 @@ from .pretrained import load_pretrained, save_pretrained
 from .runtime import NonFiniteGradient, is_transformed
 from .state.accounting import comm_stats, model_state_bytes
 from .state.clip import clip_grad_norm_
+from .state.loss_scale import scale_loss
 from .state.state_dict import get_state_dict, set_state_dict
 
 __all__ = [
     "Transform", "compose", "shard_optimizer", "shard_grads", "shard_params", "mixed_precision",
     "offload", "tensorboard", "log", "flush_logs", "set_log_step",
-    "get_state_dict", "set_state_dict", "clip_grad_norm_", "model_state_bytes", "comm_stats",
+    "get_state_dict", "set_state_dict", "clip_grad_norm_", "scale_loss", "model_state_bytes",
+    "comm_stats",
     "estimate_model_state_bytes", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint",
     "trust_class",
     "PerRank", "RNGState", "load_pretrained", "save_pretrained", "from_deepspeed_config",

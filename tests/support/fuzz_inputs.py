@@ -166,7 +166,7 @@ def train_one_step(transform, optimizer=None, scheduler=None, clip: float = 0.0)
     model, opt = transform(model, opt)
     sched = scheduler(opt) if scheduler is not None else None
     (x, y), = batches(1, 1, 1)[0]
-    opt.scale(model(x, y)).backward()
+    zf.scale_loss(model, model(x, y)).backward()
     if clip > 0:
         zf.clip_grad_norm_(model, clip)
     opt.step()

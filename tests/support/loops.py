@@ -63,7 +63,7 @@ def train_sharded(model, opt, data, rank, world, clip=None, *, scale=False, no_s
                 loss = model(x.chunk(world)[rank], y.chunk(world)[rank]) / len(micro)
                 if inf_on == (step, rank):
                     loss = loss * float("inf")
-                (opt.scale(loss) if scale else loss).backward()
+                (zf.scale_loss(model, loss) if scale else loss).backward()
         if clip:
             norms.append(zf.clip_grad_norm_(model, clip))
         opt.step()

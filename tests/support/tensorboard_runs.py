@@ -42,7 +42,7 @@ def train_step(model, opt, rank: int, step: int, fp16: bool = False) -> torch.Te
     gradients are left for the caller to clear."""
     x = batch(rank, step)
     loss = model(x, x)
-    (opt.scale(loss) if fp16 else loss).backward()
+    (zf.scale_loss(model, loss) if fp16 else loss).backward()
     zf.clip_grad_norm_(model, 1.0)
     opt.step()
     return loss.detach()

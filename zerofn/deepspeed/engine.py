@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..state.clip import clip_grad_norm_
+from ..state.loss_scale import scale_loss
 from ..runtime import runtime_of
 from .config import load_config, read_config
 from .engine_checkpoint import EngineCheckpoints
@@ -242,7 +243,7 @@ class DeepSpeedEngine(EngineCheckpoints, nn.Module):
         if not (torch.is_tensor(loss) and loss.numel() == 1):
             raise ValueError("engine.backward(loss) takes a scalar loss tensor.")
         loss = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
-        self.optimizer.scale(loss).backward(retain_graph=retain_graph)
+        scale_loss(self.module, loss).backward(retain_graph=retain_graph)
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:

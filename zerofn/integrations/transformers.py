@@ -18,7 +18,7 @@ Trainer drives the loop; zerofn owns sharding, gradient reduction, precision and
 - Accumulation: accelerate's ``no_sync(model)`` calls the model's ``no_sync()``, zerofn's.
 - Clipping and the reported norm come from ``zerofn.clip_grad_norm_``.
 - fp16 loss scaling is zerofn's (``mixed_precision(torch.float16)``): every backward
-  Trainer runs goes through ``optimizer.scale(loss)``, a skipped step does not step the
+  Trainer runs goes through ``zerofn.scale_loss(model, loss)``, a skipped step does not step the
   LR scheduler, and ``TrainingArguments(fp16=...)`` / ``bf16=`` / ``deepspeed=`` /
   ``fsdp=`` are refused (accelerate's GradScaler and autocast would never see the model).
 - ``save_model`` writes Hugging Face's layout through ``zerofn.save_pretrained`` on every
@@ -39,6 +39,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 
 from .. import checkpoint as zf_checkpoint
 from ..state.clip import clip_grad_norm_
+from ..state.loss_scale import scale_loss
 from ..pretrained import load_pretrained, save_pretrained
 from ..runtime import is_transformed, runtime_of
 from ..api import Transform
@@ -120,7 +121,7 @@ class ZeroTrainer(transformers.Trainer):
 
         def backward(loss, **kwargs):   # fp16: zerofn's loss scale (identity otherwise)
             scaled = loss if not is_transformed(self.model) \
-                else runtime_of(self.model).optimizer.scale(loss)
+                else scale_loss(self.model, loss)
             return plain_backward(scaled, **kwargs)
 
         self.accelerator.backward = backward
@@ -208,12 +209,9 @@ class _Unprepared(nn.Module):
         return self.module.no_sync() if is_transformed(self.module) else contextlib.nullcontext()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Trainer zeroes gradients through the model; zerofn's gradient shards are reset
-        by the optimizer's ``zero_grad``."""
-        if is_transformed(self.module):
-            runtime_of(self.module).optimizer.zero_grad(set_to_none)
-        else:
-            self.module.zero_grad(set_to_none)
+        """Trainer zeroes gradients through the model: a transformed one's ``zero_grad``
+        resets zerofn's gradient shards too."""
+        self.module.zero_grad(set_to_none)
 
     def _get_name(self):
         """Trainer's label smoothing picks its loss by the model's class name."""

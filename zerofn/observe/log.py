@@ -22,7 +22,7 @@ def log(model: nn.Module, **values) -> None:
         **values: numbers or one-element tensors.
 
     Example:
-        >>> loss = model(x, y); opt.scale(loss).backward(); opt.step()
+        >>> loss = model(x, y); zf.scale_loss(model, loss).backward(); opt.step()
         >>> zf.log(model, loss=loss.detach(), tokens=x.numel(), samples=len(x))
     """
     monitor = runtime_of(model).observer(Monitor)

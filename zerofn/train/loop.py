@@ -84,7 +84,7 @@ def train_step(model, opt, sched, batch, job: Job, device) -> tuple[torch.Tensor
         quiet = job.overlap_step and i < len(micro) - 1
         with model.no_sync() if quiet else contextlib.nullcontext():
             micro_loss = model(x, y) / job.grad_accum
-            opt.scale(micro_loss).backward()     # fp16 loss scaling; a no-op otherwise
+            zf.scale_loss(model, micro_loss).backward()     # fp16 loss scaling; a no-op otherwise
         loss += micro_loss.detach().float()
     if job.overlap_step:     # stepped during backward: there is no norm to take first
         opt.step()

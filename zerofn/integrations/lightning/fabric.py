@@ -118,10 +118,10 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     # -- the loop -------------------------------------------------------------------------
     def optimizer_step(self, optimizer, **kwargs):
-        """The step, then zerofn's gradient shards cleared (as DeepSpeed's engine does):
-        Fabric's optimizer wrapper calls torch's ``zero_grad``, which does not reach them."""
+        """The step, then zerofn's gradient shards cleared at once (as DeepSpeed's engine
+        does), whichever ``zero_grad`` the loop calls."""
         out = super().optimizer_step(optimizer, **kwargs)
-        runtime_of(self._module).optimizer.zero_grad()
+        self._module.zero_grad()
         return out
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0,

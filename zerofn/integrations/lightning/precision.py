@@ -25,7 +25,6 @@ from torch import nn
 
 import zerofn as zf
 
-from ...runtime import runtime_of
 from .options import FLAGS
 
 # Lightning's own plugins for the four flags, which the strategies replace by theirs.
@@ -76,7 +75,7 @@ class _ZeroFlag:
         skips); other flags: the loss."""
         if self.precision != "16-mixed":
             return loss
-        return runtime_of(self.module).optimizer.scale(loss)
+        return zf.scale_loss(self.module, loss)
 
     def clip(self, value: float, by_norm: bool, norm_type: float = 2.0,
              error_if_nonfinite: bool = False):

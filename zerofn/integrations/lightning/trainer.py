@@ -13,6 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 import zerofn as zf
 
 from ...runtime import is_transformed, runtime_of
+from ...state_dict import get_model_state_dict
 from . import checkpoints as ckpt
 from .options import REGISTERED, ZeroOptions, refuse
 from .precision import ZeroPrecision, zero_precision
@@ -203,7 +204,7 @@ class ZeroStrategy(DDPStrategy):
         """The step, then zerofn's gradient shards cleared (as DeepSpeed's engine does), so
         the next step starts afresh whichever ``zero_grad`` the loop calls."""
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        runtime_of(self.model).optimizer.zero_grad()
+        self.model.zero_grad()
         return out
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -211,10 +212,11 @@ class ZeroStrategy(DDPStrategy):
         return runtime_of(self.model).optimizer
 
     def lightning_module_state_dict(self) -> dict:
-        """Empty when sharded (zerofn's checkpoint holds the model); full weights, gathered
-        on every rank, when ``state_dict_type="full"``."""
+        """The sharded state dict (``Shard(0)`` DTensors over zerofn's own buffers, as
+        Lightning's FSDP strategies give theirs: what callbacks such as EMA read); full
+        weights, gathered on every rank, when ``state_dict_type="full"``."""
         if self.zero.state_dict_type == "sharded":
-            return {}
+            return get_model_state_dict(self.model)
         return ckpt.full_state(self.model, None)[0]
 
     def optimizer_state(self, optimizer) -> dict:
