@@ -114,6 +114,33 @@ def test_traffic_per_step(world):
             assert stats["all_gather_bytes"] == 4 * stats["all_gather"]
 
 
+def zero3_frozen_traffic(rank, world):
+    """Elements all-gathered in a ZeRO-3 step of the parity model with each block frozen
+    but its attention's output projection (whose gradient comes before the frozen
+    projection's input gradient needs the block's weights), and every unit's gathered
+    size."""
+    from zerofn.runtime.runtime import runtime_of
+    _, model = make_models()
+    for block in model.blocks:
+        for name, p in block.named_parameters():
+            p.requires_grad_(name.startswith("attn.proj"))
+    opt = make_optimizer("adamw", model.parameters())
+    model, opt = zero(3)(model, opt)
+    for _ in range(2):
+        step_once(model, opt, rank, world)
+        opt.zero_grad()
+    units = runtime_of(model).ctx.units
+    return zf.comm_stats(model)["all_gather"], [world * u.shard_numel for u in units if u.slots]
+
+
+def test_zero3_gathers_a_unit_with_frozen_weights_once_in_backward():
+    """Backward frees a unit whose last gradient has come while its frozen weights still
+    have its input's gradient to make only once that is made: each unit is gathered once
+    in forward and once in backward (freed at its last gradient, it was gathered again and
+    held to backward's end)."""
+    for gathered, units in run_ranks(2, zero3_frozen_traffic):
+        assert gathered == 2 * sum(units), (gathered, units)
+
 
 def zero3_pool_and_send_order(rank, world):
     """Pool bytes after each of six ZeRO-3 steps of a GPT whose root unit (with the tied

@@ -21,7 +21,12 @@ the reverse of the units' order with the root last (its embedding's gradient com
 the end of backward). At its end the ranks adopt rank 0's completion order (one
 broadcast, as DDP rebuilds its buckets after its first iteration), units rank 0 left
 incomplete going last, where they hold back nothing. ZeRO-3 frees a unit's gathered
-parameters as soon as its gradients are packed, waiting or not.
+parameters as soon as its gradients are packed, waiting or not, unless the unit has
+frozen parameters and its backward is still to reach its inputs: their gradients need
+the frozen weights after the unit's last gradient (a LoRA block's base weights, after
+its adapters'), and freed they would be gathered again and held to backward's end. Such
+a unit, and one with no gradients at all, is freed once its backward is done (the next
+note).
 
 [Note: a unit's backward is done] ZeRO-3's backward gathers too, on the same group, so a
 unit's reduction must come at one point in every rank's sequence of collectives: a
@@ -137,7 +142,7 @@ class BackwardTracker:
         gradients remaining) from the first not reduced yet in the common order."""
         if not self._learned:
             self._completed.append(unit)
-        if self.gatherer is not None:
+        if self.gatherer is not None and not self._frozen_still_needed(unit):
             self.gatherer.free(unit)      # its gradients are packed: ZeRO-3 lets it go
         while self._next < len(self._order) and self._remaining[self._order[self._next]] == 0:
             self.reducer.reduce(self._order[self._next])
@@ -147,7 +152,7 @@ class BackwardTracker:
         """``(args, kwargs)`` of a forward of ``unit``, those that need a gradient passed
         through the identity whose backward reports when the unit's backward is done
         ([Note: a unit's backward is done]); None where none needs one."""
-        if not unit.trainable:
+        if not unit.trainable and self.gatherer is None:
             return None
         leaves, spec = tree_flatten((args, kwargs))
         which = [i for i, t in enumerate(leaves)
@@ -166,12 +171,20 @@ class BackwardTracker:
         if self.phase is Phase.IDLE:
             self._begin_backward()
         self._forwards[unit].discard(forward)
-        if self._forwards[unit] or self.phase is not Phase.REDUCING \
-                or self._remaining[unit] <= 0:
+        if self._forwards[unit] or self.phase is not Phase.REDUCING:
+            return
+        if self._remaining[unit] <= 0:
+            if self.gatherer is not None:   # (kept for its frozen weights, or none to pack)
+                self.gatherer.free(unit)
             return
         self._pack_the_rest(unit)
         self._remaining[unit] = 0
         self._complete(unit)
+
+    def _frozen_still_needed(self, unit: Unit) -> bool:
+        """Whether ``unit`` has frozen parameters and a forward whose backward has not yet
+        reached its inputs (the note on the reduction order)."""
+        return len(unit.trainable) < len(unit.slots) and bool(self._forwards[unit])
 
     def _begin_backward(self) -> None:
         self.phase = Phase.ACCUMULATING if self.reducer.no_sync else Phase.REDUCING
