@@ -1,9 +1,12 @@
 """The planner's predictions against measurement on this machine: per-rank peak memory
 (peak RSS on a CPU, the allocator's peak on CUDA) and step time, over stages 0-3 × no
-offload / CPU / NVMe × two shapes × worlds 1, 2 and 4.
+offload / CPU / NVMe × two GPT shapes × worlds 1, 2 and 4 (the grid), and the same for
+model families outside it (tools/plan_models.py: a LoRA fine-tune, a tied GPT-2, a
+convolutional net).
 
     python tools/plan_accuracy.py                       # the whole grid, a markdown table
     python tools/plan_accuracy.py --shapes wide --worlds 2 --stages 2 --offloads none
+    python tools/plan_accuracy.py --shapes lora,tied,conv --worlds 1,2 --offloads none,cpu
 
 Every configuration runs in a fresh set of processes (``torchrun``, one thread per rank):
 glibc keeps freed heap, so a second configuration in the same process would start from a
@@ -24,21 +27,19 @@ import sys
 import tempfile
 import time
 
-SHAPES = {
-    # many narrow units, and a few wide ones (the issue's two shapes, scaled to this machine)
-    "narrow": dict(vocab=4096, width=256, heads=4, ffn=1024, layers=16, context=64),
-    "wide": dict(vocab=4096, width=1024, heads=16, ffn=4096, layers=4, context=64),
-}
+from plan_models import FAMILIES, trainable
+
 OFFLOADS = {"none": None, "cpu": "cpu", "nvme": "nvme"}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default="narrow,wide")
+    p.add_argument("--shapes", default="narrow,wide",
+                   help=f"models, of {', '.join(FAMILIES)} (tools/plan_models.py)")
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--stages", default="0,1,2,3")
     p.add_argument("--offloads", default="none,cpu,nvme")
-    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
+    p.add_argument("--batch", type=int, default=2, help="sequences (images) per rank")
     p.add_argument("--steps", type=int, default=4, help="timed steps (after 2 untimed)")
     p.add_argument("--save", action="store_true",
                    help="also save a checkpoint after the timed steps (stages 1-3) and "
@@ -72,24 +73,21 @@ def candidate(stage: int, off: str, batch: int):
 
 def model_of(shape: str, device=None):
     import torch
-    from zerofn.nanogpt import GPT, GPTConfig
     with torch.device(device or "cpu"):
-        return GPT(GPTConfig(**SHAPES[shape]))
+        return FAMILIES[shape].build()
 
 
 def predict(shape: str, world: int, stage: int, off: str, batch: int,
             probe: str | None = None) -> dict:
     """The plan's peak host bytes and step seconds for one configuration, and its save
     phase's host bytes under a synchronous save."""
-    import torch
     from zerofn.planner import plan
     from zerofn.planner.memory import PHASES, largest
     machine = machine_of(probe)
     model = model_of(shape, "meta")
-    x = torch.zeros(batch, SHAPES[shape]["context"], dtype=torch.long)
     c = candidate(stage, off, batch)
-    r = plan(model, (x, x), world=world, only=[c], on_gpu=False, machine=machine,
-             saves="sync").rows[0]
+    r = plan(model, FAMILIES[shape].inputs(batch, None), world=world, only=[c], on_gpu=False,
+             machine=machine, saves="sync").rows[0]
     training = largest(r.phases, [ph for ph in PHASES if ph != "save"])   # (no save in it)
     return dict(peak=training["host"], step_s=r.seconds["total"],
                 save_peak=r.phases["save"]["host"])
@@ -118,17 +116,15 @@ def worker(spec: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = model_of(shape)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(trainable(model), lr=1e-4)
     with tempfile.TemporaryDirectory() as tmp:
         model, opt = candidate(stage, off, batch).apply(model, opt, nvme_path=tmp)
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randint(SHAPES[shape]["vocab"], (batch, SHAPES[shape]["context"] + 1),
-                          generator=g)
+        inputs = FAMILIES[shape].inputs(batch, torch.Generator().manual_seed(rank))
         times = []
         for i in range(2 + steps):
             dist.barrier()
             t = time.perf_counter()
-            model(x[:, :-1], x[:, 1:]).backward()
+            model(*inputs).backward()
             opt.step()
             opt.zero_grad()
             if i >= 2:
@@ -248,6 +244,8 @@ def choices(rows: list[dict], args) -> str:
     name = "{stage}/{offload}".format
     for shape, world in sorted({(r["shape"], r["world"]) for r in rows}):
         group = [r for r in rows if (r["shape"], r["world"]) == (shape, world)]
+        if not any(r["offload"] == "none" for r in group):
+            continue      # (no roomy budget to set)
         budgets = {"roomy": 1.1 * max(r["peak"] for r in group if r["offload"] == "none"),
                    "tight": statistics.median(r["peak"] for r in group)}
         for label, budget in budgets.items():
@@ -267,12 +265,11 @@ def choices(rows: list[dict], args) -> str:
 def choose(shape: str, world: int, group: list[dict], budget: float, args) -> dict | None:
     """The group's row ``zf.plan`` chooses within ``budget`` (its margin included), or None
     where it refuses."""
-    import torch
     from zerofn.planner import NoPlanFits, plan
-    x = torch.zeros(args.batch, SHAPES[shape]["context"], dtype=torch.long)
     by = {candidate(r["stage"], r["offload"], args.batch): r for r in group}
     try:
-        result = plan(model_of(shape, "meta"), (x, x), world=world, only=list(by),
+        result = plan(model_of(shape, "meta"), FAMILIES[shape].inputs(args.batch, None),
+                      world=world, only=list(by),
                       on_gpu=False, machine=machine_of(args.probe), host_budget=budget,
                       saves=None)
     except NoPlanFits:
