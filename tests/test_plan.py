@@ -1,16 +1,20 @@
-"""The planner (issue 34): its memory model's model-state terms are the bytes zerofn holds
-(``zf.model_state_bytes``), exactly; a plan within budgets, or a refusal naming the
-smallest budget that fits; ``zf.auto`` applies its choice; the probe's CUDA reading; the
-command lines. (tools/plan_accuracy.py measures the predictions against real runs.)"""
+"""The planner: its memory model's model-state terms and buffer pool are the bytes zerofn
+holds (``zf.model_state_bytes``), exactly, for a GPT with tied weights and a LoRA
+fine-tune with frozen weights; a plan within budgets, or a refusal naming the smallest
+budget that fits; ``zf.auto`` applies its choice and the loop follows its micro-batches;
+the probe's CUDA reading; the command lines; docs/plan.md's prose against its tables.
+(tools/plan_accuracy.py measures the predictions against real runs.)"""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
-import tempfile
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +27,12 @@ from zerofn.planner import Candidate, NoPlanFits, plan
 from zerofn.planner import activations, memory
 from zerofn.planner.probe import Machine, rates_from_cuda
 from zerofn.io.checkpoint.staging import _leaves
+from zerofn.planner.pool_replay import PoolReplay
 from zerofn.planner.search import MARGIN
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))     # the planner's model families are a tool's
+from plan_models import add_lora, trainable  # noqa: E402
 
 # uneven on purpose: rows that do not divide by 2 ranks pad the flat shards
 CFG = GPTConfig(vocab=101, width=48, heads=2, ffn=100, layers=2, context=16)
@@ -33,52 +42,116 @@ MACHINE = Machine(device="a stand-in", matmul={"fp32": 1e11, "bf16": 2e11}, memo
                   process={"base": 3e8, "overhead": 0.05}, free={})
 STATE = [Candidate(stage=s, precision=p, offload=o) for s in (1, 2, 3) for p in ("fp32", "bf16")
          for o in (None, "cpu")]
+# a GPT with its head tied to its embedding; a LoRA fine-tune of one, every base weight
+# frozen (the root unit wholly: embeddings, norms, head), adapters on two of each block's
+# projections
+MODELS = {"tied": lambda: GPT(CFG),
+          "lora": lambda: add_lora(GPT(dataclasses.replace(CFG, layers=3)), ("qkv", "fc"))}
 
 
-def held_and_modelled(rank, world):
+def held_and_modelled(rank, world, name):
+    """Per candidate (DDP's bytes counted from its tensors): what zerofn holds after two
+    steps, its pool's bytes, the state dicts' copies a save makes, and the plan's
+    figures for each."""
     out = []
-    for c in STATE:
+    for c in [Candidate(stage=0)] + STATE:
         torch.manual_seed(0)
-        model = GPT(CFG)
+        model = MODELS[name]()
         with torch.device("meta"):
-            shape = memory.shape_of(GPT(CFG), world)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            shape = memory.shape_of(MODELS[name](), world)
+        opt = torch.optim.AdamW(trainable(model), lr=1e-3)
         model, opt = c.apply(model, opt)
         x = torch.randint(0, CFG.vocab, (2, CFG.context))
-        model(x, x).backward()
-        opt.step()
+        for _ in range(2):
+            opt.zero_grad()
+            model(x, x).backward()
+            opt.step()
+        if c.stage == 0:
+            out.append((c, {"cpu": _plain_bytes(model, opt)}, memory.model_state(c, shape),
+                        0, 0, {}, {}))
+            continue
         msd, osd = zf.get_state_dict(model, opt)
         leaves = list(_leaves({"model": msd, "optim": osd}))
         # a background save stages every tensor; DCP copies each view of a larger buffer
         copied = {"async": sum(t.nbytes for t in leaves),
                   "sync": sum(t.nbytes for t in leaves if t.untyped_storage().nbytes() != t.nbytes)}
-        out.append((c, zf.model_state_bytes(model), memory.model_state(c, shape), copied,
+        cb = memory.DTYPES[c.precision].itemsize
+        pool = PoolReplay(c.stage, world, shape.unit_shards,
+                          tuple(n > 0 for n in shape.unit_trainable), shape.root, cb, 4,
+                          memory.lends_shards(c), c.offload is None and cb != 4).run(2)
+        out.append((c, zf.model_state_bytes(model), memory.model_state(c, shape),
+                    pool.pool.nbytes(), memory.pool_bytes(c, shape)[0], copied,
                     {saves: memory.save_copies(c, shape, saves) for saves in copied}))
     return out
 
 
+def _plain_bytes(model, opt) -> dict[str, int]:
+    """DDP's model state as torch holds it."""
+    return dict(params=sum(p.nbytes for p in model.parameters()),
+                grads=sum(p.grad.nbytes for p in model.parameters() if p.grad is not None),
+                optimizer=sum(t.nbytes for st in opt.state.values() for t in st.values()))
+
+
 @pytest.mark.multirank
+@pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("world", [1, 2])
-def test_model_state_terms_are_what_zerofn_holds(world):
+def test_model_state_and_pool_are_what_zerofn_holds(world, name):
     """Every device role without offload, and the host's optimizer state with it, byte for
-    byte on rank 0 (the rank the model describes, holding the most rows)."""
-    for c, held, modelled, _, _ in run_ranks(world, held_and_modelled)[0]:
+    byte on rank 0 (the rank the model describes, holding the most rows), DDP's too; the
+    buffer pool replayed (pool_replay.py) holds what the runtime's pool holds, and the
+    planner's pool term is that but the gradient shards the pool lends (model state).
+    The state dicts' bytes a save copies on a CPU, byte for byte: a background save's
+    host copy (io/checkpoint/staging.py copies every tensor), a synchronous one's (DCP
+    copies each tensor that is a view into a larger buffer before writing it)."""
+    for c, held, modelled, pool, planned, copied, copies in run_ranks(
+            world, held_and_modelled, name)[0]:
         roles = ("params", "grads", "optimizer") if c.offload is None else ("optimizer",)
         places = {"cpu": "device"} if c.offload is None else {"host": "host"}
         for where, place in places.items():
             for role in roles:
                 assert held[where][role] == modelled[place][role], \
                     (c.describe(), world, place, role, held[where][role], modelled[place][role])
+        if c.stage:
+            assert pool == held["cpu"]["buffers"], (c.describe(), world, pool, held)
+            lent = held["cpu"]["grads"] if memory.lends_shards(c) else 0
+            assert planned == pool - lent, (c.describe(), world, planned, pool, lent)
+        assert copied == copies, (c.describe(), world, copied, copies)
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("world", [1, 2])
-def test_the_save_phase_counts_the_copies_a_save_makes(world):
-    """The state dicts' bytes a save copies on a CPU, byte for byte: a background save's
-    host copy (io/checkpoint/staging.py copies every tensor), a synchronous one's (DCP
-    copies each tensor that is a view into a larger buffer before writing it)."""
-    for c, _, _, copied, modelled in run_ranks(world, held_and_modelled)[0]:
-        assert copied == modelled, (c.describe(), world, copied, modelled)
+def test_frozen_parameters_plan_without_gradients_or_state():
+    """A LoRA fine-tune plans (torch's MemTracker cannot hook a frozen parameter; the
+    planner's activation run marks them), and each candidate's model state counts the
+    frozen parameters' weights (and masters) but no gradient, moment or step counter:
+    DDP's gradients and moments are the adapters' alone."""
+    with torch.device("meta"):
+        model = MODELS["lora"]()
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    adapters = trainable(model)
+    assert frozen and adapters
+    x = torch.zeros(2, CFG.context, dtype=torch.long)
+    result = plan(model, (x, x), world=2, machine=MACHINE, on_gpu=False)
+    assert result.choice is not None and len(result.rows) > 20
+    ddp = memory.model_state(Candidate(stage=0), memory.shape_of(model, 2))["device"]
+    n = sum(p.numel() for p in adapters)
+    assert ddp["params"] == 4 * sum(p.numel() for p in model.parameters())
+    assert ddp["grads"] == 4 * n and ddp["optimizer"] == 2 * 4 * n + 4 * len(adapters)
+    acts = activations.measure(model, (x, x), torch.float32)
+    assert acts.grads == 4 * n
+
+
+def test_tied_weights_count_once():
+    """The GPT's head is its embedding: the plan holds, steps and reduces it once, and the
+    state dict (which names it twice) copies it under both names."""
+    model = _meta_gpt()
+    shape = memory.shape_of(model, 1)
+    unique = list(model.parameters())
+    named = [p for _, p in model.named_parameters(remove_duplicate=False)]
+    assert len(named) == len(unique) + 1 and model.head.weight is model.tok.weight
+    assert shape.params == sum(p.numel() for p in unique) and shape.tensors == len(unique)
+    ddp = memory.model_state(Candidate(stage=0), shape)["device"]
+    assert ddp["params"] == 4 * shape.params
+    assert memory.state_dict_bytes(Candidate(stage=1), shape)["model"] == \
+        4 * sum(p.numel() for p in named)
 
 
 def test_activations_follow_checkpointing_and_dtype():
@@ -164,6 +237,53 @@ def test_auto_applies_the_fastest_candidate_that_fits():
         assert fits and transformed == (stage > 0)
 
 
+def auto_loop(rank, world, stage):
+    """``zf.auto`` held to one candidate of micro-batch 2 x accumulation 2, trained for
+    three steps by the loop docs/plan.md shows; the weights after."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rows = 4
+    data = _global_batches(world * rows)
+    mine = [b[rank * rows:(rank + 1) * rows] for b in data]
+    model, opt, result = zf.auto(model, opt, (mine[0][:2, :-1], mine[0][:2, 1:]), batch=rows,
+                                 only=[Candidate(stage=stage, micro_batch=2, accum=2)],
+                                 machine=MACHINE, on_gpu=False, quiet=True)
+    for x in mine:
+        for (xs, ys), context in result.micro_batches(model, x[:, :-1], x[:, 1:]):
+            with context:
+                (model(xs, ys) / result.accum).backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(ValueError, match=r"a batch of \[3\] rows: the plan's is 4 \(2 x 2\)"):
+        next(result.micro_batches(model, x[:3]))
+    if stage:
+        return zf.get_state_dict(model, opt, full=True)[0]
+    return getattr(model, "module", model).state_dict()
+
+
+def _global_batches(rows: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, CFG.vocab, (rows, CFG.context + 1), generator=g) for _ in range(3)]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_loop_follows_the_choice_micro_batches(stage):
+    """The chosen micro-batch x accumulation, as ``micro_batches`` splits each step's batch
+    (DDP and ZeRO-1 skip the reduction but for the last; ZeRO-2/3 reduce each), trains what
+    plain PyTorch trains on the global batch."""
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for b in _global_batches(2 * 4):
+        ref(b[:, :-1], b[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    for got in run_ranks(2, auto_loop, stage):
+        assert max((got[k] - v).abs().max().item() for k, v in ref.state_dict().items()) < 1e-5
+
+
 def test_probe_reads_cuda_rates_from_torch():
     props = types.SimpleNamespace(name="Stand-in H200", total_memory=150 * 2**30,
                                   multi_processor_count=132)
@@ -188,6 +308,66 @@ def test_zerofn_plan_json_and_refusal(capsys, tmp_path):
     assert out["choice"] == out["rows"][0]["candidate"] and out["rows"][0]["fits"]
     assert cli.main(args + ["--host-budget", "0.01"]) == 3
     assert "the smallest host budget that fits" in capsys.readouterr().err
+
+
+def test_zerofn_plan_gpu_needs_a_gpu_probe(capsys, tmp_path):
+    """``--gpu`` plans with a GPU's rates: without a GPU here and without ``--probe``, or
+    with a CPU's probe, it refuses in one line naming ``zerofn probe`` on the GPU machine."""
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps(MACHINE.to_json()))
+    args = ["plan", "width=48,layers=2,heads=2,ffn=100,vocab=101,context=16", "--batch", "2",
+            "--world", "2", "--gpu"]
+    refusals = [args + ["--probe", str(cpu)]] + [args] * (not torch.cuda.is_available())
+    for argv in refusals:
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "run `zerofn probe` on the GPU machine" in err, err
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps(dict(MACHINE.to_json(), extra={"cuda": {"name": "Stand-in"}})))
+    assert cli.main(args + ["--probe", str(gpu), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["machine"] == MACHINE.device
+
+
+class _Routed(torch.nn.Module):
+    """A layer that sends each token to the expert its gate picks (data-dependent shapes)."""
+
+    def __init__(self, width=16, experts=2):
+        super().__init__()
+        self.gate = torch.nn.Linear(width, experts)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(experts))
+
+    def forward(self, x, y):
+        pick = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = (pick == i).nonzero().squeeze(-1)
+            out = out.index_add(0, rows, expert(x[rows]))
+        return (out - y).pow(2).mean()
+
+
+def test_a_model_with_data_dependent_shapes_is_refused_by_name():
+    with torch.device("meta"):
+        model = _Routed()
+    x = torch.zeros(4, 16)
+    with pytest.raises(ValueError, match=r"_Routed on fake tensors.*aten\.nonzero.*stand-in"):
+        plan(model, (x, x), world=1, machine=MACHINE, on_gpu=False)
+
+
+def test_the_model_libraries_memory_is_measured():
+    """A model built from an installed library (transformers) is planned with what that
+    library adds to a process; one of torch's and zerofn's own, or of the user's files,
+    adds nothing and starts no process."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from zerofn.planner import libraries
+    with torch.device("meta"):
+        hf = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=1,
+                                        n_head=2))
+    assert libraries.modules_of(hf) == ("transformers.activations",
+                                        "transformers.models.gpt2.modeling_gpt2",
+                                        "transformers.pytorch_utils")
+    assert libraries.resident_bytes(hf) > 10 * 2**20
+    assert libraries.modules_of(_meta_gpt()) == libraries.modules_of(_Routed()) == ()
 
 
 @pytest.mark.slow(reason="two configurations of tools/plan_accuracy.py in fresh processes")

@@ -11,13 +11,16 @@ go once it is packed for its reduction (zerofn/runtime/grads.py).
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                           DynamicOutputShapeException, FakeTensorMode)
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.hooks import RemovableHandle
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,18 @@ def measure(model: nn.Module, inputs: tuple, compute: torch.dtype,
 
 
 def _measure(model, inputs, compute, checkpoint) -> Activations:
-    with _checkpointing(model, checkpoint):
-        keep = _run(model, inputs, compute, drop_grads=False)
-        drop = _run(model, inputs, compute, drop_grads=True)
+    try:
+        with _checkpointing(model, checkpoint):
+            keep = _run(model, inputs, compute, drop_grads=False)
+            drop = _run(model, inputs, compute, drop_grads=True)
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+        raise ValueError(
+            f"the planner measures activations by running {type(model).__name__} on fake "
+            f"tensors, which carry shapes but no values, and its forward has an operation "
+            f"whose output depends on the values ({e}: a mixture-of-experts' routing, a "
+            f"boolean mask). Plan a stand-in whose layers compute the same shapes densely "
+            f"(every expert on its expected share of the tokens), or choose the stage and "
+            f"offload by hand (docs/choosing.md).") from None
     return Activations(forward=keep[0], saved=keep[1], backward_kept=keep[2],
                        backward_dropped=drop[2], grads=keep[3])
 
@@ -86,6 +98,7 @@ def _run(model, inputs, compute, drop_grads: bool) -> tuple[int, int, int, int]:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(_let_go)
         tracker = MemTracker()
+        _skip_grad_hooks(tracker, [p for p in fakes.values() if not p.requires_grad])
         tracker.track_external(*fakes.values())
         base = _live(tracker, "current")
         # (the fake tensors stay the module's through backward, where checkpointed blocks
@@ -98,6 +111,16 @@ def _run(model, inputs, compute, drop_grads: bool) -> tuple[int, int, int, int]:
             backward = _live(tracker, "peak") - base
             grads = sum(p.grad.nbytes for p in fakes.values() if p.grad is not None)
     return forward, saved, backward, grads
+
+
+def _skip_grad_hooks(tracker: MemTracker, frozen: list[torch.Tensor]) -> None:
+    """Mark ``frozen`` parameters' gradient hooks as installed: ``MemTracker`` registers a
+    hook on every parameter of each module it enters, and a tensor that does not require a
+    gradient refuses one (a LoRA's or a frozen embedding's base weights). They get no
+    gradient, so there is nothing for the hook to count."""
+    for p in frozen:
+        none = OrderedDict()      # (a handle needs a dict it can refer to weakly)
+        tracker._param_to_grad_hook_handles[p] = (RemovableHandle(none), RemovableHandle(none))
 
 
 def _live(tracker: MemTracker, kind: str) -> int:

@@ -40,7 +40,8 @@ class Candidate:
         state_dtype, master_dtype: how offloaded Adam moments and masters are stored.
         checkpoint: activation checkpointing of every unit but the root.
         micro_batch: sequences per micro-batch on each rank.
-        accum: micro-batches per optimizer step (all but the last under ``no_sync``).
+        accum: micro-batches per optimizer step: under DDP and ZeRO-1 all but the last
+            under ``no_sync``; ZeRO-2 and ZeRO-3 reduce each (``PlanResult.micro_batches``).
     """
 
     stage: int

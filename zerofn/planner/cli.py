@@ -62,7 +62,8 @@ def plan_main(argv=None, prog: str = "zerofn plan") -> int:
                    help="how the run saves checkpoints: its save phase's host memory "
                         "(async: a host copy of the state first)")
     p.add_argument("--gpu", action="store_true",
-                   help="plan for a GPU (the probe's rates then should be a GPU's: --probe)")
+                   help="plan for a GPU, with a GPU's probe: this machine's where it has one, "
+                        "else --probe (`zerofn probe` run on the GPU machine)")
     p.add_argument("--probe", help="a probe's JSON (default this machine's, cached)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--all", action="store_true", help="every candidate in the table")
@@ -72,7 +73,12 @@ def plan_main(argv=None, prog: str = "zerofn plan") -> int:
         if args.batch < 1 or args.world < 1:
             raise ValueError("--batch and --world are at least 1.")
         x = torch.zeros(args.batch, args.context or cfg.context, dtype=torch.long)
+        if args.gpu and args.probe is None and not torch.cuda.is_available():
+            raise ValueError(_NO_GPU_PROBE.format(what="this machine has no GPU"))
         machine = _machine(args.probe)
+        if args.gpu and not machine.extra.get("cuda"):
+            raise ValueError(_NO_GPU_PROBE.format(
+                what=f"the probe {args.probe or cache_path()} measured a CPU ({machine.device})"))
         result = plan(model, (x, x), world=args.world, precision=args.precision,
                       device_budget=_bytes(args.device_budget),
                       host_budget=_bytes(args.host_budget), disk_budget=_bytes(args.disk),
@@ -86,6 +92,10 @@ def plan_main(argv=None, prog: str = "zerofn plan") -> int:
         return 2
     print(dumps(result) if args.json else result.table(None if args.all else 20))
     return 0
+
+
+_NO_GPU_PROBE = ("--gpu plans with a GPU's rates and memory, but {what}: run `zerofn probe` on "
+                 "the GPU machine and give its JSON here with --probe FILE.")
 
 
 def probe_main(argv=None, prog: str = "zerofn probe") -> int:

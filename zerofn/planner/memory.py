@@ -7,13 +7,11 @@ The terms:
   as the runtime lays them out (``zf.model_state_bytes`` counts the same tensors):
   rank 0's rows of every parameter (rank 0 holds the most: ``torch.chunk``'s split),
   each unit's padded flat shard for the gradients, one 4-byte ``step`` counter per
-  parameter tensor. Offloaded homes are ``estimate_placement``'s (zerofn/core/estimate.py).
-- **the pool** (runtime/pool.py): the reduce-scatter send buffers, as many as the
-  in-flight bound (runtime/comm.py: 4 × ``bucket_size`` bytes, at least
-  ``KEEP_IN_FLIGHT`` + the one filling) allows, each a whole unit in the reduce dtype
-  (ZeRO-1 too: it packs at backward's end under the same bound); ZeRO-3 adds the gathered
-  units, the one computing and ``prefetch`` ahead, in the compute dtype, and a pooled
-  copy per unit at the step where the gradients' dtype is not the masters'.
+  parameter tensor; a frozen parameter held (with masters) but without gradient, moments
+  or counter. Offloaded homes are ``estimate_placement``'s (zerofn/core/estimate.py).
+- **the pool** (runtime/pool.py): its requests over two steps replayed under its own
+  best-fit rule and the in-flight bound (pool_replay.py): the reduce-scatter send
+  buffers, ZeRO-3's gathered units, the step's copies and all-gathers.
 - **activations**, measured on fake tensors (activations.py): the peak of forward and
   backward with gradients kept (DDP, ZeRO-1) or let go as they are packed (ZeRO-2/3).
 - **the step's temporaries**: torch's AdamW makes its temporaries per parameter on a CPU
@@ -31,18 +29,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerofn.core.estimate import estimate_placement
+from zerofn.core.estimate import estimate_placement, moment_bytes
 from zerofn.core.units import build_units
 from zerofn.io.checkpoint.checksums import FILE_BYTES
 from zerofn.runtime.host_malloc import THRESHOLD
 
 from .activations import Activations
 from .candidates import DTYPES, Candidate
+from .pool_replay import PoolReplay
 
 PHASES = ("forward", "backward", "step", "save")
 SAVES = (None, "sync", "async")     # how the run saves checkpoints (save_checkpoint)
 PLACES = ("device", "host", "nvme")
-KEEP_IN_FLIGHT = 2          # runtime/comm.py
 FP32 = 4
 
 
@@ -52,19 +50,27 @@ class Shape:
 
     Attributes:
         tensor_numels: each unique parameter tensor's elements.
-        local: rank 0's rows of every parameter (elements).
-        shard: the units' padded flat shards together (elements).
-        unit_shards: each unit's padded shard (elements), in unit order.
+        tensor_locals: rank 0's elements of each (its rows).
+        trainable: whether each requires a gradient (a frozen one gets no gradient and no
+            optimizer state; it is still held, sharded at ZeRO-3, and has masters).
+        unit_shards: each unit's padded flat shard (elements), in unit order.
+        unit_trainable: rank 0's elements of each unit's trainable parameters (a unit
+            with none is never reduced: no send buffer, no lent gradient shard).
         named_local: rank 0's rows summed over the state dict's names (a tied parameter
             under each of its names).
+        buffers: bytes of the model's buffers, which every rank holds whole.
+        root: whether the last unit is the root (it has parameters of its own).
     """
 
     world: int
     tensor_numels: tuple[int, ...]
-    local: int
-    shard: int
+    tensor_locals: tuple[int, ...]
+    trainable: tuple[bool, ...]
     unit_shards: tuple[int, ...]
+    unit_trainable: tuple[int, ...]
     named_local: int = 0
+    buffers: int = 0
+    root: bool = False
 
     @property
     def params(self) -> int:
@@ -75,19 +81,51 @@ class Shape:
         return len(self.tensor_numels)
 
     @property
-    def largest_tensor(self) -> int:
-        return max(self.tensor_numels, default=0)
+    def local(self) -> int:
+        """Rank 0's rows of every parameter (elements)."""
+        return sum(self.tensor_locals)
 
-    def largest_piece(self, stage: int) -> int:
-        """Elements of the largest piece of one parameter a rank holds: the whole tensor
-        under DDP (stage 0), its rows under ZeRO."""
-        return self.largest_tensor if stage == 0 else -(-self.largest_tensor // self.world)
+    @property
+    def shard(self) -> int:
+        """The units' padded flat shards together (elements)."""
+        return sum(self.unit_shards)
+
+    @property
+    def trainable_numels(self) -> tuple[int, ...]:
+        return tuple(n for n, t in zip(self.tensor_numels, self.trainable) if t)
+
+    @property
+    def trainable_params(self) -> int:
+        return sum(self.trainable_numels)
+
+    @property
+    def trainable_tensors(self) -> int:
+        return len(self.trainable_numels)
+
+    @property
+    def trainable_local(self) -> int:
+        return sum(self.unit_trainable)
+
+    @property
+    def reduced_shards(self) -> tuple[int, ...]:
+        """The padded shards of the units that have gradients to reduce."""
+        return tuple(n for n, t in zip(self.unit_shards, self.unit_trainable) if t)
+
+    @property
+    def reduced(self) -> int:
+        return sum(self.reduced_shards)
+
+    def largest_piece(self, stage: int, trainable: bool = False) -> int:
+        """Elements of the largest piece of one parameter (``trainable``: of those that
+        train) a rank holds: the whole tensor under DDP (stage 0), its rows under ZeRO."""
+        largest = max(self.trainable_numels if trainable else self.tensor_numels, default=0)
+        return largest if stage == 0 else -(-largest // self.world)
 
     def mapped(self, itemsize: int, threshold: int = THRESHOLD) -> int:
         """Bytes of the whole gradients that are blocks of ``threshold`` bytes or more:
         under zerofn's runtime on a CPU glibc maps each by itself and unmaps it when freed
         (runtime/host_malloc.py), so the heap's overhead does not apply to them."""
-        return sum(itemsize * n for n in self.tensor_numels if itemsize * n >= threshold)
+        return sum(itemsize * n for n in self.trainable_numels if itemsize * n >= threshold)
 
     @property
     def largest(self) -> int:
@@ -97,36 +135,60 @@ class Shape:
 def shape_of(model: nn.Module, world: int) -> Shape:
     """The model's layout at ``world`` ranks under zerofn's default units (a meta model
     will do: only shapes are read)."""
-    units = build_units(model, None, world, 0)
+    built = build_units(model, None, world, 0)
+    units = [u for u in built if u.slots]
     slots = [s for u in units for s in u.slots]
     rows = {id(s.param): s.local_numel for s in slots}
+    buffers = {id(b): b.nbytes for b in model.buffers()}
     return Shape(world=world, tensor_numels=tuple(s.numel for s in slots),
-                 local=sum(s.local_numel for s in slots),
-                 shard=sum(u.shard_numel for u in units),
-                 unit_shards=tuple(u.shard_numel for u in units if u.slots),
+                 tensor_locals=tuple(s.local_numel for s in slots),
+                 trainable=tuple(s.requires_grad for s in slots),
+                 unit_shards=tuple(u.shard_numel for u in units),
+                 unit_trainable=tuple(sum(s.local_numel for s in u.trainable) for u in units),
                  named_local=sum(rows.get(id(p), 0) for _, p in
-                                 model.named_parameters(remove_duplicate=False)))
+                                 model.named_parameters(remove_duplicate=False)),
+                 buffers=sum(buffers.values()), root=bool(built[-1].slots))
 
 
-def model_state(c: Candidate, shape: Shape) -> dict[str, dict[str, int]]:
+def model_state(c: Candidate, shape: Shape, device_is_host: bool = False
+                ) -> dict[str, dict[str, int]]:
     """Model-state bytes by place and role, as ``zf.model_state_bytes`` counts them after
-    a step (ZeRO-1's whole gradients are backward's, not counted here)."""
+    a step (ZeRO-1's whole gradients are backward's, not counted here). Frozen parameters
+    are held (and have masters, which the state dict reads) but have no gradient, no
+    moments and no step counter. ``device_is_host``: the device is this CPU, whose
+    memory (none of it page-locked) is resident once written, not once allocated: the
+    kept gradient shards of a unit never reduced, the host ring's columns of frozen rows
+    are not."""
     if c.offload is not None:
-        return _offloaded_state(c, shape)
+        return _offloaded_state(c, shape, device_is_host)
     cb = DTYPES[c.precision].itemsize
-    counters = FP32 * shape.tensors
+    counters = FP32 * shape.trainable_tensors
     if c.stage == 0:     # DDP: everything whole; torch's AdamW keeps a counter per tensor
-        device = dict(params=cb * shape.params, grads=cb * shape.params,
-                      optimizer=2 * FP32 * shape.params + counters)
+        device = dict(params=cb * shape.params, grads=cb * shape.trainable_params,
+                      optimizer=2 * FP32 * shape.trainable_params + counters)
     else:
         masters = FP32 * shape.local if cb != FP32 else 0
         device = dict(params=cb * (shape.local if c.stage == 3 else shape.params),
-                      grads=cb * shape.shard,
-                      optimizer=2 * FP32 * shape.local + masters + counters)
+                      grads=cb * grad_shards(c, shape, device_is_host),
+                      optimizer=2 * FP32 * shape.trainable_local + masters + counters)
     return {"device": device, "host": _zeros(), "nvme": _zeros()}
 
 
-def _offloaded_state(c: Candidate, shape: Shape) -> dict[str, dict[str, int]]:
+def lends_shards(c: Candidate) -> bool:
+    """Whether the gradient shards are lent by the pool to the units that reduce, until
+    ``zero_grad`` (ZeRO-1's, and any whose step is offloaded), not one buffer over every
+    unit made at the first reduction (ZeRO-2/3's; runtime/grads.py)."""
+    return c.stage == 1 or c.offload is not None
+
+
+def grad_shards(c: Candidate, shape: Shape, device_is_host: bool = False) -> int:
+    """Elements of the reduced gradient shards a rank keeps (``lends_shards``); on a CPU,
+    those written (``model_state``)."""
+    return shape.reduced if lends_shards(c) or device_is_host else shape.shard
+
+
+def _offloaded_state(c: Candidate, shape: Shape, device_is_host: bool
+                     ) -> dict[str, dict[str, int]]:
     compute = DTYPES[c.precision]
     # rank 0's rows, exactly (the formulas share the count evenly)
     placed = estimate_placement(shape.local * shape.world, shape.world, c.stage, compute,
@@ -136,52 +198,53 @@ def _offloaded_state(c: Candidate, shape: Shape) -> dict[str, dict[str, int]]:
                                 state_dtype=DTYPES[c.state_dtype], ratio=c.ratio)
     out = {place: {role: int(placed[place][role]) for role in ("params", "grads", "optimizer")}
            for place in PLACES}
+    # the formulas give every row moments: a frozen one has masters only
+    frozen = shape.local - shape.trainable_local
+    home = "host" if c.offload == "cpu" else "nvme"
+    out[home]["optimizer"] -= int(2 * moment_bytes(DTYPES[c.state_dtype]) * frozen * c.ratio)
+    out["device"]["optimizer"] -= int(2 * FP32 * frozen * (1 - c.ratio))
     # the reducer's gradient shards stay on the device whatever the home; the host's
     # Adam keeps a step counter per tensor; ZeRO-1/2 keep the whole parameters
-    out["device"]["grads"] = compute.itemsize * shape.shard
-    out["host" if c.offload == "cpu" else "nvme"]["optimizer"] += FP32 * shape.tensors
+    out["device"]["grads"] = compute.itemsize * grad_shards(c, shape)
+    out[home]["optimizer"] += FP32 * shape.trainable_tensors
+    if c.offload == "cpu" and not c.params and device_is_host and shape.largest:
+        # the host ring's slots (runtime/offload/ring.py) are as large as the largest unit,
+        # but the gradients that come down write only a unit's trainable rows
+        out["host"]["grads"] = out["host"]["grads"] * max(shape.unit_trainable) // shape.largest
     if c.stage < 3:
         out["device"]["params"] = compute.itemsize * shape.params
     return out
 
 
 def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = 4_000_000,
-               prefetch: int = 1, gloo: bool = True) -> int:
-    """Bytes the runtime's buffer pool holds once a step has run (runtime/pool.py);
-    ``gloo``: the collectives are gloo's (a CPU device), not NCCL's."""
+               prefetch: int = 1, gloo: bool = True) -> tuple[int, int]:
+    """``(bytes, heap bytes)``: what the runtime's buffer pool holds once two steps have
+    run (runtime/pool.py), its requests replayed (pool_replay.py), but the gradient
+    shards it lends (model state); and of that, the buffers under ``THRESHOLD`` bytes,
+    which glibc serves from its heap where the device is the host (larger ones it maps
+    by themselves: runtime/host_malloc.py). ``gloo``: the collectives are gloo's (a CPU
+    device), not NCCL's."""
     if c.stage == 0:
-        return 0
+        return 0, 0
     cb = DTYPES[c.precision].itemsize
-    fulls = sorted((shape.world * n for n in shape.unit_shards), reverse=True)
-    bound = FP32 * bucket_size
-    fit = max(KEEP_IN_FLIGHT, bound // max(1, cb * fulls[0])) + 1
-    if c.stage == 3:
-        # gathered units share the pool's buffers with the send buffers (params.py): in
-        # backward the one computing, the one prefetched and the one being unpacked
-        fit = max(fit, 2 + prefetch)
-    total = cb * sum(fulls[:fit])
-    if gloo and shape.world > 2:
-        # zerofn's gloo reduce-scatter brings every other rank's chunk into a scratch as
-        # large as the send buffer (runtime/comm.py), held while it runs
-        total += cb * fulls[0]
-    if c.offload is None and cb != FP32:   # the step's pooled copies in the masters' dtype
-        total += FP32 * max(shape.unit_shards)
-    return total
-
-
-def pool_buffer_bytes(c: Candidate, shape: Shape) -> int:
-    """Bytes of the pool's largest buffer: a whole unit in the compute dtype."""
-    return DTYPES[c.precision].itemsize * shape.world * shape.largest
+    buffers = PoolReplay(c.stage, shape.world, shape.unit_shards,
+                         tuple(n > 0 for n in shape.unit_trainable), shape.root, cb, FP32,
+                         lent=lends_shards(c), mixed_copies=c.offload is None and cb != FP32,
+                         bucket_size=bucket_size, prefetch=prefetch,
+                         gloo=gloo).run().buffer_bytes()
+    return sum(buffers), sum(b for b in buffers if b < THRESHOLD)
 
 
 def step_temporaries(c: Candidate, shape: Shape, device_is_host: bool = True) -> int:
-    """Bytes torch's AdamW allocates while it steps (zerofn's CPU Adam: none): one fp32
-    temporary (the denominator) of what it steps at once."""
+    """Bytes torch's AdamW allocates while it steps (zerofn's CPU Adam: none), in fp32: on a
+    CPU, a tensor at a time, two of its size (the denominator is the second moment's
+    square root, then that divided by the bias correction: both live at once); on a GPU,
+    one list of temporaries (the square roots, divided in place) of what it steps at once."""
     if c.offload is not None and c.ratio == 1.0:
         return 0
     if device_is_host:
-        return FP32 * shape.largest_piece(c.stage)
-    return FP32 * (shape.params if c.stage == 0 else shape.largest)
+        return 2 * FP32 * shape.largest_piece(c.stage, trainable=True)
+    return FP32 * (shape.trainable_params if c.stage == 0 else max(shape.unit_trainable))
 
 
 def activations_of(c: Candidate, acts: Activations) -> dict[str, int]:
@@ -195,12 +258,13 @@ def activations_of(c: Candidate, acts: Activations) -> dict[str, int]:
 
 def state_dict_bytes(c: Candidate, shape: Shape) -> dict[str, int]:
     """Bytes of the rank's state dicts (``get_state_dict``): the model's, its rows of every
-    parameter by name as fp32 masters (tied parameters under each name); the optimizer's,
-    two fp32 moments a row and a step counter per tensor."""
+    parameter by name as fp32 masters (tied parameters under each name, frozen ones too);
+    the optimizer's, two fp32 moments a trainable row and a step counter per trainable
+    tensor."""
     # stage 0 holds whole parameters: rank 0's rows times the ranks, padding included
     named = shape.named_local * (1 if c.stage else shape.world)
-    rows = shape.params if c.stage == 0 else shape.local
-    return {"model": FP32 * named, "optim": 2 * FP32 * rows + FP32 * shape.tensors}
+    rows = shape.trainable_params if c.stage == 0 else shape.trainable_local
+    return {"model": FP32 * named, "optim": 2 * FP32 * rows + FP32 * shape.trainable_tensors}
 
 
 def save_copies(c: Candidate, shape: Shape, saves: str | None,
@@ -238,14 +302,15 @@ def save_bytes(c: Candidate, shape: Shape, saves: str | None,
                device_is_host: bool = True) -> int:
     """Host bytes a checkpoint save holds between steps (io/checkpoint): its copies of the
     state dicts (``save_held``), NVMe state read into memory whole (its swap file's
-    bytes), low-precision host state decoded into fp32 (12 bytes a row)."""
+    bytes), low-precision host state decoded into fp32 (4 bytes a row of masters, 8 more a
+    trainable row of moments)."""
     if saves is None:
         return 0
     out = save_held(c, shape, saves, device_is_host)
     if c.offload == "nvme":
         out += sum(model_state(c, shape)["nvme"].values())
     elif c.offload == "cpu" and (c.state_dtype, c.master_dtype) != ("fp32", "fp32"):
-        out += 3 * FP32 * int(shape.local * c.ratio)
+        out += FP32 * int((shape.local + 2 * shape.trainable_local) * c.ratio)
     return out
 
 
@@ -268,9 +333,10 @@ def peaks(c: Candidate, shape: Shape, acts: Activations, process: Process = Proc
     saves checkpoints, SAVES; None leaves the save phase at the step's resident bytes).
     Where the device is the CPU (this machine) its bytes are host memory too, and the
     process's base counts once."""
-    state = model_state(c, shape)
+    state = model_state(c, shape, device_is_host)
     resident = {p: sum(state[p].values()) for p in PLACES}
-    pool = pool_bytes(c, shape, gloo=device_is_host)
+    resident["device"] += shape.buffers     # (the model's own, whole on every rank)
+    pool, pool_heap = pool_bytes(c, shape, gloo=device_is_host)
     extra = activations_of(c, acts)
     extra["step"] = step_temporaries(c, shape, device_is_host)
     out = {}
@@ -278,7 +344,6 @@ def peaks(c: Candidate, shape: Shape, acts: Activations, process: Process = Proc
     # itself and unmaps it when freed (runtime/host_malloc.py): no heap overhead on the
     # pool's large buffers or on ZeRO-1's large whole gradients. (A GPU's caching
     # allocator: none counted.)
-    pool_overhead = 0.0 if pool_buffer_bytes(c, shape) >= THRESHOLD else process.overhead
     mapped = {phase: 0 for phase in PHASES}
     if device_is_host and c.stage == 1:
         mapped["backward"] = min(shape.mapped(DTYPES[c.precision].itemsize), extra["backward"])
@@ -288,7 +353,7 @@ def peaks(c: Candidate, shape: Shape, acts: Activations, process: Process = Proc
     remade = state["device"]["grads"] * process.overhead \
         if device_is_host and c.stage == 0 else 0
     for phase in PHASES:
-        churn = pool * (1 + pool_overhead) + mapped[phase] + \
+        churn = pool + pool_heap * process.overhead + mapped[phase] + \
             (extra[phase] - mapped[phase]) * (1 + process.overhead) + \
             (remade if phase in ("backward", "step") else 0)
         device, host = resident["device"] + churn, resident["host"]

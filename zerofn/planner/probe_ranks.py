@@ -59,8 +59,7 @@ def process(options: dict) -> dict:
     on a GPU (what the runs it is checked against report)."""
     import zerofn as zf
     from zerofn.nanogpt import GPT, GPTConfig
-    from . import activations, memory
-    from .candidates import Candidate
+    from . import calibration
     device = _device(options)
 
     def train(cfg, steps):
@@ -68,7 +67,7 @@ def process(options: dict) -> dict:
         model = GPT(cfg).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model, opt = zf.compose(zf.shard_optimizer(), zf.shard_grads())(model, opt)
-        x = torch.randint(cfg.vocab, (2, cfg.context), device=device)
+        x = torch.randint(cfg.vocab, (calibration.ROWS, cfg.context), device=device)
         for _ in range(steps):
             model(x, x).backward()
             opt.step()
@@ -86,26 +85,14 @@ def process(options: dict) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    cfg = GPTConfig(vocab=4096, width=256, heads=4, ffn=1024, layers=4, context=64)
-    model, opt = train(cfg, 3)
+    model, opt = train(calibration.MODEL, 3)
     rise = proc_bytes("VmHWM") - base if device.type == "cpu" else \
         torch.cuda.max_memory_allocated(device) - before
-    with torch.device("meta"):
-        meta = GPT(cfg)
-    x = torch.zeros(2, cfg.context, dtype=torch.long)
-    c = Candidate(stage=2)
-    shape = memory.shape_of(meta, 1)
-    on_host = device.type == "cpu"
-    live = memory.peak(c, shape, activations.measure(meta, (x, x), torch.float32),
-                       device_is_host=on_host)["host" if on_host else "device"]
-    state = sum(sum(roles.values()) for roles in memory.model_state(c, shape).values())
     del model, opt
     gc.collect()
-    # the model state is made once and kept: the overhead is on the rest
-    return {"base": base, "overhead": max(0.0, (rise - state) / (live - state) - 1),
+    return {"base": base, "overhead": calibration.overhead(rise, device.type == "cpu"),
             "calibration_rise": rise,
-            "calibration_live": live,
-            **(step_rates(cfg, device) if options.get("rates", True) else {})}
+            **(step_rates(calibration.MODEL, device) if options.get("rates", True) else {})}
 
 
 def _device(options: dict) -> torch.device:

@@ -4,6 +4,7 @@ with what binds it; ``zf.auto`` applies the choice.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import sys
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from . import activations as acts_mod
-from . import memory, step_time
+from . import calibration, libraries, memory, step_time
 from .candidates import DTYPES, Candidate
 from zerofn.runtime.memory import proc_bytes
 
@@ -43,7 +44,9 @@ class Row:
 @dataclass
 class PlanResult:
     """The plan: ``rows`` (every candidate, fitting ones first, each group by time),
-    ``choice`` (the fastest that fits, or None) and ``reason``."""
+    ``choice`` (the fastest that fits, or None) and ``reason``; for the loop, the chosen
+    ``micro_batch`` and ``accum`` and the rank's batch split into them
+    (``micro_batches``)."""
 
     rows: list[Row]
     budgets: dict[str, float | None]
@@ -54,6 +57,35 @@ class PlanResult:
 
     def fitting(self) -> list[Row]:
         return [r for r in self.rows if r.fits]
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences each forward and backward takes on a rank (the choice's)."""
+        return self.choice.micro_batch
+
+    @property
+    def accum(self) -> int:
+        """Micro-batches each optimizer step accumulates (the choice's)."""
+        return self.choice.accum
+
+    def micro_batches(self, model: nn.Module, *batch: torch.Tensor):
+        """The rank's batch (tensors whose first dimension is its ``micro_batch × accum``
+        rows) as the choice's micro-batches: ``(tensors, context)`` pairs, each backward to
+        run inside its context. Under DDP and ZeRO-1, which hold whole gradients through
+        backward anyway, every micro-batch but the last skips the reduction
+        (``model.no_sync()``); ZeRO-2 and ZeRO-3 reduce each one, keeping only gradient
+        shards, as the plan's memory counts them. Divide each loss by ``accum``."""
+        rows = {t.shape[0] for t in batch}
+        if rows != {self.micro_batch * self.accum}:
+            raise ValueError(
+                f"a batch of {sorted(rows)} rows: the plan's is {self.micro_batch * self.accum} "
+                f"({self.micro_batch} x {self.accum}) on each rank, every tensor alike; "
+                f"give micro_batches the rank's whole batch for one optimizer step.")
+        hold = self.choice.stage <= 1 and hasattr(model, "no_sync")
+        for i in range(self.accum):
+            part = tuple(t[i * self.micro_batch:(i + 1) * self.micro_batch] for t in batch)
+            last = i == self.accum - 1
+            yield part, contextlib.nullcontext() if last or not hold else model.no_sync()
 
     def table(self, limit: int | None = 20) -> str:
         head = f"{'#':>3} {'plan':<58}{'device GB':>10}{'host GB':>9}{'nvme GB':>9}" \
@@ -145,8 +177,10 @@ def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = Non
     pool = only or candidates(batch, precision, nvme)
     shape = memory.shape_of(model, world)
     profile = _ActivationProfile(model, inputs)
-    process = memory.Process(base=int(machine.process["base"]),
-                             overhead=float(machine.process["overhead"]))
+    # the process: torch, zerofn and a process group (the probe's), and the libraries the
+    # model comes from; the allocator's overhead from the probe's calibration
+    process = memory.Process(base=int(machine.process["base"]) + libraries.resident_bytes(model),
+                             overhead=calibration.of(machine))
     work = step_time.Work(tokens=batch * _tokens_per_sequence(inputs),
                           attention_flops=_attention_flops(model, inputs),
                           width=_config(model, "width", "hidden_size"))
@@ -273,8 +307,9 @@ def _refusal(rows: list[Row], budgets: dict, margin: float) -> str:
 def auto(model: nn.Module, optimizer, example_batch, *, world: int | None = None,
          nvme_path: str | None = None, init=None, quiet: bool = False, **plan_kw):
     """Plan, apply the choice, say it: ``(model, optimizer, plan_result)``. The choice's
-    micro-batch × accumulation is the loop's to follow (``plan_result.choice``). A budget
-    not given is what is free now (``free_budgets``): the choice fits this machine."""
+    micro-batch × accumulation is the loop's to follow: ``plan_result.micro_batches(model,
+    *batch)`` splits each step's batch so (docs/plan.md shows the loop). A budget not
+    given is what is free now (``free_budgets``): the choice fits this machine."""
     import torch.distributed as dist
     if world is None:
         world = dist.get_world_size() if dist.is_initialized() else 1

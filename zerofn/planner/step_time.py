@@ -69,8 +69,10 @@ def step_seconds(c: Candidate, shape: Shape, work: Work, m: Machine,
                  on_gpu: bool = False) -> dict[str, float]:
     """``{"compute", "comm", "step", "copies", "total"}`` seconds."""
     cb = DTYPES[c.precision].itemsize
-    flops_per_token = (8 if c.checkpoint else 6) * shape.params \
-        + (4 if c.checkpoint else 3) * work.attention_flops
+    # a frozen parameter's backward makes its input's gradient, not its own: 4 flops
+    frozen = shape.params - shape.trainable_params
+    flops_per_token = (8 if c.checkpoint else 6) * shape.trainable_params \
+        + (6 if c.checkpoint else 4) * frozen + (4 if c.checkpoint else 3) * work.attention_flops
     compute = flops_per_token * work.tokens / compute_rate(m, c.precision, work.width)
     if c.stage:
         compute += zerofn_work(m, c.stage, shape)
@@ -94,7 +96,8 @@ def zerofn_work(m: Machine, stage: int, shape: Shape) -> float:
     own = m.process.get("zerofn_own", {}).get(str(stage))
     if own is None:
         return m.process.get("zerofn_s_per_param", {}).get(str(stage), 0.0) * shape.params
-    return own["per_unit"] * len(shape.unit_shards) + own["per_param"] * shape.params
+    # (per parameter that trains: packing, reducing and stepping its gradient)
+    return own["per_unit"] * len(shape.unit_shards) + own["per_param"] * shape.trainable_params
 
 
 def _comm(c: Candidate, shape: Shape, m: Machine, cb: int) -> float:
@@ -102,21 +105,22 @@ def _comm(c: Candidate, shape: Shape, m: Machine, cb: int) -> float:
     if n == 1:
         return 0.0
     latency, bw = m.collective(n)
-    full = cb * shape.params
-    units = len(shape.unit_shards)
-    if c.stage == 0:
-        return 2 * (n - 1) / n * full / bw + c.accum * latency
+    if c.stage == 0:     # DDP's buckets hold the gradients there are
+        return 2 * (n - 1) / n * cb * shape.trainable_params / bw + c.accum * latency
     _, scatter = m.collective(n, "reduce_scatter")
     _, gather = m.collective(n, "all_gather")
-    moved = (n - 1) / n * full
-    # the gradients' reduce-scatter; ZeRO-1/2's all-gather of the updated rows, ZeRO-3's
-    # gathers of the parameters in forward and backward, each micro-batch
+    # the reduce-scatter of the units with gradients (their frozen columns too), once a
+    # step under ZeRO-1 (no_sync before), each micro-batch under ZeRO-2/3; then ZeRO-1/2's
+    # all-gather of every unit's updated rows (a frozen unit's too), ZeRO-3's of every
+    # unit in forward and backward, each micro-batch
+    scatters = 1 if c.stage == 1 else c.accum
     gathers = 1 if c.stage in (1, 2) else 2 * c.accum
-    return moved / scatter + gathers * moved / gather + (1 + gathers) * units * latency
+    return (n - 1) * cb * (scatters * shape.reduced / scatter + gathers * shape.shard / gather) \
+        + (scatters * len(shape.reduced_shards) + gathers * len(shape.unit_shards)) * latency
 
 
 def _step(c: Candidate, shape: Shape, m: Machine, on_gpu: bool) -> float:
-    elements = shape.params if c.stage == 0 else shape.local
+    elements = shape.trainable_params if c.stage == 0 else shape.trainable_local
     if c.offload is None:
         return 7 * 4 * elements / m.memory_bw
     host = elements * c.ratio
@@ -142,7 +146,7 @@ def host_adam_rate(m: Machine, state_dtype: str, world: int, on_gpu: bool) -> fl
 def _copies(c: Candidate, shape: Shape, m: Machine, cb: int, on_gpu: bool) -> float:
     if c.offload is None:
         return 0.0
-    moved = shape.local * c.ratio
+    moved = shape.trainable_local * c.ratio
     down, up = (m.d2h, m.h2d) if on_gpu and m.h2d else (m.memory_bw / 2, m.memory_bw / 2)
     seconds = cb * moved / down + cb * moved / up
     if c.offload == "nvme":
