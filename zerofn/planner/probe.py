@@ -229,7 +229,7 @@ def collective_rates(size: int, cuda: bool) -> dict[str, float]:
 def process_memory(repeats: int = 3) -> dict[str, float]:
     """A fresh process's resident bytes with torch, zerofn and a process group up and a
     tiny step run, and the allocator's overhead on a calibration model's step: the median
-    of ``repeats`` fresh processes (the overhead varies from one to the next: 10 to 22 %
+    of ``repeats`` fresh processes (the overhead varies from one to the next: 38 to 48 %
     on this machine's 2 shared cores), the training rates from the first."""
     cuda = torch.cuda.is_available()
     runs = [_run_ranks(1, "process", {"rates": i == 0, "cuda": cuda}) for i in range(repeats)]

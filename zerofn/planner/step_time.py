@@ -96,8 +96,9 @@ def zerofn_work(m: Machine, stage: int, shape: Shape) -> float:
     own = m.process.get("zerofn_own", {}).get(str(stage))
     if own is None:
         return m.process.get("zerofn_s_per_param", {}).get(str(stage), 0.0) * shape.params
-    # (per parameter that trains: packing, reducing and stepping its gradient)
-    return own["per_unit"] * len(shape.unit_shards) + own["per_param"] * shape.trainable_params
+    # (per parameter, frozen ones too: ZeRO-1/2's step gathers every unit's rows, and a
+    # unit's reduction carries its frozen columns)
+    return own["per_unit"] * len(shape.unit_shards) + own["per_param"] * shape.params
 
 
 def _comm(c: Candidate, shape: Shape, m: Machine, cb: int) -> float:
