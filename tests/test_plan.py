@@ -401,3 +401,105 @@ def test_zerofn_train_plan_auto_trains_the_choice(tmp_path):
                              timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert refused.returncode != 0
     assert "--plan auto chooses --stage itself" in refused.stdout + refused.stderr
+
+
+# -- docs/plan.md's figures against its tables -----------------------------------------
+PERCENT = re.compile(r"([+-]?\d+\.\d) %")
+
+
+def _tables(lines: list[str]) -> list[tuple[int, list[str], list[list[str]]]]:
+    """Each markdown table: (its first line's index, header cells, rows of cells)."""
+    out, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("|"):
+            j = i
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            cells = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines[i:j]]
+            out.append((i, cells[0], cells[2:]))
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def _errors(header: list[str], rows: list[list[str]], which: int = 0) -> list[float]:
+    """The ``which``-th "error" column's figures, in percent."""
+    col = [k for k, h in enumerate(header) if h == "error"][which]
+    return [float(PERCENT.match(r[col]).group(1)) for r in rows]
+
+
+def _after(lines: list[str], start: int, pattern: str):
+    """The first match of ``pattern`` in the text from line ``start`` on (its lines joined
+    by spaces: a sentence may wrap)."""
+    return re.search(pattern, " ".join(lines[start:]))
+
+
+def _near(quoted: str, errors: list[float], how) -> bool:
+    """A figure quoted to 0.1 against one worked out from the table's rounded cells."""
+    return abs(float(quoted) - how(errors)) <= 0.1 + 1e-9
+
+
+def test_plan_docs_prose_agrees_with_its_tables():
+    """docs/plan.md quotes its tables: each summary line is worked out again from the table
+    above it, each range of errors it states is its table's extremes, every signed figure
+    in its prose is a cell of a table, and the margin covers the largest under-prediction
+    the tables show (which the text names)."""
+    lines = (ROOT / "docs" / "plan.md").read_text().splitlines()
+    tables = _tables(lines)
+    under = []
+    for start, header, rows in tables:
+        if "peak measured MB" in header:
+            memory_err, step_err = _errors(header, rows), _errors(header, rows, 1)
+            m = _after(lines, start + len(rows) + 2, r"(\d+) configurations\. Memory \|error\|: "
+                       r"median ([\d.]+) %, worst ([\d.]+) %\. Step time \|error\|: median "
+                       r"([\d.]+) %, worst ([\d.]+) %")
+            assert int(m.group(1)) == len(rows)
+            for quoted, errors, how in ((m.group(2), memory_err, _abs_median),
+                                        (m.group(3), memory_err, _abs_worst),
+                                        (m.group(4), step_err, _abs_median),
+                                        (m.group(5), step_err, _abs_worst)):
+                assert _near(quoted, errors, how), (m.group(0), how(errors))
+            ranges = _after(lines, start + len(rows) + 2,
+                            r"every configuration within (-?[\d.]+) % and \+?([\d.]+) %")
+            assert (float(ranges.group(1)), float(ranges.group(2))) == \
+                (min(memory_err), max(memory_err)), ranges.group(0)
+            under += memory_err
+        elif "save peak measured MB" in header:
+            errors = _errors(header, rows)
+            m = _after(lines, start + len(rows) + 2,
+                       r"(\d+) saves: \|error\| median ([\d.]+) %, worst ([\d.]+) %")
+            assert int(m.group(1)) == len(rows)
+            assert _near(m.group(2), errors, _abs_median) and _near(m.group(3), errors, _abs_worst)
+            under += errors
+        for fam, median, worst in _by_family(lines, start, header, rows):
+            errors = [e for r, e in zip(rows, _errors(header, rows)) if r[0] == fam]
+            assert _near(median, errors, _abs_median) and _near(worst, errors, _abs_worst), fam
+    cells = {c for _, _, rows in tables for r in rows for c in r}
+    prose = [ln for ln in lines if not ln.startswith("|")]
+    signed = {f for ln in prose for f in re.findall(r"[+-]\d+\.\d %", ln)}
+    assert signed <= cells, sorted(signed - cells)
+    m = _after(lines, 0, r"margin for the model's error \((\d+) %.*?under-prediction "
+                         r"measured below \((-[\d.]+) %")
+    assert float(m.group(1)) == round(100 * MARGIN) and float(m.group(2)) == min(under)
+    assert 100 * MARGIN >= -min(under)
+
+
+def _by_family(lines, start, header, rows) -> list[tuple[str, str, str]]:
+    """(shape, median, worst) for each "median ... X % and worst Y % (shape)" the text
+    after an accuracy table quotes, up to the next heading."""
+    if "peak measured MB" not in header:
+        return []
+    text = " ".join(lines[start + len(rows) + 2:])
+    text = text[:text.find(" ## ")] if " ## " in text else text
+    shapes = {r[0] for r in rows}
+    return [(fam, a, b) for a, b, fam in
+            re.findall(r"([\d.]+) % and (?:worst )?([\d.]+) % \((\w+)\)", text) if fam in shapes]
+
+
+def _abs_median(errors: list[float]) -> float:
+    return statistics.median(abs(e) for e in errors)
+
+
+def _abs_worst(errors: list[float]) -> float:
+    return max(abs(e) for e in errors)
