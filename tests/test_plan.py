@@ -368,6 +368,9 @@ def test_the_model_libraries_memory_is_measured():
                                         "transformers.pytorch_utils")
     assert libraries.resident_bytes(hf) > 10 * 2**20
     assert libraries.modules_of(_meta_gpt()) == libraries.modules_of(_Routed()) == ()
+    with pytest.raises(RuntimeError, match="(?s)measuring what importing zerofn_no_such_module "
+                                           "adds to a process failed: .*ModuleNotFoundError"):
+        libraries._measure(("zerofn_no_such_module",))
 
 
 @pytest.mark.slow(reason="two configurations of tools/plan_accuracy.py in fresh processes")
