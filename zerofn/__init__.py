@@ -4,8 +4,8 @@
     ...                        zerofn.shard_params())
     >>> model, opt = zero3(model, opt)
 """
-from .checkpoint import (PerRank, RNGState, load_checkpoint, save_checkpoint, trust_class,
-                         wait_for_checkpoint)
+from .checkpoint import (PerRank, ResumableLoader, RNGState, load_checkpoint, save_checkpoint,
+                         trust_class, wait_for_checkpoint)
 from .core.estimate import estimate_model_state_bytes
 from .api import (Transform, compose, mixed_precision, offload, shard_grads, shard_optimizer,
                   shard_params, tensorboard)
@@ -25,7 +25,7 @@ __all__ = [
     "comm_stats",
     "estimate_model_state_bytes", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint",
     "trust_class",
-    "PerRank", "RNGState", "load_pretrained", "save_pretrained", "from_deepspeed_config",
+    "PerRank", "RNGState", "ResumableLoader", "load_pretrained", "save_pretrained", "from_deepspeed_config",
     "RankFailure", "NonFiniteGradient", "is_transformed", "plan", "auto",
 ]
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ...runtime import runtime_of
 from ...state.plain import group_of as plain_group, plain_model
 from ...state.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
-from . import extras, layout, verify
+from . import extras, layout, positions, verify
 from .checksums import ChecksumWriter
 from .narrow import narrowed
 from .reader import SafePlanner, SafeReader
@@ -157,6 +157,7 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     if plain_model(model) is None:
         narrowed(runtime_of(model), msd, osd)     # state offload keeps in bf16, in bf16
     blobs = extras.blobs({"step": step, **extra}, dist.get_rank(group))
+    blobs.update(positions.records(extra))     # where each data loader is in its epoch
     if dist.get_rank(group) == 0:
         layout.clear_unfinished(root)
         verify.mark(tmp)
@@ -234,12 +235,15 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
         state = {"model": msd, "optim": osd}
     rank = dist.get_rank(group)
     state["extra"] = extras.placeholders(extra, rank)
-    verify.agree_on_load(ckpt, state, group, trusted)
+    places = positions.Places(extra, dist.get_world_size(group), trusted)
+    verify.agree_on_load(ckpt, state, group, trusted, places)
     dcp.load(state, storage_reader=SafeReader(ckpt, trusted=trusted),
              planner=SafePlanner(trusted=trusted), process_group=group)
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, state["model"], state["optim"])
-    return extras.restore(extra, state["extra"], rank, trusted)
+    out = extras.restore(places.restored(), state["extra"], rank, trusted)
+    places.place()
+    return out
 

@@ -18,7 +18,8 @@ class PerRank:
     """Marks an extra whose state differs per rank (a rank's data loader, its RNG).
 
     It is saved under this rank's index and restored to the same rank; it cannot move to
-    another world size. ``obj`` is a ``Stateful`` or a plain value.
+    another world size (a data loader over a ``DistributedSampler`` moves by its place in
+    the epoch instead: positions.py). ``obj`` is a ``Stateful`` or a plain value.
     """
 
     def __init__(self, obj):
@@ -48,7 +49,7 @@ def blobs(extra: dict, rank: int) -> dict:
     out = {}
     for key, value in extra.items():
         obj = value.obj if isinstance(value, PerRank) else value
-        blob = to_bytes(obj.state_dict() if _is_stateful(obj) else obj)
+        blob = to_bytes(obj.state_dict() if is_stateful(obj) else obj)
         out[key] = {f"rank{rank}": blob} if isinstance(value, PerRank) else blob
     return out
 
@@ -65,14 +66,14 @@ def restore(extra: dict, loaded: dict, rank: int, trusted: bool = False) -> dict
     ``trusted``."""
     out = {}
     if "step" in loaded and "step" not in extra:
-        out["step"] = _from_bytes(loaded["step"], "step", trusted)
+        out["step"] = from_bytes(loaded["step"], "step", trusted)
     for key, value in extra.items():
         blob = loaded[key][f"rank{rank}"] if isinstance(value, PerRank) else loaded[key]
         obj = value.obj if isinstance(value, PerRank) else value
-        if _is_stateful(obj):
-            obj.load_state_dict(_from_bytes(blob, key, trusted))
+        if is_stateful(obj):
+            obj.load_state_dict(from_bytes(blob, key, trusted))
         else:
-            out[key] = _from_bytes(blob, key, trusted)
+            out[key] = from_bytes(blob, key, trusted)
     return out
 
 
@@ -83,10 +84,12 @@ def to_bytes(obj) -> bytes:
     return buf.getvalue()
 
 
-def _from_bytes(blob: bytes, key: str, trusted: bool):
+def from_bytes(blob: bytes, key: str, trusted: bool):
+    """The object a blob of the extra ``key`` holds, read safely unless ``trusted``."""
     return pickles.load_entry(io.BytesIO(blob), f"extra {key!r}", trusted)
 
 
-def _is_stateful(obj) -> bool:
+def is_stateful(obj) -> bool:
+    """Whether ``obj`` has a state of its own (``state_dict`` and ``load_state_dict``)."""
     return callable(getattr(obj, "state_dict", None)) and \
         callable(getattr(obj, "load_state_dict", None))

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import io
 import os
+from types import SimpleNamespace
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from . import checksums, pickles
@@ -62,6 +63,16 @@ class SafeReader(FileSystemReader):
         if stream.seekable() and info.length > _SMALL:
             return stream
         return io.BytesIO(stream.read())
+
+
+    def value(self, fqn: str):
+        """The value of the bytes entry ``fqn``, read as a load reads it, outside a DCP
+        load (after ``set_up_storage_reader``)."""
+        item = SimpleNamespace(storage_index=MetadataIndex(fqn))
+        path = self.file_of(item)
+        with open(path, "rb") as f:
+            return pickles.load_entry(self.entry(f, item), f"{path} (entry {fqn})",
+                                      self.trusted)
 
 
 class SafePlanner(DefaultLoadPlanner):

@@ -96,20 +96,25 @@ def resolve_on_rank0(path: str, group) -> str | None:
     return found
 
 
-def agree_on_load(ckpt: str, state: dict, group, trusted: bool = False) -> None:
+def agree_on_load(ckpt: str, state: dict, group, trusted: bool = False,
+                  places=None) -> None:
     """Check the checkpoint against what this rank will load into ``state``, its files
     against their checksums and its pickles against what a safe load takes (unless
-    ``trusted``); raise on every rank if any rank found a problem, before the collective
-    load could leave some ranks waiting, and before any value reaches the model. Adds the
-    checkpoint's step to the extras loaded, when it has one."""
+    ``trusted``), and its data loaders' positions against this world (``places``, a
+    ``positions.Places``); raise on every rank if any rank found a problem, before the
+    collective load could leave some ranks waiting, and before any value reaches the model.
+    Adds the checkpoint's step, and the positions ``places`` asks for, to the extras
+    loaded, when it has them."""
     try:
-        problems = _load_problems(SafeReader(ckpt, trusted=trusted), ckpt, state, group)
+        problems = _load_problems(SafeReader(ckpt, trusted=trusted), ckpt, state, group,
+                                  places)
     except Exception as e:  # an unreadable checkpoint is one more problem to agree on
         problems = [f"cannot read it ({type(e).__name__}: {e}); a file is damaged"]
     agree_or_raise(problems, group, f"Cannot load checkpoint {ckpt}")
 
 
-def _load_problems(reader: SafeReader, ckpt: str, state: dict, group) -> list[str]:
+def _load_problems(reader: SafeReader, ckpt: str, state: dict, group,
+                   places=None) -> list[str]:
     try:
         metadata = reader.read_metadata()
     except (pickles.Refused, checksums.Mismatch) as e:
@@ -119,8 +124,11 @@ def _load_problems(reader: SafeReader, ckpt: str, state: dict, group) -> list[st
                 f"finish or the file is corrupt"]
     if "extra.step" in metadata.state_dict_metadata:
         state["extra"].setdefault("step", b"")
+    if places is not None:
+        places.request(metadata, state["extra"])
     problems = _problems(ckpt, metadata, state, dist.get_world_size(group))
-    return problems or preflight(reader, metadata, state, dist.get_rank(group) == 0)
+    problems = problems or preflight(reader, metadata, state, dist.get_rank(group) == 0)
+    return problems or ([] if places is None else places.problems(reader, metadata))
 
 
 def _problems(ckpt: str, metadata, state: dict, world: int) -> list[str]:
@@ -139,13 +147,18 @@ def _problems(ckpt: str, metadata, state: dict, world: int) -> list[str]:
     return problems + file_problems(ckpt, metadata)
 
 
+def saved_ranks(saved: dict, key: str) -> int:
+    """How many ranks saved the per-rank extra ``key`` (``saved``: the checkpoint's keys)."""
+    prefix = f"extra.{key}.rank"
+    return sum(1 for k in saved if k.startswith(prefix) and k[len(prefix):].isdigit())
+
+
 def _per_rank_problems(flat: dict, saved: dict, world: int) -> list[str]:
     problems = []
     for key in flat:
         match = _PER_RANK.match(key)
         if match:
-            prefix = f"extra.{match.group(1)}.rank"
-            ranks = sum(1 for k in saved if k.startswith(prefix) and k[len(prefix):].isdigit())
+            ranks = saved_ranks(saved, match.group(1))
             if ranks != world:
                 problems.append(f"per-rank state {match.group(1)!r} was saved by {ranks} "
                                 f"ranks, not {world}: it cannot move to another world size; "
