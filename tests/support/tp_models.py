@@ -107,3 +107,14 @@ def tp_batches(steps: int, accum: int, rows: int, seed: int = 1):
     return [[(torch.randint(0, VOCAB, (rows, CONTEXT), generator=g),
               torch.randint(0, VOCAB, (rows, CONTEXT), generator=g)) for _ in range(accum)]
             for _ in range(steps)]
+
+
+def mesh_clip(model, max_norm: float) -> None:
+    """The global-norm clip FSDP2 + tensor parallelism needs: its gradients are DTensors of
+    two meshes (the data-parallel one, and it joined with the tensor-parallel one), which
+    torch's own ``clip_grad_norm_`` cannot stack (torchtitan clips the same way)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = sum((g.norm() ** 2).full_tensor() for g in grads).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef)
