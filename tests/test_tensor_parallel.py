@@ -19,7 +19,7 @@ from support.compare import full_state, max_error
 from support.errors import error_of
 from support.loops import STAGES
 from support.ranks import run_ranks
-from support.tp_models import make_tp_model, mesh_clip, parallelize, tp_batches
+from support.tp_models import TPModel, make_tp_model, mesh_clip, parallelize, tp_batches
 
 pytestmark = pytest.mark.multirank
 
@@ -220,3 +220,30 @@ def test_what_zerofn_cannot_shard_is_refused_naming_what_to_do():
         assert "placement P(sum), which zerofn cannot shard over" in out["partial"], out["partial"]
         assert out["after"].startswith("zerofn: the model's parameter 'blocks.0.attn.q.weight' "
                                        "is no longer the one zerofn sharded"), out["after"]
+
+
+def built_on_meta(rank, world, stage, meta):
+    """The model built on the meta device (or not), split by tensor parallelism, then
+    ZeRO-``stage`` materializes it: its weights, whole."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    with torch.device("meta") if meta else torch.device("cpu"):
+        model = TPModel()
+    parallelize(model, mesh["tp"])
+    torch.manual_seed(0)       # (the init's stream: the eager model drew it at construction)
+    model, opt = zerofn_tp_of(model, stage, mesh)
+    return full_state(model, opt)[0]
+
+
+def zerofn_tp_of(model, stage: int, mesh):
+    *first, last = STAGES[stage]
+    model = zf.compose(*(getattr(zf, n)() for n in first), getattr(zf, last)(group=mesh["dp"]))(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_model_built_on_meta_is_initialized_as_the_eager_one_piece_by_piece(stage):
+    eager = run_ranks(4, built_on_meta, stage, False, timeout=300)[0]
+    meta = run_ranks(4, built_on_meta, stage, True, timeout=300)[0]
+    assert eager.keys() == meta.keys()
+    assert all(torch.equal(eager[k], meta[k]) for k in eager)

@@ -132,6 +132,8 @@ class Shards:
             m.undo()
             raise ValueError(f"zerofn could not initialize the meta-built model (rank "
                              f"{failed[0]}): " + " ".join(failed[1]))
+        if optimizer is None:    # (built after the transform, over the new parameters)
+            return
         for group in optimizer.param_groups:
             group["params"] = [m.new_of.get(p, p) for p in group["params"]]
         for old, new in m.new_of.items():
