@@ -31,7 +31,8 @@ class OtherRank:
 def step_grads(comm, got: set, device="cpu") -> StepGrads:
     """The step's gradients over ``comm``, with the context and parts the vote reads."""
     ctx = types.SimpleNamespace(comm=comm, pool=None, units=(), device=torch.device(device),
-                                timing=UNTIMED, replicas=None, copies=None, plan=Plan())
+                                timing=UNTIMED, replicas=None, copies=None, plan=Plan(),
+                                groups=types.SimpleNamespace(model=None))
     return StepGrads(ctx, types.SimpleNamespace(got=got), types.SimpleNamespace(early=None),
                      None, types.SimpleNamespace(defers_scaling=False))
 

@@ -8,6 +8,16 @@ all-gather or reduce-scatter moves a whole unit. Gathered (rank-major) buffers a
 as ``(world, shard_numel)``; a parameter's columns in that view are
 ``[offset, offset + chunk * inner)``.
 
+[Note: parameters another parallelism split] A parameter that tensor or expert parallelism
+made a DTensor (``parallelize_module``) is sharded here as FSDP2 shards it: its local
+tensor, the piece this rank holds, is what the layout above splits along dim 0 over the
+data-parallel ranks. ``ParamSlot.spec`` keeps the parameter's own DTensor spec; the
+registered parameter, its gradient and its optimizer state are DTensors on the
+data-parallel mesh concatenated with the parameter's own, with FSDP2's placements:
+``Shard(0)`` over the data-parallel ranks, ``_StridedShard(0, split_factor)`` where the
+parameter's own placements already split dim 0 (the data-parallel rows interleave with
+them), then the parameter's own placements.
+
 [Note: aligned slots] A gathered parameter is a view at ``world * offset`` of its unit's
 buffer, and a shard one at ``offset``. Packed tightly, one parameter of odd size would
 leave every later one in the unit at an odd address: CUDA's grouped GEMM
@@ -24,11 +34,29 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 SLOT_ALIGN = 16     # elements: [Note: aligned slots]
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor zerofn lays out, gathers and reduces for ``t``: a DTensor's local piece
+    ([Note: parameters another parallelism split]), else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def set_local(param: torch.Tensor, data: torch.Tensor) -> None:
+    """Point ``param`` at ``data``: its data, or a DTensor's local piece (whose own dtype
+    and shape stay: ``data`` is one of that dtype and local shape)."""
+    if isinstance(param, DTensor):
+        param._local_tensor = data
+    else:
+        param.data = data
 
 
 def chunk_rows(rows: int, world: int) -> int:
@@ -47,14 +75,17 @@ class ParamSlot:
     fqn: str
     param: nn.Parameter                      # the user's parameter: the unsharded one
     owners: list[tuple[nn.Module, str]]      # every (module, attr) registering it
-    shape: torch.Size
+    shape: torch.Size                        # what is sharded: the parameter's, or its local
     offset: int                              # in the unit's shard buffer
     chunk: int                               # padded rows per rank
     local: int                               # rows this rank holds
     rank: int
+    spec: DTensorSpec | None = None          # a DTensor parameter's own (tensor parallel)
+    aliases: list = field(default_factory=list)   # the user's, where ``param`` replaced it
     # Filled by the runtime:
     opt_param: torch.Tensor | None = None    # what the optimizer steps: this rank's rows
     sharded: nn.Parameter | None = None      # ZeRO-3: the registered DTensor parameter
+    _layouts: dict = field(default_factory=dict, repr=False)   # as_dtensor's, per mesh
 
     @property
     def rows(self) -> int:
@@ -75,7 +106,12 @@ class ParamSlot:
     @property
     def stride(self) -> tuple[int, ...]:
         """The full parameter's contiguous strides (what a Shard(0) DTensor declares)."""
-        return torch.empty(self.shape, device="meta").stride()
+        return torch.empty(self.global_shape, device="meta").stride()
+
+    @property
+    def global_shape(self) -> torch.Size:
+        """The parameter's shape as the model sees it (a DTensor's global one)."""
+        return self.shape if self.spec is None else self.spec.shape
 
     @property
     def local_numel(self) -> int:
@@ -93,6 +129,17 @@ class ParamSlot:
         """This rank's rows as a view of a unit's flat shard buffer."""
         return flat[self.offset:self.offset + self.local_numel].view(self.local_shape)
 
+    def piece_of(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the whole parameter-shaped ``whole`` as tensor parallelism
+        places it (``spec``), a view; ``whole`` itself for a plain parameter."""
+        if self.spec is None:
+            return whole
+        shape, offset = compute_local_shape_and_global_offset(
+            self.spec.shape, self.spec.mesh, self.spec.placements)
+        for dim, (n, start) in enumerate(zip(shape, offset)):
+            whole = whole.narrow(dim, start, n)
+        return whole
+
     def rows_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full tensor, as a view."""
         start = self.rank * self.chunk
@@ -101,14 +148,32 @@ class ParamSlot:
     def as_dtensor(self, local: torch.Tensor, mesh, placements: tuple = (Shard(0),),
                    requires_grad: bool = False) -> DTensor:
         """``local`` (this rank's rows) as the ``Shard(0)`` DTensor of the full parameter
-        (on HSDP's 2-D mesh, ``Replicate()`` along the replicate dim, as FSDP2's).
+        (on HSDP's 2-D mesh, ``Replicate()`` along the replicate dim, as FSDP2's), on the
+        data-parallel ``mesh`` concatenated with the parameter's own where it is a DTensor
+        ([Note: parameters another parallelism split]).
 
         Built directly, as FSDP2 builds its CPU-offloaded parameters: ``DTensor.from_local``
         would copy a host ``local`` onto the mesh's device, and the DTensor would stop
         aliasing zerofn's buffers (an offload arena, an NVMe staging view).
         """
-        spec = DTensorSpec(mesh, placements, TensorMeta(self.shape, self.stride, local.dtype))
+        mesh, placements = self.layout(mesh, placements)
+        spec = DTensorSpec(mesh, placements,
+                           TensorMeta(self.global_shape, self.stride, local.dtype))
         return DTensor(local, spec, requires_grad=requires_grad)
+
+    def layout(self, mesh: DeviceMesh, placements: tuple) -> tuple[DeviceMesh, tuple]:
+        """The mesh and placements of this parameter's sharded DTensors, given the
+        data-parallel ``mesh`` and its ``placements`` (made once per mesh)."""
+        if self.spec is None:
+            return mesh, placements
+        key = (id(mesh), placements)
+        if key not in self._layouts:
+            split = self.spec.num_shards_map[0]
+            dp = tuple(_StridedShard(0, split_factor=split) if isinstance(p, Shard) and split > 1
+                       else p for p in placements)
+            self._layouts[key] = (DeviceMesh._concatenate([mesh, self.spec.mesh]),
+                                  dp + tuple(self.spec.placements))
+        return self._layouts[key]
 
 
 @dataclass(eq=False)
@@ -215,6 +280,8 @@ def build_units(model: nn.Module, policy, world: int, rank: int,
 
 def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: int,
               device: torch.device) -> None:
+    spec = p._spec if isinstance(p, DTensor) else None
+    shape = local_of(p).shape
     if p.dim() == 0:
         raise ValueError(f"zerofn cannot shard the 0-dim parameter {fqn!r} along dim 0; "
                          "give it shape (1,) instead.")
@@ -225,9 +292,9 @@ def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: i
             f"Parameter {fqn!r} is {p.dtype} on {device} but unit {unit.name!r} holds "
             f"{unit.dtype} on {unit.device}, and a unit holds one dtype on one device: cast "
             "the model to one dtype and device first, or " + _way_out(unit, p))
-    chunk = chunk_rows(p.shape[0], world)
-    slot = ParamSlot(fqn, p, owners, p.shape, unit.shard_numel, chunk,
-                     local_rows(p.shape[0], world, rank), rank)
+    chunk = chunk_rows(shape[0], world)
+    slot = ParamSlot(fqn, p, owners, shape, unit.shard_numel, chunk,
+                     local_rows(shape[0], world, rank), rank, spec)
     unit.slots.append(slot)
     unit.shard_numel += -(-chunk * slot.inner // SLOT_ALIGN) * SLOT_ALIGN
 

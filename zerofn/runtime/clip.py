@@ -4,11 +4,10 @@ offload with Adam the coefficient is folded into the kernel ([Note: deferred sca
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-
-from .step import by_device_and_dtype
 
 
 @torch.no_grad()
@@ -30,6 +29,8 @@ def _clip(grads, max_norm: float, norm_type: float, error_if_nonfinite: bool):
     if total is None:                # a second clip this step: the vote was taken
         with grads.timing.collective("all_reduce"):
             grads.comm.all_reduce(local, op=op)
+        if grads.model_parallel is not None:
+            dist.all_reduce(local, op=op, group=grads.model_parallel)
         total = local
     if norm_type != math.inf:
         total = total ** (1.0 / norm_type)
@@ -49,14 +50,20 @@ def _local_norm(grads, norm_type: float, device: torch.device) -> torch.Tensor:
     Adam offload use the sum of squares their overflow check already read."""
     if grads.deferred and norm_type == 2.0:
         return grads.deferred_stats()[0].float()
-    shards = grads.present()
-    if not shards:
+    items = [(s, g) for s, g in grads.grads.items() if g is not None and g.numel()]
+    if not items:
         return torch.zeros((), device=device)
     inf = norm_type == math.inf
     parts = []
-    for (where, _), norms in by_device_and_dtype(
-            torch._foreach_norm(shards, norm_type, dtype=torch.float32)).items():
-        norms = torch.stack(norms)
+    by_place = defaultdict(list)
+    for s, g in items:
+        by_place[(g.device, g.dtype)].append((s, g))
+    for (where, _), pairs in by_place.items():
+        norms = torch.stack(torch._foreach_norm([g for _, g in pairs], norm_type,
+                                                dtype=torch.float32))
+        if not inf and grads.norm_weight:     # (each row once over tensor parallelism)
+            norms = norms * torch.tensor([grads.norm_weight.get(s, 1.0) for s, _ in pairs],
+                                         device=norms.device) ** (1.0 / norm_type)
         part = norms.max() if inf else (norms ** norm_type).sum()
         # A host figure is filled in on the device: a copy up from pageable memory blocks.
         parts.append(part if where == device else torch.full((), part.item(), device=device))

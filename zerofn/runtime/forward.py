@@ -70,6 +70,7 @@ class ForwardHooks:
 
     def _forward_begins(self, module, args) -> None:
         if not in_backward():   # (a checkpointed recompute is part of backward)
+            _check_registered(self.ctx.units)
             self.stepper.follow_zero_grad()
             self.observers.forward_begin()
 
@@ -100,6 +101,23 @@ class ForwardHooks:
         if raised is not None:
             _explain_in_place(raised, unit)
         self.gatherer.post_forward(unit, is_root, output)
+
+
+def _check_registered(units) -> None:
+    """Every parameter zerofn laid out is still the one its modules hold: one replaced after
+    the transform (tensor parallelism's ``parallelize_module`` applied after zerofn, or an
+    assignment) would compute, and never be trained, silently."""
+    for unit in units:
+        for s in unit.slots:
+            for module, name in s.owners:
+                held = module._parameters.get(name)
+                if held is not s.param and held is not s.sharded:
+                    raise ValueError(
+                        f"zerofn: the model's parameter {s.fqn!r} is no longer the one zerofn "
+                        "sharded: it was replaced after the transform (tensor parallelism's "
+                        "parallelize_module applied after zerofn, or an assignment), and "
+                        "zerofn would never train the new one. Split the model first "
+                        "(parallelize_module), then apply zerofn; replace no parameter after.")
 
 
 def _cast_inputs(dtype: torch.dtype, module, args: tuple, kwargs: dict):

@@ -115,7 +115,7 @@ class GradReducer:
 
     def _pack_grad(self, unit: Unit, slot: ParamSlot, grad: torch.Tensor) -> None:
         send = self._send_buffer(unit).view(self.comm.world, unit.shard_numel)
-        scatter_to_ranks(grad, send[:, slot.cols])
+        scatter_to_ranks(_local_grad(slot, grad), send[:, slot.cols])
         self._packed[unit].add(slot)
 
     def pack(self, unit: Unit, slot: ParamSlot) -> None:
@@ -280,8 +280,9 @@ class GradReducer:
                 if not unit.trainable:
                     continue
                 for s in unit.trainable:
-                    if s.param.grad is not None and not isinstance(s.param.grad, DTensor):
-                        self._pack_grad(unit, s, s.param.grad)
+                    grad = s.param.grad     # (not the reduced rows shown on it)
+                    if grad is not None and grad is not self.visible.shown.get(s):
+                        self._pack_grad(unit, s, grad)
                 self.reduce(unit)
             self._free_whole_grads()
         self.unreduced = False
@@ -329,3 +330,15 @@ class GradReducer:
                 self.pool.give(self.grad_shard.pop(unit))
             for s in unit.slots:
                 s.param.grad = None
+
+
+def _local_grad(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
+    """What is reduced of a gradient: a DTensor parameter's ([Note: parameters another
+    parallelism split] in core/units.py) in its parameter's own placements first (a
+    ``Partial`` sum over the tensor-parallel ranks is summed there, as FSDP2 does), then
+    its local piece."""
+    if not isinstance(grad, DTensor):
+        return grad
+    if slot.spec is not None and tuple(grad.placements) != tuple(slot.spec.placements):
+        grad = grad.redistribute(placements=slot.spec.placements)
+    return grad._local_tensor

@@ -12,6 +12,11 @@ ZeRO-3, its full tensors are dropped. Peak memory is the rank's share plus the u
 being initialized: the unit in hand and the root unit, which finishes last because
 ``init(root)`` may still touch any of its parameters.
 
+A parameter tensor parallelism made a DTensor is initialized whole, as a plain tensor (so
+an init writes what it writes in an eager model, which ``parallelize_module`` then
+splits), and then replaced by a DTensor holding a copy of this rank's piece of it, before
+its unit is laid out.
+
 Parameters keep their identity everywhere but on the meta device: a meta tensor cannot
 take host or device storage in place, so each meta parameter is replaced by a new
 ``nn.Parameter`` (registered in every module holding it, and in the optimizer's groups).
@@ -28,8 +33,10 @@ import hashlib
 import torch
 from torch import nn
 
+from torch.distributed.tensor import DTensor
+
 from .pool import BufferPool
-from ..core.units import Unit
+from ..core.units import Unit, local_of
 
 
 def meta_state(model: nn.Module) -> bool | None:
@@ -115,6 +122,7 @@ class Materializer:
             return   # a module under two parents is initialized again: lay out after the last
         for unit in self._units_at.pop(module, ()):
             self._check_params(unit)
+            self._split(unit)
             lay_out(unit)
             self._release(unit)
 
@@ -129,7 +137,8 @@ class Materializer:
             if p is None or not p.is_meta or p in self.new_of:
                 continue
             slot = self._slot_of[p]
-            new = nn.Parameter(self._view(self._unit_of[slot], p), requires_grad=p.requires_grad)
+            new = nn.Parameter(self._view(self._unit_of[slot], slot.global_shape),
+                               requires_grad=p.requires_grad)
             if not (new.is_floating_point() or new.is_complex()):
                 self._versions[id(new)] = new._version
             self.new_of[p] = new
@@ -143,24 +152,43 @@ class Materializer:
                 self._buffers[(module, bname)] = b
                 module._buffers[bname] = self._empty(b.shape, b.dtype)
 
+    def _split(self, unit: Unit) -> None:
+        """Each tensor-parallel parameter of ``unit``, initialized whole, becomes the DTensor
+        of this rank's piece (a copy: the whole goes back with the unit's buffer)."""
+        for s in unit.slots:
+            if s.spec is None or isinstance(s.param, DTensor):
+                continue
+            whole = s.param
+            new = nn.Parameter(DTensor(s.piece_of(whole.detach()).clone(), s.spec,
+                                       requires_grad=whole.requires_grad),
+                               requires_grad=whole.requires_grad)
+            meta = next(m for m, n in self.new_of.items() if n is whole)
+            self.new_of[meta] = new
+            s.param = new
+            self._slot_of[new] = s
+            for owner, attr in s.owners:
+                owner._parameters[attr] = new
+                self._placed[(owner, attr)] = new
+
     def _release(self, unit: Unit) -> None:
         """The unit's buffer goes back for reuse once no parameter lives in it (ZeRO-3 keeps
         only rows, mixed precision casts); ZeRO-1/2 keep their full parameters in it."""
         flat = self._flat.pop(unit, (None,))[0]
         ptr = flat.untyped_storage().data_ptr() if flat is not None else None
-        if ptr is not None and all(s.param.untyped_storage().data_ptr() != ptr
+        if ptr is not None and all(local_of(s.param).untyped_storage().data_ptr() != ptr
                                    for s in unit.slots):
             self._buffers_pool.give(flat)
 
-    def _view(self, unit: Unit, like: torch.Tensor) -> torch.Tensor:
-        """Storage for one of ``unit``'s parameters: the next piece of the unit's buffer."""
+    def _view(self, unit: Unit, shape: torch.Size) -> torch.Tensor:
+        """Storage for one of ``unit``'s parameters, whole: the next piece of the unit's
+        buffer."""
         if unit not in self._flat:
-            total = sum(s.numel for s in unit.slots)
+            total = sum(s.global_shape.numel() for s in unit.slots)
             flat = self._buffers_pool.take(total, unit.dtype, self.device)
             self._flat[unit] = (self._poison(flat), [0])
         flat, used = self._flat[unit]
-        view = flat[used[0]:used[0] + like.numel()].view(like.shape)
-        used[0] += like.numel()
+        view = flat[used[0]:used[0] + shape.numel()].view(shape)
+        used[0] += shape.numel()
         return view
 
     def _empty(self, shape, dtype: torch.dtype) -> torch.Tensor:

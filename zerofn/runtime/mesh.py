@@ -29,7 +29,9 @@ class Groups:
     ``shard``: the ranks one parameter is split over (all of them without HSDP);
     ``replicate``: the ranks holding the same shard as this one (HSDP), else None;
     ``everyone``: every rank of the layout (set-up agreement, checkpoints);
-    ``mesh`` and ``placements``: how a sharded parameter is declared as a DTensor.
+    ``mesh`` and ``placements``: how a sharded parameter is declared as a DTensor;
+    ``model``: where tensor parallelism split parameters, the mesh they are DTensors on
+    (``model_parallel``), else None: the ranks holding other pieces of the same rows.
     """
 
     shard: dist.ProcessGroup
@@ -37,6 +39,7 @@ class Groups:
     everyone: dist.ProcessGroup
     mesh: DeviceMesh
     placements: tuple
+    model: DeviceMesh | None = None
 
 
 def mesh_dims(mesh: DeviceMesh) -> tuple[int | None, int]:
@@ -93,3 +96,37 @@ def set_timeout(groups: Groups, timeout: float | None) -> None:
                          "the slowest rank (> 0), or None for the group's own timeout.")
     for group in {groups.everyone, groups.shard, groups.replicate} - {None}:
         c10d._set_pg_timeout(datetime.timedelta(seconds=timeout), group)
+
+
+def model_parallel(groups: Groups, specs: list) -> list[str]:
+    """Where parameters are DTensors already (tensor parallelism: ``specs``, their own
+    DTensor specs), the data-parallel layout joins their mesh as FSDP2's does
+    (core/units.py's [Note: parameters another parallelism split]): ``groups.model`` is
+    that mesh and ``everyone`` all ranks of both. Returns what zerofn cannot shard, as
+    problems (raised on every rank by the caller); local, no collective."""
+    if not specs:
+        return []
+    meshes = {s.mesh for s in specs}
+    if len(meshes) > 1:
+        return [f"the model's DTensor parameters lie on {len(meshes)} different meshes; "
+                "zerofn shards parameters split over one tensor-parallel mesh."]
+    mesh = meshes.pop()
+    odd = next((p for s in specs for p in s.placements
+                if type(p) is not Shard and not isinstance(p, Replicate)), None)
+    if odd is not None:
+        return [f"a parameter is a DTensor with placement {odd}, which zerofn cannot shard "
+                "over (it shards parameters placed Shard(d) or Replicate() by tensor "
+                "parallelism); apply zerofn to the model as parallelize_module left it."]
+    if mesh.ndim > 2:
+        return [f"a parameter lies on a {mesh.ndim}-D mesh; zerofn shards parameters of 1-D "
+                "or 2-D (expert and tensor) parallelism, as FSDP2 does."]
+    try:
+        joined = DeviceMesh._concatenate([groups.mesh, mesh])
+    except Exception as e:   # (another root: torch says why)
+        return [f"the data-parallel mesh given as group= and the tensor-parallel mesh the "
+                f"parameters lie on are not slices of one mesh ({type(e).__name__}: {e}); "
+                "take both from the same init_device_mesh, e.g. mesh['dp'] and mesh['tp']."]
+    groups.model = mesh
+    groups.everyone = dist.group.WORLD if joined.size() == dist.get_world_size() \
+        else joined._flatten().get_group()
+    return []

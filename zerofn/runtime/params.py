@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .hooks import eager, in_backward, on_backward_begin
-from ..core.units import Unit
+from ..core.units import Unit, local_of, set_local
 
 
 class _SavedView:
-    """Where a saved tensor lay in its unit's gathered buffer."""
+    """Where a saved tensor lay in its unit's gathered buffer; ``spec``: the DTensor it was
+    the local piece of (a parameter tensor parallelism split), or None."""
 
-    __slots__ = ("offset", "size", "stride", "unit")
+    __slots__ = ("offset", "size", "stride", "unit", "spec")
 
-    def __init__(self, unit: Unit, t: torch.Tensor):
+    def __init__(self, unit: Unit, t: torch.Tensor, spec=None):
         self.unit, self.offset, self.size, self.stride = unit, t.storage_offset(), t.size(), t.stride()
+        self.spec = spec
 
 
 class ParamGatherer:
@@ -101,7 +104,7 @@ class ParamGatherer:
         for s in unit.slots:
             n = s.chunk * s.inner
             full[world * s.offset:world * s.offset + world * n].view(world, n).copy_(ranks[:, s.cols])
-            s.param.data = full[world * s.offset:world * s.offset + s.numel].view(s.shape)
+            set_local(s.param, full[world * s.offset:world * s.offset + s.numel].view(s.shape))
         self.pool.give(recv)
         self.full[unit] = full
         self._by_storage[full.untyped_storage().data_ptr()] = unit
@@ -113,7 +116,7 @@ class ParamGatherer:
             return
         del self._by_storage[full.untyped_storage().data_ptr()]
         for s in unit.slots:
-            s.param.data = self.placeholder(s, unit)
+            set_local(s.param, self.placeholder(s, unit))
             _register(s, s.sharded)
         self.pool.give(full)
 
@@ -208,6 +211,12 @@ class ParamGatherer:
         node (its grad_fn), which holds it: a cycle through C++ that the collector cannot
         see, leaking the graph of every forward backward never reaches (an evaluation with
         gradients enabled). Autograd keeps the grad_fn and restores it at unpack."""
+        if isinstance(t, DTensor):
+            local = t._local_tensor
+            if local.__class__ is not torch.Tensor:   # (a collective's result, still owed)
+                return t
+            unit = self._by_storage.get(local.untyped_storage().data_ptr())
+            return t.detach() if unit is None else _SavedView(unit, local, t._spec)
         if t.__class__ not in (torch.Tensor, nn.Parameter) or t.is_sparse:
             return t
         unit = self._by_storage.get(t.untyped_storage().data_ptr())
@@ -220,7 +229,8 @@ class ParamGatherer:
         full = self.ensure(saved.unit)
         if not gathered:
             self.prefetch_after(saved.unit, -1)
-        return full.as_strided(saved.size, saved.stride, saved.offset)
+        local = full.as_strided(saved.size, saved.stride, saved.offset)
+        return local if saved.spec is None else DTensor(local, saved.spec, requires_grad=False)
 
 
 def _register(slot, param: nn.Parameter) -> None:

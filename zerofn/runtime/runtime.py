@@ -38,7 +38,7 @@ from .grads import GradReducer
 from .host_malloc import return_large_frees
 from .materialize import meta_state, rng_digest, target_device
 from .memory import model_state_bytes
-from .mesh import groups_of, set_timeout
+from .mesh import groups_of, model_parallel, set_timeout
 from .offload import (HomeSpec, auto_problems, cpu_adam_steps, make_homes, offload_problems,
                       optimizer_problems)
 from .optimizer import check_optimizer, signature
@@ -135,6 +135,9 @@ class Runtime:
         self.replica_world = 1 if replicas is None else replicas.world
         # The units, agreed on by every rank, then the observers the caller asked for.
         units, problems = self._build_units(observer_kinds, optimizer)
+        # Tensor parallelism's DTensors join the layout (every rank of both meshes agrees).
+        problems += model_parallel(groups, [s.spec for u in units for s in u.slots if s.spec])
+        self.group = groups.everyone
         self._agree_across_ranks(problems, optimizer)
         self.units = units
         self.observers = Observers([o for kind in observer_kinds if (o := kind.attach(self))])
@@ -156,7 +159,8 @@ class Runtime:
         self.slot_of = {s.param: s for u in units for s in u.slots}   # (after meta's new params)
         # What an optimizer may hold for each parameter: the whole one, or ZeRO-3's DTensor.
         self.param_index = {**self.slot_of, **{s.sharded: s for s in self.slot_of.values()
-                                                if s.sharded is not None}}
+                                                if s.sharded is not None},
+                            **{a: s for s in self.slot_of.values() for a in s.aliases}}
         visible = VisibleGrads(units, self.mesh, self.placements, ctx.pool)
         landing = Landing(ctx, self.homes, visible, early_steps(ctx, self.homes, optimizer))
         self.reducer = GradReducer(ctx, visible, landing, self.gatherer)

@@ -17,10 +17,30 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ..core.units import gather_from_ranks
+from ..core.units import gather_from_ranks, local_of, set_local
 from .materialize import Materializer, meta_state
 from .offload import FlatBuffers
+
+
+def _cast(slot, data: torch.Tensor) -> None:
+    """The slot's whole parameter now holds ``data``, in ``data``'s dtype. A DTensor
+    parameter keeps its dtype for good: it is replaced by one of ``data``'s dtype (its
+    modules register the new one; ``slot.aliases`` keeps the user's, which an optimizer
+    built before may hold)."""
+    param = slot.param
+    if not isinstance(param, DTensor) or param.dtype == data.dtype:
+        return set_local(param, data)
+    spec = DTensorSpec(param._spec.mesh, param._spec.placements,
+                       TensorMeta(param.shape, param.stride(), data.dtype))
+    new = nn.Parameter(DTensor(data, spec, requires_grad=param.requires_grad),
+                       requires_grad=param.requires_grad)
+    slot.aliases.append(param)
+    slot.param = new
+    for module, name in slot.owners:
+        module._parameters[name] = new
 
 
 class Shards:
@@ -77,13 +97,13 @@ class Shards:
             unit.shard = self._compute_shard(unit, master)
         elif unit.compute_dtype != unit.dtype:
             for s in unit.slots:
-                s.param.data = s.param.data.to(unit.compute_dtype)
+                _cast(s, local_of(s.param).data.to(unit.compute_dtype))
         groups = self.ctx.groups
         for s in unit.slots if sharded else ():
             s.sharded = nn.Parameter(s.as_dtensor(s.shard_of(unit.shard), groups.mesh,
                                                  groups.placements),
                                      requires_grad=s.requires_grad)
-            s.param.data = self.gatherer.placeholder(s, unit)
+            _cast(s, self.gatherer.placeholder(s, unit))
             for module, name in s.owners:
                 module._parameters[name] = s.sharded
 
@@ -112,6 +132,8 @@ class Shards:
             m.undo()
             raise ValueError(f"zerofn could not initialize the meta-built model (rank "
                              f"{failed[0]}): " + " ".join(failed[1]))
+        if optimizer is None:    # (built after the transform, over the new parameters)
+            return
         for group in optimizer.param_groups:
             group["params"] = [m.new_of.get(p, p) for p in group["params"]]
         for old, new in m.new_of.items():
@@ -146,7 +168,7 @@ class Shards:
         else:
             for s in unit.slots:
                 send[s.offset:s.offset + s.local_numel].copy_(
-                    s.rows_of(s.param.detach()).reshape(-1))
+                    s.rows_of(local_of(s.param).detach()).reshape(-1))
         work = ctx.timing.issue("all_gather", "gather[step]", unit.name,
                                 lambda: ctx.comm.all_gather(recv, send, async_op=True),
                                 "gather_wait")
@@ -161,9 +183,9 @@ class Shards:
         with torch.no_grad():
             for s in unit.slots:
                 if not own_current:
-                    gather_from_ranks(ranks[:, s.cols], s.param.detach())
+                    gather_from_ranks(ranks[:, s.cols], local_of(s.param).detach())
                     continue
-                full, width = s.param.detach().view(-1), s.chunk * s.inner
+                full, width = local_of(s.param).detach().view(-1), s.chunk * s.inner
                 gather_from_ranks(ranks[:r, s.cols], full[:r * width])
                 gather_from_ranks(ranks[r + 1:, s.cols], full[(r + 1) * width:])
         self.ctx.pool.give(recv)
@@ -208,4 +230,8 @@ class Shards:
         mine[local.numel():].zero_()
         mine[:local.numel()].copy_(local.reshape(-1))
         comm.all_gather(out, mine)
-        return out[:slot.numel].view(slot.shape).to(device or local.device, copy=True)
+        whole = out[:slot.numel].view(slot.shape)
+        if slot.spec is not None:    # the parameter's own local piece: whole over its mesh
+            whole = DTensor(whole, DTensorSpec(slot.spec.mesh, slot.spec.placements, TensorMeta(
+                slot.global_shape, slot.stride, whole.dtype)), requires_grad=False).full_tensor()
+        return whole.to(device or local.device, copy=True)

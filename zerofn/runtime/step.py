@@ -136,6 +136,7 @@ class StepGrads:
         self.comm, self.pool, self.units, self.device = ctx.comm, ctx.pool, ctx.units, ctx.device
         self.timing, self.replicas, self.copies = ctx.timing, ctx.replicas, ctx.copies
         self.homes = homes
+        self.model_parallel, self.norm_weight = model_parallel_norms(ctx)
         self.early = landing.early   # overlap_step: steps each landed unit during backward
         # [Note: the non-finite guard]: whether an unscaled step is checked, and what then.
         self.rule = ctx.plan.nonfinite_rule()
@@ -278,7 +279,8 @@ class StepGrads:
         # (only overlap_step's early steps can refuse an edit: only they carry the verdict)
         refused = None if self.early is None else \
             torch.full((), float(self._refused is not None), device=self.device)
-        alone = rider is None and self.comm.world == 1 and self.replicas is None
+        alone = rider is None and self.comm.world == 1 and self.replicas is None \
+            and self.model_parallel is None
         if alone and (found is None or self.checked):   # no other rank to ask
             self._raise_refusal(self._refused is not None)
             # (the guard's verdict is this rank's own: read, not voted)
@@ -299,6 +301,9 @@ class StepGrads:
         if self.replicas is not None:   # replicas hold the same rows: MAX keeps the rider
             with self.timing.collective("replicate.all_reduce"):
                 self.replicas.all_reduce(ballot, op=dist.ReduceOp.MAX)
+        if self.model_parallel is not None:   # the other pieces of the same rows: one verdict
+            with self.timing.collective("model.all_reduce"):   # (and their part of the norm)
+                dist.all_reduce(ballot, op=op, group=self.model_parallel)
         if found is not None or refused is not None or not every:
             values = ballot.tolist()     # the one read, where there is something to learn
             self._raise_refusal(refused is not None and values[len(head) - 1] > 0)
@@ -358,15 +363,17 @@ class StepGrads:
             host, left = [], []
             for s, g in self.grads.items():
                 if g is not None and g.numel():
-                    (host if s in self._landed else left).append(g.reshape(-1))
-            sums = [grad_sumsq_and_finite(g) for g in host]
+                    (host if s in self._landed else left).append((s, g.reshape(-1)))
+            sums = [(s, grad_sumsq_and_finite(g)) for s, g in host]
+            weight = self.norm_weight.get
             # made on the device: a copy up from pageable memory would block
-            sumsq = torch.full((), sum(sq for sq, _ in sums), dtype=torch.float64,
-                               device=self.device)
-            bad = torch.full((), float(not all(ok for _, ok in sums)), device=self.device)
+            sumsq = torch.full((), sum(sq * weight(s, 1.0) for s, (sq, _) in sums),
+                               dtype=torch.float64, device=self.device)
+            bad = torch.full((), float(not all(ok for _, (_, ok) in sums)), device=self.device)
             if left:   # (no sum of squares of bf16 or fp16 values overflows a double)
-                norms = torch._foreach_norm(left, 2.0, dtype=torch.float64)
-                sq = torch.stack(norms).square().sum()
+                norms = torch._foreach_norm([g for _, g in left], 2.0, dtype=torch.float64)
+                sq = torch.stack([n.square() * weight(s, 1.0)
+                                  for (s, _), n in zip(left, norms)]).sum()
                 sumsq, bad = sumsq + sq, bad + (~sq.isfinite()).float()
             self._stats = (sumsq, bad)
         return self._stats
@@ -423,3 +430,23 @@ def by_device_and_dtype(tensors) -> dict[tuple, list[torch.Tensor]]:
     for t in tensors:
         groups[(t.device, t.dtype)].append(t)
     return groups
+
+
+def model_parallel_norms(ctx) -> tuple:
+    """Where tensor parallelism split parameters (mesh.py's ``Groups.model``): the group
+    over which the step's vote is taken again (every piece of the same rows takes the same
+    step), and each slot's weight in the norm's sum, 1 over the number of its
+    model-parallel ranks holding the same rows (a plain parameter: all of them), so the
+    sum over that group counts each row once. None and {} without."""
+    mesh = ctx.groups.model
+    if mesh is None:
+        return None, {}
+    group = mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
+    weight = {}
+    for unit in ctx.units:
+        for s in unit.trainable:
+            copies = mesh.size() if s.spec is None else math.prod(
+                n for n, p in zip(mesh.shape, s.spec.placements) if p.is_replicate())
+            if copies > 1:
+                weight[s] = 1.0 / copies
+    return group, weight

@@ -58,7 +58,7 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..core.units import ParamSlot, Unit
+from ..core.units import ParamSlot, Unit, local_of
 
 FINGERPRINT_CHUNK = 1 << 16     # elements a fingerprint sums at once on a CPU (x64 on a GPU)
 
@@ -235,11 +235,12 @@ def fingerprint(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_of(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a gradient the loop put on ``.grad``: a DTensor's local rows, or
-    a whole tensor's."""
-    if isinstance(grad, DTensor):
+    """This rank's rows of a gradient the loop put on ``.grad``: a sharded DTensor's local
+    rows, or a whole tensor's (a tensor-parallel parameter's: its local piece's)."""
+    if isinstance(grad, DTensor) and (slot.spec is None or
+                                      tuple(grad.placements) != tuple(slot.spec.placements)):
         return grad.to_local()
-    return slot.rows_of(grad)
+    return slot.rows_of(local_of(grad))
 
 
 def _before_accumulation(visible, slot: ParamSlot, grad):

@@ -164,11 +164,12 @@ def _full_value(value, shape=None, name=""):
 
 def _local_value(rt, slot: ParamSlot, value) -> torch.Tensor:
     """This rank's rows of ``value``, without a gather when it is already sharded our way."""
-    if isinstance(value, DTensor) and value.shape == slot.shape \
-            and tuple(value.placements) == rt.placements \
-            and tuple(value.device_mesh.shape) == tuple(rt.mesh.shape):
+    mesh, placements = slot.layout(rt.mesh, rt.placements)
+    if isinstance(value, DTensor) and value.shape == slot.global_shape \
+            and tuple(value.placements) == placements \
+            and tuple(value.device_mesh.shape) == tuple(mesh.shape):
         return value.to_local()
-    return slot.rows_of(_full_value(value, slot.shape, slot.fqn))
+    return slot.rows_of(slot.piece_of(_full_value(value, slot.global_shape, slot.fqn)))
 
 
 def _check_optimizer(rt, optimizer) -> None:
@@ -232,7 +233,7 @@ def _load_optim_state(rt, optimizer, osd: dict) -> None:
 def _load_param_state(rt, slot: ParamSlot, current: dict, saved: dict) -> dict:
     out = {}
     for k, v in saved.items():
-        if torch.is_tensor(v) and v.dim() > 0 and v.shape == slot.shape:
+        if torch.is_tensor(v) and v.dim() > 0 and v.shape == slot.global_shape:
             local = _local_value(rt, slot, v)
             if k in current and current[k].shape == local.shape:
                 out[k] = current[k].copy_(local)

@@ -29,7 +29,7 @@ import torch
 from ...optim.cpu_adam import CPUAdam
 from ..pinned import host_buffer
 from ..timing import UNTIMED
-from ...core.units import Unit
+from ...core.units import Unit, local_of
 
 ALIGN = 64   # elements: keeps every view 256-byte aligned for the vector kernels
 
@@ -257,7 +257,7 @@ def rows_into(unit: Unit, master: torch.Tensor) -> torch.Tensor:
     """This rank's initial rows of ``unit`` (from its full parameters) into the flat
     ``master``, each slot's ``opt_param`` a view of them; returns ``master``."""
     for s in unit.slots:
-        s.opt_param = s.shard_of(master).copy_(s.rows_of(s.param.detach()))
+        s.opt_param = s.shard_of(master).copy_(s.rows_of(local_of(s.param).detach()))
     return master
 
 

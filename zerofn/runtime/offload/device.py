@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core.units import Unit
+from ...core.units import Unit, local_of
 from ..optimizer import step_without_hooks
 from .base import FlatBuffers, Home, HomeSpec, rows_into
 
@@ -56,7 +56,7 @@ class DeviceHome(Home):
         if master is not None:
             return rows_into(unit, master)
         for s in unit.slots:   # the whole parameters' own rows are the masters
-            s.opt_param = s.rows_of(s.param.detach())
+            s.opt_param = s.rows_of(local_of(s.param).detach())
         return None
 
     def masters_on_device(self, unit: Unit) -> bool:

@@ -35,6 +35,7 @@ import torch
 
 from ..pinned import host_buffer, pins
 from .adam import adam_unit, cast_the_rest, groups_by_param
+from ...core.units import local_of
 from .base import HomeSpec, HostArena, Home, decoupled_weight_decay, device_of, point_at, stand_in
 from .nvme_file import FLOAT, FP32, SwapFile, block_bytes, state_bytes
 from .stored import StoredForm
@@ -133,7 +134,7 @@ class NvmeHome(Home):
         dtype = self._face(unit)
         master = torch.zeros(unit.shard_numel, dtype=dtype)
         for s in unit.slots:
-            s.shard_of(master).copy_(s.rows_of(s.param.detach()))
+            s.shard_of(master).copy_(s.rows_of(local_of(s.param).detach()))
             s.opt_param = stand_in(s.local_shape, dtype)
         buf = self.staging[0]
         buf.zero_()
