@@ -139,6 +139,15 @@ def shard_optimizer(**options) -> Transform:
             2-D DeviceMesh for hybrid sharding (HSDP): shard over its "shard" dim and
             average gradients over its "replicate" dim (dims named so, else dim 0
             replicates and dim 1 shards, as FSDP2 reads a mesh; see docs/multinode.md).
+        groups: a dict of module names or fnmatch patterns to 1-D DeviceMeshes: the
+            parameters of each module named shard over that mesh instead of ``group``,
+            as FSDP2 takes a mesh per module. For the experts of a mixture of experts
+            that expert parallelism split (each rank runs its own): ``{"blocks.*.moe.
+            experts": mesh["edp"]}``, the expert-data-parallel ranks holding the same
+            experts, from the same ``init_device_mesh`` as ``group``. Each module named
+            becomes a unit (it must run: have a forward); its gradients are summed over
+            its mesh and divided by the whole data-parallel size, as expert parallelism's
+            all-to-all already brought it the other ranks' tokens (docs/parallelism.md).
         units: how parameters are grouped for collectives: None (one unit per child of a
             ModuleList not inside another such child, e.g. a transformer's blocks but not
             the experts inside one, plus one for the rest), a list of submodules or their names

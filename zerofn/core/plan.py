@@ -17,6 +17,7 @@ import torch
 class ShardingPolicy:
     """How parameters are grouped and sharded (every stage; ZeRO-3's own options last)."""
     group: Any = None                  # ProcessGroup, 1-D or 2-D (HSDP) DeviceMesh, or None
+    groups: Any = None                 # {module name or pattern: 1-D DeviceMesh} (experts)
     units: Any = None                  # None, submodules or their names, or an int
     bucket_size: int = 4_000_000       # elements of collective buffers in flight
     sync_module_states: bool = True
@@ -88,7 +89,7 @@ OPTION_FIELDS = {
 POLICIES = {"sharding": ShardingPolicy, "precision": PrecisionPolicy,
             "offload": OffloadPolicy, "monitor": MonitorPolicy}
 # The options each transform accepts (shared ones set the whole plan: give each once).
-SHARED_OPTIONS = ("group", "units", "bucket_size", "sync_module_states", "init", "timeout",
+SHARED_OPTIONS = ("group", "groups", "units", "bucket_size", "sync_module_states", "init", "timeout",
                   "stall_warning", "on_nonfinite")
 NONFINITE_RULES = ("skip", "raise", "ignore")
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
@@ -155,11 +156,13 @@ class Plan:
 
     def describe(self) -> list[str]:
         """The plan as lines compared across ranks at set-up, one per option, so a mismatch
-        names the option. The group and the NVMe path may differ by rank (a local drive)."""
+        names the option. The group and the NVMe path may differ by rank (a local drive), as
+        do the meshes ``groups`` names (compared by their patterns)."""
         policies = {name: getattr(self, name) for name in POLICIES}
         opts = {o: getattr(policies[p], f) for o, (p, f) in OPTION_FIELDS.items()
                 if o not in ("group", "offload_path")}
         opts["units"] = _describe_units(opts["units"])
+        opts["groups"] = None if opts["groups"] is None else sorted(map(str, opts["groups"]))
         opts["init"] = _describe_init(opts["init"])
         return [f"stage={self.stage}"] + [f"{k}={opts[k]!r}" for k in sorted(opts)]
 

@@ -18,6 +18,14 @@ data-parallel mesh concatenated with the parameter's own, with FSDP2's placement
 parameter's own placements already split dim 0 (the data-parallel rows interleave with
 them), then the parameter's own placements.
 
+[Note: a module's own group] ``groups=`` gives some modules (a mixture's experts, which
+expert parallelism already split: each rank runs its own) a data-parallel group of their
+own, as FSDP2 takes a mesh per module: such a module is a unit whose ``group`` names it,
+laid out over that group's ranks (``world`` and ``rank`` above are that group's), and its
+slots' ``dp`` is the mesh and placements their DTensors are declared on, in place of the
+runtime's. Its parameters are never replicated by ``persist_below``: their rows differ
+from one expert-parallel rank to the next.
+
 [Note: aligned slots] A gathered parameter is a view at ``world * offset`` of its unit's
 buffer, and a shard one at ``offset``. Packed tightly, one parameter of odd size would
 leave every later one in the unit at an odd address: CUDA's grouped GEMM
@@ -33,6 +41,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -81,6 +90,7 @@ class ParamSlot:
     local: int                               # rows this rank holds
     rank: int
     spec: DTensorSpec | None = None          # a DTensor parameter's own (tensor parallel)
+    dp: tuple | None = None                  # (mesh, placements) of its own group, or None
     aliases: list = field(default_factory=list)   # the user's, where ``param`` replaced it
     # Filled by the runtime:
     opt_param: torch.Tensor | None = None    # what the optimizer steps: this rank's rows
@@ -150,7 +160,8 @@ class ParamSlot:
         """``local`` (this rank's rows) as the ``Shard(0)`` DTensor of the full parameter
         (on HSDP's 2-D mesh, ``Replicate()`` along the replicate dim, as FSDP2's), on the
         data-parallel ``mesh`` concatenated with the parameter's own where it is a DTensor
-        ([Note: parameters another parallelism split]).
+        ([Note: parameters another parallelism split]); a slot with a group of its own
+        declares its own mesh instead ([Note: a module's own group]).
 
         Built directly, as FSDP2 builds its CPU-offloaded parameters: ``DTensor.from_local``
         would copy a host ``local`` onto the mesh's device, and the DTensor would stop
@@ -163,7 +174,10 @@ class ParamSlot:
 
     def layout(self, mesh: DeviceMesh, placements: tuple) -> tuple[DeviceMesh, tuple]:
         """The mesh and placements of this parameter's sharded DTensors, given the
-        data-parallel ``mesh`` and its ``placements`` (made once per mesh)."""
+        data-parallel ``mesh`` and its ``placements`` (made once per mesh), or the slot's own
+        ([Note: a module's own group])."""
+        if self.dp is not None:
+            mesh, placements = self.dp
         if self.spec is None:
             return mesh, placements
         key = (id(mesh), placements)
@@ -196,6 +210,7 @@ class Unit:
     master_dtype: torch.dtype | None = None
     replicated: bool = False     # ZeRO-3's small persistent params: whole on every rank
     shard: torch.Tensor | None = None    # ZeRO-3: this rank's compute rows, flat
+    group: str | None = None     # groups='s pattern naming its module, or None (group=)
 
     @property
     def trainable(self) -> list[ParamSlot]:
@@ -240,19 +255,24 @@ def gather_from_ranks(cols: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def build_units(model: nn.Module, policy, world: int, rank: int,
-                persist_below: int = 0, device: torch.device | None = None) -> list[Unit]:
+                persist_below: int = 0, device: torch.device | None = None,
+                own: dict | None = None) -> list[Unit]:
     """Group the model's parameters into units; the root unit comes last.
 
     A parameter belongs to the innermost unit whose module holds it; one held by two
     units (tied across them) belongs to the root. Parameters under ``persist_below``
     elements go to one replicated unit instead, placed before the root. Parameters on the
-    meta device will be materialized on ``device``.
+    meta device will be materialized on ``device``. ``own``: ``{module: its own group}``
+    (runtime/mesh.py's ``OwnGroup``), units laid out over that group ([Note: a module's own
+    group]).
     """
+    own = own or {}
     # Once each: a module under two parents (two ModuleLists, or listed by two names) is
     # one unit, not two sets of hooks over the same parameters.
-    unit_modules = list(dict.fromkeys(_unit_modules(model, policy)))
+    unit_modules = list(dict.fromkeys(_unit_modules(model, policy) + list(own)))
     names = {m: n for n, m in model.named_modules(remove_duplicate=False)}
-    units = {m: Unit(names[m] or "<root>", m) for m in unit_modules}
+    units = {m: Unit(names[m] or "<root>", m, group=own[m].pattern if m in own else None)
+             for m in unit_modules}
     units[model] = Unit("<root>", model)
     owner_unit: dict[nn.Parameter, Unit] = {}
     owners: dict[nn.Parameter, list] = {}
@@ -271,6 +291,12 @@ def build_units(model: nn.Module, policy, world: int, rank: int,
                 owner_unit[p] = units[model]
     persistent = Unit("<persistent>", model, replicated=True)
     for p, unit in owner_unit.items():
+        group = own.get(unit.module) if unit.group is not None else None
+        if group is not None:
+            _add_slot(unit, p, fqns[p], owners[p], dist.get_world_size(group.shard),
+                      dist.get_rank(group.shard), device if p.is_meta else p.device,
+                      (group.mesh, group.placements))
+            continue
         _add_slot(persistent if p.numel() < persist_below else unit, p, fqns[p], owners[p],
                   world, rank, device if p.is_meta else p.device)
     # The root stays even when empty: its hooks bracket the whole forward.
@@ -279,7 +305,7 @@ def build_units(model: nn.Module, policy, world: int, rank: int,
 
 
 def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: int,
-              device: torch.device) -> None:
+              device: torch.device, dp: tuple | None = None) -> None:
     spec = p._spec if isinstance(p, DTensor) else None
     shape = local_of(p).shape
     if p.dim() == 0:
@@ -294,7 +320,7 @@ def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: i
             "the model to one dtype and device first, or " + _way_out(unit, p))
     chunk = chunk_rows(shape[0], world)
     slot = ParamSlot(fqn, p, owners, shape, unit.shard_numel, chunk,
-                     local_rows(shape[0], world, rank), rank, spec)
+                     local_rows(shape[0], world, rank), rank, spec, dp)
     unit.slots.append(slot)
     unit.shard_numel += -(-chunk * slot.inner // SLOT_ALIGN) * SLOT_ALIGN
 

@@ -203,7 +203,7 @@ class BackwardTracker:
         through backward for a few small tensors, so gradients wait on their parameters
         until they make up half the unit."""
         held = sum(s.numel for s in self._held[unit])
-        return 2 * held >= self.reducer.comm.world * unit.shard_numel
+        return 2 * held >= self.reducer.comm_of(unit).world * unit.shard_numel
 
     def _pack_the_rest(self, unit: Unit) -> None:
         """Pack the gradients of an incomplete unit that are on its parameters: those held
@@ -231,7 +231,8 @@ class BackwardTracker:
         self._learned = True
         mine = self._completed + [u for u in self._order if u not in self._completed]
         reducer = self.reducer
-        groups = [c for c in (reducer.comm, reducer.replicas) if c is not None and c.world > 1]
+        groups = [c for c in (reducer.ctx.comm, reducer.replicas)
+                  if c is not None and c.world > 1]
         if groups:
             index = {u: i for i, u in enumerate(self._order)}
             order = torch.tensor([index[u] for u in mine], device=reducer.ctx.device)

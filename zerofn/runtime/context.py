@@ -6,7 +6,7 @@ gradients, the gatherer, the shards, the forward hooks, the step), as FSDP2's
 none reaches another through its owner."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,36 @@ class RuntimeContext:
     observers: Observers        # told what happens; their timing and guard serve the parts
     units: tuple[Unit, ...]     # the model's units, the root last
     param_order: dict           # a parameter's name -> its index in model.named_parameters()
+    # groups=: each pattern's own group's collectives, and the whole data-parallel size its
+    # summed gradients are divided by ([Note: a module's own group] in core/units.py).
+    own: dict = field(default_factory=dict)    # pattern -> (Comm, dp_world)
+
+    def comm_of(self, unit: Unit) -> Comm:
+        """The collectives a unit is gathered and reduced over: its own group's where
+        ``groups=`` gave its module one, else the shard group's."""
+        return self.comm if unit.group is None else self.own[unit.group][0]
+
+    @property
+    def comms(self) -> list[Comm]:
+        """Every group's collectives, the shard group's first: each keeps its own queue."""
+        return [self.comm] + [comm for comm, _ in self.own.values()]
+
+    def divisor(self, unit: Unit) -> int:
+        """What a unit's summed gradient is divided by to average it over the global batch
+        (1 where the collective averaged it already).
+
+        [Note: experts' gradients] An expert's gradient is summed over its own group only
+        (the ranks holding the same experts), yet it already holds the gradients of the
+        tokens every data-parallel rank sent it (expert parallelism's all-to-all brought
+        them, and its backward sent theirs back): it is divided by the whole data-parallel
+        size, the global batch's mean as for the dense weights."""
+        comm = self.comm_of(unit)
+        if unit.group is not None:   # (NCCL's reduce-scatter averaged over its own ranks)
+            return self.own[unit.group][1] // (comm.world if comm.averages else 1)
+        divisor = 1 if comm.averages else comm.world
+        if self.replicas is not None and not self.replicas.averages:   # summed over replicas
+            divisor *= self.replicas.world
+        return divisor
 
     @property
     def timing(self):

@@ -63,7 +63,8 @@ class GradReducer:
 
     def __init__(self, ctx, visible, landing, gatherer=None):
         self.ctx, self.visible, self.landing = ctx, visible, landing
-        self.comm, self.pool, self.replicas, self.timing = ctx.comm, ctx.pool, ctx.replicas, ctx.timing
+        self.comm_of, self.pool, self.replicas, self.timing = \
+            ctx.comm_of, ctx.pool, ctx.replicas, ctx.timing
         self.stage = ctx.stage
         self.reduce_dtype = ctx.plan.precision.reduce_dtype    # None: the compute dtype
         self.no_sync = False
@@ -104,17 +105,17 @@ class GradReducer:
                 # Backward's send buffers count against the in-flight bound while they
                 # fill, not only once their reduction starts. (Packing at the step
                 # overlaps the previous unit's reduction instead.)
-                full = self.comm.world * unit.shard_numel
-                self.comm.make_room((full + self.comm.scratch_numel(full))
-                                    * self._dtype(unit).itemsize)
-            send = self.pool.take(self.comm.world * unit.shard_numel, self._dtype(unit),
+                comm = self.comm_of(unit)
+                full = comm.world * unit.shard_numel
+                comm.make_room((full + comm.scratch_numel(full)) * self._dtype(unit).itemsize)
+            send = self.pool.take(self.comm_of(unit).world * unit.shard_numel, self._dtype(unit),
                                   unit.device)
             self._send[unit] = send
             self._packed[unit] = set()
         return send
 
     def _pack_grad(self, unit: Unit, slot: ParamSlot, grad: torch.Tensor) -> None:
-        send = self._send_buffer(unit).view(self.comm.world, unit.shard_numel)
+        send = self._send_buffer(unit).view(self.comm_of(unit).world, unit.shard_numel)
         scatter_to_ranks(_local_grad(slot, grad), send[:, slot.cols])
         self._packed[unit].add(slot)
 
@@ -128,7 +129,8 @@ class GradReducer:
         """Reduce-scatter the unit's packed gradients (zeros for those it has none of) into
         its shard, on the reduce stream during backward (the note)."""
         send = self._send_buffer(unit)
-        ranks = send.view(self.comm.world, unit.shard_numel)
+        comm = self.comm_of(unit)
+        ranks = send.view(comm.world, unit.shard_numel)
         for s in unit.trainable:
             if s not in self._packed[unit]:
                 ranks[:, s.cols].zero_()
@@ -137,17 +139,17 @@ class GradReducer:
         stream = self._reduce_stream()
         buffers = [send]
         scratch = None
-        if self.comm.scratch_numel(send.numel()):
-            scratch = self.pool.take(self.comm.scratch_numel(send.numel()), send.dtype,
+        if comm.scratch_numel(send.numel()):
+            scratch = self.pool.take(comm.scratch_numel(send.numel()), send.dtype,
                                      unit.device, stream)
             buffers.append(scratch)
         nbytes = sum(b.nbytes for b in buffers)
         if stream is None:
             work = self.timing.issue(
                 "reduce_scatter", "reduce", unit.name,
-                lambda: self.comm.reduce_scatter(out, send, True, scratch), "reduce_wait")
+                lambda: comm.reduce_scatter(out, send, True, scratch), "reduce_wait")
             if self.replicas is None:
-                self.comm.enqueue(work, nbytes,
+                comm.enqueue(work, nbytes,
                                   functools.partial(self._reduced, unit, buffers, out))
             else:   # [Note: HSDP's average]
                 self._average()
@@ -157,13 +159,13 @@ class GradReducer:
                 # (this wait holds the side stream, not the step: _join's does)
                 self.timing.issue(
                     "reduce_scatter", "reduce", unit.name,
-                    lambda: self.comm.reduce_scatter(out, send, True, scratch), "reduce_wait",
+                    lambda: comm.reduce_scatter(out, send, True, scratch), "reduce_wait",
                     stall=False).wait()
                 if self.replicas is not None:   # (a fixed point in order: on the stream)
                     self._average_over_replicas(unit, out, stall=False).wait()
                 spent = self._post_reduce(unit, out)
                 ready = self.stream.record_event()
-            self.comm.enqueue(None, nbytes, functools.partial(self._give, buffers + spent, ready))
+            comm.enqueue(None, nbytes, functools.partial(self._give, buffers + spent, ready))
 
     def _average(self) -> None:
         """HSDP: wait for the last unit's reduce-scatter and start its all-reduce over the
@@ -173,7 +175,8 @@ class GradReducer:
         unit, work, buffers, out = self._to_average
         self._to_average = None
         work.wait()
-        self.comm.enqueue(self._average_over_replicas(unit, out), sum(b.nbytes for b in buffers),
+        self.comm_of(unit).enqueue(self._average_over_replicas(unit, out),
+                                   sum(b.nbytes for b in buffers),
                           functools.partial(self._reduced, unit, buffers, out))
 
     def _average_over_replicas(self, unit: Unit, out: torch.Tensor, stall: bool = True):
@@ -244,9 +247,7 @@ class GradReducer:
     def _post_reduce(self, unit: Unit, out: torch.Tensor) -> list[torch.Tensor]:
         """Average, then put the reduced rows where the step reads them; returns the
         buffers this spent."""
-        divisor = 1 if self.comm.averages else self.comm.world
-        if self.replicas is not None and not self.replicas.averages:   # summed over replicas
-            divisor *= self.replicas.world
+        divisor = self.ctx.divisor(unit)    # [Note: experts' gradients] in context.py
         if divisor > 1:
             out.div_(divisor)
         target = self.grad_shard[unit]
@@ -263,7 +264,8 @@ class GradReducer:
         """The end of backward: every reduction issued is waited for; after a reducing one
         ZeRO-1's whole gradients go, and the reduced rows are shown on ``p.grad``."""
         self._average()
-        self.comm.drain()
+        for comm in self.ctx.comms:
+            comm.drain()
         self._join()
         if reduced:
             self.unreduced = False
@@ -287,7 +289,8 @@ class GradReducer:
             self._free_whole_grads()
         self.unreduced = False
         self._average()
-        self.comm.drain()
+        for comm in self.ctx.comms:
+            comm.drain()
         self._join()
 
     def has_grads(self, unit: Unit) -> bool:

@@ -12,9 +12,11 @@ is refused, as is any other number of dims, before any collective.
 from __future__ import annotations
 
 import datetime
+import fnmatch
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -40,6 +42,7 @@ class Groups:
     mesh: DeviceMesh
     placements: tuple
     model: DeviceMesh | None = None
+    explicit: bool = True     # group= was a DeviceMesh (not None or a ProcessGroup)
 
 
 def mesh_dims(mesh: DeviceMesh) -> tuple[int | None, int]:
@@ -72,7 +75,8 @@ def groups_of(group, device_type: str) -> Groups:
     """The layout ``group=`` asks for: None (the world), a ProcessGroup, or a DeviceMesh."""
     if not isinstance(group, DeviceMesh):
         group = group or dist.group.WORLD
-        return Groups(group, None, group, DeviceMesh.from_group(group, device_type), (Shard(0),))
+        return Groups(group, None, group, DeviceMesh.from_group(group, device_type), (Shard(0),),
+                      explicit=False)
     mesh = group
     replicate, shard = mesh_dims(mesh)
     if mesh.get_coordinate() is None:
@@ -86,15 +90,16 @@ def groups_of(group, device_type: str) -> Groups:
     return Groups(mesh.get_group(shard), mesh.get_group(replicate), everyone, mesh, placements)
 
 
-def set_timeout(groups: Groups, timeout: float | None) -> None:
+def set_timeout(groups: Groups, timeout: float | None, own: list = ()) -> None:
     """The sharding option ``timeout=``: the seconds any collective of the runtime's groups
-    may wait before failing (None keeps each group's own, ``init_process_group``'s)."""
+    (and of ``own``, the groups ``groups=`` gave modules) may wait before failing (None
+    keeps each group's own, ``init_process_group``'s)."""
     if timeout is None:
         return
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ValueError(f"timeout={timeout!r}: give the seconds a collective may wait for "
                          "the slowest rank (> 0), or None for the group's own timeout.")
-    for group in {groups.everyone, groups.shard, groups.replicate} - {None}:
+    for group in {groups.everyone, groups.shard, groups.replicate, *own} - {None}:
         c10d._set_pg_timeout(datetime.timedelta(seconds=timeout), group)
 
 
@@ -130,3 +135,88 @@ def model_parallel(groups: Groups, specs: list) -> list[str]:
     groups.everyone = dist.group.WORLD if joined.size() == dist.get_world_size() \
         else joined._flatten().get_group()
     return []
+
+
+@dataclass
+class OwnGroup:
+    """A module's own data-parallel group (``groups=``): the experts that expert
+    parallelism gave this rank shard over ``mesh`` (the ranks holding the same experts)
+    while the rest of the model shards over the whole data-parallel group.
+
+    ``pattern``: the key of ``groups=`` that named the module; ``dp_world``: the size of
+    the whole data-parallel layout, which the experts' summed gradients are divided by
+    ([Note: experts' gradients] in grads.py)."""
+
+    pattern: str
+    shard: dist.ProcessGroup
+    mesh: DeviceMesh
+    placements: tuple
+    dp_world: int
+
+
+def own_groups(option, model, groups: Groups) -> dict:
+    """``{module: OwnGroup}`` for ``groups=``, or ValueError naming what is wrong. Local:
+    every rank raises alike, before any collective."""
+    if option is None:
+        return {}
+    if not isinstance(option, dict) or not all(
+            isinstance(k, str) and isinstance(v, DeviceMesh) and v.ndim == 1
+            for k, v in option.items()):
+        raise ValueError(
+            f"groups= takes a dict of module names or patterns to 1-D DeviceMeshes, e.g. "
+            f"{{'blocks.*.moe.experts': mesh['edp']}}; got {_shown(option)}.")
+    if groups.replicate is not None:
+        raise ValueError(
+            "groups= gives modules a data-parallel mesh of their own, which zerofn does not "
+            "combine with hybrid sharding (a 2-D group=): pass a 1-D group= (the whole "
+            "data-parallel mesh) with groups=, or drop groups=.")
+    modules = dict(model.named_modules())
+    chosen = {}
+    for pattern, mesh in option.items():
+        matched = [m for n, m in modules.items()
+                   if n and (n == pattern or fnmatch.fnmatchcase(n, pattern))]
+        if not matched:
+            raise ValueError(f"groups=: {pattern!r} matches no module of the model; give "
+                             "module names as model.named_modules() spells them, or "
+                             "fnmatch patterns such as 'blocks.*.moe.experts'.")
+        experts_join(pattern, mesh, groups)
+        for m in matched:
+            if type(m).forward is nn.Module.forward:
+                raise ValueError(
+                    f"groups=: {pattern!r} names a {type(m).__name__}, which has no forward "
+                    "and never runs, so its parameters could not be gathered when it does: "
+                    "name the module that runs the experts (the one whose forward calls "
+                    "them), or each expert ('...experts.*').")
+            if m in chosen and chosen[m].pattern != pattern:
+                raise ValueError(f"groups=: {chosen[m].pattern!r} and {pattern!r} both name "
+                                 "one module; give each module one mesh.")
+            chosen[m] = OwnGroup(pattern, mesh.get_group(), mesh, (Shard(0),),
+                                 dist.get_world_size(groups.shard))
+    return chosen
+
+
+def experts_join(pattern: str, mesh: DeviceMesh, groups: Groups) -> None:
+    """A module's mesh must be a slice of the data-parallel one: from the same root mesh
+    where ``group=`` is a DeviceMesh, and always among its ranks (the experts' gradients
+    are averaged over the whole data-parallel group). ValueError otherwise; local."""
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"groups=: this rank ({dist.get_rank()}) is not in the mesh given "
+                         f"for {pattern!r}; give each rank the slice of the mesh it is in "
+                         "(mesh['edp'] on every rank).")
+    dp = set(dist.get_process_group_ranks(groups.shard))
+    ours = set(mesh.mesh.flatten().tolist())
+    from_root = groups.mesh._get_root_mesh() is mesh._get_root_mesh()
+    if not ours <= dp or (groups.explicit and not from_root):
+        raise ValueError(
+            f"groups=: the mesh for {pattern!r} (ranks {sorted(ours)}) is not a slice of the "
+            f"data-parallel mesh given as group= (ranks {sorted(dp)}): take both from the "
+            "same init_device_mesh, e.g. group=mesh['dp'] (a flattened ('edp', 'ep')) and "
+            "groups={...: mesh['edp']}.")
+
+
+def _shown(option) -> str:
+    if not isinstance(option, dict):
+        return type(option).__name__
+    return "{" + ", ".join(f"{k!r}: {type(v).__name__}"
+                           + (f" ({v.ndim}-D)" if isinstance(v, DeviceMesh) else "")
+                           for k, v in option.items()) + "}"

@@ -43,9 +43,9 @@ class ParamGatherer:
     """
 
     def __init__(self, ctx, reader=None):
-        comm, pool, units = ctx.comm, ctx.pool, ctx.units
+        pool, units = ctx.pool, ctx.units
         sharding = ctx.plan.sharding
-        self.comm, self.pool, self.units = comm, pool, units
+        self.comm_of, self.pool, self.units = ctx.comm_of, pool, units
         self.timing = ctx.timing
         self._pre_backward = ctx.guard(self.pre_backward)
         # Parameter offload: each host shard goes to the device on the copy stream when its
@@ -64,19 +64,20 @@ class ParamGatherer:
         self._hooks_ctx = None
         # Gathered buffers of every unit (and backward's send buffers, the same size) share
         # the pool: its buffers are made to fit the largest ([Note: expected sizes]).
-        pool.expect(comm.world * u.shard_numel for u in units)
+        pool.expect(ctx.comm_of(u).world * u.shard_numel for u in units)
 
     # -- gathering -------------------------------------------------------------------
     def start_gather(self, unit: Unit) -> None:
         if unit in self.full or unit in self._pending or not unit.slots:
             return
-        recv = self.pool.take(self.comm.world * unit.shard_numel, unit.compute_dtype, unit.device)
+        comm = self.comm_of(unit)
+        recv = self.pool.take(comm.world * unit.shard_numel, unit.compute_dtype, unit.device)
         if not self.staged:
             self._pending[unit] = (self._all_gather(unit, recv, unit.shard), recv)
             return
         # An offloaded shard is copied into this rank's slot and gathered in place. NVMe's
         # staging buffer is reused once this copy has read it.
-        mine = recv.view(self.comm.world, unit.shard_numel)[self.comm.rank]
+        mine = recv.view(comm.world, unit.shard_numel)[comm.rank]
         host = unit.shard if self.reader is None else \
             self.reader.take(unit, lambda: self.copies.before_host_write(unit))
         self.copies.to_device(unit, mine, host)
@@ -87,7 +88,8 @@ class ParamGatherer:
         """The unit's asynchronous all-gather, labelled by the pass that asked for it."""
         what = "gather[backward]" if in_backward() else "gather[forward]"
         return self.timing.issue("all_gather", what, unit.name,
-                                 lambda: self.comm.all_gather(recv, shard, async_op=True),
+                                 lambda: self.comm_of(unit).all_gather(recv, shard,
+                                                                       async_op=True),
                                  "gather_wait")
 
     def ensure(self, unit: Unit) -> torch.Tensor:
@@ -99,7 +101,7 @@ class ParamGatherer:
         work, recv = self._pending.pop(unit)
         work.wait()
         full = self.pool.take(recv.numel(), unit.compute_dtype, unit.device)
-        world = self.comm.world
+        world = self.comm_of(unit).world
         ranks = recv.view(world, unit.shard_numel)
         for s in unit.slots:
             n = s.chunk * s.inner

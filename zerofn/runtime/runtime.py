@@ -38,7 +38,7 @@ from .grads import GradReducer
 from .host_malloc import return_large_frees
 from .materialize import meta_state, rng_digest, target_device
 from .memory import model_state_bytes
-from .mesh import groups_of, model_parallel, set_timeout
+from .mesh import groups_of, model_parallel, own_groups, set_timeout
 from .offload import (HomeSpec, auto_problems, cpu_adam_steps, make_homes, offload_problems,
                       optimizer_problems)
 from .optimizer import check_optimizer, signature
@@ -120,9 +120,15 @@ class Runtime:
         # timeout is raised on every rank alike). The optimizer is bound at the end, or
         # when found ([Note: finding the optimizer] in optimizer.py).
         self.model, self.plan, self.optimizer = model, plan, None
+        self._group_names = (None, [])     # group_names' (optimizer, names), made once
         groups, self.device = _resolve_group(plan.sharding.group, model)
-        set_timeout(groups, plan.sharding.timeout)
+        # groups=: modules with a data-parallel group of their own (core/units.py's [Note:
+        # a module's own group]), each pattern's collectives counted apart.
+        self._own = own_groups(plan.sharding.groups, model, groups)
+        set_timeout(groups, plan.sharding.timeout, [g.shard for g in self._own.values()])
         comm = Comm(groups.shard, plan.sharding.bucket_size, self.device)
+        own_comms = {g.pattern: (Comm(g.shard, plan.sharding.bucket_size, self.device),
+                                 g.dp_world) for g in self._own.values()}
         _check_device(self.device, comm)
         if self.device.type == "cpu":
             return_large_frees()     # [Note: mmap threshold] in host_malloc.py
@@ -147,7 +153,7 @@ class Runtime:
         crosses = any(self.homes.home_of(u) != "device" for u in units if u.slots)
         ctx = RuntimeContext(self.device, plan, groups, comm, replicas, BufferPool(),
                              CopyStreams(self.device, units, crosses, self.observers.timing),
-                             self.observers, tuple(units), order)
+                             self.observers, tuple(units), order, own_comms)
         self.ctx = ctx
         if plan.sharding.sync_module_states and not meta_state(model):
             self._broadcast_module_states()
@@ -246,7 +252,7 @@ class Runtime:
         try:
             persist = plan.sharding.persist_below if plan.stage == 3 else 0
             units = build_units(self.model, plan.sharding.units, self.world, self.rank,
-                                persist, self.device)
+                                persist, self.device, self._own)
         except ValueError as e:
             return [], [str(e)]
         compute = plan.precision.param_dtype
@@ -266,7 +272,10 @@ class Runtime:
 
     def _signature(self, optimizer) -> list[str]:
         lines = self.plan.describe() + ([] if optimizer is None else signature(optimizer))
-        lines += [f"{n} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}"
+        # groups='s modules hold other experts on other expert-parallel ranks, under other
+        # names: compared by their pattern, and their parameters' shapes.
+        own = {p: g.pattern for m, g in self._own.items() for p in m.parameters()}
+        lines += [f"{own.get(p, n)} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}"
                   for n, p in self.model.named_parameters()]
         return lines
 
@@ -299,10 +308,11 @@ class Runtime:
 
     def _broadcast_module_states(self) -> None:
         ctx = self.ctx
+        comm_of = {s.param: ctx.comm_of(u) for u in ctx.units for s in u.slots}
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 local = t.data if not isinstance(t, DTensor) else t.to_local()
-                ctx.comm.broadcast(local)
+                comm_of.get(t, ctx.comm).broadcast(local)   # (an expert: over its own group)
                 if ctx.replicas is not None:   # then replica 0's, which has shard rank 0's
                     ctx.replicas.broadcast(local)
 
@@ -352,6 +362,8 @@ class Runtime:
         """``zf.comm_stats``: the shard dimension's counts of the last step, HSDP's
         replicate dimension's as ``replicate.<kind>``."""
         out = Counter(self.ctx.comm.last_step)
+        for pattern, (comm, _) in self.ctx.own.items():    # groups=: by each pattern
+            out.update({f"{pattern}.{k}": v for k, v in comm.last_step.items()})
         if self.ctx.replicas is not None:
             out.update({f"replicate.{k}": v for k, v in self.ctx.replicas.last_step.items()})
         return out
@@ -404,6 +416,22 @@ class Runtime:
                     out[f"{prefix}.{pname}" if prefix else pname] = slot
         return out
 
+    def group_names(self, optimizer) -> list[list[str]]:
+        """The names of each param group's parameters, as a checkpoint lists them: this
+        rank's; with ``groups=``, every rank's (each expert-parallel rank holds other
+        experts, and a checkpoint's groups must name them all, once). Collective then,
+        once per optimizer."""
+        slot_of_opt = {s.opt_param: s for s in self.slot_of.values()}
+        mine = [[slot_of_opt[p].fqn for p in g["params"]] for g in optimizer.param_groups]
+        if not self._own:
+            return mine
+        key = (id(optimizer), tuple(map(len, mine)))
+        if self._group_names[0] != key:
+            ranks = gather(mine, self.group)
+            self._group_names = (key, [list(dict.fromkeys(n for names in ranks for n in names[i]))
+                                       for i in range(len(mine))])
+        return self._group_names[1]
+
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,
                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """``zf.clip_grad_norm_`` (runtime/clip.py); the observers hear of the norm."""
@@ -455,7 +483,8 @@ class Runtime:
         """Make the compute parameters equal the masters again (after a load). Collective."""
         self.homes.recast()
         self.shards.refresh_compute()
-        self.ctx.comm.drain()
+        for comm in self.ctx.comms:
+            comm.drain()
         self.shards.settle_copies()   # NVMe's materialized rows are let go at the next step
 
     def init_optimizer_state(self) -> None:

@@ -63,6 +63,7 @@ class Shards:
                         if ctx.stage == 3 and not u.replicated and u.slots]
         self.flats: list[FlatBuffers] = []       # the compute shards' buffers, for accounting
         self._compute: dict = {}                  # unit -> its compute shard's buffer
+        self._unit_of = {s: u for u in ctx.units for s in u.slots}
 
     # -- set-up ------------------------------------------------------------------------
     @torch.no_grad()
@@ -160,8 +161,9 @@ class Shards:
             if rows is not None and rows is not unit.shard:
                 ctx.copies.to_device(unit, unit.shard, rows)
             return
-        recv = ctx.pool.take(ctx.comm.world * unit.shard_numel, unit.compute_dtype, unit.device)
-        send = recv.view(ctx.comm.world, unit.shard_numel)[ctx.comm.rank]
+        comm = ctx.comm_of(unit)
+        recv = ctx.pool.take(comm.world * unit.shard_numel, unit.compute_dtype, unit.device)
+        send = recv.view(comm.world, unit.shard_numel)[comm.rank]
         if rows is not None:
             ctx.copies.to_device(unit, send, rows)
             ctx.copies.device_wait(unit)
@@ -170,15 +172,15 @@ class Shards:
                 send[s.offset:s.offset + s.local_numel].copy_(
                     s.rows_of(local_of(s.param).detach()).reshape(-1))
         work = ctx.timing.issue("all_gather", "gather[step]", unit.name,
-                                lambda: ctx.comm.all_gather(recv, send, async_op=True),
+                                lambda: comm.all_gather(recv, send, async_op=True),
                                 "gather_wait")
-        ctx.comm.enqueue(work, recv.nbytes,
+        comm.enqueue(work, recv.nbytes,
                          lambda u=unit, rv=recv, own=rows is None: self._arrived(u, rv, own))
 
     def _arrived(self, unit, recv, own_current: bool) -> None:
         """The gathered rows into the full params; this rank's own rows only where they are
         not the ones the optimizer updated in place (``own_current``)."""
-        world, r = self.ctx.comm.world, self.ctx.comm.rank
+        world, r = self.ctx.comm_of(unit).world, self.ctx.comm_of(unit).rank
         ranks = recv.view(world, unit.shard_numel)
         with torch.no_grad():
             for s in unit.slots:
@@ -206,7 +208,7 @@ class Shards:
     def gather_unit(self, unit) -> torch.Tensor:
         """Every rank's master rows of ``unit`` as one rank-major ``(world, shard)`` buffer,
         on the runtime's device, in the masters' dtype. Collective."""
-        comm = self.ctx.comm
+        comm = self.ctx.comm_of(unit)
         dtype = unit.slots[0].opt_param.dtype
         recv = torch.empty(comm.world * unit.shard_numel, dtype=dtype, device=self.ctx.device)
         send = recv.view(comm.world, unit.shard_numel)[comm.rank]    # gathered in place
@@ -223,7 +225,7 @@ class Shards:
         The gather runs on the runtime's device whatever ``local``'s: under offload the rows
         live on the host, and NCCL gathers only device tensors.
         """
-        comm = self.ctx.comm
+        comm = self.ctx.comm_of(self._unit_of[slot])
         width = slot.chunk * slot.inner
         out = torch.empty(comm.world * width, dtype=local.dtype, device=self.ctx.device)
         mine = out.view(comm.world, width)[comm.rank]    # gathered in place

@@ -78,9 +78,10 @@ class Stepper:
         # [Note: no deferred gathers] The updated rows are all-gathered (units overlapping
         # one another) before step() returns: parameters are current whenever the user
         # looks, and no collective outlives the call, so none can outlive the process group.
-        comm, replicas = self.ctx.comm, self.ctx.replicas
-        comm.drain()
-        comm.end_step()
+        replicas = self.ctx.replicas
+        for comm in self.ctx.comms:
+            comm.drain()
+            comm.end_step()
         if replicas is not None:
             replicas.end_step()
         if self.placement is not None and not skipped:

@@ -186,11 +186,9 @@ def _is_sharded_state(slot: ParamSlot, value) -> bool:
 def _optim_state(rt, optimizer, full: bool, device=None) -> dict:
     slot_of_opt = {s.opt_param: s for s in rt.slot_of.values()}
     state, groups = {}, []
-    for group in optimizer.param_groups:
-        fqns = []
+    for group, fqns in zip(optimizer.param_groups, rt.group_names(optimizer)):
         for p in group["params"]:
             slot = slot_of_opt[p]
-            fqns.append(slot.fqn)
             if p in optimizer.state:
                 state[slot.fqn] = {k: _export(rt, slot, v, full, device)
                                    if _is_sharded_state(slot, v) else _snapshot(v, full)
@@ -212,9 +210,10 @@ def _load_optim_state(rt, optimizer, osd: dict) -> None:
     slot_of_opt = {s.opt_param: s for s in rt.slot_of.values()}
     loaded = set()
     with torch.no_grad():
-        for group, saved in zip(optimizer.param_groups, groups):
+        for group, saved, names in zip(optimizer.param_groups, groups,
+                                       rt.group_names(optimizer)):
             # Compared as sets: FSDP2 lists a group's params in its own registration order.
-            fqns = {slot_of_opt[p].fqn for p in group["params"]}
+            fqns = set(names)
             if set(saved["params"]) != fqns:
                 raise ValueError(
                     f"optimizer param group differs from the checkpoint's: only here "

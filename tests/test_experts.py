@@ -1,0 +1,189 @@
+"""A mixture of experts that expert parallelism split (each rank owns some experts, tokens
+travel to them by all-to-all) shards under zerofn with ``groups=``: the experts over the
+expert-data-parallel mesh, the dense weights over the whole data-parallel one, as FSDP2's
+per-module mesh (torchtitan's apply_moe_ep_tp). World 4 as ``(edp=2, ep=2)``: each config
+trains as one process holding every expert does, each rank holds a quarter of the
+experts' optimizer state, and what zerofn cannot do is refused on every rank."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import zerofn as zf
+from support.compare import full_state, max_error, worst
+from support.errors import error_of
+from support.loops import zero
+from support.moe_models import (PATTERN, expert_parallel, moe_batches, moe_mesh, own_part,
+                                reference)
+from support.ranks import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+STEPS, CLIP, TOL = 4, 0.5, 1e-6
+# Adam's lr 1e-4: Adam divides each gradient by its own magnitude, so the order the ranks'
+# gradients are summed in moves the weights by about lr x 3e-3 in a hand-written EP + DP
+# loop without zerofn too (2.9e-5 at lr 1e-2, 2.9e-6 at 1e-3, 3.6e-7 at 1e-4).
+LR = {"adamw": 1e-4, "sgd": 0.1}
+
+
+def optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=LR[kind], momentum=0.9)
+    return torch.optim.AdamW(params, lr=LR[kind])
+
+
+def experts_zerofn(mesh, stage: int, kind: str, extra=(), seed: int = 0):
+    """The expert-parallel model under ZeRO-``stage``: dense weights over mesh["dp"], the
+    experts over mesh["edp"] (the optimizer built after, FSDP2's order)."""
+    model = zf.compose(zero(stage, group=mesh["dp"], groups={PATTERN: mesh["edp"]}),
+                       *extra)(expert_parallel(mesh, seed))
+    return model, optimizer(kind, model.parameters())
+
+
+def train_reference(kind: str, data):
+    """The reference trained; and its gradients' norm at each step."""
+    ref = reference()
+    opt = optimizer(kind, ref.parameters())
+    norms = []
+    for x, choice, y in data:
+        ref(x, choice, y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    return ref, opt, norms
+
+
+def train_ranks(model, opt, data, mesh):
+    """Each data-parallel rank its share of every global batch, the global norm clipped;
+    returns the norm at each step."""
+    dp, rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    norms = []
+    for x, choice, y in data:
+        model(x.chunk(dp)[rank], choice.chunk(dp)[rank], y.chunk(dp)[rank]).backward()
+        norms.append(zf.clip_grad_norm_(model, CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def expert_state_bytes(state: dict) -> int:
+    """Bytes of the experts' optimizer state tensors (local pieces of a sharded state
+    dict's DTensors), step counters aside."""
+    return sum((v.to_local() if isinstance(v, DTensor) else v).nbytes
+               for fqn, st in state.items() if ".moe.experts." in fqn
+               for v in st.values() if torch.is_tensor(v) and v.dim())
+
+
+def _parity(rank, world, stage, kind, offload):
+    mesh = moe_mesh()
+    data = moe_batches(STEPS, mesh["dp"].size())
+    model, opt = experts_zerofn(mesh, stage, kind, [zf.offload("cpu")] if offload else [])
+    norms = train_ranks(model, opt, data, mesh)
+    ref, ref_opt, ref_norms = train_reference(kind, data)
+    full, _ = zf.get_state_dict(model, opt, full=True)
+    mine = own_part(ref.state_dict(), model)
+    assert full.keys() == mine.keys()
+    _, sharded = zf.get_state_dict(model, opt)
+    names = {p: n for n, p in ref.named_parameters()}
+    ref_state = {names[p]: st for p, st in ref_opt.state.items()}
+    return (max(worst(full[k] - v) for k, v in mine.items()),
+            max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+            expert_state_bytes(sharded["state"]), expert_state_bytes(ref_state),
+            {k: str(v.device_mesh.mesh_dim_names) for k, v in sharded["state"][
+                "blocks.0.moe.experts.experts." + f"{2 * mesh['ep'].get_local_rank()}.weight"
+            ].items() if isinstance(v, DTensor)})
+
+
+CONFIGS = {"zero1-adamw": (1, "adamw", False), "zero2-adamw": (2, "adamw", False),
+           "zero3-adamw": (3, "adamw", False), "zero3-sgd": (3, "sgd", False),
+           "zero3-offload-adamw": (3, "adamw", True)}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_experts_train_as_one_process(config):
+    """Weights within 1e-6 of one process holding every expert after 4 clipped steps (the
+    global norm the same to 1e-6: every expert row counted once across ep x edp, the
+    experts' gradients averaged over the global batch), and each rank holds exactly
+    1/(ep x edp) of the experts' optimizer state (SGD's momentum, Adam's moments), its
+    DTensors on the expert-data-parallel mesh."""
+    out = run_ranks(4, _parity, *CONFIGS[config])
+    for rank, (err, norm_err, mine, total, meshes) in enumerate(out):
+        assert err <= TOL and norm_err <= TOL, (rank, err, norm_err)
+        assert mine * 4 == total > 0, (rank, mine, total)
+        assert meshes and set(meshes.values()) == {"('edp',)"}, meshes
+    print({config: [round(o[0], 9) for o in out]})
+
+
+def _refusal(rank, world, case):
+    mesh = moe_mesh()
+    groups = {PATTERN: mesh["edp"]}
+    group = mesh["dp"]
+    if case == "no module":
+        groups = {"blocks.*.moe.expert": mesh["edp"]}
+    elif case == "no forward":
+        groups = {"blocks.*.moe.experts.experts": mesh["edp"]}
+    elif case == "another root":
+        groups = {PATTERN: init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))["a"]}
+    elif case == "2-D":
+        groups = {PATTERN: mesh["root"]}
+    elif case == "hybrid":
+        group = mesh["root"]    # (edp, ep) read as (replicate, shard)
+    model = expert_parallel(mesh)
+    return error_of(zf.shard_params(group=group, groups=groups), model)
+
+
+REFUSALS = {"no module": "matches no module",
+            "no forward": "has no forward",
+            "another root": "take both from the same init_device_mesh",
+            "2-D": "a dict of module names or patterns to 1-D DeviceMeshes",
+            "hybrid": "with hybrid sharding"}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_refusals(case):
+    """Each refused on every rank, before any collective (a rank that went on would leave
+    the others waiting)."""
+    said = run_ranks(4, _refusal, case)
+    assert all(s is not None and REFUSALS[case] in s for s in said), said
+
+
+def _checkpoint(rank, world, root):
+    """ZeRO-3 saves after 2 steps; a fresh expert-parallel model loads it at ZeRO-3 and at
+    ZeRO-1 (the same layout); returns each load's gap from the saved state."""
+    mesh = moe_mesh()
+    data = moe_batches(2, mesh["dp"].size())
+    model, opt = experts_zerofn(mesh, 3, "adamw")
+    train_ranks(model, opt, data, mesh)
+    zf.save_checkpoint(root, model, opt, step=2)
+    saved = full_state(model, opt)
+    gaps = []
+    for stage in (3, 1):
+        fresh, fresh_opt = experts_zerofn(mesh, stage, "adamw", seed=7)
+        zf.load_checkpoint(root, fresh, fresh_opt)
+        gaps.append(max_error(full_state(fresh, fresh_opt), saved))
+    return gaps, saved
+
+
+def _whole(rank, world, root):
+    """The checkpoint into one process holding every expert (a plain model)."""
+    model = reference(seed=7)
+    opt = optimizer("adamw", model.parameters())
+    zf.load_checkpoint(root, model, opt)
+    return full_state(model, opt)
+
+
+def test_checkpoint_round_trips(tmp_path):
+    """The experts' state is saved as DTensors on the expert-data-parallel mesh, each
+    expert under its own name: it loads back exactly at the same layout, and whole into
+    one process holding every expert."""
+    out = run_ranks(4, _checkpoint, str(tmp_path), timeout=300)
+    assert all(gaps == [0.0, 0.0] for gaps, _ in out), [g for g, _ in out]
+    whole = run_ranks(1, _whole, str(tmp_path), timeout=300)[0]
+    for _, (params, optim) in out:   # each rank's part of the whole
+        assert all(torch.equal(whole[0][k], v) for k, v in params.items())
+        for fqn, st in optim["state"].items():
+            assert all(torch.equal(torch.as_tensor(whole[1]["state"][fqn][k]),
+                                   torch.as_tensor(v)) for k, v in st.items()), fqn
+    assert len(whole[1]["state"]) == sum(1 for _ in reference().parameters())
