@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import zerofn as zf
 from support.compare import full_state, max_error, worst
@@ -68,12 +68,13 @@ def train_ranks(model, opt, data, mesh):
     return norms
 
 
-def expert_state_bytes(state: dict) -> int:
-    """Bytes of the experts' optimizer state tensors (local pieces of a sharded state
-    dict's DTensors), step counters aside."""
+def state_bytes(state: dict, experts: bool = True, counters: bool = False) -> int:
+    """Bytes of the optimizer state tensors (local pieces of a sharded state dict's
+    DTensors): the experts' only where ``experts``; the step counters only where
+    ``counters``, else the rest."""
     return sum((v.to_local() if isinstance(v, DTensor) else v).nbytes
-               for fqn, st in state.items() if ".moe.experts." in fqn
-               for v in st.values() if torch.is_tensor(v) and v.dim())
+               for fqn, st in state.items() if ".moe.experts." in fqn or not experts
+               for v in st.values() if torch.is_tensor(v) and (v.dim() == 0) == counters)
 
 
 def _parity(rank, world, stage, kind, offload):
@@ -88,9 +89,13 @@ def _parity(rank, world, stage, kind, offload):
     _, sharded = zf.get_state_dict(model, opt)
     names = {p: n for n, p in ref.named_parameters()}
     ref_state = {names[p]: st for p, st in ref_opt.state.items()}
+    # zerofn's own count: the moments of every parameter over 4, and this rank's counters.
+    held = zf.model_state_bytes(model)["cpu"]["optimizer"]
+    whole = state_bytes(ref_state, False) / 4 + state_bytes(sharded["state"], False, True)
     return (max(worst(full[k] - v) for k, v in mine.items()),
             max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
-            expert_state_bytes(sharded["state"]), expert_state_bytes(ref_state),
+            None if offload else held - whole,
+            state_bytes(sharded["state"]), state_bytes(ref_state),
             {k: str(v.device_mesh.mesh_dim_names) for k, v in sharded["state"][
                 "blocks.0.moe.experts.experts." + f"{2 * mesh['ep'].get_local_rank()}.weight"
             ].items() if isinstance(v, DTensor)})
@@ -107,13 +112,16 @@ def test_experts_train_as_one_process(config):
     global norm the same to 1e-6: every expert row counted once across ep x edp, the
     experts' gradients averaged over the global batch), and each rank holds exactly
     1/(ep x edp) of the experts' optimizer state (SGD's momentum, Adam's moments), its
-    DTensors on the expert-data-parallel mesh."""
+    DTensors on the expert-data-parallel mesh; without offload ``zf.model_state_bytes``
+    counts a quarter of the whole model's, with this rank's step counters."""
     out = run_ranks(4, _parity, *CONFIGS[config])
-    for rank, (err, norm_err, mine, total, meshes) in enumerate(out):
+    for rank, (err, norm_err, extra_bytes, mine, total, meshes) in enumerate(out):
         assert err <= TOL and norm_err <= TOL, (rank, err, norm_err)
+        assert extra_bytes in (0, None), (rank, extra_bytes)
         assert mine * 4 == total > 0, (rank, mine, total)
         assert meshes and set(meshes.values()) == {"('edp',)"}, meshes
-    print({config: [round(o[0], 9) for o in out]})
+    print({config: {"weights": [o[0] for o in out], "norm": [o[1] for o in out],
+                    "expert state bytes (rank, all)": [o[3:5] for o in out]}})
 
 
 def _refusal(rank, world, case):
@@ -131,6 +139,13 @@ def _refusal(rank, world, case):
     elif case == "hybrid":
         group = mesh["root"]    # (edp, ep) read as (replicate, shard)
     model = expert_parallel(mesh)
+    if case == "DTensor experts":
+        expert = model.blocks[0].moe.experts.experts[str(2 * mesh["ep"].get_local_rank())]
+        expert.weight = torch.nn.Parameter(DTensor.from_local(expert.weight.detach(),
+                                                              mesh["ep"], [Shard(0)]))
+    if case == "save_pretrained":
+        model = zf.shard_params(group=group, groups=groups)(model)
+        return error_of(zf.save_pretrained, model, "unwritten")
     return error_of(zf.shard_params(group=group, groups=groups), model)
 
 
@@ -138,7 +153,9 @@ REFUSALS = {"no module": "matches no module",
             "no forward": "has no forward",
             "another root": "take both from the same init_device_mesh",
             "2-D": "a dict of module names or patterns to 1-D DeviceMeshes",
-            "hybrid": "with hybrid sharding"}
+            "hybrid": "with hybrid sharding",
+            "DTensor experts": "whose parameters are DTensors",
+            "save_pretrained": "save with zf.save_checkpoint"}
 
 
 @pytest.mark.parametrize("case", REFUSALS)

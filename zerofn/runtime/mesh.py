@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 REPLICATE, SHARD = "replicate", "shard"
 
@@ -187,6 +187,12 @@ def own_groups(option, model, groups: Groups) -> dict:
                     "and never runs, so its parameters could not be gathered when it does: "
                     "name the module that runs the experts (the one whose forward calls "
                     "them), or each expert ('...experts.*').")
+            if any(isinstance(p, DTensor) for p in m.parameters()):
+                raise ValueError(
+                    f"groups=: {pattern!r} names a module whose parameters are DTensors; "
+                    "zerofn shards under groups= the experts each rank owns as plain "
+                    "modules (expert parallelism by hand, each rank holding its own), not "
+                    "experts split as DTensors on an expert-parallel mesh.")
             if m in chosen and chosen[m].pattern != pattern:
                 raise ValueError(f"groups=: {chosen[m].pattern!r} and {pattern!r} both name "
                                  "one module; give each module one mesh.")
