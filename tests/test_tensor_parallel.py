@@ -210,6 +210,9 @@ def refusals(rank, world):
     model = zf.shard_grads(group=mesh["dp"])(make_tp_model())
     parallelize(model, mesh["tp"])        # after zerofn: its parameters replaced
     out["after"] = error_of(model, x, y)
+    split = parallelize(make_tp_model(), mesh["tp"])
+    out["plan"] = error_of(zf.plan, split, (x, y), world=2)
+    out["auto"] = error_of(zf.auto, split, torch.optim.AdamW(split.parameters()), (x, y))
     return out
 
 
@@ -221,6 +224,9 @@ def test_what_zerofn_cannot_shard_is_refused_naming_what_to_do():
         assert "placement P(sum), which zerofn cannot shard over" in out["partial"], out["partial"]
         assert out["after"].startswith("zerofn: the model's parameter 'blocks.0.attn.q.weight' "
                                        "is no longer the one zerofn sharded"), out["after"]
+        for call in ("plan", "auto"):
+            assert out[call].startswith("zerofn's planner does not model tensor parallelism "
+                                        "yet: parameter 'blocks.0.attn.q.weight' is a DTensor"), out[call]
 
 
 def subclass_refused(rank, world, stage):
