@@ -1,7 +1,7 @@
 """The examples in README.md and docs/*.md marked runnable run, and print what the text
 quotes (the markers: tests/README.md, "Docs that run"; the machinery: support/doc_blocks.py).
 
-A python block runs on 1 or 2 real gloo ranks (run_ranks; the block's own
+A python block runs on 1, 2 or 4 real gloo ranks (run_ranks; the block's own
 init_process_group is the one already made), a shell block under bash with `zerofn` and
 `python3` meaning this checkout. A quoted output is compared with what rank 0 printed,
 numbers within rounding. So a doc change that breaks a marked example fails here, and so

@@ -19,6 +19,7 @@ from support.compare import full_state, max_error
 from support.errors import error_of
 from support.loops import STAGES
 from support.ranks import run_ranks
+from support.subclass import Wrapped
 from support.tp_models import TPModel, make_tp_model, mesh_clip, parallelize, tp_batches
 
 pytestmark = pytest.mark.multirank
@@ -209,6 +210,9 @@ def refusals(rank, world):
     model = zf.shard_grads(group=mesh["dp"])(make_tp_model())
     parallelize(model, mesh["tp"])        # after zerofn: its parameters replaced
     out["after"] = error_of(model, x, y)
+    split = parallelize(make_tp_model(), mesh["tp"])
+    out["plan"] = error_of(zf.plan, split, (x, y), world=2)
+    out["auto"] = error_of(zf.auto, split, torch.optim.AdamW(split.parameters()), (x, y))
     return out
 
 
@@ -220,6 +224,23 @@ def test_what_zerofn_cannot_shard_is_refused_naming_what_to_do():
         assert "placement P(sum), which zerofn cannot shard over" in out["partial"], out["partial"]
         assert out["after"].startswith("zerofn: the model's parameter 'blocks.0.attn.q.weight' "
                                        "is no longer the one zerofn sharded"), out["after"]
+        for call in ("plan", "auto"):
+            assert out[call].startswith("zerofn's planner does not model tensor parallelism "
+                                        "yet: parameter 'blocks.0.attn.q.weight' is a DTensor"), out[call]
+
+
+def subclass_refused(rank, world, stage):
+    model = make_tp_model()
+    model.head.weight = torch.nn.Parameter(Wrapped(model.head.weight.detach()))
+    return error_of(zf.compose(*(getattr(zf, n)() for n in STAGES[stage])), model)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_tensor_subclass_parameter_is_refused_on_every_rank_naming_the_way_out(stage):
+    for out in run_ranks(2, subclass_refused, stage, timeout=300):
+        assert "cannot shard parameter 'head.weight': its tensor is a Wrapped, a tensor " \
+            "subclass" in out, out
+        assert "FSDP2's fully_shard" in out, out
 
 
 def built_on_meta(rank, world, stage, meta):

@@ -3,7 +3,7 @@ comparing what they print with what the text quotes (tests/test_docs.py).
 
 A marker is an HTML comment (invisible on GitHub) on the line before a fenced block:
 
-    <!-- run: ranks=2 -->            the python block below runs on 2 gloo ranks
+    <!-- run: ranks=2 -->            the python block below runs on 2 gloo ranks (1, 2 or 4)
     <!-- run: shell -->              the bash block below runs, line by line as bash does
     <!-- run: ranks=1, slow -->      ... only with ZEROFN_SLOW=1
     <!-- run: no, REASON -->         cannot run here (CUDA, several nodes, ...): REASON says why
@@ -112,10 +112,10 @@ def parse(path: Path) -> list[Block]:
                     block.kind = "shell"
                 elif a == "slow":
                     block.slow = True
-                elif re.fullmatch(r"ranks=[12]", a):
+                elif re.fullmatch(r"ranks=[124]", a):
                     block.kind, block.ranks = "python", int(a[6:])
                 else:
-                    block.problems.append(f"unknown run option {a!r} (ranks=1|2, shell, slow, "
+                    block.problems.append(f"unknown run option {a!r} (ranks=1|2|4, shell, slow, "
                                           "no)")
             if block.kind == "no" and not block.problems:
                 block.problems.append("say ranks=N (python) or shell")

@@ -304,9 +304,25 @@ def build_units(model: nn.Module, policy, world: int, rank: int,
         + [persistent] * bool(persistent.slots) + [units[model]]
 
 
+def _refuse_subclass(p: nn.Parameter, fqn: str) -> None:
+    """A tensor subclass (float8 or NF4 weights, any ``__torch_dispatch__`` wrapper) holds
+    its values in inner tensors that only it knows how to gather: FSDP2 asks it through
+    ``fsdp_pre_all_gather``/``fsdp_post_all_gather``, which zerofn does not call yet. Laying
+    out its outer storage would shard bytes that are not its values, so it is refused."""
+    local = local_of(p).data
+    if type(local) is not torch.Tensor:
+        raise ValueError(
+            f"zerofn cannot shard parameter {fqn!r}: its tensor is a "
+            f"{type(local).__name__}, a tensor subclass, and zerofn does not yet gather "
+            "subclasses (FSDP2's fsdp_pre_all_gather/fsdp_post_all_gather hooks). Apply "
+            "zerofn to the model in plain tensors (convert to float8 or NF4 for inference "
+            "after training), or shard this model with FSDP2's fully_shard.")
+
+
 def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: int,
               device: torch.device, dp: tuple | None = None) -> None:
     spec = p._spec if isinstance(p, DTensor) else None
+    _refuse_subclass(p, fqn)
     shape = local_of(p).shape
     if p.dim() == 0:
         raise ValueError(f"zerofn cannot shard the 0-dim parameter {fqn!r} along dim 0; "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import activations as acts_mod
 from . import calibration, libraries, memory, step_time
@@ -169,6 +170,7 @@ def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = Non
     if saves not in memory.SAVES:
         raise ValueError(f"saves={saves!r}: one of {memory.SAVES} (how the run saves "
                          f"checkpoints: save_checkpoint, async_save=True, or not at all).")
+    _refuse_model_parallel(model)
     inputs = example_batch if isinstance(example_batch, tuple) else (example_batch,)
     rows_in = inputs[0].shape[0]
     batch = batch or rows_in
@@ -303,6 +305,19 @@ def _refusal(rows: list[Row], budgets: dict, margin: float) -> str:
     lines.append("the nearest candidate, " + r.candidate.describe() + ", needs " + ", ".join(
         f"{p} {_needed(r.peak, p, margin) / GB:.2f} GB" for p in set_budgets) + ".")
     return " ".join(lines)
+
+
+def _refuse_model_parallel(model: nn.Module) -> None:
+    """The memory and time models count whole parameters over data-parallel ranks; a model
+    tensor parallelism split holds pieces, and its forward's collectives and activations
+    are not modelled, so a prediction for it would be wrong without saying so."""
+    split = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
+    if split is not None:
+        raise ValueError(
+            f"zerofn's planner does not model tensor parallelism yet: parameter {split!r} is "
+            "a DTensor (the model was split by parallelize_module). Choose the stage and "
+            "offload by hand and pass group=mesh['dp'] to the transforms "
+            "(docs/parallelism.md).")
 
 
 def auto(model: nn.Module, optimizer, example_batch, *, world: int | None = None,
