@@ -154,7 +154,7 @@ REFUSALS = {"no module": "matches no module",
             "another root": "take both from the same init_device_mesh",
             "2-D": "a dict of module names or patterns to 1-D DeviceMeshes",
             "hybrid": "with hybrid sharding",
-            "DTensor experts": "whose parameters are DTensors",
+            "DTensor experts": "is a DTensor (tensor parallelism, or experts split",
             "save_pretrained": "save with zf.save_checkpoint"}
 
 

@@ -170,6 +170,13 @@ def own_groups(option, model, groups: Groups) -> dict:
             "groups= gives modules a data-parallel mesh of their own, which zerofn does not "
             "combine with hybrid sharding (a 2-D group=): pass a 1-D group= (the whole "
             "data-parallel mesh) with groups=, or drop groups=.")
+    split = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
+    if split is not None:   # (the norm and vote over a tp mesh would count experts twice)
+        raise ValueError(
+            f"groups= takes a model whose parameters are plain tensors, and {split!r} is a "
+            "DTensor (tensor parallelism, or experts split on an expert-parallel mesh): "
+            "zerofn does not combine groups= with those yet. Hold each rank's experts as "
+            "plain modules (expert parallelism by hand), or drop groups=.")
     modules = dict(model.named_modules())
     chosen = {}
     for pattern, mesh in option.items():
@@ -187,12 +194,6 @@ def own_groups(option, model, groups: Groups) -> dict:
                     "and never runs, so its parameters could not be gathered when it does: "
                     "name the module that runs the experts (the one whose forward calls "
                     "them), or each expert ('...experts.*').")
-            if any(isinstance(p, DTensor) for p in m.parameters()):
-                raise ValueError(
-                    f"groups=: {pattern!r} names a module whose parameters are DTensors; "
-                    "zerofn shards under groups= the experts each rank owns as plain "
-                    "modules (expert parallelism by hand, each rank holding its own), not "
-                    "experts split as DTensors on an expert-parallel mesh.")
             if m in chosen and chosen[m].pattern != pattern:
                 raise ValueError(f"groups=: {chosen[m].pattern!r} and {pattern!r} both name "
                                  "one module; give each module one mesh.")
