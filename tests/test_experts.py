@@ -21,7 +21,7 @@ from support.ranks import run_ranks
 
 pytestmark = pytest.mark.multirank
 
-STEPS, CLIP, TOL = 4, 0.5, 1e-6
+STEPS, ACCUM, CLIP, TOL = 4, 2, 0.5, 1e-6
 # Adam's lr 1e-4: Adam divides each gradient by its own magnitude, so the order the ranks'
 # gradients are summed in moves the weights by about lr x 3e-3 in a hand-written EP + DP
 # loop without zerofn too (2.9e-5 at lr 1e-2, 2.9e-6 at 1e-3, 3.6e-7 at 1e-4).
@@ -47,8 +47,9 @@ def train_reference(kind: str, data):
     ref = reference()
     opt = optimizer(kind, ref.parameters())
     norms = []
-    for x, choice, y in data:
-        ref(x, choice, y).backward()
+    for micro in data:
+        for x, choice, y in micro:
+            (ref(x, choice, y) / len(micro)).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
@@ -56,12 +57,14 @@ def train_reference(kind: str, data):
 
 
 def train_ranks(model, opt, data, mesh):
-    """Each data-parallel rank its share of every global batch, the global norm clipped;
-    returns the norm at each step."""
+    """Each data-parallel rank its share of every global batch, the micro-batches
+    accumulated, the global norm clipped; returns the norm at each step."""
     dp, rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     norms = []
-    for x, choice, y in data:
-        model(x.chunk(dp)[rank], choice.chunk(dp)[rank], y.chunk(dp)[rank]).backward()
+    for micro in data:
+        for x, choice, y in micro:
+            mine = (t.chunk(dp)[rank] for t in (x, choice, y))
+            (model(*mine) / len(micro)).backward()
         norms.append(zf.clip_grad_norm_(model, CLIP).item())
         opt.step()
         opt.zero_grad()
@@ -77,10 +80,17 @@ def state_bytes(state: dict, experts: bool = True, counters: bool = False) -> in
                for v in st.values() if torch.is_tensor(v) and (v.dim() == 0) == counters)
 
 
-def _parity(rank, world, stage, kind, offload):
+def steps(n: int, dp: int) -> list:
+    """``n`` steps of ``ACCUM`` micro-batches each."""
+    micro = moe_batches(n * ACCUM, dp)
+    return [micro[i:i + ACCUM] for i in range(0, len(micro), ACCUM)]
+
+
+def _parity(rank, world, stage, kind, offload, tmp):
     mesh = moe_mesh()
-    data = moe_batches(STEPS, mesh["dp"].size())
-    model, opt = experts_zerofn(mesh, stage, kind, [zf.offload("cpu")] if offload else [])
+    data = steps(STEPS, mesh["dp"].size())
+    extra = {None: [], "cpu": [zf.offload("cpu")], "nvme": [zf.offload("nvme", path=tmp)]}
+    model, opt = experts_zerofn(mesh, stage, kind, extra[offload])
     norms = train_ranks(model, opt, data, mesh)
     ref, ref_opt, ref_norms = train_reference(kind, data)
     full, _ = zf.get_state_dict(model, opt, full=True)
@@ -101,20 +111,22 @@ def _parity(rank, world, stage, kind, offload):
             ].items() if isinstance(v, DTensor)})
 
 
-CONFIGS = {"zero1-adamw": (1, "adamw", False), "zero2-adamw": (2, "adamw", False),
-           "zero3-adamw": (3, "adamw", False), "zero3-sgd": (3, "sgd", False),
-           "zero3-offload-adamw": (3, "adamw", True)}
+CONFIGS = {"zero1-adamw": (1, "adamw", None), "zero2-adamw": (2, "adamw", None),
+           "zero3-adamw": (3, "adamw", None), "zero3-sgd": (3, "sgd", None),
+           "zero3-offload-cpu-adamw": (3, "adamw", "cpu"),
+           "zero3-offload-nvme-adamw": (3, "adamw", "nvme")}
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_experts_train_as_one_process(config):
-    """Weights within 1e-6 of one process holding every expert after 4 clipped steps (the
+def test_experts_train_as_one_process(config, tmp_path):
+    """Weights within 1e-6 of one process holding every expert after 4 clipped steps of 2
+    accumulated micro-batches (the
     global norm the same to 1e-6: every expert row counted once across ep x edp, the
     experts' gradients averaged over the global batch), and each rank holds exactly
     1/(ep x edp) of the experts' optimizer state (SGD's momentum, Adam's moments), its
     DTensors on the expert-data-parallel mesh; without offload ``zf.model_state_bytes``
     counts a quarter of the whole model's, with this rank's step counters."""
-    out = run_ranks(4, _parity, *CONFIGS[config])
+    out = run_ranks(4, _parity, *CONFIGS[config], str(tmp_path))
     for rank, (err, norm_err, extra_bytes, mine, total, meshes) in enumerate(out):
         assert err <= TOL and norm_err <= TOL, (rank, err, norm_err)
         assert extra_bytes in (0, None), (rank, extra_bytes)
@@ -170,7 +182,7 @@ def _checkpoint(rank, world, root):
     """ZeRO-3 saves after 2 steps; a fresh expert-parallel model loads it at ZeRO-3 and at
     ZeRO-1 (the same layout); returns each load's gap from the saved state."""
     mesh = moe_mesh()
-    data = moe_batches(2, mesh["dp"].size())
+    data = steps(2, mesh["dp"].size())
     model, opt = experts_zerofn(mesh, 3, "adamw")
     train_ranks(model, opt, data, mesh)
     zf.save_checkpoint(root, model, opt, step=2)
@@ -204,3 +216,19 @@ def test_checkpoint_round_trips(tmp_path):
             assert all(torch.equal(torch.as_tensor(whole[1]["state"][fqn][k]),
                                    torch.as_tensor(v)) for k, v in st.items()), fqn
     assert len(whole[1]["state"]) == sum(1 for _ in reference().parameters())
+
+
+def _synced(rank, world):
+    """Each rank builds its part of another model (seeded by its rank); set-up keeps rank
+    0's dense weights and, for each expert, its first ``edp`` rank's (the ranks of one
+    ``ep`` position hold the same experts, the others others)."""
+    mesh = moe_mesh()
+    model, _ = experts_zerofn(mesh, 1, "adamw", seed=rank)
+    dense = reference(0).state_dict()
+    experts = reference(mesh["ep"].get_local_rank()).state_dict()   # (edp 0's global rank)
+    return all(torch.equal(v, (experts if ".moe.experts." in k else dense)[k])
+               for k, v in model.state_dict().items())
+
+
+def test_set_up_broadcasts_dense_weights_over_dp_and_experts_over_edp():
+    assert run_ranks(4, _synced) == [True] * 4

@@ -308,11 +308,14 @@ class Runtime:
 
     def _broadcast_module_states(self) -> None:
         ctx = self.ctx
-        comm_of = {s.param: ctx.comm_of(u) for u in ctx.units for s in u.slots}
+        # An expert's parameters and buffers: over its own group (other ranks of the data-
+        # parallel group hold other experts).
+        comm_of = {t: ctx.own[g.pattern][0] for m, g in self._own.items()
+                   for t in [*m.parameters(), *m.buffers()]}
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 local = t.data if not isinstance(t, DTensor) else t.to_local()
-                comm_of.get(t, ctx.comm).broadcast(local)   # (an expert: over its own group)
+                comm_of.get(t, ctx.comm).broadcast(local)
                 if ctx.replicas is not None:   # then replica 0's, which has shard rank 0's
                     ctx.replicas.broadcast(local)
 
