@@ -92,6 +92,8 @@ def _parity(rank, world, stage, kind, offload, tmp):
     extra = {None: [], "cpu": [zf.offload("cpu")], "nvme": [zf.offload("nvme", path=tmp)]}
     model, opt = experts_zerofn(mesh, stage, kind, extra[offload])
     norms = train_ranks(model, opt, data, mesh)
+    stats = zf.comm_stats(model)     # the experts' own group's collectives, apart
+    assert stats[f"{PATTERN}.reduce_scatter"] > 0 and stats["reduce_scatter"] > 0, stats
     ref, ref_opt, ref_norms = train_reference(kind, data)
     full, _ = zf.get_state_dict(model, opt, full=True)
     mine = own_part(ref.state_dict(), model)
@@ -196,20 +198,25 @@ def _checkpoint(rank, world, root):
 
 
 def _whole(rank, world, root):
-    """The checkpoint into one process holding every expert (a plain model)."""
-    model = reference(seed=7)
-    opt = optimizer("adamw", model.parameters())
+    """The checkpoint into one process holding every expert (a plain model), or at
+    another layout, ``(edp=4, ep=1)``: every rank holds every expert, sharded 4 ways."""
+    if world == 1:
+        model = reference(seed=7)
+        opt = optimizer("adamw", model.parameters())
+    else:
+        model, opt = experts_zerofn(moe_mesh(4, 1), 3, "adamw", seed=7)
     zf.load_checkpoint(root, model, opt)
     return full_state(model, opt)
 
 
 def test_checkpoint_round_trips(tmp_path):
     """The experts' state is saved as DTensors on the expert-data-parallel mesh, each
-    expert under its own name: it loads back exactly at the same layout, and whole into
-    one process holding every expert."""
+    expert under its own name: it loads back exactly at the same layout, whole into one
+    process holding every expert, and at (edp=4, ep=1)."""
     out = run_ranks(4, _checkpoint, str(tmp_path), timeout=300)
     assert all(gaps == [0.0, 0.0] for gaps, _ in out), [g for g, _ in out]
     whole = run_ranks(1, _whole, str(tmp_path), timeout=300)[0]
+    assert max_error(run_ranks(4, _whole, str(tmp_path), timeout=300)[0], whole) == 0.0
     for _, (params, optim) in out:   # each rank's part of the whole
         assert all(torch.equal(whole[0][k], v) for k, v in params.items())
         for fqn, st in optim["state"].items():

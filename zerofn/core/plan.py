@@ -89,8 +89,8 @@ OPTION_FIELDS = {
 POLICIES = {"sharding": ShardingPolicy, "precision": PrecisionPolicy,
             "offload": OffloadPolicy, "monitor": MonitorPolicy}
 # The options each transform accepts (shared ones set the whole plan: give each once).
-SHARED_OPTIONS = ("group", "groups", "units", "bucket_size", "sync_module_states", "init", "timeout",
-                  "stall_warning", "on_nonfinite")
+SHARED_OPTIONS = ("group", "groups", "units", "bucket_size", "sync_module_states", "init",
+                  "timeout", "stall_warning", "on_nonfinite")
 NONFINITE_RULES = ("skip", "raise", "ignore")
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
 OFFLOAD_OPTIONS = ("offload", "offload_path", "offload_params", "units_in_flight", "state_dtype",

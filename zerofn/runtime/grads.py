@@ -149,8 +149,7 @@ class GradReducer:
                 "reduce_scatter", "reduce", unit.name,
                 lambda: comm.reduce_scatter(out, send, True, scratch), "reduce_wait")
             if self.replicas is None:
-                comm.enqueue(work, nbytes,
-                                  functools.partial(self._reduced, unit, buffers, out))
+                comm.enqueue(work, nbytes, functools.partial(self._reduced, unit, buffers, out))
             else:   # [Note: HSDP's average]
                 self._average()
                 self._to_average = (unit, work, buffers, out)
@@ -177,7 +176,7 @@ class GradReducer:
         work.wait()
         self.comm_of(unit).enqueue(self._average_over_replicas(unit, out),
                                    sum(b.nbytes for b in buffers),
-                          functools.partial(self._reduced, unit, buffers, out))
+                                   functools.partial(self._reduced, unit, buffers, out))
 
     def _average_over_replicas(self, unit: Unit, out: torch.Tensor, stall: bool = True):
         """Start the all-reduce of a reduced shard over the replicas, timed as the

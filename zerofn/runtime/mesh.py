@@ -145,7 +145,7 @@ class OwnGroup:
 
     ``pattern``: the key of ``groups=`` that named the module; ``dp_world``: the size of
     the whole data-parallel layout, which the experts' summed gradients are divided by
-    ([Note: experts' gradients] in grads.py)."""
+    ([Note: experts' gradients] in context.py)."""
 
     pattern: str
     shard: dist.ProcessGroup

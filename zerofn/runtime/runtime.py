@@ -363,7 +363,8 @@ class Runtime:
 
     def comm_stats(self) -> Counter:
         """``zf.comm_stats``: the shard dimension's counts of the last step, HSDP's
-        replicate dimension's as ``replicate.<kind>``."""
+        replicate dimension's as ``replicate.<kind>``, and those of each ``groups=``
+        pattern's own group as ``<pattern>.<kind>``."""
         out = Counter(self.ctx.comm.last_step)
         for pattern, (comm, _) in self.ctx.own.items():    # groups=: by each pattern
             out.update({f"{pattern}.{k}": v for k, v in comm.last_step.items()})

@@ -29,7 +29,9 @@ def comm_stats(model: nn.Module) -> dict[str, int]:
 
     Unprefixed keys count the shard dimension (every rank without HSDP); under HSDP the
     replicate dimension's own collectives follow as ``replicate.<kind>`` keys (the
-    averaging all-reduce of the reduced shards, the loss-scaling overflow vote).
+    averaging all-reduce of the reduced shards, the loss-scaling overflow vote); with
+    ``groups=``, each pattern's own group's as ``<pattern>.<kind>`` keys (the experts'
+    gathers and reductions).
 
     Returns:
         ``{kind: elements, kind + "_bytes": bytes}``, elements of full (gathered or
