@@ -15,8 +15,8 @@ import zerofn as zf
 from support.compare import full_state, max_error, worst
 from support.errors import error_of
 from support.loops import zero
-from support.moe_models import (PATTERN, expert_parallel, moe_batches, moe_mesh, own_part,
-                                reference)
+from support.moe_models import (PATTERN, expert_parallel, expert_parallel_meta, moe_batches,
+                                moe_mesh, own_part, reference)
 from support.ranks import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -153,6 +153,8 @@ def _refusal(rank, world, case):
     elif case == "hybrid":
         group = mesh["root"]    # (edp, ep) read as (replicate, shard)
     model = expert_parallel(mesh)
+    if case == "meta":
+        model = model.to("meta")
     if case == "DTensor experts":
         expert = model.blocks[0].moe.experts.experts[str(2 * mesh["ep"].get_local_rank())]
         expert.weight = torch.nn.Parameter(DTensor.from_local(expert.weight.detach(),
@@ -169,7 +171,8 @@ REFUSALS = {"no module": "matches no module",
             "2-D": "a dict of module names or patterns to 1-D DeviceMeshes",
             "hybrid": "with hybrid sharding",
             "DTensor experts": "is a DTensor (tensor parallelism, or experts split",
-            "save_pretrained": "save with zf.save_checkpoint"}
+            "save_pretrained": "save with zf.save_checkpoint",
+            "meta": "would start equal to another's"}
 
 
 @pytest.mark.parametrize("case", REFUSALS)
@@ -239,3 +242,34 @@ def _synced(rank, world):
 
 def test_set_up_broadcasts_dense_weights_over_dp_and_experts_over_edp():
     assert run_ranks(4, _synced) == [True] * 4
+
+
+def seeded_init(model: torch.nn.Module):
+    """An init for ``model``'s Linears that draws each from a seed of its own name (the
+    expert's global index in it): the same weights on whichever rank holds it."""
+    names = {m: n for n, m in model.named_modules()}
+
+    def init(module):
+        if isinstance(module, torch.nn.Linear):
+            torch.manual_seed(sum(map(ord, names[module])))
+            module.reset_parameters()
+    return init
+
+
+def _meta_built(rank, world):
+    """Built on the meta device, materialized by ZeRO-3 with ``seeded_init``: each rank's
+    part of the whole model that init gives in one process."""
+    mesh = moe_mesh()
+    with torch.device("meta"):
+        model = expert_parallel_meta(mesh)
+    torch.manual_seed(0)     # (the same generators on every rank, as a meta build asks)
+    model = zero(3, group=mesh["dp"], groups={PATTERN: mesh["edp"]},
+                 init=seeded_init(model))(model)
+    whole = reference()
+    whole.apply(seeded_init(whole))
+    full, _ = zf.get_state_dict(model, optimizer("adamw", model.parameters()), full=True)
+    return all(torch.equal(v, whole.state_dict()[k]) for k, v in full.items())
+
+
+def test_meta_built_experts_materialize_with_an_init_seeded_per_expert():
+    assert run_ranks(4, _meta_built) == [True] * 4

@@ -107,12 +107,17 @@ def reference(seed: int = 0) -> MoEModel:
     return MoEModel()
 
 
-def expert_parallel(mesh, seed: int = 0) -> MoEModel:
-    """This rank's part of ``reference(seed)``: every dense weight, its own experts."""
+def expert_parallel_meta(mesh) -> MoEModel:
+    """This rank's part of the model, uninitialized (under ``torch.device("meta")``, on
+    the meta device): every dense weight, its own experts."""
     ep = mesh["ep"]
     size, r = ep.size(), ep.get_local_rank()
-    ids = range(r * EXPERTS // size, (r + 1) * EXPERTS // size)
-    model = MoEModel(ids, ep.get_group())
+    return MoEModel(range(r * EXPERTS // size, (r + 1) * EXPERTS // size), ep.get_group())
+
+
+def expert_parallel(mesh, seed: int = 0) -> MoEModel:
+    """This rank's part of ``reference(seed)``: every dense weight, its own experts."""
+    model = expert_parallel_meta(mesh)
     model.load_state_dict(own_part(reference(seed).state_dict(), model))
     return model
 

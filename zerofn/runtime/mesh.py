@@ -154,9 +154,10 @@ class OwnGroup:
     dp_world: int
 
 
-def own_groups(option, model, groups: Groups) -> dict:
-    """``{module: OwnGroup}`` for ``groups=``, or ValueError naming what is wrong. Local:
-    every rank raises alike, before any collective."""
+def own_groups(option, model, groups: Groups, init=None) -> dict:
+    """``{module: OwnGroup}`` for ``groups=``, or ValueError naming what is wrong (``init``:
+    the option a meta-built model is initialized with). Local: every rank raises alike,
+    before any collective."""
     if option is None:
         return {}
     if not isinstance(option, dict) or not all(
@@ -177,6 +178,13 @@ def own_groups(option, model, groups: Groups) -> dict:
             "DTensor (tensor parallelism, or experts split on an expert-parallel mesh): "
             "zerofn does not combine groups= with those yet. Hold each rank's experts as "
             "plain modules (expert parallelism by hand), or drop groups=.")
+    if init is None and any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            "groups= with a model built on the meta device: each module's reset_parameters() "
+            "would draw every expert-parallel rank's experts from the same random stream, so "
+            "the experts of one rank would start equal to another's. Build the model on a "
+            "real device (each rank its experts), or pass init= a function that draws each "
+            "expert's weights from a seed of its own (e.g. its global index).")
     modules = dict(model.named_modules())
     chosen = {}
     for pattern, mesh in option.items():

@@ -124,7 +124,7 @@ class Runtime:
         groups, self.device = _resolve_group(plan.sharding.group, model)
         # groups=: modules with a data-parallel group of their own (core/units.py's [Note:
         # a module's own group]), each pattern's collectives counted apart.
-        self._own = own_groups(plan.sharding.groups, model, groups)
+        self._own = own_groups(plan.sharding.groups, model, groups, plan.sharding.init)
         set_timeout(groups, plan.sharding.timeout, [g.shard for g in self._own.values()])
         comm = Comm(groups.shard, plan.sharding.bucket_size, self.device)
         own_comms = {g.pattern: (Comm(g.shard, plan.sharding.bucket_size, self.device),
