@@ -27,6 +27,7 @@ from .checksums import ChecksumWriter
 from .narrow import narrowed
 from .reader import SafePlanner, SafeReader
 from .staging import HostCopy
+from .streamed import saved_state
 
 _log = logging.getLogger(__name__)
 
@@ -153,9 +154,7 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     group = _group(model)
     root, name = os.fspath(path), layout.step_name(step)
     tmp, final = layout.unfinished(root, name), os.path.join(root, name)
-    msd, osd = get_state_dict(model, optimizer)
-    if plain_model(model) is None:
-        narrowed(runtime_of(model), msd, osd)     # state offload keeps in bf16, in bf16
+    msd, osd, planner = _saved_state(model, optimizer, async_save)
     blobs = extras.blobs({"step": step, **extra}, dist.get_rank(group))
     blobs.update(positions.records(extra))     # where each data loader is in its epoch
     if dist.get_rank(group) == 0:
@@ -169,13 +168,28 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     finish = (lambda: layout.publish(root, name, keep)) if first else (lambda: None)
     if not async_save:
         try:
-            dcp.save(state, storage_writer=ChecksumWriter(tmp), process_group=group)
+            dcp.save(state, storage_writer=ChecksumWriter(tmp), planner=planner,
+                     process_group=group)
         except CheckpointException as e:
             raise save_error(e, tmp) from e
         finish()
         return final
     background().start(state, tmp, group, finish, final)
     return final
+
+
+def _saved_state(model, optimizer, async_save: bool):
+    """``(model, optim)`` state dicts to save, and the planner that writes them (None:
+    DCP's). A synchronous save reads offloaded state a unit at a time as it writes it
+    (streamed.py); a background save copies the whole state first (staging.py)."""
+    if plain_model(model) is not None:
+        return (*get_state_dict(model, optimizer), None)
+    rt = runtime_of(model)
+    if not async_save:
+        return saved_state(rt, model, optimizer)
+    msd, osd = get_state_dict(model, optimizer)
+    narrowed(rt, msd, osd)        # state offload keeps in bf16, in bf16
+    return msd, osd, None
 
 
 def _group(model):
