@@ -7,6 +7,7 @@ it whole; and the checkpoint loads back exactly."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from support.hooked import hooked_batches, hooked_model, train as train_hooked
 from support.loops import build_parity, train_sharded
 from support.models import batches
 from support.ranks import run_ranks
+from zerofn.io.checkpoint import streamed
 from zerofn.io.checkpoint.checksums import ChecksumWriter
 from zerofn.io.checkpoint.layout import step_name
 from zerofn.io.checkpoint.narrow import narrowed
@@ -34,6 +36,8 @@ def offloads(case: str, swap: str) -> list:
     if case == "int8-bf16":
         return [zf.offload("cpu", state_dtype=torch.int8, master_dtype=torch.bfloat16),
                 zf.mixed_precision(torch.bfloat16)]
+    if case == "cpu":
+        return [zf.offload("cpu")]
     if case == "nvme-bf16":
         return [zf.offload("nvme", path=swap, state_dtype=torch.bfloat16)]
     raise ValueError(case)
@@ -52,17 +56,19 @@ def save_both(model, opt, root: str) -> bool:
     return unread
 
 
-def saved_alike(root: str) -> list[str]:
-    """What differs between the two checkpoints under ``root``, tensor by tensor."""
-    tables = {}
-    for name in ("streamed", "whole"):
-        path = os.path.join(root, name + ".pt")
-        dcp_to_torch_save(os.path.join(root, name, step_name(2) if name == "streamed" else ""),
-                          path)
-        tables[name] = _flat(torch.load(path, weights_only=False))
-    tables["streamed"].pop("extra", None)
-    streamed = {k: v for k, v in tables["streamed"].items() if not k.startswith("extra")}
-    whole = tables["whole"]
+def saved_alike(root: str, first: str = "streamed", second: str = "whole") -> list[str]:
+    """What differs between two checkpoints under ``root``, tensor by tensor (extras
+    aside); ``save_checkpoint``'s are named by their root."""
+    tables = []
+    for name in (first, second):
+        ckpt = os.path.join(root, name)
+        if not os.path.exists(os.path.join(ckpt, ".metadata")):
+            ckpt = os.path.join(ckpt, step_name(2))
+        dcp_to_torch_save(ckpt, os.path.join(root, name + ".pt"))
+        tables.append({k: v for k, v in _flat(torch.load(os.path.join(root, name + ".pt"),
+                                                         weights_only=False)).items()
+                       if not k.startswith("extra")})
+    streamed, whole = tables
     diffs = [k for k in streamed.keys() ^ whole.keys()]
     for k, v in whole.items():
         w = streamed.get(k)
@@ -126,3 +132,36 @@ def test_hooks_that_split_the_state_save_it_read_whole(tmp_path):
     """A fused projection saved in pieces is made of views of the state: the save reads
     every unit first, and writes what the whole read writes."""
     assert run_ranks(2, hooked_save, str(tmp_path))[0] == []
+
+
+def background_save(rank, world, root, case, stage):
+    """Save in the background and step twice at once: the checkpoint holds the state at
+    the call (its writer slowed, so without the wait the steps would change it first)."""
+    model, opt = build_parity(stage, "adamw", *offloads(case, os.path.join(root, "swap")))
+    data = batches(4, 1, world)
+    train_sharded(model, opt, data[:2], rank, world)
+    zf.save_checkpoint(os.path.join(root, "sync"), model, opt, step=2)
+    slow = streamed.UnitReader.value
+
+    def slowly(self, *args):
+        time.sleep(0.05)
+        return slow(self, *args)
+
+    streamed.UnitReader.value = slowly
+    zf.save_checkpoint(os.path.join(root, "background"), model, opt, step=2, async_save=True,
+                       staging_bytes=1 << 20)
+    train_sharded(model, opt, data[2:], rank, world)
+    zf.wait_for_checkpoint()
+    streamed.UnitReader.value = slow
+    rt = runtime_of(model)
+    unread = all(rt.unread(u) for u in rt.units if u.slots)
+    dist.barrier()
+    return unread, saved_alike(root, "background", "sync") if rank == 0 else []
+
+
+@pytest.mark.parametrize("case,stage,world", [("nvme", 3, 2), ("int8-bf16", 2, 1),
+                                              ("cpu", 3, 1)])
+def test_background_save_holds_the_state_at_its_call(tmp_path, case, stage, world):
+    results = run_ranks(world, background_save, str(tmp_path), case, stage)
+    assert [r[0] for r in results] == [case != "cpu"] * world    # read as written
+    assert results[0][1] == []

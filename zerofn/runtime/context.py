@@ -6,7 +6,7 @@ gradients, the gatherer, the shards, the forward hooks, the step), as FSDP2's
 none reaches another through its owner."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,7 @@ from .copies import CopyStreams
 from .events import Observers
 from .mesh import Groups
 from .pool import BufferPool
+from .save_reads import SaveReads
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class RuntimeContext:
     observers: Observers        # told what happens; their timing and guard serve the parts
     units: tuple[Unit, ...]     # the model's units, the root last
     param_order: dict           # a parameter's name -> its index in model.named_parameters()
+    saves: SaveReads = field(default_factory=SaveReads)   # background saves reading state
 
     @property
     def timing(self):

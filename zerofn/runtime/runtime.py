@@ -459,6 +459,11 @@ class Runtime:
         tensors are stand-ins), for ``read_unit``."""
         return self.homes.unread(unit)
 
+    def hold_state(self, done) -> None:
+        """Change no state (the next step, a step during backward, waits) until the
+        ``threading.Event`` ``done`` is set: a background save is reading it."""
+        self.ctx.saves.add(done)
+
     def read_unit(self, unit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """An unread ``unit``'s flat (master, exp_avg, exp_avg_sq), read into new memory."""
         return self.homes.read_unit(unit)

@@ -16,9 +16,24 @@ What a model's own state-dict hooks make of the state (a fused projection saved 
 pieces) is made from the stand-ins, which no unit read can fill: where a module with such
 hooks holds parameters of an unread unit, the save reads every unit up front, as a state
 dict does.
+
+[Note: background saves] ``async_save=True`` used to copy the rank's whole state to the
+host before returning: under offload, where the state is the largest thing the host
+holds, that doubled it. Now every unit off the device is a placeholder as above, read
+(from the file, decoded, or where it lies in host memory) by the background writer as it
+writes it, so the save holds one unit and one data file's copies at a time
+(``staging_bytes``: two files). What lives on the device, and the small rest (buffers,
+step counters, extras), is still copied at the call (staging.py). For the checkpoint to
+hold the state at the call, nothing may change it before it is read: the save registers
+an event with the runtime (``hold_state``), set once this rank has written its data, and
+the first change to the state (the next step's, or a step during backward under
+``overlap_step``) waits for it, timed as ``checkpoint_wait`` (TensorBoard's
+``time/checkpoint_wait``). Forward and backward of the next step run while the save
+writes.
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -47,48 +62,57 @@ class UnitReader:
             if unit is not self.unit:
                 self.unit, self.flats = None, None       # the last unit goes first
                 self.flats, self.unit = self.rt.read_unit(unit), unit
-            piece = slot.shard_of(self.flats[role])
-            return piece.to(dtype) if piece.dtype != dtype else piece
+            return _as(slot.shard_of(self.flats[role]), dtype)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.dtype != dtype else t
 
 
 class StreamingPlanner(DefaultSavePlanner):
-    """DCP's planner, reading each placeholder's item from its unit as it is written."""
+    """DCP's planner, reading each placeholder's item (``reads``: id(placeholder) -> a
+    function giving its tensor) as it is written."""
 
-    def __init__(self, reads: dict, reader: UnitReader):
+    def __init__(self, reads: dict):
         super().__init__()
-        self.reads, self.reader = reads, reader     # id(placeholder) -> (unit, slot, role, dtype)
+        self.reads = reads
 
     def resolve_data(self, write_item):
         if write_item.type != WriteItemType.BYTE_IO:
             read = self.reads.get(id(self.state_dict.get(write_item.index.fqn)))
             if read is not None:
-                return self.reader.value(*read)
+                return read()
         return super().resolve_data(write_item)
 
 
-def saved_state(rt, model, optimizer) -> tuple[dict, dict, StreamingPlanner | None]:
+def saved_state(rt, model, optimizer, background: bool = False
+                ) -> tuple[dict, dict, StreamingPlanner | None]:
     """The ``(model, optim)`` state dicts a save writes (offloaded bf16 state in bf16:
-    narrow.py) and the planner that reads their unread units as DCP writes them (None:
-    every tensor holds its values, DCP's own planner writes them)."""
+    narrow.py) and the planner that reads their placeholders as DCP writes them (None:
+    every tensor holds its values, DCP's own planner writes them). ``background``: every
+    unit off the device is a placeholder, the ones in memory read where they lie when
+    written ([Note: background saves])."""
     if _hooked(rt):        # (the note's last paragraph)
         msd, osd = get_state_dict(model, optimizer)
         reads = {}
     else:
         msd, osd = unread_state_dict(model, optimizer)
-        reads = _placeholders(rt, msd, osd)
+        reads = _placeholders(rt, msd, osd, background)
     narrowed(rt, msd, osd)
-    return msd, osd, (StreamingPlanner(reads, UnitReader(rt)) if reads else None)
+    return msd, osd, (StreamingPlanner(reads) if reads else None)
 
 
-def _placeholders(rt, msd: dict, osd: dict) -> dict:
-    """Replace each unread unit's masters and moments in ``msd``/``osd`` by placeholders;
-    return what each reads."""
-    reads = {}
+def _placeholders(rt, msd: dict, osd: dict, background: bool) -> dict:
+    """Replace the masters and moments of each unit to read as written (unread ones; under
+    ``background`` every unit off the device) in ``msd``/``osd`` by placeholders; return
+    how each is read."""
+    reads, reader = {}, UnitReader(rt)
     state = osd.get("state", {})
     unit_of = {s: u for u in rt.units for s in u.slots}
     for name, slot in rt.slots_by_name().items():
         unit = unit_of[slot]
-        if not rt.unread(unit):
+        unread = rt.unread(unit)
+        if not (unread or background and rt.home_of(unit) != "device"):
             continue
         exact = rt.exact_dtypes(unit)
         for role, (table, key) in enumerate([(msd, name)] + [(state.get(name, {}), k)
@@ -98,7 +122,9 @@ def _placeholders(rt, msd: dict, osd: dict) -> dict:
                 dtype = saved_dtype(value.dtype, exact[min(role, 1)])
                 table[key] = slot.as_dtensor(stand_in(slot.local_shape, dtype), rt.mesh,
                                              rt.placements)
-                reads[id(table[key])] = (unit, slot, role, dtype)
+                reads[id(table[key])] = functools.partial(reader.value, unit, slot, role,
+                                                          dtype) if unread else \
+                    functools.partial(_as, value.to_local(), dtype)
     return reads
 
 
