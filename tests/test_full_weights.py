@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import zerofn as zf
 from support.errors import expect_error
+from support.hooked import hooked_batches, hooked_model, train as train_hooked
 from support.loops import build_parity, train_sharded
 from support.models import batches
 from support.ranks import run_ranks
@@ -94,3 +95,19 @@ def bad_arguments(rank, world):
 
 def test_full_weights_refuses_bad_arguments():
     assert run_ranks(2, bad_arguments) == [True, True]
+
+
+def hooked_out(rank, world, root):
+    model, opt = hooked_model()
+    model, opt = zf.compose(zf.shard_params(),
+                            *offload("nvme", os.path.join(root, "swap")))(model, opt)
+    train_hooked(model, opt, hooked_batches(2, world), rank, world)
+    expected = zf.get_state_dict(model, opt, full=True)[0]
+    got = list(zf.full_weights(model, bucket_bytes=1 << 10))
+    return [n for n, _ in got] == list(expected) and all(
+        torch.equal(t, expected[n]) for n, t in got)
+
+
+def test_full_weights_take_the_names_hooks_give(tmp_path):
+    """A fused projection saved in pieces comes out in its pieces, under their names."""
+    assert run_ranks(2, hooked_out, str(tmp_path)) == [True, True]

@@ -15,8 +15,10 @@ is gathered by itself with ``full_tensor()``.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,10 +26,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..runtime import runtime_of
-from ..state.hooks import hooked_modules
+from ..state.hooks import hooked_modules, plain_keys
 from ..state.plain import plain_model
-from ..state.state_dict import get_model_state_dict, unread_model_state_dict
-from .checkpoint.streamed import placeholders
+from ..state.state_dict import get_model_state_dict
+from .checkpoint.streamed import UnitReader
 
 BUCKET_BYTES = 256 << 20
 
@@ -78,38 +80,99 @@ def _plain(module: nn.Module, dtype, to) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _cast(t: torch.Tensor, dtype) -> torch.Tensor:
-    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return t.to(_out_dtype(t.dtype, dtype))
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One state-dict tensor to send: ``local()`` gives this rank's rows of it where it is
+    split along dim 0 over ``group``, else (``group`` None) the whole tensor."""
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    group: object
+    local: Callable[[], torch.Tensor]
+
+    def rows(self, world: int, rank: int) -> int:
+        """Rank ``rank``'s elements of it, split as torch.chunk splits the rows."""
+        n = self.shape[0] if self.shape else 1
+        chunk = -(-n // world)
+        return max(0, min(n, (rank + 1) * chunk) - min(n, rank * chunk)) * \
+            math.prod(self.shape[1:])
 
 
 def _gathered(rt, model, bucket_bytes: int, dtype, to) -> Iterator[tuple[str, torch.Tensor]]:
-    if hooked_modules(rt.model, load=False):      # what hooks derive needs the whole state
-        msd, reads = get_model_state_dict(model), {}
-    else:
-        msd = unread_model_state_dict(model)
-        reads = placeholders(rt, msd, {}, background=False, narrow=False)
-    for bucket in _buckets(msd, bucket_bytes, dtype):
-        yield from _bucket_out(bucket, reads, dtype, to)
+    entries = _hooked_entries(model) if hooked_modules(rt.model, load=False) \
+        else _entries(rt, model)
+    for bucket in _buckets(entries, bucket_bytes, dtype):
+        yield from _bucket_out(bucket, dtype, to)
 
 
-def _buckets(msd: dict, bucket_bytes: int, dtype) -> list[list[tuple[str, torch.Tensor]]]:
+def _entries(rt, model) -> list[_Entry]:
+    """The state dict's entries from the slots and buffers themselves (no hook shapes it),
+    in its order; offloaded state out of memory read a unit at a time."""
+    rt.prepare_state_dict(read=False)
+    reader = UnitReader(rt)
+    slots, unit_of = rt.slots_by_name(), {s: u for u in rt.units for s in u.slots}
+    buffers = dict(rt.model.named_buffers(remove_duplicate=False))
+    out = []
+    for name in plain_keys(rt.model):
+        slot = slots.get(name)
+        if slot is None:
+            b = buffers[name]
+            out.append(_Entry(name, b.shape, b.dtype, None, b.detach))
+            continue
+        unit, face = unit_of[slot], slot.opt_param.dtype
+        local = functools.partial(reader.value, unit, slot, 0, face) if rt.unread(unit) \
+            else slot.opt_param.detach
+        mesh, placements = slot.layout(rt.mesh, rt.placements)
+        if slot.spec is not None:       # (tensor parallelism: gathered alone)
+            whole = functools.partial(_whole, slot, local, rt)
+            out.append(_Entry(name, slot.global_shape, face, None, whole))
+        else:
+            group = mesh.get_group(list(placements).index(Shard(0)))
+            out.append(_Entry(name, slot.global_shape, face, group, local))
+    return out
+
+
+def _whole(slot, local, rt) -> torch.Tensor:
+    return slot.as_dtensor(local(), rt.mesh, rt.placements).full_tensor()
+
+
+def _hooked_entries(model) -> list[_Entry]:
+    """The entries of the state dict the model's hooks shape (the whole state read)."""
+    out = []
+    for name, t in get_model_state_dict(model).items():
+        dim = _row_sharded(t)
+        if dim is not None:
+            out.append(_Entry(name, t.shape, t.dtype, t.device_mesh.get_group(dim),
+                              t.to_local))
+        elif isinstance(t, DTensor):
+            out.append(_Entry(name, t.shape, t.dtype, None, t.full_tensor))
+        else:
+            out.append(_Entry(name, t.shape, t.dtype, None, t.detach))
+    return out
+
+
+def _buckets(entries: list[_Entry], bucket_bytes: int, dtype) -> list[list[_Entry]]:
     """The entries in order, in buckets of at most ``bucket_bytes`` of full tensors, the
-    gathered ones of a bucket in one dtype (one buffer packs them)."""
+    gathered ones of a bucket over one group in one dtype (one buffer packs them)."""
     out, size, packs = [[]], 0, None
-    for name, t in msd.items():
-        out_dtype = _out_dtype(t, dtype)
-        gathered = _row_sharded(t) is not None
-        nbytes = t.numel() * out_dtype.itemsize
-        if size and (size + nbytes > bucket_bytes or gathered and packs not in (None, out_dtype)):
+    for e in entries:
+        key = None if e.group is None else (id(e.group), _out_dtype(e.dtype, dtype))
+        nbytes = math.prod(e.shape) * _out_dtype(e.dtype, dtype).itemsize
+        if size and (size + nbytes > bucket_bytes or key is not None and
+                     packs not in (None, key)):
             out.append([])
             size, packs = 0, None
-        out[-1].append((name, t))
+        out[-1].append(e)
         size += nbytes
-        packs = out_dtype if gathered else packs
+        packs = key if key is not None else packs
     return [b for b in out if b]
 
 
-def _out_dtype(t: torch.Tensor, dtype) -> torch.dtype:
-    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+def _out_dtype(shown: torch.dtype, dtype) -> torch.dtype:
+    return dtype if dtype is not None and shown.is_floating_point else shown
 
 
 def _row_sharded(t) -> int | None:
@@ -118,92 +181,61 @@ def _row_sharded(t) -> int | None:
     if not isinstance(t, DTensor):
         return None
     dims = [i for i, p in enumerate(t.placements) if p == Shard(0)]
-    if len(dims) != 1 or any(not isinstance(p, (Shard, Replicate)) or
-                             (isinstance(p, Shard) and i != dims[0])
-                             for i, p in enumerate(t.placements)):
+    if len(dims) != 1 or not all(p == Replicate() for i, p in enumerate(t.placements)
+                                 if i != dims[0]):
         return None
     return dims[0]
 
 
-def _bucket_out(bucket, reads: dict, dtype, to) -> Iterator[tuple[str, torch.Tensor]]:
-    """One bucket's full tensors: the row-sharded ones in one gather, the rest alone."""
-    sharded = [(n, t) for n, t in bucket if _row_sharded(t) is not None]
-    if len({(id(t.device_mesh), _row_sharded(t)) for _, t in sharded}) > 1:
-        sharded = []       # (split over several meshes: each tensor alone, below)
-    full = _gather_rows(sharded, reads, dtype, to) if sharded else {}
-    for name, t in bucket:
-        if name in full:
-            value = full.pop(name)
-            if value is not None:
-                yield name, value()
+def _bucket_out(bucket: list[_Entry], dtype, to) -> Iterator[tuple[str, torch.Tensor]]:
+    """One bucket's full tensors: the split ones in one gather, the rest as they are."""
+    split = [e for e in bucket if e.group is not None]
+    full = _gather_rows(split, dtype, to) if split else {}
+    receives = to == "all" or dist.get_rank() == to
+    for e in bucket:
+        if e.group is not None:
+            assemble = full[e.name]
+            if assemble is not None:
+                yield e.name, assemble()
             continue
-        value = _local(t, reads)
-        if isinstance(t, DTensor):
-            whole = DTensor.from_local(value, t.device_mesh, t.placements, run_check=False,
-                                       shape=t.shape, stride=t.stride()).full_tensor()
-        else:
-            whole = value.clone()
-        if _receives(to, t):
-            yield name, _cast(whole, dtype)
+        whole = e.local()          # (a collective where tensor parallelism split it)
+        if receives:
+            yield e.name, _cast(whole, dtype).clone()
 
 
-def _receives(to, t) -> bool:
-    return to == "all" or dist.get_rank() == to
-
-
-def _local(t, reads: dict) -> torch.Tensor:
-    read = reads.get(id(t))
-    if read is not None:
-        return read()
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _gather_rows(entries, reads: dict, dtype, to) -> dict:
+def _gather_rows(entries: list[_Entry], dtype, to) -> dict:
     """``{name: a function giving its full tensor}`` (None where this rank receives
-    nothing), from one collective over the mesh dimension they are split along."""
-    first = entries[0][1]
-    group = first.device_mesh.get_group(_row_sharded(first))
+    nothing), from one collective over the entries' group."""
+    group = entries[0].group
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    out_dtype = _out_dtype(first, dtype)
-    pieces = [[_rows(t.shape[0], world, r) * math.prod(t.shape[1:]) for _, t in entries]
-              for r in range(world)]
+    out_dtype = _out_dtype(entries[0].dtype, dtype)
+    pieces = [[e.rows(world, r) for e in entries] for r in range(world)]
     longest = max(sum(p) for p in pieces)
-    send = torch.zeros(longest, dtype=out_dtype)
+    send = torch.empty(longest, dtype=out_dtype)
     at = 0
-    for (_, t), n in zip(entries, pieces[rank]):
+    for e, n in zip(entries, pieces[rank]):
         if n:
-            send[at:at + n].copy_(_local(t, reads).reshape(-1))
+            send[at:at + n].copy_(e.local().reshape(-1))
         at += n
     if to == "all":
         got = torch.empty(world * longest, dtype=out_dtype)
         dist.all_gather(list(got.chunk(world)), send, group=group)
     elif to not in dist.get_process_group_ranks(group):   # (HSDP: another replica's)
-        return {name: None for name, _ in entries}
+        return dict.fromkeys((e.name for e in entries), None)
     elif dist.get_rank() == to:
         got = torch.empty(world * longest, dtype=out_dtype)
         dist.gather(send, list(got.chunk(world)), dst=to, group=group)
     else:
         dist.gather(send, None, dst=to, group=group)
-        return {name: None for name, _ in entries}
-    starts = [0] * world
-    out = {}
-    for i, (name, t) in enumerate(entries):
-        spans = []
+        return dict.fromkeys((e.name for e in entries), None)
+    starts, out = [0] * world, {}
+    for i, e in enumerate(entries):
+        spans = [(r * longest + starts[r], pieces[r][i]) for r in range(world)]
         for r in range(world):
-            spans.append((r * longest + starts[r], pieces[r][i]))
             starts[r] += pieces[r][i]
-        out[name] = _assembler(got, spans, t, dtype)
+        out[e.name] = functools.partial(_assemble, got, spans, e.shape)
     return out
 
 
-def _assembler(got: torch.Tensor, spans, t, dtype):
-    def assemble() -> torch.Tensor:
-        whole = torch.cat([got[s:s + n] for s, n in spans])
-        return whole.view(t.shape)
-    return assemble
-
-
-def _rows(rows: int, world: int, rank: int) -> int:
-    """Rank ``rank``'s rows of ``rows`` split as torch.chunk splits them."""
-    chunk = -(-rows // world) if rows else 0
-    return max(0, min(rows, (rank + 1) * chunk) - min(rows, rank * chunk))
+def _assemble(got: torch.Tensor, spans, shape) -> torch.Tensor:
+    return torch.cat([got[s:s + n] for s, n in spans]).view(shape)

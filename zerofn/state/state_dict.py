@@ -89,14 +89,8 @@ def unread_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
     _check_optimizer(rt, optimizer)
     rt.prepare_state_dict(read=False)
     rt.init_optimizer_state()
-    return unread_model_state_dict(model), _optim_state(rt, optimizer, False)
-
-
-def unread_model_state_dict(model: nn.Module) -> dict:
-    """The model half of ``unread_state_dict``; leaves the optimizer untouched."""
-    rt = runtime_of(model)
-    rt.prepare_state_dict(read=False)
-    return module_state(rt, rt.model, lambda s: _export(rt, s, s.opt_param.detach(), False))
+    msd = module_state(rt, rt.model, lambda s: _export(rt, s, s.opt_param.detach(), False))
+    return msd, _optim_state(rt, optimizer, False)
 
 
 def _check_device(full: bool, device) -> None:

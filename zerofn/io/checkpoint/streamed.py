@@ -97,15 +97,15 @@ def saved_state(rt, model, optimizer, background: bool = False
         reads = {}
     else:
         msd, osd = unread_state_dict(model, optimizer)
-        reads = placeholders(rt, msd, osd, background)
+        reads = _placeholders(rt, msd, osd, background)
     narrowed(rt, msd, osd)
     return msd, osd, (StreamingPlanner(reads) if reads else None)
 
 
-def placeholders(rt, msd: dict, osd: dict, background: bool, narrow: bool = True) -> dict:
+def _placeholders(rt, msd: dict, osd: dict, background: bool) -> dict:
     """Replace the masters and moments of each unit to read as written (unread ones; under
     ``background`` every unit off the device) in ``msd``/``osd`` by placeholders; return
-    how each is read. ``narrow``: bf16-held state in bf16 (a checkpoint's), else as shown."""
+    how each is read."""
     reads, reader = {}, UnitReader(rt)
     state = osd.get("state", {})
     unit_of = {s: u for u in rt.units for s in u.slots}
@@ -119,7 +119,7 @@ def placeholders(rt, msd: dict, osd: dict, background: bool, narrow: bool = True
                                                              for k in MOMENTS]):
             value = table.get(key)
             if isinstance(value, DTensor):
-                dtype = saved_dtype(value.dtype, exact[min(role, 1)]) if narrow else value.dtype
+                dtype = saved_dtype(value.dtype, exact[min(role, 1)])
                 table[key] = slot.as_dtensor(stand_in(slot.local_shape, dtype), rt.mesh,
                                              rt.placements)
                 reads[id(table[key])] = functools.partial(reader.value, unit, slot, role,
