@@ -11,6 +11,7 @@ from .api import (Transform, compose, mixed_precision, offload, shard_grads, sha
                   shard_params, tensorboard)
 from .observe.failures import RankFailure
 from .observe.log import flush_logs, log, set_log_step
+from .io.weights import full_weights
 from .pretrained import load_pretrained, save_pretrained
 from .runtime import NonFiniteGradient, is_transformed
 from .state.accounting import comm_stats, model_state_bytes
@@ -21,7 +22,7 @@ from .state.state_dict import get_state_dict, set_state_dict
 __all__ = [
     "Transform", "compose", "shard_optimizer", "shard_grads", "shard_params", "mixed_precision",
     "offload", "tensorboard", "log", "flush_logs", "set_log_step",
-    "get_state_dict", "set_state_dict", "clip_grad_norm_", "scale_loss", "model_state_bytes",
+    "get_state_dict", "set_state_dict", "full_weights", "clip_grad_norm_", "scale_loss", "model_state_bytes",
     "comm_stats",
     "estimate_model_state_bytes", "save_checkpoint", "load_checkpoint", "wait_for_checkpoint",
     "trust_class",

@@ -8,6 +8,9 @@ streams each unit's master rows through ``Runtime.gather_unit`` and writes them 
 through the slots ``Runtime.slots_by_name`` names, between ``prepare_state_dict`` and
 ``refresh_params``.
 
+``weights.py`` streams the full weights out in buckets (``zf.full_weights``), reading
+offloaded state a unit at a time as ``checkpoint/streamed.py`` does.
+
 ``fs.py`` puts finished files and directories in place (renames a crash cannot leave
 half done; ``consolidate.to_full`` still writes its one file in place);
 ``zerofn/runtime/agree.py`` is the cross-rank agreement every collective entry point

@@ -35,7 +35,7 @@ from .series import comm_series, environment, floats, rss
 from .writers import CsvSeries, rank_dir, writing_ranks
 
 TIME_SERIES = ("step", "forward", "backward", "optimizer", "logging", "reduce_wait",
-               "gather_wait")
+               "gather_wait", "checkpoint_wait")
 COUNTS = ("tokens", "samples")           # zf.log names that are summed, not averaged
 BUILT_IN = ("lr", "grad_norm", "loss_scale", "skipped_steps", "tokens_per_s")
 

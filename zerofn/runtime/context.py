@@ -17,6 +17,7 @@ from .copies import CopyStreams
 from .events import Observers
 from .mesh import Groups
 from .pool import BufferPool
+from .save_reads import SaveReads
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class RuntimeContext:
     # groups=: each pattern's own group's collectives, and the whole data-parallel size its
     # summed gradients are divided by ([Note: a module's own group] in core/units.py).
     own: dict = field(default_factory=dict)    # pattern -> (Comm, dp_world)
+    saves: SaveReads = field(default_factory=SaveReads)   # background saves reading state
 
     def comm_of(self, unit: Unit) -> Comm:
         """The collectives a unit is gathered and reduced over: its own group's where

@@ -55,8 +55,8 @@ def overlap_problems(plan, optimizer) -> list[str]:
 class EarlySteps:
     """The units the host stepped (or is stepping) during this step's backward."""
 
-    def __init__(self, homes, optimizer, copies):
-        self.homes, self.optimizer, self.copies = homes, optimizer, copies
+    def __init__(self, homes, optimizer, ctx):
+        self.homes, self.optimizer, self.ctx, self.copies = homes, optimizer, ctx, ctx.copies
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerofn-adam")
         self.started: dict = {}     # unit -> Future of its step
         self.stepped = 0            # units stepped during backward, over the run
@@ -78,6 +78,7 @@ class EarlySteps:
         if any(s not in got for s in unit.trainable):
             return      # (the ranks' union decides at the step)
         grads = {s: s.shard_of(self.homes.grads[unit]) for s in unit.trainable}
+        self.ctx.saves.wait(self.ctx.timing)     # a background save reads the state first
         if self._new_step:
             self.timeline, self._new_step = [], False
         self.started[unit] = self.worker.submit(self._step, unit, grads,

@@ -473,15 +473,32 @@ class Runtime:
         """Every rank's master rows of ``unit``, rank-major (shards.py). Collective."""
         return self.shards.gather_unit(unit)
 
-    def prepare_state_dict(self) -> None:
+    def prepare_state_dict(self, read: bool = True) -> None:
         """Bring every home's state into memory (until the next step), so the optimizer's
         tensors hold values. Every state dict access starts here (after the loop's
-        ``zero_grad``, optimizer.py's [Note: zero_grad without a patch])."""
+        ``zero_grad``, optimizer.py's [Note: zero_grad without a patch]). ``read=False``
+        (a save that reads a unit at a time: ``read_unit``) leaves state in a file or in
+        fewer bits where it is."""
         self.stepper.follow_zero_grad()
         self.shards.settle_copies()  # a load may write host rows a copy to the device reads
         if self.gatherer is not None:   # nor may a gather started before the load be used
             self.gatherer.discard_pending()
-        self.homes.materialize(self.optimizer)
+        if read:
+            self.homes.materialize(self.optimizer)
+
+    def unread(self, unit) -> bool:
+        """Whether ``unit``'s state is out of memory now (a file, fewer bits: its optimizer
+        tensors are stand-ins), for ``read_unit``."""
+        return self.homes.unread(unit)
+
+    def hold_state(self, done) -> None:
+        """Change no state (the next step, a step during backward, waits) until the
+        ``threading.Event`` ``done`` is set: a background save is reading it."""
+        self.ctx.saves.add(done)
+
+    def read_unit(self, unit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An unread ``unit``'s flat (master, exp_avg, exp_avg_sq), read into new memory."""
+        return self.homes.read_unit(unit)
 
     def refresh_params(self) -> None:
         """Make the compute parameters equal the masters again (after a load). Collective."""

@@ -55,6 +55,7 @@ class Stepper:
             self.placement = AutoPlacement(self.ctx, self.homes, optimizer)
 
     def before_step(self) -> None:
+        self.ctx.saves.wait(self.ctx.timing)    # a background save reads the state first
         skip = self.grads.settle()
         self.shards.settle_copies()   # the step rewrites host rows the last copies read
         self._stepped = not skip
@@ -158,4 +159,4 @@ def nonfinite_problems(plan: Plan) -> list[str]:
 def early_steps(ctx, homes, optimizer) -> EarlySteps | None:
     """``overlap_step``'s host steps during backward ([Note: the host step during
     backward], early_step.py), or None."""
-    return EarlySteps(homes, optimizer, ctx.copies) if ctx.plan.offload.overlap_step else None
+    return EarlySteps(homes, optimizer, ctx) if ctx.plan.offload.overlap_step else None

@@ -81,6 +81,18 @@ def get_model_state_dict(model: nn.Module, *, full: bool = False, device=None) -
     return module_state(rt, model, lambda s: _export(rt, s, s.opt_param.detach(), False))
 
 
+def unread_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """``get_state_dict``'s sharded dicts with the state a home keeps out of memory (a file,
+    fewer bits) left there: those tensors are stand-ins of one element, which a save
+    replaces and reads a unit at a time (io/checkpoint/streamed.py). A zerofn model only."""
+    rt = runtime_of(model)
+    _check_optimizer(rt, optimizer)
+    rt.prepare_state_dict(read=False)
+    rt.init_optimizer_state()
+    msd = module_state(rt, rt.model, lambda s: _export(rt, s, s.opt_param.detach(), False))
+    return msd, _optim_state(rt, optimizer, False)
+
+
 def _check_device(full: bool, device) -> None:
     if device is not None and not full:
         raise ValueError("device= places a full state dict's tensors; a sharded one is made "

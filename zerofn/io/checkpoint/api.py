@@ -11,6 +11,7 @@ import atexit
 import functools
 import logging
 import os
+import threading
 from concurrent.futures import Future
 
 import torch
@@ -24,9 +25,9 @@ from ...state.plain import group_of as plain_group, plain_model
 from ...state.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 from . import extras, layout, positions, verify
 from .checksums import ChecksumWriter
-from .narrow import narrowed
 from .reader import SafePlanner, SafeReader
 from .staging import HostCopy
+from .streamed import saved_state
 
 _log = logging.getLogger(__name__)
 
@@ -40,15 +41,20 @@ class AsyncCheckpointer:
         self.stager = HostCopy()
         self._twins: dict = {}
 
-    def start(self, state: dict, tmp: str, group, finish, final: str) -> None:
-        """Copy ``state`` to the host and write it to ``tmp`` in the background; then
-        ``finish()`` (publish), and ``wait()`` returns ``final``."""
+    def start(self, state: dict, tmp: str, group, finish, final: str, planner=None,
+              read=None, file_bytes: int | None = None) -> None:
+        """Copy ``state`` to the host, but for ``planner``'s placeholders (read as written),
+        and write it to ``tmp`` in the background in files of ``file_bytes``; then set
+        ``read`` (every item read), ``finish()`` (publish), and ``wait()`` returns
+        ``final``."""
+        self.stager.keep = set(planner.reads) if planner is not None else set()
         # The background save runs its collectives on a gloo twin of the group, so they
         # never interleave with training's collectives on the group itself.
-        response = dcp.async_save(state, storage_writer=ChecksumWriter(tmp),
+        writer = ChecksumWriter(tmp, file_bytes=file_bytes, written=read)
+        response = dcp.async_save(state, storage_writer=writer, planner=planner,
                                   process_group=self._twin(group), async_stager=self.stager)
         self.pending = _chain(getattr(response, "upload_completion", response), finish, final,
-                              tmp)
+                              tmp, read)
 
     def wait(self) -> str | None:
         """Wait for the save in flight; return its directory (None if none). Raises what
@@ -77,10 +83,12 @@ def background() -> AsyncCheckpointer:
     return _background
 
 
-def _chain(upload: Future, finish, final: str, tmp: str) -> Future:
+def _chain(upload: Future, finish, final: str, tmp: str, read=None) -> Future:
     done: Future = Future()
 
     def on_upload(f: Future) -> None:
+        if read is not None:
+            read.set()          # (a save that failed before it wrote holds the step no more)
         try:
             f.result()
             finish()
@@ -131,15 +139,21 @@ def _watched(phase: str):
 # -- save ------------------------------------------------------------------------------
 @_watched("checkpoint save")
 def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int,
-                    keep: int | None = None, async_save: bool = False, **extra) -> str:
+                    keep: int | None = None, async_save: bool = False,
+                    staging_bytes: int | None = None, **extra) -> str:
     """Save ``model``, ``optimizer`` and ``extra`` as ``path/step-<step>``; call on every rank.
 
     Args:
         path: the checkpoint root (created if missing).
         step: names the checkpoint and is returned by ``load_checkpoint``.
         keep: after this save, keep only the newest ``keep`` checkpoints (None: all).
-        async_save: return once the state is copied; write in the background. The next
-            save or load, ``wait_for_checkpoint()`` and process exit wait for it.
+        async_save: return at once and write in the background. State on the device is
+            copied to the host first; offloaded state (host, NVMe) is read as it is
+            written, and the first step that would change it waits until it has been
+            (``time/checkpoint_wait``), so the checkpoint holds the state at this call.
+            The next save or load, ``wait_for_checkpoint()`` and process exit wait for it.
+        staging_bytes: the copies a save holds at once, at most (default: two data files,
+            512 MiB): its data files are half of it each.
         **extra: ``Stateful`` objects (LR scheduler, ``StatefulDataLoader``) or plain
             values, the same on every rank; wrap per-rank ones in ``PerRank``
             (``RNGState()`` already is).
@@ -150,12 +164,11 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     wait_for_checkpoint()
     if keep is not None and keep < 1:
         raise ValueError(f"keep={keep}: keep at least the checkpoint being written (keep >= 1).")
+    file_bytes = _file_bytes(staging_bytes)
     group = _group(model)
     root, name = os.fspath(path), layout.step_name(step)
     tmp, final = layout.unfinished(root, name), os.path.join(root, name)
-    msd, osd = get_state_dict(model, optimizer)
-    if plain_model(model) is None:
-        narrowed(runtime_of(model), msd, osd)     # state offload keeps in bf16, in bf16
+    msd, osd, planner = _saved_state(model, optimizer, async_save)
     blobs = extras.blobs({"step": step, **extra}, dist.get_rank(group))
     blobs.update(positions.records(extra))     # where each data loader is in its epoch
     if dist.get_rank(group) == 0:
@@ -169,13 +182,37 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     finish = (lambda: layout.publish(root, name, keep)) if first else (lambda: None)
     if not async_save:
         try:
-            dcp.save(state, storage_writer=ChecksumWriter(tmp), process_group=group)
+            dcp.save(state, storage_writer=ChecksumWriter(tmp, file_bytes=file_bytes),
+                     planner=planner, process_group=group)
         except CheckpointException as e:
             raise save_error(e, tmp) from e
         finish()
         return final
-    background().start(state, tmp, group, finish, final)
+    read = threading.Event()
+    if planner is not None:       # (else every tensor was copied: nothing to hold)
+        runtime_of(model).hold_state(read)
+    background().start(state, tmp, group, finish, final, planner, read, file_bytes)
     return final
+
+
+def _file_bytes(staging_bytes: int | None) -> int | None:
+    """A data file's bytes at most: half of ``staging_bytes`` (None: the default's)."""
+    if staging_bytes is None:
+        return None
+    if not isinstance(staging_bytes, int) or staging_bytes < 2:
+        raise ValueError(f"staging_bytes={staging_bytes!r}: pass the bytes of copies a save "
+                         f"may hold, a positive int (at least 2: two files' worth), or "
+                         f"leave it out (512 MiB).")
+    return staging_bytes // 2
+
+
+def _saved_state(model, optimizer, async_save: bool):
+    """``(model, optim)`` state dicts to save, and the planner that writes them (None:
+    DCP's). A synchronous save reads offloaded state a unit at a time as it writes it
+    (streamed.py), a background save all of it off the device (the rest: staging.py)."""
+    if plain_model(model) is not None:
+        return (*get_state_dict(model, optimizer), None)
+    return saved_state(runtime_of(model), model, optimizer, background=async_save)
 
 
 def _group(model):

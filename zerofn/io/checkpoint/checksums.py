@@ -111,16 +111,22 @@ class _Summed:
 class ChecksumWriter(FileSystemWriter):
     """``FileSystemWriter`` that writes ``checksums.json``: the CRC-32 and size of every
     file of the checkpoint, and each rank's data in files of at most ``file_bytes`` (None:
-    ``FILE_BYTES``); see the module docstring. Takes FileSystemWriter's arguments; the
+    ``FILE_BYTES``), setting the ``threading.Event`` ``written`` (if any) once they are;
+    see the module docstring. Takes FileSystemWriter's arguments; the
     checkpoint has one global ``.metadata`` (``dcp.save``'s default)."""
 
-    def __init__(self, path, file_bytes: int | None = None, **kwargs):
+    def __init__(self, path, file_bytes: int | None = None, written=None, **kwargs):
         super().__init__(path, **kwargs)
         self.fs = _SummingFileSystem()
         self.file_bytes = FILE_BYTES if file_bytes is None else file_bytes
+        self.written = written     # a threading.Event set once this rank's data is written
 
     def write_data(self, plan, planner) -> Future:
-        results = self._write_files(plan, planner).wait()    # written when it returns
+        try:
+            results = self._write_files(plan, planner).wait()    # written when it returns
+        finally:
+            if self.written is not None:
+                self.written.set()
         done: Future = Future()
         done.set_result([dataclasses.replace(r, storage_data=_Summed(
             r.storage_data, *self.fs.sums[r.storage_data.relative_path])) for r in results])

@@ -32,7 +32,12 @@ def narrowed(rt, msd: dict, osd: dict) -> None:
                     _narrow(state.get(name, {}), key, moments)
 
 
+def saved_dtype(shown: torch.dtype, exact: torch.dtype) -> torch.dtype:
+    """What a checkpoint holds of state shown in ``shown`` and held exactly in ``exact``."""
+    return exact if shown == torch.float32 and exact == torch.bfloat16 else shown
+
+
 def _narrow(table: dict, key: str, dtype: torch.dtype) -> None:
     t = table.get(key)
-    if t is not None and t.dtype == torch.float32 and dtype == torch.bfloat16:
+    if t is not None and saved_dtype(t.dtype, dtype) != t.dtype:
         table[key] = t.to(dtype)

@@ -27,12 +27,13 @@ class HostCopy(AsyncStager):
 
     def __init__(self):
         self._staging: torch.Tensor | None = None
+        self.keep: set = set()     # ids of the placeholders a save reads as it writes them
 
     def stage(self, state_dict):
-        devices = [t for t in _leaves(state_dict) if t.device.type != "cpu"]
+        devices = [t for t in _leaves(state_dict, self.keep) if t.device.type != "cpu"]
         if not devices:
-            return _host_copy(state_dict, iter(()))
-        staged = _host_copy(state_dict, self._views(devices))
+            return _host_copy(state_dict, iter(()), self.keep)
+        staged = _host_copy(state_dict, self._views(devices), self.keep)
         torch.cuda.current_stream(devices[0].device).synchronize()   # once, for every copy
         return staged
 
@@ -50,31 +51,38 @@ class HostCopy(AsyncStager):
             yield self._staging[start:start + nbytes].view(t.dtype).view(t.shape)
 
 
-def _leaves(obj):
-    """The plain tensors in a state dict, DTensors' local pieces in their place."""
+def _leaves(obj, keep: set):
+    """The plain tensors in a state dict, DTensors' local pieces in their place, but for
+    the placeholders ``keep`` names."""
+    if id(obj) in keep:
+        return
     if isinstance(obj, DTensor):
         yield obj.to_local()
     elif isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
-            yield from _leaves(v)
+            yield from _leaves(v, keep)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _leaves(v)
+            yield from _leaves(v, keep)
 
 
-def _host_copy(obj, device_views):
-    """``obj`` with every tensor copied to the host: device tensors into the next of
-    ``device_views`` (non-blocking), host tensors into new memory."""
+def _host_copy(obj, device_views, keep: set):
+    """``obj`` with every tensor copied to the host (device tensors into the next of
+    ``device_views``, non-blocking; host tensors into new memory), the placeholders
+    ``keep`` names as they are."""
+    if id(obj) in keep:
+        return obj
     if isinstance(obj, DTensor):
-        return DTensor(_host_copy(obj.to_local(), device_views), obj._spec, requires_grad=False)
+        return DTensor(_host_copy(obj.to_local(), device_views, keep), obj._spec,
+                       requires_grad=False)
     if isinstance(obj, torch.Tensor):
         if obj.device.type == "cpu":
             return torch.empty_like(obj, device="cpu").copy_(obj)
         return next(device_views).copy_(obj, non_blocking=True)
     if isinstance(obj, dict):
-        return {k: _host_copy(v, device_views) for k, v in obj.items()}
+        return {k: _host_copy(v, device_views, keep) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_host_copy(v, device_views) for v in obj)
+        return type(obj)(_host_copy(v, device_views, keep) for v in obj)
     return obj

@@ -201,6 +201,18 @@ class Home(abc.ABC):
         """Make every state tensor readable in memory until the next step (state dicts);
         ``optimizer`` None (none bound yet): the masters alone."""
 
+    def unread(self, unit: Unit) -> bool:
+        """Whether ``unit``'s state is out of memory between steps (a file, fewer bits) and
+        not materialized now: the optimizer's tensors for it are stand-ins, and
+        ``read_unit`` reads it."""
+        return False
+
+    def read_unit(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``unit``'s flat (master, exp_avg, exp_avg_sq) as ``materialize`` would show them,
+        in new memory, the other units left where they are: a save reads one unit at a time
+        (io/checkpoint/streamed.py). Only where ``unread(unit)``."""
+        raise NotImplementedError(f"{type(self).__name__} holds its state in memory")
+
     def forget_state(self) -> None:
         """Another optimizer takes the units over: the optimizer state it will see starts
         afresh (the masters stay). Where the user's optimizer keeps its own, it goes with

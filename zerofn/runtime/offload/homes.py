@@ -66,6 +66,12 @@ class Homes(Home):
     def exact_dtypes(self, unit) -> tuple[torch.dtype, torch.dtype]:
         return self._of(unit).exact_dtypes(unit)
 
+    def unread(self, unit) -> bool:
+        return self._of(unit).unread(unit)
+
+    def read_unit(self, unit):
+        return self._of(unit).read_unit(unit)
+
     def steps_early(self, unit) -> bool:
         return self._of(unit).steps_early(unit)
 

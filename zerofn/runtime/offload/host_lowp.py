@@ -132,6 +132,15 @@ class LowpHostHome(HostHome):
             self.form.decode(u, self.state[u], self.resident[u], self._faced_masters)
         self._point(self.resident)
 
+    def unread(self, unit) -> bool:
+        return not self.resident
+
+    def read_unit(self, unit):
+        """The unit's state decoded into fp32 (the masters as they are, where fp32)."""
+        flat = torch.zeros(3, unit.shard_numel)
+        self.form.decode(unit, self.state[unit], flat, self._faced_masters)
+        return (flat[0] if self._faced_masters else self.master[unit]), flat[1], flat[2]
+
     def evict(self) -> None:
         """Encode the decoded state back (it may have been loaded into) and let it go."""
         if not self.resident:

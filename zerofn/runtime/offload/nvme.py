@@ -257,6 +257,15 @@ class NvmeHome(Home):
         self._point(optimizer, self.resident)
         self._optimizer = optimizer
 
+    def unread(self, unit) -> bool:
+        return not self.resident
+
+    def read_unit(self, unit):
+        """The unit's state read from the file into a buffer of its own (decoded where
+        stored in fewer bits); the staging ring, the step's, is not touched."""
+        buf = host_buffer(self.file.block[unit] // FLOAT, torch.float32, pin=False)
+        return tuple(self._decoded(unit, self.file.read_state(unit, buf)))
+
     def evict(self) -> None:
         """Write materialized state back (it may have been loaded into) and let it go."""
         if not self.resident:
