@@ -4,11 +4,12 @@
 namespace py = pybind11;
 
 namespace zerofn {
-void register_adam(py::module_& m);  // adam_bindings.cpp
+void register_adam(py::module_& m);         // adam_bindings.cpp
+void register_fingerprint(py::module_& m);  // fingerprint.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "zerofn native kernels (CPU Adam, fused gradient passes)";
+  m.doc() = "zerofn native kernels (CPU Adam, fused gradient passes, gradient fingerprints)";
   m.def("build_info", []() {
     py::dict info;
 #if defined(_OPENMP)
@@ -26,4 +27,5 @@ PYBIND11_MODULE(_C, m) {
     return info;
   }, "How this build of zerofn._C was compiled.");
   zerofn::register_adam(m);
+  zerofn::register_fingerprint(m);
 }

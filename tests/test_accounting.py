@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 import zerofn as zf
 from support.accounting import padding_bound
+from zerofn.runtime import runtime_of
 from support.loops import step_once, zero
 from support.models import make_models, make_optimizer
 from support.ranks import run_ranks
@@ -44,6 +45,46 @@ def test_model_state_bytes_match_formulas(world):
             for role, w, extra in zip(("params", "grads", "optimizer"), want,
                                       (slack[stage == 3], slack[1], 8 * pad / world + 4 * n)):
                 assert abs(got[role] - w) <= extra + 64, (stage, world, rank, role, got[role], w)
+
+
+def ledgers_at(rank, world):
+    """For each stage, without and with offload("cpu"), after a step (its gradients kept)
+    and after zero_grad: zf.model_state_bytes' device grads and buffers, and what the pool
+    and the reducer hold, counted from their own tensors."""
+    out = {}
+    for stage in (1, 2, 3):
+        for offload in (False, True):
+            _, model = make_models(frozen=False)
+            opt = make_optimizer("adamw", model.parameters())
+            extra = [zf.offload("cpu")] if offload else []
+            model, opt = zf.compose(zero(stage), *extra)(model, opt)
+            step_once(model, opt, rank, world)
+            seen = [_ledger(model)]
+            opt.zero_grad()
+            seen.append(_ledger(model))
+            out[(stage, offload)] = seen
+    return out
+
+
+def _ledger(model):
+    got = zf.model_state_bytes(model)["cpu"]     # (first: it follows the loop's zero_grad)
+    rt = runtime_of(model)
+    pool, shards = rt.ctx.pool, [t for t in rt.reducer.grad_shard.values() if t is not None]
+    lent = sum(t.nbytes for t in shards if pool.owns(t))
+    kept = sum(t.untyped_storage().nbytes() for t in
+               {t.untyped_storage().data_ptr(): t for t in shards if not pool.owns(t)}.values())
+    return got["grads"], got["buffers"], lent + kept, pool.nbytes() - lent
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_model_state_bytes_agree_with_the_pools_ledger(world):
+    """Gradient shards lent by the pool count once, as grads (their own bytes, not their
+    buffer's), and the pool's other bytes as buffers: byte for byte, at every stage, with
+    and without offload, while a step's gradients are held and after zero_grad."""
+    for rank, ledgers in enumerate(run_ranks(world, ledgers_at)):
+        for config, seen in ledgers.items():
+            for when, (grads, buffers, shard_bytes, pool_rest) in zip(("held", "cleared"), seen):
+                assert (grads, buffers) == (shard_bytes, pool_rest), (world, rank, config, when)
 
 
 def traffic_at(rank, world):

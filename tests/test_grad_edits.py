@@ -48,7 +48,49 @@ def replace(model):
     p.grad = p.grad * 3
 
 
-EDITS = {f.__name__: f for f in (clip_norm, clip_value, scale, zero_one, replace)}
+def _matrices(model):
+    """This rank's rows of each 2-D gradient: whole rows under Shard(0), so an edit made
+    row by row is the same edit as plain PyTorch's on the whole gradient."""
+    for p in model.parameters():
+        if p.grad is not None and p.grad.dim() == 2:
+            yield p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+
+
+def flip_balanced(model):
+    """In each row, the pair of neighbouring values of opposite signs whose smaller is
+    largest swaps its signs: a sum of the rows' bits does not change. (The edit is chosen
+    far from any value rounding could tip, or Adam would make a tipped choice of plain
+    PyTorch's against zerofn's a step of lr.)"""
+    for g in _matrices(model):
+        a, b = g[:, 0::2], g[:, 1::2]       # (the parity model's widths are even)
+        score = torch.where(a * b < 0, torch.minimum(a.abs(), b.abs()), 0)
+        best, col = score.max(1)
+        rows = (best > 1e-6).nonzero().squeeze(1)
+        a[rows, col[rows]] *= -1
+        b[rows, col[rows]] *= -1
+
+
+def permute_columns(model):
+    for g in _matrices(model):
+        g.copy_(g[:, torch.randperm(g.shape[1], generator=torch.Generator().manual_seed(0))])
+
+
+def swap_two_columns(model):
+    for g in _matrices(model):
+        g.copy_(g[:, [1, 0, *range(2, g.shape[1])]])
+
+
+def add_then_subtract(model):
+    """0.1 is not representable: the values come back rounded, not as they were."""
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g.add_(0.1).sub_(0.1)
+
+
+EDITS = {f.__name__: f for f in (clip_norm, clip_value, scale, zero_one, replace,
+                                   flip_balanced, permute_columns, swap_two_columns,
+                                   add_then_subtract)}
 
 # (stage, offload options or None): no offload, the host (its ring), the device's share
 # (ratio), NVMe and parameter offload (gradients copied to the host during backward).
@@ -207,18 +249,34 @@ def test_torchs_clip_returns_zerofns_norm_and_clips_the_same(stage):
         assert norm_err < 1e-6 and weight_err < TOL, (norm_err, weight_err)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_the_fingerprint_is_the_exact_bit_sum_and_sums_in_small_pieces(dtype, monkeypatch):
-    """The edit detector's fingerprint is the integer sum of the rows' bits over any number
-    of chunks, and asks for no temporary of more than a chunk (torch's own widening sum
-    asked for 8 bytes an element, which fragmented a CPU's heap step after step)."""
+SHAPES = {"sign flip, balanced": lambda r: r.copy_(torch.where(
+              torch.arange(r.numel()) < 2, -r, r)),          # one positive, one negative
+          "permutation": lambda r: r.copy_(r.flip(0)),
+          "swap of two": lambda r: r.copy_(r[[1, 0, *range(2, r.numel())]]),
+          "add then subtract": lambda r: r.add_(0.1).sub_(0.1)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_the_fingerprint_sees_every_edit_shape_and_cpp_and_torch_agree(dtype, monkeypatch):
+    """The edit detector's fingerprint changes under every edit shape a loop makes, where a
+    sum of the bits did not (a permutation, a balanced sign flip); the C++ (a CPU's rows)
+    and torch's (a GPU's) give the same number over any number of chunks, and torch's asks
+    for no temporary of more than a chunk (one of 8 bytes an element fragmented a CPU's
+    heap step after step)."""
     from zerofn.runtime import visible
     rows = torch.randn(3 * visible.FINGERPRINT_CHUNK + 7).to(dtype)
+    rows[:2] = torch.tensor([1.5, -2.5])
+    before = visible.fingerprint(rows)
+    assert before == visible._fingerprint_torch(rows)
+    assert visible.fingerprint(rows[:0]) == visible._fingerprint_torch(rows[:0]) == 0
     bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[rows.element_size()]
-    assert visible.fingerprint(rows) == rows.view(bits).long().sum()
-    assert visible.fingerprint(rows[:0]) == 0
-    halved = rows * 0.5                       # a power-of-two scale changes the sum
-    assert visible.fingerprint(halved) != visible.fingerprint(rows)
+    for shape, edit in SHAPES.items():
+        edited = edit(rows.clone())
+        assert not torch.equal(edited.view(bits), rows.view(bits)), shape
+        assert visible.fingerprint(edited) != before, shape
+        assert visible.fingerprint(edited) == visible._fingerprint_torch(edited), shape
+    bit_sum = lambda r: r.view(bits).long().sum()
+    assert bit_sum(SHAPES["permutation"](rows.clone())) == bit_sum(rows)   # what it missed
     widest = []
     real_sum = torch.Tensor.sum
 
@@ -226,5 +284,5 @@ def test_the_fingerprint_is_the_exact_bit_sum_and_sums_in_small_pieces(dtype, mo
         widest.append(t.numel())
         return real_sum(t, *a, **k)
     monkeypatch.setattr(torch.Tensor, "sum", watched)
-    visible.fingerprint(rows)
-    assert max(widest[:-1]) <= visible.FINGERPRINT_CHUNK     # the last sums the partials
+    visible._fingerprint_torch(rows)
+    assert max(widest) <= visible.FINGERPRINT_CHUNK

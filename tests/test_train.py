@@ -303,6 +303,47 @@ def test_unrunnable_settings_are_refused_on_every_rank():
             assert message is not None and expected in message, (expected, message)
 
 
+def test_the_launcher_refuses_each_unrunnable_setting_before_any_rank_starts(monkeypatch,
+                                                                             capsys):
+    """``zerofn train`` checks as the ranks would (for the two ranks it would start) and
+    exits 2 with one line: torchrun is never started."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    launched = []
+    monkeypatch.setattr("zerofn.train.entry.launch", lambda *a: launched.append(a))
+    for expected, argv in REFUSED.items():
+        with pytest.raises(SystemExit) as done:
+            train.main(argv + ["--nproc", "2"])
+        out, err = capsys.readouterr()
+        assert done.value.code == 2 and not out, (argv, out)
+        assert err.count("\n") == 1 and err.startswith("zerofn train: error: "), err
+        assert expected in err and "(zerofn train --help lists the flags)" in err, err
+    assert not launched
+
+
+# The bad flag and combinations the closing note of issue 46 shows, as a user runs them.
+BAD_LINES = {
+    "--stage 9": "argument --stage: invalid choice: 9 (choose from 1, 2, 3)",
+    "--stage 2 --offload cpu --offload-params": "--offload-params needs --stage 3 and "
+    "--offload cpu or nvme (here stage 2, offload cpu): only ZeRO-3 shards the parameters.",
+    "--offload nvme": "--offload nvme needs --nvme-path DIR (a directory on the drive) or the "
+    "config's zero_optimization.offload_optimizer.nvme_path.",
+    "--batch 6 --grad-accum 4": "the global batch (6 sequences) must split evenly into 4 "
+    "micro-batches on each of 2 ranks; change --batch or --grad-accum.",
+}
+
+
+@pytest.mark.parametrize("flags", list(BAD_LINES))
+def test_zerofn_train_says_one_line_and_exits_2_for_a_bad_flag(flags):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "2",
+                           *flags.split()], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2, "", f"zerofn train: error: {BAD_LINES[flags]} (zerofn train --help lists the "
+        f"flags)\n")
+
+
 @pytest.mark.deepspeed
 @pytest.mark.multirank
 def test_config_values_yield_to_explicit_flags(tmp_path):

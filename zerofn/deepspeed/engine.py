@@ -8,7 +8,9 @@ boundaries with clipping and the scheduler, and checkpoints on zerofn's DCP form
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
+import gc
 import os
 import socket
 
@@ -68,8 +70,20 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank,
                             world_size=world_size)
+    atexit.register(_end_group, dist.group.WORLD)
     if _on_cuda():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _end_group(made) -> None:
+    """At exit, the process group ``init_distributed`` made, if it is still the one: a
+    DeepSpeed script leaves it to the interpreter's exit, where a gloo thread releasing a
+    tensor during finalization aborted the process after the work was done ("terminate
+    called without an active exception"; docs/multinode.md). Only a group zerofn made is
+    ended here: one the script made is the script's."""
+    if dist.is_initialized() and dist.group.WORLD is made:
+        gc.collect()      # the runtime and the model refer to each other
+        dist.destroy_process_group()
 
 
 def _on_cuda() -> bool:

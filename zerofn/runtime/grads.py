@@ -72,6 +72,10 @@ class GradReducer:
         # Slots that got a gradient on this rank since zero_grad (step.py's [Note:
         # parameters without a gradient]).
         self.got: set[ParamSlot] = set()
+        # [Note: a gradient no rank gave]: whether this rank's ``got`` is every rank's
+        # (one rank, no replicas, no tensor parallelism), and whether backward asks them.
+        self.alone = self.comm.world == 1 and self.replicas is None and ctx.groups.model is None
+        self.asks_union = False
         self.unreduced = False                  # gradients on the params no reduction took
         self._kept: dict[Unit, torch.Tensor] = {}   # ZeRO-2/3 without offload: their memory
         self._fresh = {u: True for u in ctx.units}  # next reduction overwrites, not adds
@@ -270,7 +274,28 @@ class GradReducer:
             self.unreduced = False
             if self.stage == 1:
                 self._free_whole_grads()
-            self.visible.show(self.grad_shard)   # [Note: gradients as a loop sees them]
+            self.visible.show(self.grad_shard, self.union())   # visible.py's [Note:
+            # gradients as a loop sees them]
+
+    def union(self) -> set[ParamSlot] | None:
+        """[Note: a gradient no rank gave] The trainable slots some rank's backwards since
+        ``zero_grad`` gave a gradient, where known at the end of backward; else None (the
+        step's vote learns it). On one rank, this rank's. On more, once a step's vote found a
+        parameter no rank used (every rank learnt it from the same vote, so all ask
+        together), from the next backward on: one small all-reduce of the same ballot the
+        vote takes, at each reducing backward's end. Before that, and under HSDP or tensor
+        parallelism, None."""
+        if self.alone:
+            return self.got
+        if not self.asks_union or self.replicas is not None or self.ctx.groups.model is not None:
+            return None
+        trainable = [s for u in self.ctx.units for s in u.trainable]
+        device = self.ctx.device
+        ballot = torch.tensor([s in self.got for s in trainable], dtype=torch.float32,
+                              device=device)
+        with self.timing.collective("all_reduce"):
+            self.comm.all_reduce(ballot)
+        return {s for s, n in zip(trainable, ballot.tolist()) if n > 0}
 
     # -- at the optimizer step -----------------------------------------------------------
     def sync(self) -> None:

@@ -9,11 +9,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
-def _extents(tensors, arenas=()) -> list[tuple[str, int, int]]:
+def _extents(tensors, arenas=(), pool=None) -> list[tuple[str, int, int]]:
     """``(where, start, end)`` byte ranges the tensors hold; ``where`` is the device type,
     or "host" for zerofn's offload arenas (host memory even where the device is the CPU).
-    A view of a flat buffer zerofn hands out (an arena, the device's masters) spans its own
-    bytes, not the whole buffer's; any other tensor its whole storage."""
+    A view of a flat buffer zerofn hands out (an arena, the device's masters, a buffer of
+    the ``pool``: a lent gradient shard) spans its own bytes, not the whole buffer's; any
+    other tensor its whole storage."""
     out = []
     for t in tensors:
         if t is None or not torch.is_tensor(t):
@@ -23,6 +24,8 @@ def _extents(tensors, arenas=()) -> list[tuple[str, int, int]]:
         arena = next((a for a in arenas if a.holds(t)), None)
         if arena is not None:
             out.append((getattr(arena, "where", "host"), t.data_ptr(), t.data_ptr() + _span(t)))
+        elif pool is not None and pool.owns(t):
+            out.append((t.device.type, t.data_ptr(), t.data_ptr() + _span(t)))
         else:
             st = t.untyped_storage()
             out.append((t.device.type, st.data_ptr(), st.data_ptr() + st.nbytes()))
@@ -75,9 +78,11 @@ def model_state_bytes(ctx, optimizer, homes, shards, reducer) -> dict[str, dict[
     state = optimizer.state.values() if optimizer is not None else ()
     opt = [s.opt_param for s in slots] + [t for st in state for t in st.values()] \
         + homes.state_buffers()
-    out = _by_role({role: _extents(ts, arenas) for role, ts in
-                    (("params", params), ("grads", grads), ("optimizer", opt))})
-    out[ctx.device.type]["buffers"] += ctx.pool.nbytes()
+    # The pool's buffers last: bytes of them a role above holds (a lent gradient shard)
+    # are that role's, counted once.
+    out = _by_role({role: _extents(ts, arenas, ctx.pool) for role, ts in
+                    (("params", params), ("grads", grads), ("optimizer", opt),
+                     ("buffers", ctx.pool.buffers()))})
     for where, roles in homes.unseen_bytes().items():
         for role, n in roles.items():
             out[where][role] += n

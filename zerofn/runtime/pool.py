@@ -72,6 +72,14 @@ class BufferPool:
             self._ready[buf.data_ptr()] = ready
         self._free[(buf.dtype, buf.device)].append(buf)
 
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies in one of the pool's buffers (taken or free)."""
+        return t.untyped_storage().data_ptr() in self._owned
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer the pool holds, taken or free (accounting counts what they hold)."""
+        return list(self._owned.values())
+
     def nbytes(self) -> int:
         """Bytes the pool holds, taken or free."""
         return sum(b.numel() * b.element_size() for b in self._owned.values())

@@ -354,6 +354,7 @@ class StepGrads:
         for s, got in zip(self._trainable, votes):
             if not got:
                 self.grads[s] = None
+                self.reducer.asks_union = True    # grads.py's [Note: a gradient no rank gave]
 
     def deferred_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Deferred scaling: the sum of squares of the step's gradients (still scaled) and

@@ -15,8 +15,8 @@ Where those rows are not all the step reads, the step learns of the edit (``fold
   ranks' union decides, step.py's [Note: parameters without a gradient]);
 - where backward already copied a unit's rows elsewhere (a landing buffer on the host,
   NVMe's staging, the device's share under ``ratio``: such units are ``watch``ed), an edit
-  is seen by a fingerprint of the rows, the integer sum of their bits taken at ``show``
-  and again at the step (version counters cannot tell: torch's foreach kernels, which
+  is seen by a fingerprint of the rows, a hash of each element's bits and position taken
+  at ``show`` and again at the step (version counters cannot tell: torch's foreach kernels, which
   torch's clipping uses, bump none on a DTensor or its local tensor). An edited unit's
   rows are copied again; where the host already stepped the unit during backward
   (``overlap_step``), the edit cannot be honoured and ``step()`` raises on every rank
@@ -27,10 +27,13 @@ Where those rows are not all the step reads, the step learns of the edit (``fold
   its parameter's: ``p.grad`` shows the rows rounded to the compute dtype, and an edited
   copy replaces the rows (else the step keeps the exact ones).
 
-A parameter this rank gave no gradient still shows its reduced rows (another rank's
-gradient, or zeros where no rank gave one): which parameters any rank used is known only at
-the step's vote, and a global clip must see every rank's rows. The step then leaves a
-parameter no rank used alone, as torch.optim leaves one whose ``.grad`` is None.
+A parameter no rank gave a gradient shows None, as in torch and FSDP2, where that is known
+when backward ends (grads.py's [Note: a gradient no rank gave]): on one rank always; on
+more, from the backward after a step whose vote found such a parameter. Until then (the
+first such step, and always under HSDP or tensor parallelism) it shows its reduced rows,
+zeros, and the step leaves it alone, as torch.optim leaves one whose ``.grad`` is None. A
+parameter only this rank left unused shows the other ranks' gradient: a global clip must
+see every rank's rows.
 
 Under fp16 loss scaling the rows are still scaled, as plain PyTorch's gradients are before
 ``GradScaler.unscale_``: clip with ``zf.clip_grad_norm_``, which unscales.
@@ -59,8 +62,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..core.units import ParamSlot, Unit, local_of
+from ..optim import kernels
 
-FINGERPRINT_CHUNK = 1 << 16     # elements a fingerprint sums at once on a CPU (x64 on a GPU)
+FINGERPRINT_CHUNK = 1 << 16     # elements torch's fingerprint hashes at once on a CPU (x64 on a GPU)
 
 
 class VisibleGrads:
@@ -100,9 +104,11 @@ class VisibleGrads:
         """Backward copied ``unit``'s reduced rows elsewhere: the step must learn of edits."""
         self._watched.add(unit)
 
-    def show(self, shards: dict) -> None:
+    def show(self, shards: dict, union: set[ParamSlot] | None = None) -> None:
         """After a reducing backward: each unit's reduced rows (``shards``: unit to flat
-        shard, or None) on its parameters' ``.grad``."""
+        shard, or None) on its parameters' ``.grad``; None on those outside ``union`` (the
+        slots some rank gave a gradient, where known: grads.py's [Note: a gradient no rank
+        gave])."""
         self.withdraw()
         self._shards = shards
         for unit in self.units:
@@ -117,6 +123,8 @@ class VisibleGrads:
             if unit in self._watched or unit in self._copies:
                 self._prints[unit] = fingerprint(rows)
             for s in unit.trainable:
+                if union is not None and s not in union:
+                    continue
                 grad = s.as_dtensor(s.shard_of(rows), self.mesh, self.placements)
                 self.param_of(s).grad = grad
                 self.shown[s] = grad
@@ -131,6 +139,8 @@ class VisibleGrads:
         for unit, rows in self._rows.items():
             replaced = False
             for s in unit.trainable:
+                if s not in self.shown:      # no rank gave it a gradient: left None
+                    continue
                 now, shown = self.param_of(s).grad, self.shown[s]
                 if now is None:
                     dropped.add(s)
@@ -223,15 +233,55 @@ class VisibleGrads:
 
 
 def fingerprint(rows: torch.Tensor) -> torch.Tensor:
-    """The integer sum of the rows' bits (a 0-d int64 on their device): exact, any order,
-    and changed by any edit short of one that cancels itself bit for bit."""
-    bits = rows.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[rows.element_size()])
-    # torch widens the whole input to int64 before summing it: 8 bytes an element at once
-    # (on a CPU a heap block that fragments the heap step after step). In chunks the
-    # temporary stays small and is reused; on a CPU it is also 3-5x faster.
+    """A hash of the rows (a 0-d int64 on their device): the sum mod 2^64 of a mix of each
+    element's bits with its position (cpp/fingerprint.cpp), so any edit changes it (a sign
+    flip, a permutation, a swap, values rounded back), bar a chance of about 2^-64. A sum
+    of the bits alone missed whatever kept the sum: a permutation, a balanced sign flip."""
+    # A build of zerofn._C older than cpp/fingerprint.cpp: torch's ops give the same number.
+    native = getattr(kernels._C, "fingerprint", None)
+    if native is not None and rows.device.type == "cpu" and rows.is_contiguous():
+        h = native(rows.data_ptr(), rows.numel(), rows.element_size())
+        return torch.tensor(h - (1 << 64) if h >= 1 << 63 else h, dtype=torch.int64)
+    return _fingerprint_torch(rows)
+
+
+def _signed(u: int) -> int:
+    """A 64-bit constant as torch's int64 holds it."""
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+GOLDEN, MIX1, MIX2 = (_signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9),
+                      _signed(0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x >> k on the 64 bits unsigned (torch shifts int64 arithmetically)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _fingerprint_torch(rows: torch.Tensor) -> torch.Tensor:
+    """``fingerprint`` in torch's ops, for rows the C++ cannot read (a GPU's): the same
+    number, with int64 arithmetic wrapping as uint64's does. In chunks, so the int64
+    temporaries stay small and are reused (one of 8 bytes an element fragmented a CPU's
+    heap step after step)."""
+    bits = rows.reshape(-1).view({8: torch.int64, 4: torch.int32,
+                                  2: torch.int16}[rows.element_size()])
+    width = 8 * rows.element_size()
     chunk = FINGERPRINT_CHUNK if bits.device.type == "cpu" else FINGERPRINT_CHUNK << 6
-    return torch.stack([c.sum(dtype=torch.int64) for c in bits.reshape(-1).split(chunk)]
-                       ).sum()
+    total = torch.zeros((), dtype=torch.int64, device=rows.device)
+    for start in range(0, bits.numel(), chunk):
+        x = bits[start:start + chunk].long()
+        if width < 64:
+            x &= (1 << width) - 1                   # the bits unsigned, zero-extended
+        pos = torch.arange(start + 1, start + 1 + x.numel(), device=x.device)
+        x += pos.mul_(GOLDEN)
+        x ^= _shift_right(x, 30)
+        x *= MIX1
+        x ^= _shift_right(x, 27)
+        x *= MIX2
+        x ^= _shift_right(x, 31)
+        total += x.sum()
+    return total
 
 
 def _rows_of(slot: ParamSlot, grad: torch.Tensor) -> torch.Tensor:

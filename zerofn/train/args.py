@@ -13,8 +13,17 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float
 SHAPE_FLAGS = ("width", "heads", "ffn", "layers", "context")
 
 
+class _OneLine(argparse.ArgumentParser):
+    """A refusal on one line with where to look (argparse prints the whole usage first,
+    which for this many flags buries it)."""
+
+    def error(self, message: str):
+        from .launch import refuse
+        refuse(message)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = _OneLine(
         prog="zerofn train",
         description="The main job: train a GPT on the built-in corpus with zerofn on every rank.",
         epilog="Precedence: an explicit flag wins over --config, which wins over the "

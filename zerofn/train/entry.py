@@ -15,14 +15,17 @@ from zerofn.observe.failures import RankFailure, default_store, translate
 
 from .args import parse_args
 from .errors import hear_from_rank_0, say_once, tell_the_others
-from .launch import launch, setup, under_launcher
+from .launch import check_before_launch, launch, setup, under_launcher
 from .loop import train
 
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     # (parsed outside @record, which swallows SystemExit(0): --help must still exit)
-    run(parse_args(argv), argv)
+    args = parse_args(argv)
+    if not under_launcher():
+        check_before_launch(args)
+    run(args, argv)
 
 
 @record   # a rank's uncaught error reaches torchrun's failure summary

@@ -49,9 +49,13 @@ class Job:
         return self.batch // (dist.get_world_size() * self.grad_accum)
 
 
-def resolve(args, device: torch.device) -> Job:
+def resolve(args, device: torch.device, world: int | None = None) -> Job:
     """The job the flags and the config ask for on ``device``; raises ValueError (the same
-    on every rank) for settings that cannot run."""
+    on every rank) for settings that cannot run. ``world``: the ranks the launcher is about
+    to start, where it checks the flags before any rank exists (no plan is made then: the
+    planner probes the device from the ranks)."""
+    launcher = world is not None
+    world = world or dist.get_world_size()
     settings = _read_config(args.config) if args.config else None
     opts = dict(settings.transforms) if settings else {}
     mp = opts.get("mixed_precision", {})
@@ -94,8 +98,9 @@ def resolve(args, device: torch.device) -> Job:
         given = refusals(args)
         if given:
             raise ValueError(f"--plan auto chooses {', '.join(given)} itself: leave them out.")
-        job = planned(job, args, device)
-    _check(job, args, device)
+        if not launcher:
+            job = planned(job, args, device)
+    _check(job, args, device, world)
     return job
 
 
@@ -107,13 +112,12 @@ def _first(*values):
 def _read_config(path: str):
     """The DeepSpeed config; its warnings are shown once, by rank 0."""
     with warnings.catch_warnings():
-        if dist.get_rank() != 0:
+        if not dist.is_initialized() or dist.get_rank() != 0:   # (the launcher's check)
             warnings.simplefilter("ignore")
         return zf.from_deepspeed_config(path)
 
 
-def _check(job: Job, args, device: torch.device) -> None:
-    world = dist.get_world_size()
+def _check(job: Job, args, device: torch.device, world: int) -> None:
     if min(job.batch, job.grad_accum) < 1 or job.batch % (world * job.grad_accum):
         raise ValueError(f"the global batch ({job.batch} sequences) must split evenly into "
                          f"{job.grad_accum} micro-batches on each of {world} ranks; change "

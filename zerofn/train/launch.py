@@ -18,10 +18,33 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def ranks_to_start(nproc: int | None) -> int:
+    return nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+
+
+def check_before_launch(args) -> None:
+    """The flags and their combination checked as each rank will check them (job.py's
+    ``resolve``), before any rank starts: one line and exit status 2, as argparse's own
+    refusals, rather than every rank's error inside torchrun's report."""
+    from .job import resolve
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        resolve(args, device, world=ranks_to_start(args.nproc))
+    except (ValueError, OSError) as e:
+        refuse(str(e))
+
+
+def refuse(message: str) -> None:
+    """argparse's form of a refusal, on one line, with where to look."""
+    print(f"zerofn train: error: {' '.join(message.split())} (zerofn train --help lists "
+          f"the flags)", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def launch(argv: list[str], nproc: int | None) -> None:
     """Replace this process by ``torch.distributed.run`` starting the job on ``nproc``
     ranks (its own free port, so several jobs can share a machine)."""
-    n = nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    n = ranks_to_start(nproc)
     if n < 1:
         raise SystemExit(f"--nproc {n}: start at least one rank.")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",

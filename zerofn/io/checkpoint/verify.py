@@ -92,7 +92,7 @@ def resolve_on_rank0(path: str, group) -> str | None:
             found = e
     found = from_first(found, group)
     if isinstance(found, BaseException):
-        raise ValueError(str(found))
+        raise ValueError(f"load_checkpoint: rank 0 cannot read {path}: {found}")
     return found
 
 
