@@ -162,6 +162,9 @@ def _refusal(rank, world, case):
     if case == "save_pretrained":
         model = zf.shard_params(group=group, groups=groups)(model)
         return error_of(zf.save_pretrained, model, "unwritten")
+    if case == "full_weights":
+        model = zf.shard_params(group=group, groups=groups)(model)
+        return error_of(lambda: next(zf.full_weights(model)))
     return error_of(zf.shard_params(group=group, groups=groups), model)
 
 
@@ -172,6 +175,7 @@ REFUSALS = {"no module": "matches no module",
             "hybrid": "with hybrid sharding",
             "DTensor experts": "is a DTensor (tensor parallelism, or experts split",
             "save_pretrained": "save with zf.save_checkpoint",
+            "full_weights": "save with zf.save_checkpoint (every expert once)",
             "meta": "would start equal to another's"}
 
 

@@ -65,6 +65,12 @@ def full_weights(model: nn.Module, *, bucket_bytes: int = BUCKET_BYTES,
     if plain_model(model) is not None:
         return _plain(plain_model(model), dtype, to)
     rt = runtime_of(model)
+    if rt.plan.sharding.groups:     # (refused alike on every rank, before any collective)
+        raise ValueError(
+            "full_weights gathers each tensor over one data-parallel group, and under "
+            "groups= each expert-parallel rank holds other experts under other names: "
+            "gather the dense weights and each rank's own experts yourself, or save with "
+            "zf.save_checkpoint (every expert once) and read that.")
     world = dist.get_world_size()
     if to != "all" and not (isinstance(to, int) and 0 <= to < world):
         raise ValueError(f"full_weights(to={to!r}): pass \"all\" or a global rank, 0 to "

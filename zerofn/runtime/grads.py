@@ -74,7 +74,7 @@ class GradReducer:
         self.got: set[ParamSlot] = set()
         # [Note: a gradient no rank gave]: whether this rank's ``got`` is every rank's
         # (one rank, no replicas, no tensor parallelism), and whether backward asks them.
-        self.alone = self.comm.world == 1 and self.replicas is None and ctx.groups.model is None
+        self.alone = ctx.comm.world == 1 and self.replicas is None and ctx.groups.model is None
         self.asks_union = False
         self.unreduced = False                  # gradients on the params no reduction took
         self._kept: dict[Unit, torch.Tensor] = {}   # ZeRO-2/3 without offload: their memory
@@ -283,18 +283,21 @@ class GradReducer:
         step's vote learns it). On one rank, this rank's. On more, once a step's vote found a
         parameter no rank used (every rank learnt it from the same vote, so all ask
         together), from the next backward on: one small all-reduce of the same ballot the
-        vote takes, at each reducing backward's end. Before that, and under HSDP or tensor
-        parallelism, None."""
+        vote takes, at each reducing backward's end. Before that, and under HSDP, tensor
+        parallelism or ``groups=``, None."""
         if self.alone:
             return self.got
-        if not self.asks_union or self.replicas is not None or self.ctx.groups.model is not None:
+        # (Under groups= the ranks' slots are different experts: one ballot cannot hold them.)
+        other_layouts = (self.replicas is not None or self.ctx.groups.model is not None
+                         or self.ctx.own)
+        if not self.asks_union or other_layouts:
             return None
         trainable = [s for u in self.ctx.units for s in u.trainable]
         device = self.ctx.device
         ballot = torch.tensor([s in self.got for s in trainable], dtype=torch.float32,
                               device=device)
         with self.timing.collective("all_reduce"):
-            self.comm.all_reduce(ballot)
+            self.ctx.comm.all_reduce(ballot)
         return {s for s, n in zip(trainable, ballot.tolist()) if n > 0}
 
     # -- at the optimizer step -----------------------------------------------------------

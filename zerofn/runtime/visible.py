@@ -30,7 +30,7 @@ Where those rows are not all the step reads, the step learns of the edit (``fold
 A parameter no rank gave a gradient shows None, as in torch and FSDP2, where that is known
 when backward ends (grads.py's [Note: a gradient no rank gave]): on one rank always; on
 more, from the backward after a step whose vote found such a parameter. Until then (the
-first such step, and always under HSDP or tensor parallelism) it shows its reduced rows,
+first such step, and always under HSDP, tensor parallelism or groups=) it shows its reduced rows,
 zeros, and the step leaves it alone, as torch.optim leaves one whose ``.grad`` is None. A
 parameter only this rank left unused shows the other ranks' gradient: a global clip must
 see every rank's rows.
