@@ -41,7 +41,9 @@ from .memory import model_state_bytes
 from .mesh import groups_of, model_parallel, set_timeout
 from .offload import (HomeSpec, auto_problems, cpu_adam_steps, make_homes, offload_problems,
                       optimizer_problems)
+from .chain import OptimizerChain, members_of
 from .optimizer import check_optimizer, signature
+from .owned import overlap_whole
 from .params import ParamGatherer
 from .pool import BufferPool
 from .shards import Shards
@@ -58,10 +60,8 @@ def apply_plan(model: nn.Module, optimizer, edits, observer_kinds=()):
     user holds (a compiled one stays compiled; its inner module is transformed)."""
     held, model = model, unwrap(model)
     refuse_wrapped(held, model)
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"zerofn transforms take (model) or (model, optimizer); got "
-                        f"{type(optimizer).__name__} as the optimizer.")
     old = runtime_of(model) if is_transformed(model) else None
+    optimizer = chained(optimizer, old.optimizer if old is not None else None)
     plan = old.plan if old is not None else Plan()
     for edit in edits:
         plan = edit(plan)
@@ -81,6 +81,22 @@ def apply_plan(model: nn.Module, optimizer, edits, observer_kinds=()):
         old.restore()
     Runtime(model, optimizer, plan, observer_kinds)
     return held
+
+
+def chained(optimizer, bound):
+    """The optimizer to bind: the one given, or a sequence of them as one chain (chain.py;
+    the one already bound where it chains the same optimizers)."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    members = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else None
+    if not members or not all(isinstance(m, torch.optim.Optimizer) for m in members):
+        raise TypeError(f"zerofn transforms take (model), (model, optimizer) or (model, "
+                        f"(optimizer, ...)); got {type(optimizer).__name__} as the optimizer.")
+    if len(members) == 1:
+        return members[0]
+    if isinstance(bound, OptimizerChain) and bound.members == members:
+        return bound
+    return OptimizerChain(members)
 
 
 def refuse_wrapped(held: nn.Module, model: nn.Module) -> None:
@@ -202,7 +218,7 @@ class Runtime:
     def _optimizer_problems(self, optimizer, takeover: bool) -> list[str]:
         """What stops ``optimizer`` stepping this model (checked on every rank)."""
         problems = check_optimizer(optimizer, self.param_index)
-        problems += overlap_problems(self.plan, optimizer)
+        problems += overlap_problems(self.plan, optimizer) + overlap_whole(self.plan, optimizer)
         nvme = any(self.homes.home_of(u) == "nvme" for u in self.units if u.slots)
         problems += optimizer_problems(self.plan.offload, optimizer, nvme)
         old = self.optimizer
@@ -234,7 +250,8 @@ class Runtime:
     def _bind(self, optimizer) -> None:
         self.stepper.bind(optimizer, self.param_index)
         self.optimizer = optimizer
-        finder.bound(optimizer)
+        for m in members_of(optimizer):
+            finder.bound(m)
 
     # -- set-up ----------------------------------------------------------------------
     def _build_units(self, observer_kinds, optimizer):
@@ -256,7 +273,7 @@ class Runtime:
         for kind in observer_kinds:    # [Note: observers]
             problems += kind.preflight(plan, self.device, dist.get_rank(self.group),
                                        dist.get_world_size(self.group))
-        problems += overlap_problems(plan, optimizer)
+        problems += overlap_problems(plan, optimizer) + overlap_whole(plan, optimizer)
         problems += nonfinite_problems(plan)
         problems += auto_problems(plan.offload, self.device, self.replica_world > 1)
         order = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
@@ -347,6 +364,12 @@ class Runtime:
     def loss_scale(self) -> float | None:
         """fp16's current loss scale (None without loss scaling)."""
         return None if self.scaler is None else self.scaler.scale
+
+    def owned_load(self) -> list[float]:
+        """Each rank's share of the whole-tensor optimizers' work (owned.py's ``cost`` of
+        the parameters it owns); empty without one."""
+        owned = self.stepper.owned
+        return list(owned.load) if owned is not None and owned.slots else []
 
     def comm_stats(self) -> Counter:
         """``zf.comm_stats``: the shard dimension's counts of the last step, HSDP's
@@ -492,7 +515,8 @@ class Runtime:
             self.stepper.binding.restore(
                 lambda shard, v: self.full_tensor(slot_of_opt[shard], v, self.device)
                 if torch.is_tensor(v) and v.shape == shard.shape and v.dim() > 0 else v)
-            finder.unbound(self.optimizer)
+            for m in members_of(self.optimizer):
+                finder.unbound(m)
         finder.forget(self)
         detach(self.model)
         self.ctx.pool.clear()

@@ -1,0 +1,119 @@
+"""Whole-tensor optimizers (torch.optim.Muon beside AdamW, torch.optim.Adafactor) under every
+ZeRO stage: each owned parameter stepped whole on one rank, the weights as plain PyTorch's
+on the same global batch, Newton-Schulz run once per matrix per step over all ranks.
+
+Muon's Newton-Schulz runs in bf16, where the order of the gradients' reduction shows (DDP
+itself lands 1e-3 from single-process PyTorch); these tests run it in fp32 so that 1e-5
+tells a right step from a wrong one (a Muon step on a shard of rows is 1e-2 away).
+tools/bench_muon.py measures the bf16 figures against DDP's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerofn as zf
+from support.compare import worst
+from support.errors import error_of
+from zerofn.runtime import runtime_of
+from zerofn.state.state_dict import get_model_state_dict
+from support.loops import zero
+from support.models import batches, make_models
+from support.owned import OPTIMIZERS, counted_newton_schulz, train_reference, train_sharded
+from support.ranks import run_ranks
+
+STEPS, TOL = 4, 1e-5
+
+EXTRAS = {
+    "none": lambda path: (),
+    "cpu": lambda path: (zf.offload("cpu"),),
+    "bf16": lambda path: (zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32),),
+}
+
+
+def trained(rank, world, stage, kind, accum, extra="none", clip=None, path=None):
+    """The largest difference of the full weights from plain PyTorch's after ``STEPS``
+    steps, this rank's Newton-Schulz calls, and its owned matrices' cost."""
+    data = batches(STEPS, accum, world)
+    ref, model = make_models()
+    with counted_newton_schulz(fp32=True) as calls:
+        ref_opts = OPTIMIZERS[kind](ref)
+        if clip:
+            _clip_reference(ref, ref_opts, data, clip)
+        else:
+            train_reference(ref, ref_opts, data)
+        reference = len(calls)
+        calls.clear()
+        model, opts = zf.compose(zero(stage), *EXTRAS[extra](path))(model, OPTIMIZERS[kind](model))
+        train_sharded(model, opts, data, rank, world, clip=clip)
+    full = get_model_state_dict(model, full=True)
+    err = max(worst(full[k].float() - v.float()) for k, v in ref.state_dict().items())
+    owned = runtime_of(model).owned_load()
+    return err, len(calls), reference, owned
+
+
+def _clip_reference(ref, opts, data, clip):
+    for micro in data:
+        for x, y in micro:
+            (ref(x, y) / len(micro)).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+
+
+def check(results, world, tol=TOL):
+    errs = [r[0] for r in results]
+    assert max(errs) < tol, errs
+    # Newton-Schulz once per matrix per step, over all ranks together (the reference ran
+    # it once per matrix per step in one process).
+    assert sum(r[1] for r in results) == results[0][2], [r[1] for r in results]
+    loads = results[0][3]
+    assert len(loads) == world and max(loads) <= 1.3 * sum(loads) / world, loads
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_muon_and_adamw_step_as_pytorch_at_every_stage(stage, world):
+    check(run_ranks(world, trained, stage, "muon", 2, timeout=240), world,
+          tol=1e-6 if world == 1 else TOL)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_adafactor_steps_as_pytorch_at_every_stage(world):
+    for stage in (1, 2, 3):
+        errs = [r[0] for r in run_ranks(world, trained, stage, "adafactor", 2, timeout=240)]
+        assert max(errs) < (1e-6 if world == 1 else TOL), (stage, errs)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 4])
+def test_muon_under_cpu_offload_with_clipping_and_accumulation(world):
+    """ZeRO-3 and ZeRO-2 with offload("cpu"): the owned matrices' masters on the host,
+    gathered to their owner and scattered back; one global clip across both optimizers;
+    accumulation 1 and 4."""
+    for stage, accum in ((3, 4), (2, 1)):
+        results = run_ranks(world, trained, stage, "muon", accum, "cpu", 0.5, timeout=240)
+        check(results, world)
+
+
+def refusals(rank, world):
+    """What a whole-tensor optimizer cannot do, refused on every rank with its reason."""
+    out = {}
+    _, model = make_models()
+    overlap = zf.compose(zero(2), zf.offload("cpu", overlap_step=True))
+    out["overlap"] = error_of(overlap, model, OPTIMIZERS["muon"](model))
+    _, model = make_models()
+    out["lbfgs"] = error_of(zero(2), model, torch.optim.LBFGS(model.parameters()))
+    _, model = make_models()
+    out["not a sequence"] = error_of(zero(2), model, "adamw", error=TypeError)
+    return out
+
+
+@pytest.mark.multirank
+def test_what_owned_parameters_cannot_do_is_refused_on_every_rank():
+    for out in run_ranks(2, refusals, timeout=120):
+        assert "leave overlap_step off" in out["overlap"], out["overlap"]
+        assert "LBFGS steps through a closure" in out["lbfgs"], out["lbfgs"]
+        assert "(model, (optimizer, ...))" in out["not a sequence"], out["not a sequence"]
