@@ -117,3 +117,33 @@ def test_what_owned_parameters_cannot_do_is_refused_on_every_rank():
         assert "leave overlap_step off" in out["overlap"], out["overlap"]
         assert "LBFGS steps through a closure" in out["lbfgs"], out["lbfgs"]
         assert "(model, (optimizer, ...))" in out["not a sequence"], out["not a sequence"]
+
+
+def resumed(rank, world, stage, path, resume):
+    """The first two of four steps saved by ``save_checkpoint``, or (``resume``) the last
+    two after ``load_checkpoint``, returning the weights' distance from plain PyTorch's
+    four steps. The global batch is the same at every world size."""
+    data = batches(4, 2, world, per_rank=4 // world)
+    ref, model = make_models()
+    with counted_newton_schulz(fp32=True):
+        model, opts = zero(stage)(model, OPTIMIZERS["muon"](model))
+        if not resume:
+            train_sharded(model, opts, data[:2], rank, world)
+            zf.save_checkpoint(path, model, opts, step=2)
+            zf.wait_for_checkpoint()
+            return None
+        zf.load_checkpoint(path, model, opts)
+        train_sharded(model, opts, data[2:], rank, world)
+        train_reference(ref, OPTIMIZERS["muon"](ref), data)
+    full = get_model_state_dict(model, full=True)
+    return max(worst(full[k].float() - v.float()) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_from_two_ranks_resumes_at_one_and_four_at_other_stages(tmp_path):
+    """Owned state saved as every other state (Shard(0) rows), loaded at another world
+    size and stage, re-owned there at the next step: the run goes on as uninterrupted."""
+    run_ranks(2, resumed, 3, str(tmp_path), False, timeout=240)
+    for world, stage in ((1, 1), (4, 2)):
+        errs = run_ranks(world, resumed, stage, str(tmp_path), True, timeout=240)
+        assert max(errs) < TOL, (world, stage, errs)

@@ -7,9 +7,9 @@ outside this folder but the plan and the optimizer kernels."""
 from .attach import is_transformed, runtime_of
 from .events import ObserverKind, StepObserver
 from .owned import whole_tensors
-from .runtime import apply_plan
+from .runtime import apply_plan, chained
 from .step import NonFiniteGradient
 from .view import RuntimeView
 
-__all__ = ["NonFiniteGradient", "ObserverKind", "RuntimeView", "StepObserver", "apply_plan",
+__all__ = ["NonFiniteGradient", "ObserverKind", "RuntimeView", "StepObserver", "apply_plan", "chained",
            "is_transformed", "runtime_of", "whole_tensors"]

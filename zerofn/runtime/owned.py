@@ -7,21 +7,32 @@ the whole. Each parameter such an optimizer holds is given one owner rank of the
 group, balanced by the update's cost (``cost``: Newton-Schulz's flops for Muon, else the
 element count), as Megatron's layer-wise distributed optimizer and torchtitan's FlexShard
 ``Owned`` layout do. At the step every rank sends the owner its rows of the parameter's
-reduced gradient and of its masters (one gather per parameter, both at once); the owner
-runs the user's own optimizer on the whole tensor, and scatters the updated rows back,
-which each rank writes into its masters. The homes' step then sends every unit's rows to
+reduced gradient (one gather per parameter); the owner runs the user's own optimizer on
+the whole tensor, keeping its whole masters from one step to the next, and scatters the
+updated rows back, which each rank writes into its masters. Where the rows were written
+outside the step (a load), the next gather carries the masters' rows too. The homes' step then sends every unit's rows to
 the compute parameters as for any other parameter. All gathers are issued before any
 owner steps, so the ranks compute their matrices at the same time, and every scatter
 after: each rank's share of the work is its owned parameters' cost.
 
 The optimizer's state for an owned parameter lives on its owner only, whole (keyed, as
 every state entry, by the tensor the group holds: this rank's rows), and nothing of it on
-the other ranks. Elementwise optimizers beside it (AdamW for the rest) step shards as
-before. Traffic per step over ZeRO's own for the same parameters: the gather carries the
-gradient's and the masters' rows, the scatter the updated rows, so +2x the owned
-parameters' elements in the gather and +1x in the scatter, as ``zf.comm_stats`` counts
-full buffers (docs/optimizers.md). p.grad still shows the reduced rows on every rank
-after backward, and parameters are current when step() returns.
+the other ranks.
+
+[Note: owned state in state dicts] A state dict shows owned state as every other: each
+tensor of the parameter's shape as this rank's rows (a Shard(0) DTensor, so DCP reshards
+it to any world size, stage, or FSDP2 running the same optimizer), any other tensor and
+value whole on every rank. ``spread`` puts it in that form (the owner scatters the rows,
+broadcasts the rest) before a state dict is made or a checkpoint loaded into; the next step
+``collect``s it back to the owner (a gather of the rows), whoever owns the parameter now:
+a resume at another world size re-owns the matrices by that gather. Elementwise optimizers beside it (AdamW for the rest) step shards as
+before. Traffic per step over ZeRO's own for the same parameters, as ``zf.comm_stats``
+counts full buffers: the gradient's gather and the updated rows' scatter, +2x the owned
+parameters' elements (docs/optimizers.md). +1x would need one of two things given up:
+the reduced rows on every rank's p.grad after backward (a reduce to the owner in place of
+the reduce-scatter), or parameters current when step() returns (the owner's broadcast in
+place of the scatter and the unit's all-gather, left to the next forward). The owner's
+whole masters cost it memory: its owned parameters' elements, in the masters' dtype.
 """
 from __future__ import annotations
 
@@ -29,6 +40,7 @@ import math
 
 import torch
 
+from .agree import gather
 from .chain import OptimizerChain, members_of, step_without_hooks
 
 # Optimizers whose update of an element reads other elements of its tensor: stepped whole,
@@ -94,6 +106,12 @@ class OwnedStep:
         owner, self.load = owners([s.global_shape for _, s in self.slots], self.comm.world)
         self.owner = {s: o for (_, s), o in zip(self.slots, owner)}
         self.steps = 0      # whole-tensor updates this rank computed (counted, for tests)
+        self.spread = False   # [Note: owned state in state dicts]: state in rows, everywhere
+        self.member_of = {s: m for m, s in self.slots}
+        # The owners' whole masters, current where ``fresh`` (a set of slots, the same on
+        # every rank: what the last steps scattered) holds the slot; else gathered.
+        self.masters: dict = {}
+        self.fresh: set | None = None
 
     @property
     def params(self) -> set:
@@ -107,6 +125,7 @@ class OwnedStep:
     def step(self, grads: dict, grad_scale: float) -> None:
         """Every owned parameter with a gradient this step (the vote made that the same on
         every rank) gathered to its owner, stepped whole there, scattered back."""
+        self.collect()
         todo = [(m, s) for m, s in self.slots if grads.get(s) is not None]
         if not todo:
             return
@@ -117,6 +136,15 @@ class OwnedStep:
         for _, s in todo:
             piece = self._scatter(s, whole.get(s))
             s.opt_param.copy_(piece[:s.local_numel].view(s.local_shape))
+        # Every rank's rows are the owners' whole masters now: the owners keep them.
+        self.masters.update((s, w[0]) for s, w in whole.items())
+        self.fresh = {s for _, s in todo} | (self.fresh or set())
+
+    def stale(self) -> None:
+        """Masters' rows were written outside the step (a load): the next step gathers
+        them again. Called on every rank alike (a state dict access, a refresh)."""
+        self.fresh = None
+        self.masters.clear()
 
     def _piece(self, s, rows: torch.Tensor, dtype, scale: float = 1.0) -> torch.Tensor:
         """``rows`` padded to the slot's ``chunk`` rows, flat, on the device."""
@@ -128,17 +156,24 @@ class OwnedStep:
         return piece
 
     def _gather(self, s, grad_rows, grad_scale: float):
-        """Send this rank's gradient and master rows to the owner (one gather). Returns
-        (whole masters, whole gradient) on the owner, else None."""
+        """Send this rank's gradient rows to the owner, and its master rows too where the
+        owner keeps no whole masters current (one gather). Returns (whole masters, whole
+        gradient) on the owner, else None."""
         dtype, owner, world = s.opt_param.dtype, self.owner[s], self.comm.world
-        send = torch.cat([self._piece(s, grad_rows, dtype, grad_scale),
-                          self._piece(s, s.opt_param, dtype)])
+        kept = s in (self.fresh or ())
+        send = self._piece(s, grad_rows, dtype, grad_scale)
+        if not kept:
+            send = torch.cat([send, self._piece(s, s.opt_param, dtype)])
         if world == 1:
-            return _split(s, send.view(1, -1))
-        recv = torch.empty(world, send.numel(), dtype=dtype, device=send.device) \
-            if owner == self.comm.rank else None
-        self.comm.gather(send, recv, owner)
-        return _split(s, recv) if recv is not None else None
+            recv = send.view(1, -1)
+        else:
+            recv = torch.empty(world, send.numel(), dtype=dtype, device=send.device) \
+                if owner == self.comm.rank else None
+            self.comm.gather(send, recv, owner)
+        if recv is None:
+            return None
+        grad = _whole(s, recv[:, :s.chunk * s.inner])
+        return (self.masters[s] if kept else _whole(s, recv[:, s.chunk * s.inner:])), grad
 
     def _scatter(self, s, whole) -> torch.Tensor:
         """The owner's updated whole masters, this rank's rows to each rank: this rank's
@@ -180,12 +215,101 @@ class OwnedStep:
                     member.state[s.opt_param] = member.state.pop(tensor_of[s])
 
 
-def _split(s, recv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(whole masters, whole gradient) from each rank's [gradient rows | master rows]."""
-    half = s.chunk * s.inner
-    grad = recv[:, :half].reshape(-1)[:s.numel].view(s.shape)
-    master = recv[:, half:].reshape(-1)[:s.numel].view(s.shape)
-    return master, grad
+    # -- state dicts ([Note: owned state in state dicts]) ------------------------------
+    @torch.no_grad()
+    def make_state(self) -> None:
+        """Before any step, the state a first step would make, for a load to load into: the
+        owner steps its parameters' members once with lr 0 on zero stand-ins (torch's DCP
+        helpers make state the same way)."""
+        for m in self.members:
+            bare = [s for s in self.mine() if self.member_of[s] is m
+                    and s.opt_param not in m.state]
+            if not bare:
+                continue
+            lrs = [g["lr"] for g in m.param_groups]
+            for g in m.param_groups:
+                g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+            try:
+                zeros = {s: torch.zeros(s.shape, dtype=s.opt_param.dtype, device=s.opt_param.device)
+                         for s in bare}
+                self._step_member(m, bare, {s: (z, torch.zeros_like(z)) for s, z in zeros.items()})
+                self.steps -= len(bare)
+            finally:
+                for g, lr in zip(m.param_groups, lrs):
+                    g["lr"] = lr
+
+    @torch.no_grad()
+    def spread_out(self) -> None:
+        """Owned state from its owner to every rank, as a state dict shows it. Collective."""
+        self.stale()
+        if self.spread or not self.slots:
+            return
+        mine = {s.fqn: _describe(self.member_of[s].state.get(s.opt_param)) for s in self.mine()}
+        described: dict = {}
+        for part in gather(mine, self.comm.group):
+            described.update(part)
+        for _, s in self.slots:
+            entries = described[s.fqn]
+            if entries is None:
+                continue
+            own = self.member_of[s].state.pop(s.opt_param, {})
+            self.member_of[s].state[s.opt_param] = {
+                k: self._spread_value(s, own.get(k), meta) for k, meta in entries.items()}
+        self.spread = True
+
+    def _spread_value(self, s, value, meta):
+        if meta[0] == "value":
+            return meta[1]
+        _, shape, dtype, device = meta
+        if shape == tuple(s.shape):
+            whole = None if value is None else (value, None)
+            return self._scatter(s, whole)[:s.local_numel].view(s.local_shape).to(
+                dtype).to(device).clone()
+        out = value if value is not None else torch.empty(shape, dtype=dtype)
+        moved = out.to(self.ctx.device)
+        self.comm.broadcast(moved, self.owner[s])
+        return moved.to(device)
+
+    @torch.no_grad()
+    def collect(self) -> None:
+        """Owned state back to its owner, whole; none left on the other ranks. Collective."""
+        if not self.spread:
+            return
+        for _, s in self.slots:
+            state = self.member_of[s].state.pop(s.opt_param, None)
+            if state is None:
+                continue
+            whole = {k: self._collect_value(s, v) for k, v in state.items()}
+            if self.owner[s] == self.comm.rank:
+                self.member_of[s].state[s.opt_param] = whole
+        self.spread = False
+
+    def _collect_value(self, s, value):
+        if not (torch.is_tensor(value) and value.dim() and value.shape == s.local_shape):
+            return value
+        if self.comm.world == 1:
+            return value
+        send = self._piece(s, value, value.dtype)
+        recv = torch.empty(self.comm.world, send.numel(), dtype=value.dtype,
+                           device=send.device) if self.owner[s] == self.comm.rank else None
+        self.comm.gather(send, recv, self.owner[s])
+        if recv is None:
+            return None
+        return recv.reshape(-1)[:s.numel].view(s.shape).to(value.device).clone()
+
+
+def _describe(state) -> dict | None:
+    """What the other ranks need to receive one parameter's state: per key, a tensor's
+    shape, dtype and device, or the value itself."""
+    if state is None:
+        return None
+    return {k: ("tensor", tuple(v.shape), v.dtype, v.device) if torch.is_tensor(v) and v.dim()
+            else ("value", v) for k, v in state.items()}
+
+
+def _whole(s, pieces: torch.Tensor) -> torch.Tensor:
+    """The whole parameter-shaped tensor from each rank's padded rows (one row each)."""
+    return pieces.reshape(-1)[:s.numel].view(s.shape)
 
 
 def _whole_param(s, whole, tensor_of: dict) -> torch.Tensor:

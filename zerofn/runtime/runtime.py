@@ -476,6 +476,8 @@ class Runtime:
 
     def refresh_params(self) -> None:
         """Make the compute parameters equal the masters again (after a load). Collective."""
+        if self.stepper.owned is not None:
+            self.stepper.owned.stale()     # (a load wrote the masters' rows)
         self.homes.recast()
         self.shards.refresh_compute()
         self.ctx.comm.drain()
@@ -485,7 +487,15 @@ class Runtime:
         """Create the bound optimizer's state (a zero step) where it has none yet, so a
         load has tensors to load into."""
         if self.stepper.binding is not None:
+            if not self.stepper.binding.stepped:
+                self.stepper.owned.make_state()
             self.stepper.binding.init_state()
+
+    def spread_owned_state(self) -> None:
+        """Whole-tensor optimizers' state in rows on every rank, as a state dict shows it
+        (owned.py's [Note: owned state in state dicts]). Collective."""
+        if self.stepper.owned is not None:
+            self.stepper.owned.spread_out()
 
     def forget_made_state(self, loaded: set) -> None:
         """After a load: drop the state ``init_optimizer_state`` made where the checkpoint
@@ -501,6 +511,7 @@ class Runtime:
         """
         self.observers.close()
         self.prepare_state_dict()
+        self.spread_owned_state()     # (restored as every other state: whole)
         self.stepper.restore()
         self.forward.remove()
         self.reducer.remove_hooks()
