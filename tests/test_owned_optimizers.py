@@ -8,6 +8,8 @@ tells a right step from a wrong one (a Muon step on a shard of rows is 1e-2 away
 tools/bench_muon.py measures the bf16 figures against DDP's."""
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 
@@ -107,6 +109,10 @@ def refusals(rank, world):
     _, model = make_models()
     out["lbfgs"] = error_of(zero(2), model, torch.optim.LBFGS(model.parameters()))
     _, model = make_models()
+    with tempfile.TemporaryDirectory() as tmp:
+        nvme = zf.compose(zero(2), zf.offload("nvme", path=tmp))
+        out["nvme"] = error_of(nvme, model, OPTIMIZERS["muon"](model))
+    _, model = make_models()
     out["not a sequence"] = error_of(zero(2), model, "adamw", error=TypeError)
     return out
 
@@ -116,6 +122,7 @@ def test_what_owned_parameters_cannot_do_is_refused_on_every_rank():
     for out in run_ranks(2, refusals, timeout=120):
         assert "leave overlap_step off" in out["overlap"], out["overlap"]
         assert "LBFGS steps through a closure" in out["lbfgs"], out["lbfgs"]
+        assert "(got Muon + AdamW); use offload('cpu')" in out["nvme"], out["nvme"]
         assert "(model, (optimizer, ...))" in out["not a sequence"], out["not a sequence"]
 
 
