@@ -154,3 +154,43 @@ def test_a_checkpoint_from_two_ranks_resumes_at_one_and_four_at_other_stages(tmp
     for world, stage in ((1, 1), (4, 2)):
         errs = run_ranks(world, resumed, stage, str(tmp_path), True, timeout=240)
         assert max(errs) < TOL, (world, stage, errs)
+
+
+def zerofn_to_fsdp2(rank, world, root):
+    """zerofn's ZeRO-3 checkpoint of Muon + AdamW loaded by FSDP2 running the same
+    optimizers (torch's get_state_dict over both, dcp.load, set_state_dict); both go on two
+    more steps. Returns the weights' distance between them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    data = batches(4, 1, world)
+    with counted_newton_schulz(fp32=True):
+        _, model = make_models()
+        model, opts = zero(3)(model, OPTIMIZERS["muon"](model))
+        train_sharded(model, opts, data[:2], rank, world)
+        ckpt = zf.save_checkpoint(root, model, opts, step=2)
+        zf.wait_for_checkpoint()
+        _, fmodel = make_models(seed=7)
+        mesh = init_device_mesh("cpu", (world,))
+        for block in fmodel.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(fmodel, mesh=mesh)
+        fopts = OPTIMIZERS["muon"](fmodel)
+        msd, osd = get_state_dict(fmodel, list(fopts))
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=ckpt)
+        set_state_dict(fmodel, list(fopts), model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        for model_, opts_ in ((model, opts), (fmodel, fopts)):
+            train_sharded(model_, opts_, data[2:], rank, world)
+    ours = get_model_state_dict(model, full=True)
+    theirs = {k: v.full_tensor() for k, v in fmodel.state_dict().items()
+              if hasattr(v, "full_tensor")}
+    return max(worst(ours[k] - v) for k, v in theirs.items())
+
+
+@pytest.mark.multirank
+def test_fsdp2_running_muon_reads_zerofns_checkpoint(tmp_path):
+    errs = run_ranks(2, zerofn_to_fsdp2, str(tmp_path), timeout=240)
+    assert max(errs) < TOL, errs
