@@ -194,3 +194,20 @@ def zerofn_to_fsdp2(rank, world, root):
 def test_fsdp2_running_muon_reads_zerofns_checkpoint(tmp_path):
     errs = run_ranks(2, zerofn_to_fsdp2, str(tmp_path), timeout=240)
     assert max(errs) < TOL, errs
+
+
+def tensor_parallel_refusal(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from support.tp_models import make_tp_model, parallelize
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize(make_tp_model(), mesh["tp"])
+    opts = OPTIMIZERS["muon"](model)
+    stage = zf.compose(zf.shard_optimizer(), zf.shard_grads(group=mesh["dp"]))
+    return error_of(stage, model, opts)
+
+
+@pytest.mark.multirank
+def test_muon_over_tensor_parallel_matrices_is_refused_naming_one():
+    for out in run_ranks(4, tensor_parallel_refusal, timeout=120):
+        assert out is not None and "is split by tensor parallelism" in out, out
+        assert "'blocks.0.attn.q.weight'" in out, out
