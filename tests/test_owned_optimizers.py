@@ -211,3 +211,27 @@ def test_muon_over_tensor_parallel_matrices_is_refused_naming_one():
     for out in run_ranks(4, tensor_parallel_refusal, timeout=120):
         assert out is not None and "is split by tensor parallelism" in out, out
         assert "'blocks.0.attn.q.weight'" in out, out
+
+
+def one_transform_at_a_time(rank, world):
+    """ZeRO-1 for two steps, then shard_grads and shard_params applied on top (each restores
+    the model and optimizer whole, Muon's momentum included, and shards them again) for two
+    more: as plain PyTorch's four steps."""
+    data = batches(4, 1, world)
+    ref, model = make_models()
+    with counted_newton_schulz(fp32=True):
+        model, opts = zf.shard_optimizer()(model, OPTIMIZERS["muon"](model))
+        train_sharded(model, opts, data[:1], rank, world)
+        model, opts = zf.shard_grads()(model, opts)
+        train_sharded(model, opts, data[1:3], rank, world)
+        model, opts = zf.shard_params()(model, opts)
+        train_sharded(model, opts, data[3:], rank, world)
+        train_reference(ref, OPTIMIZERS["muon"](ref), data)
+    full = get_model_state_dict(model, full=True)
+    return max(worst(full[k].float() - v.float()) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.multirank
+def test_transforms_applied_one_at_a_time_keep_muons_momentum():
+    errs = run_ranks(2, one_transform_at_a_time, timeout=240)
+    assert max(errs) < TOL, errs

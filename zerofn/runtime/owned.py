@@ -216,6 +216,12 @@ class OwnedStep:
 
 
     # -- state dicts ([Note: owned state in state dicts]) ------------------------------
+    def adopt_state(self) -> None:
+        """At binding: state the optimizer already held (the same on every rank: a
+        transform applied on top of another restored it whole) was cut to this rank's rows
+        like any other, which is the spread form; the first step collects it."""
+        self.spread = any(s.opt_param in self.member_of[s].state for _, s in self.slots)
+
     @torch.no_grad()
     def make_state(self) -> None:
         """Before any step, the state a first step would make, for a load to load into: the

@@ -52,6 +52,7 @@ class Stepper:
         self.owned = OwnedStep(self.ctx, optimizer, slot_of)
         self.binding = OptimizerBinding(optimizer, slot_of, self, self.ctx.observers,
                                         {s for _, s in self.owned.slots})
+        self.owned.adopt_state()    # (state the optimizer had is cut to rows, as every rank's)
         self.homes.bind(optimizer)
         self.optimizer = optimizer
         # [Note: placing by the first step] (placement.py)
