@@ -137,7 +137,7 @@ class OwnedStep:
             piece = self._scatter(s, whole.get(s))
             s.opt_param.copy_(piece[:s.local_numel].view(s.local_shape))
         # Every rank's rows are the owners' whole masters now: the owners keep them.
-        self.masters.update((s, w[0]) for s, w in whole.items())
+        self.masters.update((s, w[0].to(s.opt_param.device)) for s, w in whole.items())
         self.fresh = {s for _, s in todo} | (self.fresh or set())
 
     def stale(self) -> None:
@@ -173,7 +173,8 @@ class OwnedStep:
         if recv is None:
             return None
         grad = _whole(s, recv[:, :s.chunk * s.inner])
-        return (self.masters[s] if kept else _whole(s, recv[:, s.chunk * s.inner:])), grad
+        master = self.masters[s].to(grad.device) if kept else _whole(s, recv[:, s.chunk * s.inner:])
+        return master, grad
 
     def _scatter(self, s, whole) -> torch.Tensor:
         """The owner's updated whole masters, this rank's rows to each rank: this rank's
@@ -201,9 +202,12 @@ class OwnedStep:
         for g in member.param_groups:
             held = [mine[p] for p in g["params"] if p in mine]
             g["params"][:] = [_whole_param(s, whole[s], tensor_of) for s in held]
+        # The math runs where the whole tensors are (the device); the state lives with
+        # the masters' rows (the host, under offload): up for the step, down after.
         for s in slots:
             if s.opt_param in member.state:
-                member.state[tensor_of[s]] = member.state.pop(s.opt_param)
+                member.state[tensor_of[s]] = _moved(member.state.pop(s.opt_param),
+                                                    tensor_of[s].device)
         try:
             step_without_hooks(member)
             self.steps += len(slots)
@@ -212,8 +216,8 @@ class OwnedStep:
                 g["params"][:] = params
             for s in slots:
                 if tensor_of[s] in member.state:
-                    member.state[s.opt_param] = member.state.pop(tensor_of[s])
-
+                    member.state[s.opt_param] = _moved(member.state.pop(tensor_of[s]),
+                                                       s.opt_param.device)
 
     # -- state dicts ([Note: owned state in state dicts]) ------------------------------
     def adopt_state(self) -> None:
@@ -311,6 +315,11 @@ def _describe(state) -> dict | None:
         return None
     return {k: ("tensor", tuple(v.shape), v.dtype, v.device) if torch.is_tensor(v) and v.dim()
             else ("value", v) for k, v in state.items()}
+
+
+def _moved(state: dict, device) -> dict:
+    """A parameter's state with its tensors (not its step count) on ``device``."""
+    return {k: v.to(device) if torch.is_tensor(v) and v.dim() else v for k, v in state.items()}
 
 
 def _whole(s, pieces: torch.Tensor) -> torch.Tensor:
