@@ -6,7 +6,8 @@ of this machine, against peers measured in the same run:
   the same harness over three bucket layouts (Muon's Newton-Schulz runs in bf16, so the
   reduction order shows);
 - ``traffic``: ``zf.comm_stats`` per step against ZeRO's own for AdamW over every
-  parameter of the same model, the difference in units of the owned matrices' bytes;
+  parameter of the same model, the difference in units of the owned matrices' bytes, and
+  the largest rank's share of the Newton-Schulz work over the mean;
 - ``time``: the optimizer step (Muon's and AdamW's ``step()`` together, median of the
   steps after the first two) against FSDP2 running the same optimizers on its Shard(0)
   DTensors, and against zerofn's step with AdamW alone.
@@ -27,6 +28,7 @@ import torch.multiprocessing as mp
 
 import zerofn as zf
 from zerofn.nanogpt import GPT, GPTConfig
+from zerofn.runtime import runtime_of
 
 STAGES = {1: ("shard_optimizer",), 2: ("shard_optimizer", "shard_grads"),
           3: ("shard_optimizer", "shard_grads", "shard_params")}
@@ -134,7 +136,9 @@ def traffic(cfg, args, rank, world) -> list:
             train(model, opts, batches, rank, world)
             stats = zf.comm_stats(model)
             counted[kind] = sum(v for k, v in stats.items() if k.endswith("_bytes"))
-        rows.append((world, f"ZeRO-{stage}", counted["adamw"], counted["muon"], owned))
+        load = runtime_of(model).owned_load()      # (the Muon run's: each rank's share)
+        rows.append((world, f"ZeRO-{stage}", counted["adamw"], counted["muon"], owned,
+                     max(load) * len(load) / sum(load)))
     return rows
 
 
@@ -203,9 +207,11 @@ def report(mode: str, rows: list) -> None:
             print(f"{world:5d} {accum:5d} {name:15s} {err:17.2e}  {min(ddp):.2e}-{max(ddp):.2e}"
                   f"  {ratio}")
     elif mode == "traffic":
-        print("world stage   AdamW-bytes  Muon+AdamW-bytes  extra/owned-matrix-bytes")
-        for world, name, adamw, muon, owned in rows:
-            print(f"{world:5d} {name:7s} {adamw:11d} {muon:17d}  {(muon - adamw) / owned:.2f}")
+        print("world stage   AdamW-bytes  Muon+AdamW-bytes  extra/owned-matrix-bytes  "
+              "Newton-Schulz-share max/mean")
+        for world, name, adamw, muon, owned, share in rows:
+            print(f"{world:5d} {name:7s} {adamw:11d} {muon:17d}  {(muon - adamw) / owned:24.2f}"
+                  f"  {share:.2f}")
     else:
         print("world stage   Muon-step(s) AdamW-step(s) FSDP2-Muon-step(s)  FSDP2/zerofn  "
               "Muon/AdamW")
