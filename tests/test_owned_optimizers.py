@@ -249,3 +249,33 @@ def test_muon_under_bf16_mixed_precision_stays_near_fp32_pytorch():
         errs = [r[0] for r in results]
         assert max(errs) < TOL_BF16_VS_FP32, (stage, errs)
         assert sum(r[1] for r in results) == results[0][2]
+
+
+def owned_bytes(rank, world):
+    """The optimizer-role bytes zf.model_state_bytes counts on this rank after two steps,
+    and the owned state and whole masters this rank holds."""
+    data = batches(2, 1, world)
+    _, model = make_models()
+    model, opts = zero(2)(model, OPTIMIZERS["muon"](model))
+    train_sharded(model, opts, data, rank, world)
+    counted = sum(roles["optimizer"] for roles in zf.model_state_bytes(model).values())
+    muon = opts[0]
+    whole = sum(t.numel() * t.element_size() for st in muon.state.values() for t in st.values())
+    return counted, whole, len(muon.state)
+
+
+@pytest.mark.multirank
+def test_owned_state_is_counted_on_its_owner_only():
+    """Muon's momentum and the owner's whole masters: each matrix's once over the ranks,
+    as much as one process holds (two whole matrices' worth of Muon's)."""
+    _, model = make_models()
+    matrices = sum(p.numel() * 4 for n, p in model.named_parameters()
+                   if n.startswith("blocks.") and p.ndim == 2)
+    results = run_ranks(2, owned_bytes, timeout=120)
+    assert sum(r[1] for r in results) == matrices           # the momentum, once
+    assert sum(r[2] for r in results) == 8 and all(r[2] for r in results)
+    alone = run_ranks(1, owned_bytes, timeout=120)[0]
+    # Over the ranks: rows of every master and AdamW's state, the momentum and the whole
+    # masters once; at one rank the same, but for the rows' padding (a few elements each).
+    total = sum(r[0] for r in results)
+    assert alone[0] <= total <= alone[0] + 1024 and alone[0] >= 2 * matrices, (total, alone)

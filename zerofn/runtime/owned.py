@@ -173,7 +173,9 @@ class OwnedStep:
         if recv is None:
             return None
         grad = _whole(s, recv[:, :s.chunk * s.inner])
-        master = self.masters[s].to(grad.device) if kept else _whole(s, recv[:, s.chunk * s.inner:])
+        # (a copy: the owner keeps it, and at one rank it would be a view of ``send``)
+        master = self.masters[s].to(grad.device) if kept \
+            else _whole(s, recv[:, s.chunk * s.inner:]).clone()
         return master, grad
 
     def _scatter(self, s, whole) -> torch.Tensor:

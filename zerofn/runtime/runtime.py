@@ -383,7 +383,9 @@ class Runtime:
         """``zf.model_state_bytes``, measured (memory.py), after the loop's ``zero_grad``
         (optimizer.py's [Note: zero_grad without a patch])."""
         self.stepper.follow_zero_grad()
-        return model_state_bytes(self.ctx, self.optimizer, self.homes, self.shards, self.reducer)
+        owned = self.stepper.owned
+        return model_state_bytes(self.ctx, self.optimizer, self.homes, self.shards, self.reducer,
+                                 owned.masters.values() if owned is not None else ())
 
     def units_on_device(self) -> list:
         """The units whose masters and optimizer state live on the device: every unit
