@@ -233,7 +233,10 @@ class Runtime:
         elif not any(binding.holds(s) for s in held):
             problems.append(f"zerofn steps one optimizer per model, and "
                             f"{_a(type(old).__name__)} already steps its other parameters; "
-                            "put all of them in one optimizer (param groups may differ).")
+                            "put all of them in one optimizer (param groups may differ), or "
+                            "give the transform every optimizer as a sequence, as Muon "
+                            "beside AdamW needs: model, (muon, adamw) = "
+                            "transform(model, (muon, adamw)).")
         return problems
 
     def _retire(self, old, new) -> None:
