@@ -33,7 +33,7 @@ EXTRAS = {
 }
 
 
-def trained(rank, world, stage, kind, accum, extra="none", clip=None, path=None):
+def trained(rank, world, stage, kind, accum, extra="none", clip=None, path=None, **options):
     """The largest difference of the full weights from plain PyTorch's after ``STEPS``
     steps, this rank's Newton-Schulz calls, and its owned matrices' cost."""
     data = batches(STEPS, accum, world)
@@ -46,7 +46,8 @@ def trained(rank, world, stage, kind, accum, extra="none", clip=None, path=None)
             train_reference(ref, ref_opts, data)
         reference = len(calls)
         calls.clear()
-        model, opts = zf.compose(zero(stage), *EXTRAS[extra](path))(model, OPTIMIZERS[kind](model))
+        model, opts = zf.compose(zero(stage, **options), *EXTRAS[extra](path))(
+            model, OPTIMIZERS[kind](model))
         train_sharded(model, opts, data, rank, world, clip=clip)
     full = get_model_state_dict(model, full=True)
     err = max(worst(full[k].float() - v.float()) for k, v in ref.state_dict().items())
@@ -279,3 +280,20 @@ def test_owned_state_is_counted_on_its_owner_only():
     # masters once; at one rank the same, but for the rows' padding (a few elements each).
     total = sum(r[0] for r in results)
     assert alone[0] <= total <= alone[0] + 1024 and alone[0] >= 2 * matrices, (total, alone)
+
+
+def hybrid(rank, world, stage):
+    """HSDP on a 2 x 2 (replicate, shard) mesh: owners within each shard group, every
+    replica computing its owned matrices alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return trained(rank, world, stage, "muon", 2, group=mesh)
+
+
+@pytest.mark.multirank
+def test_muon_under_hybrid_sharding():
+    for stage in (2, 3):
+        results = run_ranks(4, hybrid, stage, timeout=240)
+        assert max(r[0] for r in results) < TOL, (stage, [r[0] for r in results])
+        # (each replica runs Newton-Schulz for its shard group's matrices: twice over all)
+        assert sum(r[1] for r in results) == 2 * results[0][2]
