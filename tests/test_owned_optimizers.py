@@ -297,3 +297,12 @@ def test_muon_under_hybrid_sharding():
         assert max(r[0] for r in results) < TOL, (stage, [r[0] for r in results])
         # (each replica runs Newton-Schulz for its shard group's matrices: twice over all)
         assert sum(r[1] for r in results) == 2 * results[0][2]
+
+
+@pytest.mark.multirank
+def test_an_optimizer_the_user_marks_whole_steps_as_pytorch():
+    """zf.whole_tensors(opt): an optimizer torch does not ship, whose update reads its
+    tensor's norm, stepped whole on owners at ZeRO-2 and ZeRO-3."""
+    for stage in (2, 3):
+        errs = [r[0] for r in run_ranks(2, trained, stage, "normalized", 2, timeout=240)]
+        assert max(errs) < TOL, (stage, errs)

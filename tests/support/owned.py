@@ -29,7 +29,26 @@ def adafactor(model) -> tuple:
                                   lr=1e-2),)
 
 
-OPTIMIZERS = {"muon": muon_and_adamw, "adafactor": adafactor}
+class NormalizedSGD(torch.optim.Optimizer):
+    """SGD on each tensor's gradient divided by its norm: an optimizer torch does not know
+    reads a whole tensor, which the user marks with ``zf.whole_tensors``."""
+
+    def __init__(self, params, lr: float = 1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / p.grad.norm().clamp(min=1e-12), alpha=-group["lr"])
+
+
+def normalized(model) -> tuple:
+    return (zf.whole_tensors(NormalizedSGD([p for p in model.parameters() if p.requires_grad])),)
+
+
+OPTIMIZERS = {"muon": muon_and_adamw, "adafactor": adafactor, "normalized": normalized}
 
 
 def step_all(opts, zero_grad: bool = True) -> None:
