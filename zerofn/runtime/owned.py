@@ -105,18 +105,12 @@ class OwnedStep:
                       for p in g["params"] if slot_of[p].requires_grad]
         owner, self.load = owners([s.global_shape for _, s in self.slots], self.comm.world)
         self.owner = {s: o for (_, s), o in zip(self.slots, owner)}
-        self.steps = 0      # whole-tensor updates this rank computed (counted, for tests)
         self.spread = False   # [Note: owned state in state dicts]: state in rows, everywhere
         self.member_of = {s: m for m, s in self.slots}
         # The owners' whole masters, current where ``fresh`` (a set of slots, the same on
         # every rank: what the last steps scattered) holds the slot; else gathered.
         self.masters: dict = {}
-        self.fresh: set | None = None
-
-    @property
-    def params(self) -> set:
-        """The tensors the whole-tensor members' groups hold (after binding: the rows)."""
-        return {s.opt_param for _, s in self.slots}
+        self.fresh: set = set()
 
     def mine(self) -> list:
         return [s for _, s in self.slots if self.owner[s] == self.comm.rank]
@@ -138,12 +132,12 @@ class OwnedStep:
             s.opt_param.copy_(piece[:s.local_numel].view(s.local_shape))
         # Every rank's rows are the owners' whole masters now: the owners keep them.
         self.masters.update((s, w[0].to(s.opt_param.device)) for s, w in whole.items())
-        self.fresh = {s for _, s in todo} | (self.fresh or set())
+        self.fresh |= {s for _, s in todo}
 
     def stale(self) -> None:
         """Masters' rows were written outside the step (a load): the next step gathers
         them again. Called on every rank alike (a state dict access, a refresh)."""
-        self.fresh = None
+        self.fresh = set()
         self.masters.clear()
 
     def _piece(self, s, rows: torch.Tensor, dtype, scale: float = 1.0) -> torch.Tensor:
@@ -160,7 +154,7 @@ class OwnedStep:
         owner keeps no whole masters current (one gather). Returns (whole masters, whole
         gradient) on the owner, else None."""
         dtype, owner, world = s.opt_param.dtype, self.owner[s], self.comm.world
-        kept = s in (self.fresh or ())
+        kept = s in self.fresh
         send = self._piece(s, grad_rows, dtype, grad_scale)
         if not kept:
             send = torch.cat([send, self._piece(s, s.opt_param, dtype)])
@@ -212,7 +206,6 @@ class OwnedStep:
                                                     tensor_of[s].device)
         try:
             step_without_hooks(member)
-            self.steps += len(slots)
         finally:
             for g, params in zip(member.param_groups, saved):
                 g["params"][:] = params
@@ -245,7 +238,6 @@ class OwnedStep:
                 zeros = {s: torch.zeros(s.shape, dtype=s.opt_param.dtype, device=s.opt_param.device)
                          for s in bare}
                 self._step_member(m, bare, {s: (z, torch.zeros_like(z)) for s, z in zeros.items()})
-                self.steps -= len(bare)
             finally:
                 for g, lr in zip(m.param_groups, lrs):
                     g["lr"] = lr
