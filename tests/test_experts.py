@@ -162,6 +162,9 @@ def _refusal(rank, world, case):
     if case == "save_pretrained":
         model = zf.shard_params(group=group, groups=groups)(model)
         return error_of(zf.save_pretrained, model, "unwritten")
+    if case == "whole-tensor optimizer":
+        opt = torch.optim.Adafactor(model.parameters())
+        return error_of(zf.shard_params(group=group, groups=groups), model, opt)
     if case == "full_weights":
         model = zf.shard_params(group=group, groups=groups)(model)
         return error_of(lambda: next(zf.full_weights(model)))
@@ -176,6 +179,7 @@ REFUSALS = {"no module": "matches no module",
             "DTensor experts": "is a DTensor (tensor parallelism, or experts split",
             "save_pretrained": "save with zf.save_checkpoint",
             "full_weights": "save with zf.save_checkpoint (every expert once)",
+            "whole-tensor optimizer": "give the experts to an elementwise optimizer",
             "meta": "would start equal to another's"}
 
 

@@ -172,7 +172,7 @@ ZERO_IGNORED = {
     "override_module_apply": Ignored("zerofn does not patch Module.apply", (True,)),
     "log_trace_cache_warnings": Ignored("zerofn has no trace cache", (False,)),
     "enable_sanity_checks": Ignored("zerofn checks its set-up across ranks always", (False,)),
-    "save_muon_momentum_buffer_in_memory": Ignored("zerofn refuses Muon (not elementwise)",
+    "save_muon_momentum_buffer_in_memory": Ignored("zerofn keeps Muon's momentum on its owner",
                                                    (False,)),
     "zenflow": Ignored("zerofn has no ZenFlow"),
 }

@@ -159,6 +159,24 @@ class Comm:
         with record_function("zerofn::all_reduce"):
             return dist.all_reduce(t, op=op, group=self.group, async_op=async_op)
 
+    # [Note: gather and scatter wait] gloo's gathers left in flight together, to different
+    # ranks, delivered some rows wrong (torch 2.13: a nan in one matrix of eight at two
+    # ranks); each is waited before the next starts.
+    def gather(self, t: torch.Tensor, out: torch.Tensor | None, dst_rank: int) -> None:
+        """Each rank's ``t`` into row r of ``out`` (given on ``dst_rank`` only): counted
+        as the whole buffer, as the other collectives are."""
+        self._count("gather", t.numel() * self.world, t.dtype)
+        with record_function("zerofn::gather"):
+            rows = list(out.unbind(0)) if out is not None else None
+            dist.gather(t, rows, dst=self._global[dst_rank], group=self.group)
+
+    def scatter(self, t: torch.Tensor, rows: torch.Tensor | None, src_rank: int) -> None:
+        """Row r of ``rows`` (given on ``src_rank`` only) into rank r's ``t``."""
+        self._count("scatter", t.numel() * self.world, t.dtype)
+        with record_function("zerofn::scatter"):
+            pieces = list(rows.unbind(0)) if rows is not None else None
+            dist.scatter(t, pieces, src=self._global[src_rank], group=self.group)
+
     def broadcast(self, t: torch.Tensor, src_rank: int = 0) -> None:
         with record_function("zerofn::broadcast"):
             dist.broadcast(t, src=dist.get_global_rank(self.group, src_rank), group=self.group)

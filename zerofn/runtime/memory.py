@@ -63,9 +63,11 @@ def _by_role(extents: dict[str, list]) -> dict[str, dict[str, int]]:
     return out
 
 
-def model_state_bytes(ctx, optimizer, homes, shards, reducer) -> dict[str, dict[str, int]]:
+def model_state_bytes(ctx, optimizer, homes, shards, reducer,
+                      kept=()) -> dict[str, dict[str, int]]:
     """``zf.model_state_bytes`` of one runtime's parts (zerofn/state/accounting.py says what
-    each role and place holds)."""
+    each role and place holds); ``kept``: more optimizer-role tensors (an owner's whole
+    masters, owned.py)."""
     slots = [s for u in ctx.units for s in u.slots]
     arenas = list(homes.arenas()) + shards.flats
     # offload("cpu") under mixed precision: the host's compute-dtype copy of the rows, which
@@ -77,7 +79,7 @@ def model_state_bytes(ctx, optimizer, homes, shards, reducer) -> dict[str, dict[
         + list(homes.grads.values())
     state = optimizer.state.values() if optimizer is not None else ()
     opt = [s.opt_param for s in slots] + [t for st in state for t in st.values()] \
-        + homes.state_buffers()
+        + homes.state_buffers() + list(kept)
     # The pool's buffers last: bytes of them a role above holds (a lent gradient shard)
     # are that role's, counted once.
     out = _by_role({role: _extents(ts, arenas, ctx.pool) for role, ts in

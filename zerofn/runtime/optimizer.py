@@ -28,22 +28,24 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from .chain import members_of, step_without_hooks
+from .owned import owned_problems
 
-# These mix elements across a tensor (factored moments, line searches, sparse rows), so
-# stepping a shard is not stepping the whole: refuse them.
-NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+
+# These step through a closure (line searches) or sparse rows: neither a shard's step nor
+# an owner's (owned.py steps whole-tensor optimizers such as Muon and Adafactor).
+REFUSED = ("LBFGS", "SparseAdam")
 
 
 def check_optimizer(optimizer, slot_of: dict) -> list[str]:
-    """Problems with the optimizer, as messages (raised by the caller on every rank).
-    ``slot_of``: each tensor that stands for a model parameter (its whole parameter,
-    ZeRO-3's registered DTensor) -> its slot."""
+    """Problems with the optimizer (or each optimizer of a chain), as messages (raised by
+    the caller on every rank). ``slot_of``: each tensor that stands for a model parameter
+    (its whole parameter, ZeRO-3's registered DTensor) -> its slot."""
     name = type(optimizer).__name__
-    problems = []
-    if name in NOT_ELEMENTWISE:
-        problems.append(
-            f"{name} does not update each element independently, so a sharded step would "
-            "differ from the unsharded one; use an elementwise optimizer such as AdamW or SGD.")
+    problems = [f"{type(m).__name__} steps through a closure or sparse rows, which zerofn "
+                "cannot give it on shards or on one owner; use AdamW, SGD, Muon or Adafactor."
+                for m in members_of(optimizer) if type(m).__name__ in REFUSED]
+    problems += owned_problems(optimizer, slot_of)
     seen = set()
     for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -60,8 +62,8 @@ def check_optimizer(optimizer, slot_of: dict) -> list[str]:
 
 
 def signature(optimizer) -> list[str]:
-    """What every rank's optimizer must agree on: its class and its groups' sizes."""
-    return [type(optimizer).__name__] + [f"group {i}: {len(g['params'])} params"
+    """What every rank's optimizer must agree on: its classes and its groups' sizes."""
+    return [type(m).__name__ for m in members_of(optimizer)] + [f"group {i}: {len(g['params'])} params"
                                          for i, g in enumerate(optimizer.param_groups)]
 
 
@@ -77,31 +79,59 @@ class OptimizerBinding:
         observers: told when a step begins; their guard wraps zerofn's part of it.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, slot_of: dict, stepper, observers):
+    def __init__(self, optimizer: torch.optim.Optimizer, slot_of: dict, stepper, observers,
+                 whole: set = frozenset()):
         self.optimizer = optimizer
         self.slots = [[slot_of[p] for p in g["params"]] for g in optimizer.param_groups]
         self._swap({p: slot_of[p].opt_param for g in optimizer.param_groups for p in g["params"]},
                    lambda p, v: _shard_state(slot_of[p], v))
-        before, after = observers.guard(stepper.before_step), observers.guard(stepper.after_step)
-
-        def pre_hook(opt, args, kwargs):
-            observers.step_begin()
-            self.stepped = True
-            before()
-
-        self._handles = [optimizer.register_step_pre_hook(pre_hook),
-                         optimizer.register_step_post_hook(lambda *_: after())]
-        self._trainable = {s.opt_param for g in self.slots for s in g if s.requires_grad}
+        self.members = members_of(optimizer)
+        self._handles = self._step_hooks(stepper, observers)
+        # (owned.py: a whole-tensor optimizer's state is made whole, on the owner, at its step)
+        self._trainable = {s.opt_param for g in self.slots for s in g
+                           if s.requires_grad and s not in whole}
         self.stepped = False      # a step or a load ran: the state is torch.optim's own now
         self._made: set = set()   # params init_state gave state to (no step ever made it)
         scaler = stepper.scaler
         if scaler is not None:
             self._handles += [
-                optimizer.register_state_dict_post_hook(
+                self.members[0].register_state_dict_post_hook(
                     lambda opt, sd: {**sd, SCALER_KEY: scaler.state_dict()}),
-                optimizer.register_load_state_dict_pre_hook(
+                self.members[0].register_load_state_dict_pre_hook(
                     lambda opt, sd: _load_scaler(scaler, sd)),
             ]
+
+    def _step_hooks(self, stepper, observers) -> list:
+        """[Note: one step for several optimizers] The first member's ``step()`` after
+        backward runs zerofn's step, which steps every member's parameters (one vote, one
+        clip, one non-finite verdict); the other members' steps that follow find no
+        gradient (their markers are off meanwhile) and step nothing. A member stepped
+        again before the others begins the next step."""
+        before, after = observers.guard(stepper.before_step), observers.guard(stepper.after_step)
+        done: set = set()     # the members stepped since zerofn's step ran
+
+        def pre_hook(opt, args, kwargs):
+            if opt in done:
+                done.clear()
+            if done:
+                stepper.reducer.visible.unmark()
+                return
+            observers.step_begin()
+            self.stepped = True
+            before()
+
+        def post_hook(opt, args, kwargs):
+            first = not done
+            done.add(opt)
+            if first:
+                after()
+            else:
+                stepper.reducer.visible.mark()
+            if len(done) == len(self.members):
+                done.clear()
+
+        return [h for m in self.members for h in (m.register_step_pre_hook(pre_hook),
+                                                  m.register_step_post_hook(post_hook))]
 
     def holds(self, slot) -> bool:
         return any(slot in g for g in self.slots)
@@ -178,17 +208,6 @@ class OptimizerBinding:
         for p in self._made - loaded:
             self.optimizer.state.pop(p, None)
         self._made.clear()
-
-
-def step_without_hooks(optimizer) -> None:
-    """The optimizer's own step, without the step hooks anyone registered (torch's
-    wrapper runs them around the class's step; ``__wrapped__`` is the step inside): a home
-    steps its units with the user's optimizer from within the step zerofn is running, whose
-    hooks, the user's and zerofn's, fire once, for the user's own call."""
-    step = type(optimizer).step
-    if getattr(step, "hooked", False):
-        step = step.__wrapped__
-    step(optimizer)
 
 
 SCALER_KEY = "zerofn_loss_scaler"

@@ -41,7 +41,9 @@ from .memory import model_state_bytes
 from .mesh import groups_of, model_parallel, own_groups, set_timeout
 from .offload import (HomeSpec, auto_problems, cpu_adam_steps, make_homes, offload_problems,
                       optimizer_problems)
+from .chain import OptimizerChain, members_of
 from .optimizer import check_optimizer, signature
+from .owned import overlap_whole
 from .params import ParamGatherer
 from .pool import BufferPool
 from .shards import Shards
@@ -58,10 +60,8 @@ def apply_plan(model: nn.Module, optimizer, edits, observer_kinds=()):
     user holds (a compiled one stays compiled; its inner module is transformed)."""
     held, model = model, unwrap(model)
     refuse_wrapped(held, model)
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"zerofn transforms take (model) or (model, optimizer); got "
-                        f"{type(optimizer).__name__} as the optimizer.")
     old = runtime_of(model) if is_transformed(model) else None
+    optimizer = chained(optimizer, old.optimizer if old is not None else None)
     plan = old.plan if old is not None else Plan()
     for edit in edits:
         plan = edit(plan)
@@ -81,6 +81,22 @@ def apply_plan(model: nn.Module, optimizer, edits, observer_kinds=()):
         old.restore()
     Runtime(model, optimizer, plan, observer_kinds)
     return held
+
+
+def chained(optimizer, bound):
+    """The optimizer to bind: the one given, or a sequence of them as one chain (chain.py;
+    the one already bound where it chains the same optimizers)."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    members = tuple(optimizer) if isinstance(optimizer, (list, tuple)) else None
+    if not members or not all(isinstance(m, torch.optim.Optimizer) for m in members):
+        raise TypeError(f"zerofn transforms take (model), (model, optimizer) or (model, "
+                        f"(optimizer, ...)); got {type(optimizer).__name__} as the optimizer.")
+    if len(members) == 1:
+        return members[0]
+    if isinstance(bound, OptimizerChain) and bound.members == members:
+        return bound
+    return OptimizerChain(members)
 
 
 def refuse_wrapped(held: nn.Module, model: nn.Module) -> None:
@@ -208,7 +224,7 @@ class Runtime:
     def _optimizer_problems(self, optimizer, takeover: bool) -> list[str]:
         """What stops ``optimizer`` stepping this model (checked on every rank)."""
         problems = check_optimizer(optimizer, self.param_index)
-        problems += overlap_problems(self.plan, optimizer)
+        problems += overlap_problems(self.plan, optimizer) + overlap_whole(self.plan, optimizer)
         nvme = any(self.homes.home_of(u) == "nvme" for u in self.units if u.slots)
         problems += optimizer_problems(self.plan.offload, optimizer, nvme)
         old = self.optimizer
@@ -223,7 +239,10 @@ class Runtime:
         elif not any(binding.holds(s) for s in held):
             problems.append(f"zerofn steps one optimizer per model, and "
                             f"{_a(type(old).__name__)} already steps its other parameters; "
-                            "put all of them in one optimizer (param groups may differ).")
+                            "put all of them in one optimizer (param groups may differ), or "
+                            "give the transform every optimizer as a sequence, as Muon "
+                            "beside AdamW needs: model, (muon, adamw) = "
+                            "transform(model, (muon, adamw)).")
         return problems
 
     def _retire(self, old, new) -> None:
@@ -240,7 +259,8 @@ class Runtime:
     def _bind(self, optimizer) -> None:
         self.stepper.bind(optimizer, self.param_index)
         self.optimizer = optimizer
-        finder.bound(optimizer)
+        for m in members_of(optimizer):
+            finder.bound(m)
 
     # -- set-up ----------------------------------------------------------------------
     def _build_units(self, observer_kinds, optimizer):
@@ -262,7 +282,7 @@ class Runtime:
         for kind in observer_kinds:    # [Note: observers]
             problems += kind.preflight(plan, self.device, dist.get_rank(self.group),
                                        dist.get_world_size(self.group))
-        problems += overlap_problems(plan, optimizer)
+        problems += overlap_problems(plan, optimizer) + overlap_whole(plan, optimizer)
         problems += nonfinite_problems(plan)
         problems += auto_problems(plan.offload, self.device, self.replica_world > 1)
         order = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
@@ -361,6 +381,12 @@ class Runtime:
         """fp16's current loss scale (None without loss scaling)."""
         return None if self.scaler is None else self.scaler.scale
 
+    def owned_load(self) -> list[float]:
+        """Each rank's share of the whole-tensor optimizers' work (owned.py's ``cost`` of
+        the parameters it owns); empty without one."""
+        owned = self.stepper.owned
+        return list(owned.load) if owned is not None and owned.slots else []
+
     def comm_stats(self) -> Counter:
         """``zf.comm_stats``: the shard dimension's counts of the last step, HSDP's
         replicate dimension's as ``replicate.<kind>``, and those of each ``groups=``
@@ -376,7 +402,9 @@ class Runtime:
         """``zf.model_state_bytes``, measured (memory.py), after the loop's ``zero_grad``
         (optimizer.py's [Note: zero_grad without a patch])."""
         self.stepper.follow_zero_grad()
-        return model_state_bytes(self.ctx, self.optimizer, self.homes, self.shards, self.reducer)
+        owned = self.stepper.owned
+        return model_state_bytes(self.ctx, self.optimizer, self.homes, self.shards, self.reducer,
+                                 owned.masters.values() if owned is not None else ())
 
     def units_on_device(self) -> list:
         """The units whose masters and optimizer state live on the device: every unit
@@ -502,6 +530,8 @@ class Runtime:
 
     def refresh_params(self) -> None:
         """Make the compute parameters equal the masters again (after a load). Collective."""
+        if self.stepper.owned is not None:
+            self.stepper.owned.stale()     # (a load wrote the masters' rows)
         self.homes.recast()
         self.shards.refresh_compute()
         for comm in self.ctx.comms:
@@ -512,7 +542,15 @@ class Runtime:
         """Create the bound optimizer's state (a zero step) where it has none yet, so a
         load has tensors to load into."""
         if self.stepper.binding is not None:
+            if not self.stepper.binding.stepped:
+                self.stepper.owned.make_state()
             self.stepper.binding.init_state()
+
+    def spread_owned_state(self) -> None:
+        """Whole-tensor optimizers' state in rows on every rank, as a state dict shows it
+        (owned.py's [Note: owned state in state dicts]). Collective."""
+        if self.stepper.owned is not None:
+            self.stepper.owned.spread_out()
 
     def forget_made_state(self, loaded: set) -> None:
         """After a load: drop the state ``init_optimizer_state`` made where the checkpoint
@@ -528,6 +566,7 @@ class Runtime:
         """
         self.observers.close()
         self.prepare_state_dict()
+        self.spread_owned_state()     # (restored as every other state: whole)
         self.stepper.restore()
         self.forward.remove()
         self.reducer.remove_hooks()
@@ -542,7 +581,8 @@ class Runtime:
             self.stepper.binding.restore(
                 lambda shard, v: self.full_tensor(slot_of_opt[shard], v, self.device)
                 if torch.is_tensor(v) and v.shape == shard.shape and v.dim() > 0 else v)
-            finder.unbound(self.optimizer)
+            for m in members_of(self.optimizer):
+                finder.unbound(m)
         finder.forget(self)
         detach(self.model)
         self.ctx.pool.clear()

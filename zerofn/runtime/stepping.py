@@ -16,6 +16,7 @@ from ..core.plan import Plan
 from .clip import clip_grads
 from .early_step import EarlySteps
 from .optimizer import OptimizerBinding
+from .owned import OwnedStep
 from .placement import AutoPlacement
 from .precision import LossScaler
 from .step import StepGrads
@@ -40,6 +41,7 @@ class Stepper:
         self.early = reducer.landing.early
         self.reducer = reducer
         self.optimizer = None
+        self.owned: OwnedStep | None = None     # whole-tensor optimizers' parameters
         self.binding: OptimizerBinding | None = None
         self.placement: AutoPlacement | None = None
         self._stepped = False    # the homes stepped this step (not skipped)
@@ -47,7 +49,10 @@ class Stepper:
     def bind(self, optimizer, slot_of: dict) -> None:
         """Step with ``optimizer`` from now on (its problems were agreed on already): its
         groups hold the shards first, then the homes give it their state."""
-        self.binding = OptimizerBinding(optimizer, slot_of, self, self.ctx.observers)
+        self.owned = OwnedStep(self.ctx, optimizer, slot_of)
+        self.binding = OptimizerBinding(optimizer, slot_of, self, self.ctx.observers,
+                                        {s for _, s in self.owned.slots})
+        self.owned.adopt_state()    # (state the optimizer had is cut to rows, as every rank's)
         self.homes.bind(optimizer)
         self.optimizer = optimizer
         # [Note: placing by the first step] (placement.py)
@@ -67,7 +72,10 @@ class Stepper:
             # overlapping the step of the next one; a home that steps with zerofn's CPU
             # Adam unscales and clips the gradients as it reads them. Memory a home reuses
             # within the step (the host ring, NVMe's staging ring) waits for those copies.
-            self.homes.step(self.optimizer, self.grads.grads, self.shards.refresh_unit,
+            # Whole-tensor optimizers first (owned.py): their masters' rows are updated
+            # before the homes send each unit's rows on; the homes step the rest.
+            self.owned.step(self.grads.grads, self.grads.grad_scale)
+            self.homes.step(self.owned.elementwise, self.grads.grads, self.shards.refresh_unit,
                             self.grads.grad_scale, self.ctx.copies, self.early)
             self.shards.await_shards()
 

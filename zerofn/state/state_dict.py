@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..core.units import ParamSlot
-from ..runtime import runtime_of
+from ..runtime import chained, runtime_of
 from ..runtime.agree import agree_or_raise
 from ..runtime.optimizer import SCALER_KEY
 from . import plain
@@ -55,9 +55,10 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: 
         return plain.get_state_dict(model, optimizer, full, device)
     rt = runtime_of(model)
     model = rt.model     # (the module itself, where torch.compile wraps it)
-    _check_optimizer(rt, optimizer)
+    optimizer = _check_optimizer(rt, optimizer)
     rt.prepare_state_dict()
     rt.init_optimizer_state()
+    rt.spread_owned_state()
     return (get_model_state_dict(model, full=full, device=device),
             _optim_state(rt, optimizer, full, device))
 
@@ -108,7 +109,8 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_sta
         return plain.set_state_dict(model, optimizer, model_state_dict, optim_state_dict)
     rt = runtime_of(model)
     model = rt.model     # (the module itself, where torch.compile wraps it)
-    _check_optimizer(rt, optimizer)
+    optimizer = _check_optimizer(rt, optimizer)
+    rt.spread_owned_state()
     set_model_state_dict(model, model_state_dict)
     _load_optim_state(rt, optimizer, optim_state_dict)
 
@@ -184,10 +186,13 @@ def _local_value(rt, slot: ParamSlot, value) -> torch.Tensor:
     return slot.rows_of(slot.piece_of(_full_value(value, slot.global_shape, slot.fqn)))
 
 
-def _check_optimizer(rt, optimizer) -> None:
-    """The optimizer that steps the model: bound now where none is yet (an optimizer built
-    after the transform), refused where another one steps it. Collective."""
+def _check_optimizer(rt, optimizer):
+    """The optimizer that steps the model (several given as a sequence: their chain, as
+    the transform bound them): bound now where none is yet (an optimizer built after the
+    transform), refused where another one steps it. Collective. Returns it."""
+    optimizer = chained(optimizer, rt.optimizer)
     rt.bind(optimizer)
+    return optimizer
 
 
 def _is_sharded_state(slot: ParamSlot, value) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..chain import members_of
 from .base import ALIGN, FlatBuffers, HomeSpec, HostArena, Home, cpu_adam_steps
 from .device import DeviceHome
 from .homes import Homes
@@ -52,7 +53,7 @@ def optimizer_problems(policy, optimizer, swapped: bool) -> list[str]:
     steps."""
     if policy.device is None or cpu_adam_steps(optimizer):
         return []
-    name = type(optimizer).__name__
+    name = " + ".join(type(m).__name__ for m in members_of(optimizer))
     lowp = [f"{n}={v}" for n, v in (("state_dtype", policy.state_dtype),
                                      ("master_dtype", policy.master_dtype))
             if v != torch.float32]
@@ -61,8 +62,9 @@ def optimizer_problems(policy, optimizer, swapped: bool) -> list[str]:
                 f"steps: use torch.optim.Adam, AdamW or zerofn.optim.CPUAdam (without "
                 f"amsgrad), not {name}, or leave the dtypes at fp32."]
     if swapped:
-        return [f"offload('nvme') steps Adam and AdamW only (got {name}); use "
-                "offload('cpu') for other optimizers."]
+        return [f"offload('nvme') steps Adam and AdamW only, alone (got {name}); use "
+                "offload('cpu') for other optimizers, and for Muon or Adafactor beside AdamW "
+                "(docs/optimizers.md)."]
     return []
 
 

@@ -1,0 +1,308 @@
+"""Whole-tensor optimizers (torch.optim.Muon beside AdamW, torch.optim.Adafactor) under every
+ZeRO stage: each owned parameter stepped whole on one rank, the weights as plain PyTorch's
+on the same global batch, Newton-Schulz run once per matrix per step over all ranks.
+
+Muon's Newton-Schulz runs in bf16, where the order of the gradients' reduction shows (DDP
+itself lands 1e-3 from single-process PyTorch); these tests run it in fp32 so that 1e-5
+tells a right step from a wrong one (Muon stepping shards of rows lands 2.6e-2 away at
+ZeRO-2, world 2).
+tools/bench_muon.py measures the bf16 figures against DDP's."""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+import zerofn as zf
+from support.compare import worst
+from support.errors import error_of
+from zerofn.runtime import runtime_of
+from zerofn.state.state_dict import get_model_state_dict
+from support.loops import zero
+from support.models import batches, make_models
+from support.owned import OPTIMIZERS, counted_newton_schulz, train_reference, train_sharded
+from support.ranks import run_ranks
+
+STEPS, TOL = 4, 1e-5
+
+EXTRAS = {
+    "none": lambda path: (),
+    "cpu": lambda path: (zf.offload("cpu"),),
+    "bf16": lambda path: (zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32),),
+}
+
+
+def trained(rank, world, stage, kind, accum, extra="none", clip=None, path=None, **options):
+    """The largest difference of the full weights from plain PyTorch's after ``STEPS``
+    steps, this rank's Newton-Schulz calls, and its owned matrices' cost."""
+    data = batches(STEPS, accum, world)
+    ref, model = make_models()
+    with counted_newton_schulz(fp32=True) as calls:
+        ref_opts = OPTIMIZERS[kind](ref)
+        if clip:
+            _clip_reference(ref, ref_opts, data, clip)
+        else:
+            train_reference(ref, ref_opts, data)
+        reference = len(calls)
+        calls.clear()
+        model, opts = zf.compose(zero(stage, **options), *EXTRAS[extra](path))(
+            model, OPTIMIZERS[kind](model))
+        train_sharded(model, opts, data, rank, world, clip=clip)
+    full = get_model_state_dict(model, full=True)
+    err = max(worst(full[k].float() - v.float()) for k, v in ref.state_dict().items())
+    owned = runtime_of(model).owned_load()
+    return err, len(calls), reference, owned
+
+
+def _clip_reference(ref, opts, data, clip):
+    for micro in data:
+        for x, y in micro:
+            (ref(x, y) / len(micro)).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+
+
+def check(results, world, tol=TOL):
+    errs = [r[0] for r in results]
+    assert max(errs) < tol, errs
+    # Newton-Schulz once per matrix per step, over all ranks together (the reference ran
+    # it once per matrix per step in one process).
+    assert sum(r[1] for r in results) == results[0][2], [r[1] for r in results]
+    loads = results[0][3]
+    assert len(loads) == world and max(loads) <= 1.3 * sum(loads) / world, loads
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_muon_and_adamw_step_as_pytorch_at_every_stage(stage, world):
+    check(run_ranks(world, trained, stage, "muon", 2, timeout=240), world,
+          tol=1e-6 if world == 1 else TOL)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_adafactor_steps_as_pytorch_at_every_stage(world):
+    for stage in (1, 2, 3):
+        errs = [r[0] for r in run_ranks(world, trained, stage, "adafactor", 2, timeout=240)]
+        assert max(errs) < (1e-6 if world == 1 else TOL), (stage, errs)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 4])
+def test_muon_under_cpu_offload_with_clipping_and_accumulation(world):
+    """ZeRO-3 and ZeRO-2 with offload("cpu"): the owned matrices' masters on the host,
+    gathered to their owner and scattered back; one global clip across both optimizers;
+    accumulation 1 and 4."""
+    for stage, accum in ((3, 4), (2, 1)):
+        results = run_ranks(world, trained, stage, "muon", accum, "cpu", 0.5, timeout=240)
+        check(results, world)
+
+
+def refusals(rank, world):
+    """What a whole-tensor optimizer cannot do, refused on every rank with its reason."""
+    out = {}
+    _, model = make_models()
+    overlap = zf.compose(zero(2), zf.offload("cpu", overlap_step=True))
+    out["overlap"] = error_of(overlap, model, OPTIMIZERS["muon"](model))
+    _, model = make_models()
+    out["lbfgs"] = error_of(zero(2), model, torch.optim.LBFGS(model.parameters()))
+    _, model = make_models()
+    with tempfile.TemporaryDirectory() as tmp:
+        nvme = zf.compose(zero(2), zf.offload("nvme", path=tmp))
+        out["nvme"] = error_of(nvme, model, OPTIMIZERS["muon"](model))
+    _, model = make_models()
+    out["not a sequence"] = error_of(zero(2), model, "adamw", error=TypeError)
+    return out
+
+
+@pytest.mark.multirank
+def test_what_owned_parameters_cannot_do_is_refused_on_every_rank():
+    for out in run_ranks(2, refusals, timeout=120):
+        assert "leave overlap_step off" in out["overlap"], out["overlap"]
+        assert "LBFGS steps through a closure" in out["lbfgs"], out["lbfgs"]
+        assert "(got Muon + AdamW); use offload('cpu')" in out["nvme"], out["nvme"]
+        assert "(model, (optimizer, ...))" in out["not a sequence"], out["not a sequence"]
+
+
+def resumed(rank, world, stage, path, resume):
+    """The first two of four steps saved by ``save_checkpoint``, or (``resume``) the last
+    two after ``load_checkpoint``, returning the weights' distance from plain PyTorch's
+    four steps. The global batch is the same at every world size."""
+    data = batches(4, 2, world, per_rank=4 // world)
+    ref, model = make_models()
+    with counted_newton_schulz(fp32=True):
+        model, opts = zero(stage)(model, OPTIMIZERS["muon"](model))
+        if not resume:
+            train_sharded(model, opts, data[:2], rank, world)
+            zf.save_checkpoint(path, model, opts, step=2)
+            zf.wait_for_checkpoint()
+            return None
+        zf.load_checkpoint(path, model, opts)
+        train_sharded(model, opts, data[2:], rank, world)
+        train_reference(ref, OPTIMIZERS["muon"](ref), data)
+    full = get_model_state_dict(model, full=True)
+    return max(worst(full[k].float() - v.float()) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_from_two_ranks_resumes_at_one_and_four_at_other_stages(tmp_path):
+    """Owned state saved as every other state (Shard(0) rows), loaded at another world
+    size and stage, re-owned there at the next step: the run goes on as uninterrupted."""
+    run_ranks(2, resumed, 3, str(tmp_path), False, timeout=240)
+    for world, stage in ((1, 1), (4, 2)):
+        errs = run_ranks(world, resumed, stage, str(tmp_path), True, timeout=240)
+        assert max(errs) < TOL, (world, stage, errs)
+
+
+def zerofn_to_fsdp2(rank, world, root):
+    """zerofn's ZeRO-3 checkpoint of Muon + AdamW loaded by FSDP2 running the same
+    optimizers (torch's get_state_dict over both, dcp.load, set_state_dict); both go on two
+    more steps. Returns the weights' distance between them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    data = batches(4, 1, world)
+    with counted_newton_schulz(fp32=True):
+        _, model = make_models()
+        model, opts = zero(3)(model, OPTIMIZERS["muon"](model))
+        train_sharded(model, opts, data[:2], rank, world)
+        ckpt = zf.save_checkpoint(root, model, opts, step=2)
+        zf.wait_for_checkpoint()
+        _, fmodel = make_models(seed=7)
+        mesh = init_device_mesh("cpu", (world,))
+        for block in fmodel.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(fmodel, mesh=mesh)
+        fopts = OPTIMIZERS["muon"](fmodel)
+        msd, osd = get_state_dict(fmodel, list(fopts))
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=ckpt)
+        set_state_dict(fmodel, list(fopts), model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        for model_, opts_ in ((model, opts), (fmodel, fopts)):
+            train_sharded(model_, opts_, data[2:], rank, world)
+    ours = get_model_state_dict(model, full=True)
+    theirs = {k: v.full_tensor() for k, v in fmodel.state_dict().items()
+              if hasattr(v, "full_tensor")}
+    return max(worst(ours[k] - v) for k, v in theirs.items())
+
+
+@pytest.mark.multirank
+def test_fsdp2_running_muon_reads_zerofns_checkpoint(tmp_path):
+    errs = run_ranks(2, zerofn_to_fsdp2, str(tmp_path), timeout=240)
+    assert max(errs) < TOL, errs
+
+
+def tensor_parallel_refusal(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from support.tp_models import make_tp_model, parallelize
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize(make_tp_model(), mesh["tp"])
+    opts = OPTIMIZERS["muon"](model)
+    stage = zf.compose(zf.shard_optimizer(), zf.shard_grads(group=mesh["dp"]))
+    return error_of(stage, model, opts)
+
+
+@pytest.mark.multirank
+def test_muon_over_tensor_parallel_matrices_is_refused_naming_one():
+    for out in run_ranks(4, tensor_parallel_refusal, timeout=120):
+        assert out is not None and "is split by tensor parallelism" in out, out
+        assert "'blocks.0.attn.q.weight'" in out, out
+
+
+def one_transform_at_a_time(rank, world):
+    """ZeRO-1 for two steps, then shard_grads and shard_params applied on top (each restores
+    the model and optimizer whole, Muon's momentum included, and shards them again) for two
+    more: as plain PyTorch's four steps."""
+    data = batches(4, 1, world)
+    ref, model = make_models()
+    with counted_newton_schulz(fp32=True):
+        model, opts = zf.shard_optimizer()(model, OPTIMIZERS["muon"](model))
+        train_sharded(model, opts, data[:1], rank, world)
+        model, opts = zf.shard_grads()(model, opts)
+        train_sharded(model, opts, data[1:3], rank, world)
+        model, opts = zf.shard_params()(model, opts)
+        train_sharded(model, opts, data[3:], rank, world)
+        train_reference(ref, OPTIMIZERS["muon"](ref), data)
+    full = get_model_state_dict(model, full=True)
+    return max(worst(full[k].float() - v.float()) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.multirank
+def test_transforms_applied_one_at_a_time_keep_muons_momentum():
+    errs = run_ranks(2, one_transform_at_a_time, timeout=240)
+    assert max(errs) < TOL, errs
+
+
+@pytest.mark.multirank
+def test_muon_under_bf16_mixed_precision_stays_near_fp32_pytorch():
+    """bf16 compute, fp32 reduction and masters: the owned matrices' gradients reach the
+    owner in the masters' dtype and their updated rows go back to bf16 compute shards. A
+    gross-error bound (bf16 compute against an fp32 run, compare.py's TOL_BF16_VS_FP32)."""
+    from support.compare import TOL_BF16_VS_FP32
+    for stage in (2, 3):
+        results = run_ranks(2, trained, stage, "muon", 2, "bf16", timeout=240)
+        errs = [r[0] for r in results]
+        assert max(errs) < TOL_BF16_VS_FP32, (stage, errs)
+        assert sum(r[1] for r in results) == results[0][2]
+
+
+def owned_bytes(rank, world):
+    """The optimizer-role bytes zf.model_state_bytes counts on this rank after two steps,
+    and the owned state and whole masters this rank holds."""
+    data = batches(2, 1, world)
+    _, model = make_models()
+    model, opts = zero(2)(model, OPTIMIZERS["muon"](model))
+    train_sharded(model, opts, data, rank, world)
+    counted = sum(roles["optimizer"] for roles in zf.model_state_bytes(model).values())
+    muon = opts[0]
+    whole = sum(t.numel() * t.element_size() for st in muon.state.values() for t in st.values())
+    return counted, whole, len(muon.state)
+
+
+@pytest.mark.multirank
+def test_owned_state_is_counted_on_its_owner_only():
+    """Muon's momentum and the owner's whole masters: each matrix's once over the ranks,
+    as much as one process holds (two whole matrices' worth of Muon's)."""
+    _, model = make_models()
+    matrices = sum(p.numel() * 4 for n, p in model.named_parameters()
+                   if n.startswith("blocks.") and p.ndim == 2)
+    results = run_ranks(2, owned_bytes, timeout=120)
+    assert sum(r[1] for r in results) == matrices           # the momentum, once
+    assert sum(r[2] for r in results) == 8 and all(r[2] for r in results)
+    alone = run_ranks(1, owned_bytes, timeout=120)[0]
+    # Over the ranks: rows of every master and AdamW's state, the momentum and the whole
+    # masters once; at one rank the same, but for the rows' padding (a few elements each).
+    total = sum(r[0] for r in results)
+    assert alone[0] <= total <= alone[0] + 1024 and alone[0] >= 2 * matrices, (total, alone)
+
+
+def hybrid(rank, world, stage):
+    """HSDP on a 2 x 2 (replicate, shard) mesh: owners within each shard group, every
+    replica computing its owned matrices alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return trained(rank, world, stage, "muon", 2, group=mesh)
+
+
+@pytest.mark.multirank
+def test_muon_under_hybrid_sharding():
+    for stage in (2, 3):
+        results = run_ranks(4, hybrid, stage, timeout=240)
+        assert max(r[0] for r in results) < TOL, (stage, [r[0] for r in results])
+        # (each replica runs Newton-Schulz for its shard group's matrices: twice over all)
+        assert sum(r[1] for r in results) == 2 * results[0][2]
+
+
+@pytest.mark.multirank
+def test_an_optimizer_the_user_marks_whole_steps_as_pytorch():
+    """zf.whole_tensors(opt): an optimizer torch does not ship, whose update reads its
+    tensor's norm, stepped whole on owners at ZeRO-2 and ZeRO-3."""
+    for stage in (2, 3):
+        errs = [r[0] for r in run_ranks(2, trained, stage, "normalized", 2, timeout=240)]
+        assert max(errs) < TOL, (stage, errs)

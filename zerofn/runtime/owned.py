@@ -1,0 +1,361 @@
+"""Whole-tensor optimizers (Muon, Adafactor): each parameter's update computed whole, on
+one owning rank.
+
+[Note: owned parameters] Muon orthogonalizes each matrix's momentum (Newton-Schulz) and
+Adafactor keeps row and column statistics, so stepping a shard of rows is not stepping
+the whole. Each parameter such an optimizer holds is given one owner rank of the shard
+group, balanced by the update's cost (``cost``: Newton-Schulz's flops for Muon, else the
+element count), as Megatron's layer-wise distributed optimizer and torchtitan's FlexShard
+``Owned`` layout do. At the step every rank sends the owner its rows of the parameter's
+reduced gradient (one gather per parameter); the owner runs the user's own optimizer on
+the whole tensor, keeping its whole masters from one step to the next, and scatters the
+updated rows back, which each rank writes into its masters. Where the rows were written
+outside the step (a load), the next gather carries the masters' rows too. The homes' step then sends every unit's rows to
+the compute parameters as for any other parameter. All gathers are issued before any
+owner steps, so the ranks compute their matrices at the same time, and every scatter
+after: each rank's share of the work is its owned parameters' cost.
+
+The optimizer's state for an owned parameter lives on its owner only, whole (keyed, as
+every state entry, by the tensor the group holds: this rank's rows), and nothing of it on
+the other ranks.
+
+[Note: owned state in state dicts] A state dict shows owned state as every other: each
+tensor of the parameter's shape as this rank's rows (a Shard(0) DTensor, so DCP reshards
+it to any world size, stage, or FSDP2 running the same optimizer), any other tensor and
+value whole on every rank. ``spread`` puts it in that form (the owner scatters the rows,
+broadcasts the rest) before a state dict is made or a checkpoint loaded into; the next step
+``collect``s it back to the owner (a gather of the rows), whoever owns the parameter now:
+a resume at another world size re-owns the matrices by that gather. Elementwise optimizers beside it (AdamW for the rest) step shards as
+before. Traffic per step over ZeRO's own for the same parameters, as ``zf.comm_stats``
+counts full buffers: the gradient's gather and the updated rows' scatter, +2x the owned
+parameters' elements (docs/optimizers.md). +1x would need one of two things given up:
+the reduced rows on every rank's p.grad after backward (a reduce to the owner in place of
+the reduce-scatter), or parameters current when step() returns (the owner's broadcast in
+place of the scatter and the unit's all-gather, left to the next forward). The owner's
+whole masters cost it memory: its owned parameters' elements, in the masters' dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .agree import gather
+from .chain import OptimizerChain, members_of, step_without_hooks
+
+# Optimizers whose update of an element reads other elements of its tensor: stepped whole,
+# on one owner (the user marks others with ``zf.whole_tensors``).
+WHOLE_TENSOR = ("Muon", "Adafactor")
+MARK = "_zerofn_whole_tensors"
+
+
+def whole_tensors(optimizer):
+    """Mark ``optimizer`` as one zerofn must step on whole tensors (its update of an element
+    reads others of the same tensor), as it steps Muon and Adafactor: each parameter it
+    holds gets one owner rank, which steps it whole. Returns the optimizer."""
+    setattr(optimizer, MARK, True)
+    return optimizer
+
+
+def is_whole(optimizer) -> bool:
+    return type(optimizer).__name__ in WHOLE_TENSOR or getattr(optimizer, MARK, False)
+
+
+def cost(shape) -> float:
+    """The update's work: Newton-Schulz's flops per iteration on an a x b matrix (a <= b:
+    X X^T, then A @ A, then B @ X) where there are two dims, else the element count."""
+    if len(shape) != 2:
+        return float(math.prod(shape))
+    a, b = sorted(shape)
+    return 4.0 * a * a * b + 2.0 * a ** 3
+
+
+def owners(shapes: list, world: int) -> tuple[list[int], list[float]]:
+    """Each shape's owner rank, largest cost first to the least-loaded rank (ties to the
+    lower rank): the same on every rank, as it reads shapes only. Returns the owners and
+    each rank's load."""
+    load = [0.0] * world
+    owner = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-cost(shapes[i]), i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += cost(shapes[i])
+    return owner, load
+
+
+class OwnedStep:
+    """The owned parameters of ``optimizer``'s whole-tensor members, and their step (see the
+    module note).
+
+    Args:
+        ctx: the runtime's context (the shard group's ``comm``, the device).
+        optimizer: the bound optimizer (a chain, or one).
+        slot_of: each tensor the optimizer's groups hold -> its slot, before binding.
+    """
+
+    def __init__(self, ctx, optimizer, slot_of: dict):
+        self.ctx, self.comm = ctx, ctx.comm
+        members = members_of(optimizer)
+        self.members = [m for m in members if is_whole(m)]
+        rest = [m for m in members if not is_whole(m)]
+        # What the homes step: the elementwise members (none: an empty chain steps nothing).
+        self.elementwise = rest[0] if len(rest) == 1 and len(members) == 1 \
+            else OptimizerChain(rest)
+        self.slots = [(m, slot_of[p]) for m in self.members for g in m.param_groups
+                      for p in g["params"] if slot_of[p].requires_grad]
+        owner, self.load = owners([s.global_shape for _, s in self.slots], self.comm.world)
+        self.owner = {s: o for (_, s), o in zip(self.slots, owner)}
+        self.spread = False   # [Note: owned state in state dicts]: state in rows, everywhere
+        self.member_of = {s: m for m, s in self.slots}
+        # The owners' whole masters, current where ``fresh`` (a set of slots, the same on
+        # every rank: what the last steps scattered) holds the slot; else gathered.
+        self.masters: dict = {}
+        self.fresh: set = set()
+
+    def mine(self) -> list:
+        return [s for _, s in self.slots if self.owner[s] == self.comm.rank]
+
+    @torch.no_grad()
+    def step(self, grads: dict, grad_scale: float) -> None:
+        """Every owned parameter with a gradient this step (the vote made that the same on
+        every rank) gathered to its owner, stepped whole there, scattered back."""
+        self.collect()
+        todo = [(m, s) for m, s in self.slots if grads.get(s) is not None]
+        if not todo:
+            return
+        gathered = {s: self._gather(s, grads[s], grad_scale) for _, s in todo}
+        whole = {s: w for s, w in gathered.items() if w is not None}
+        for m in self.members:
+            self._step_member(m, [s for mm, s in todo if mm is m and s in whole], whole)
+        for _, s in todo:
+            piece = self._scatter(s, whole.get(s))
+            s.opt_param.copy_(piece[:s.local_numel].view(s.local_shape))
+        # Every rank's rows are the owners' whole masters now: the owners keep them.
+        self.masters.update((s, w[0].to(s.opt_param.device)) for s, w in whole.items())
+        self.fresh |= {s for _, s in todo}
+
+    def stale(self) -> None:
+        """Masters' rows were written outside the step (a load): the next step gathers
+        them again. Called on every rank alike (a state dict access, a refresh)."""
+        self.fresh = set()
+        self.masters.clear()
+
+    def _piece(self, s, rows: torch.Tensor, dtype, scale: float = 1.0) -> torch.Tensor:
+        """``rows`` padded to the slot's ``chunk`` rows, flat, on the device."""
+        piece = torch.zeros(s.chunk * s.inner, dtype=dtype, device=self.ctx.device)
+        if s.local:
+            piece[:s.local_numel].copy_(rows.reshape(-1))
+            if scale != 1.0:
+                piece.mul_(scale)
+        return piece
+
+    def _gather(self, s, grad_rows, grad_scale: float):
+        """Send this rank's gradient rows to the owner, and its master rows too where the
+        owner keeps no whole masters current (one gather). Returns (whole masters, whole
+        gradient) on the owner, else None."""
+        dtype, owner, world = s.opt_param.dtype, self.owner[s], self.comm.world
+        kept = s in self.fresh
+        send = self._piece(s, grad_rows, dtype, grad_scale)
+        if not kept:
+            send = torch.cat([send, self._piece(s, s.opt_param, dtype)])
+        if world == 1:
+            recv = send.view(1, -1)
+        else:
+            recv = torch.empty(world, send.numel(), dtype=dtype, device=send.device) \
+                if owner == self.comm.rank else None
+            self.comm.gather(send, recv, owner)
+        if recv is None:
+            return None
+        grad = _whole(s, recv[:, :s.chunk * s.inner])
+        # (a copy: the owner keeps it, and at one rank it would be a view of ``send``)
+        master = self.masters[s].to(grad.device) if kept \
+            else _whole(s, recv[:, s.chunk * s.inner:]).clone()
+        return master, grad
+
+    def _scatter(self, s, whole) -> torch.Tensor:
+        """The owner's updated whole masters, this rank's rows to each rank: this rank's
+        rows, padded to ``chunk``, flat."""
+        owner, world = self.owner[s], self.comm.world
+        if world == 1:
+            return whole[0].view(-1)
+        piece = torch.empty(s.chunk * s.inner, dtype=s.opt_param.dtype, device=self.ctx.device)
+        pieces = None
+        if whole is not None:
+            padded = torch.zeros(world * s.chunk * s.inner, dtype=piece.dtype, device=piece.device)
+            padded[:s.numel].copy_(whole[0].reshape(-1))
+            pieces = padded.view(world, -1)
+        self.comm.scatter(piece, pieces, owner)
+        return piece
+
+    def _step_member(self, member, slots: list, whole: dict) -> None:
+        """``member`` steps the whole tensors of ``slots`` (this rank's): its groups hold
+        them, with their state, for the one call, then the rows again."""
+        if not slots:
+            return
+        saved = [list(g["params"]) for g in member.param_groups]
+        mine = {s.opt_param: s for s in slots}
+        tensor_of = {}
+        for g in member.param_groups:
+            held = [mine[p] for p in g["params"] if p in mine]
+            g["params"][:] = [_whole_param(s, whole[s], tensor_of) for s in held]
+        # The math runs where the whole tensors are (the device); the state lives with
+        # the masters' rows (the host, under offload): up for the step, down after.
+        for s in slots:
+            if s.opt_param in member.state:
+                member.state[tensor_of[s]] = _moved(member.state.pop(s.opt_param),
+                                                    tensor_of[s].device)
+        try:
+            step_without_hooks(member)
+        finally:
+            for g, params in zip(member.param_groups, saved):
+                g["params"][:] = params
+            for s in slots:
+                if tensor_of[s] in member.state:
+                    member.state[s.opt_param] = _moved(member.state.pop(tensor_of[s]),
+                                                       s.opt_param.device)
+
+    # -- state dicts ([Note: owned state in state dicts]) ------------------------------
+    def adopt_state(self) -> None:
+        """At binding: state the optimizer already held (the same on every rank: a
+        transform applied on top of another restored it whole) was cut to this rank's rows
+        like any other, which is the spread form; the first step collects it."""
+        self.spread = any(s.opt_param in self.member_of[s].state for _, s in self.slots)
+
+    @torch.no_grad()
+    def make_state(self) -> None:
+        """Before any step, the state a first step would make, for a load to load into: the
+        owner steps its parameters' members once with lr 0 on zero stand-ins (torch's DCP
+        helpers make state the same way)."""
+        for m in self.members:
+            bare = [s for s in self.mine() if self.member_of[s] is m
+                    and s.opt_param not in m.state]
+            if not bare:
+                continue
+            lrs = [g["lr"] for g in m.param_groups]
+            for g in m.param_groups:
+                g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+            try:
+                zeros = {s: torch.zeros(s.shape, dtype=s.opt_param.dtype, device=s.opt_param.device)
+                         for s in bare}
+                self._step_member(m, bare, {s: (z, torch.zeros_like(z)) for s, z in zeros.items()})
+            finally:
+                for g, lr in zip(m.param_groups, lrs):
+                    g["lr"] = lr
+
+    @torch.no_grad()
+    def spread_out(self) -> None:
+        """Owned state from its owner to every rank, as a state dict shows it. Collective."""
+        self.stale()
+        if self.spread or not self.slots:
+            return
+        mine = {s.fqn: _describe(self.member_of[s].state.get(s.opt_param)) for s in self.mine()}
+        described: dict = {}
+        for part in gather(mine, self.comm.group):
+            described.update(part)
+        for _, s in self.slots:
+            entries = described[s.fqn]
+            if entries is None:
+                continue
+            own = self.member_of[s].state.pop(s.opt_param, {})
+            self.member_of[s].state[s.opt_param] = {
+                k: self._spread_value(s, own.get(k), meta) for k, meta in entries.items()}
+        self.spread = True
+
+    def _spread_value(self, s, value, meta):
+        if meta[0] == "value":
+            return meta[1]
+        _, shape, dtype, device = meta
+        if shape == tuple(s.shape):
+            whole = None if value is None else (value, None)
+            return self._scatter(s, whole)[:s.local_numel].view(s.local_shape).to(
+                dtype).to(device).clone()
+        out = value if value is not None else torch.empty(shape, dtype=dtype)
+        moved = out.to(self.ctx.device)
+        self.comm.broadcast(moved, self.owner[s])
+        return moved.to(device)
+
+    @torch.no_grad()
+    def collect(self) -> None:
+        """Owned state back to its owner, whole; none left on the other ranks. Collective."""
+        if not self.spread:
+            return
+        for _, s in self.slots:
+            state = self.member_of[s].state.pop(s.opt_param, None)
+            if state is None:
+                continue
+            whole = {k: self._collect_value(s, v) for k, v in state.items()}
+            if self.owner[s] == self.comm.rank:
+                self.member_of[s].state[s.opt_param] = whole
+        self.spread = False
+
+    def _collect_value(self, s, value):
+        if not (torch.is_tensor(value) and value.dim() and value.shape == s.local_shape):
+            return value
+        if self.comm.world == 1:
+            return value
+        send = self._piece(s, value, value.dtype)
+        recv = torch.empty(self.comm.world, send.numel(), dtype=value.dtype,
+                           device=send.device) if self.owner[s] == self.comm.rank else None
+        self.comm.gather(send, recv, self.owner[s])
+        if recv is None:
+            return None
+        return recv.reshape(-1)[:s.numel].view(s.shape).to(value.device).clone()
+
+
+def _describe(state) -> dict | None:
+    """What the other ranks need to receive one parameter's state: per key, a tensor's
+    shape, dtype and device, or the value itself."""
+    if state is None:
+        return None
+    return {k: ("tensor", tuple(v.shape), v.dtype, v.device) if torch.is_tensor(v) and v.dim()
+            else ("value", v) for k, v in state.items()}
+
+
+def _moved(state: dict, device) -> dict:
+    """A parameter's state with its tensors (not its step count) on ``device``."""
+    return {k: v.to(device) if torch.is_tensor(v) and v.dim() else v for k, v in state.items()}
+
+
+def _whole(s, pieces: torch.Tensor) -> torch.Tensor:
+    """The whole parameter-shaped tensor from each rank's padded rows (one row each)."""
+    return pieces.reshape(-1)[:s.numel].view(s.shape)
+
+
+def _whole_param(s, whole, tensor_of: dict) -> torch.Tensor:
+    master, grad = whole
+    master.grad = grad
+    tensor_of[s] = master
+    return master
+
+
+def owned_problems(optimizer, slot_of: dict) -> list[str]:
+    """What a whole-tensor member cannot step here (checked on every rank)."""
+    problems = []
+    for m in members_of(optimizer):
+        if not is_whole(m):
+            continue
+        for g in m.param_groups:
+            for p in g["params"]:
+                s = slot_of.get(p)
+                if s is not None and s.spec is not None:
+                    problems.append(
+                        f"{type(m).__name__} steps each parameter whole, and {s.fqn!r} is split "
+                        "by tensor parallelism (a DTensor on the tp mesh): zerofn owns whole "
+                        "tensors of the data-parallel layout only; give it to an elementwise "
+                        "optimizer such as AdamW, or train it without tensor parallelism.")
+                elif s is not None and s.dp is not None:
+                    problems.append(
+                        f"{type(m).__name__} steps each parameter whole, and {s.fqn!r} shards "
+                        "over a group of its own (groups=: an expert), whose ranks hold other "
+                        "experts than the data-parallel group's owners would gather: give the "
+                        "experts to an elementwise optimizer such as AdamW.")
+    return problems
+
+
+def overlap_whole(plan, optimizer) -> list[str]:
+    """Owned parameters are stepped at step(), after every rank's rows are reduced."""
+    if plan.offload.overlap_step and any(is_whole(m) for m in members_of(optimizer)):
+        return ["offload(overlap_step=True) steps units during backward, and a whole-tensor "
+                "optimizer (Muon, Adafactor) steps each parameter whole at step(), once every "
+                "rank's rows are reduced: leave overlap_step off."]
+    return []
