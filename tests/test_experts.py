@@ -178,7 +178,7 @@ REFUSALS = {"no module": "matches no module",
             "hybrid": "with hybrid sharding",
             "DTensor experts": "is a DTensor (tensor parallelism, or experts split",
             "save_pretrained": "save with zf.save_checkpoint",
-            "full_weights": "save with zf.save_checkpoint (every expert once)",
+            "full_weights": "experts yourself, or save with zf.save_checkpoint",
             "whole-tensor optimizer": "give the experts to an elementwise optimizer",
             "meta": "would start equal to another's"}
 

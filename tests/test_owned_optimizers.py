@@ -129,16 +129,18 @@ def test_what_owned_parameters_cannot_do_is_refused_on_every_rank():
 
 
 def resumed(rank, world, stage, path, resume):
-    """The first two of four steps saved by ``save_checkpoint``, or (``resume``) the last
-    two after ``load_checkpoint``, returning the weights' distance from plain PyTorch's
-    four steps. The global batch is the same at every world size."""
+    """The first two of four steps saved by ``save_checkpoint`` in the background, or
+    (``resume``) the last two after ``load_checkpoint``, returning the weights' distance
+    from plain PyTorch's four steps. The global batch is the same at every world size."""
     data = batches(4, 2, world, per_rank=4 // world)
     ref, model = make_models()
     with counted_newton_schulz(fp32=True):
         model, opts = zero(stage)(model, OPTIMIZERS["muon"](model))
         if not resume:
             train_sharded(model, opts, data[:2], rank, world)
-            zf.save_checkpoint(path, model, opts, step=2)
+            # In the background, while the next steps change the state: it saves step 2's.
+            zf.save_checkpoint(path, model, opts, step=2, async_save=True)
+            train_sharded(model, opts, data[2:], rank, world)
             zf.wait_for_checkpoint()
             return None
         zf.load_checkpoint(path, model, opts)

@@ -65,17 +65,25 @@ def full_weights(model: nn.Module, *, bucket_bytes: int = BUCKET_BYTES,
     if plain_model(model) is not None:
         return _plain(plain_model(model), dtype, to)
     rt = runtime_of(model)
-    if rt.plan.sharding.groups:     # (refused alike on every rank, before any collective)
-        raise ValueError(
-            "full_weights gathers each tensor over one data-parallel group, and under "
-            "groups= each expert-parallel rank holds other experts under other names: "
-            "gather the dense weights and each rank's own experts yourself, or save with "
-            "zf.save_checkpoint (every expert once) and read that.")
+    refuse_own_groups(rt, "full_weights", "gather the dense weights and each rank's own "
+                      "experts yourself, or ")
     world = dist.get_world_size()
     if to != "all" and not (isinstance(to, int) and 0 <= to < world):
         raise ValueError(f"full_weights(to={to!r}): pass \"all\" or a global rank, 0 to "
                          f"{world - 1}.")
     return _gathered(rt, model, bucket_bytes, dtype, to)
+
+
+def refuse_own_groups(rt, what: str, or_else: str = "") -> None:
+    """Whole-model writers gather over one data-parallel group; under ``groups=`` each
+    expert-parallel rank holds other experts under other names. Refused alike on every
+    rank, before any collective."""
+    if rt.plan.sharding.groups:
+        raise ValueError(
+            f"{what} writes the whole model from the ranks of one data-parallel group, and "
+            f"under groups= each expert-parallel rank holds other experts: {or_else}save "
+            "with zf.save_checkpoint (every expert once, under its own name), which "
+            "zf.load_checkpoint loads into the whole model in one process.")
 
 
 def _plain(module: nn.Module, dtype, to) -> Iterator[tuple[str, torch.Tensor]]:

@@ -87,9 +87,10 @@ def unread_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
     fewer bits) left there: those tensors are stand-ins of one element, which a save
     replaces and reads a unit at a time (io/checkpoint/streamed.py). A zerofn model only."""
     rt = runtime_of(model)
-    _check_optimizer(rt, optimizer)
+    optimizer = _check_optimizer(rt, optimizer)
     rt.prepare_state_dict(read=False)
     rt.init_optimizer_state()
+    rt.spread_owned_state()       # (an owner's whole state, as rows: in memory already)
     msd = module_state(rt, rt.model, lambda s: _export(rt, s, s.opt_param.detach(), False))
     return msd, _optim_state(rt, optimizer, False)
 

@@ -25,6 +25,7 @@ from ...runtime import runtime_of
 from ...runtime.agree import agree_or_raise, from_first
 from ...state.hooks import hooked_modules, module_state, persistent_buffers, within
 from .. import fs
+from ..weights import refuse_own_groups
 from .safetensors_writer import DTYPES, Entry, Writer, shards
 
 # What save_pretrained writes (or would have written) in a model directory; everything
@@ -66,12 +67,7 @@ def save_pretrained(model: nn.Module, directory, *, max_shard_size="5GB", dtype=
     """
     rt = runtime_of(model)
     model = rt.model     # (the module itself, where torch.compile wraps it)
-    if rt.plan.sharding.groups:     # (refused alike on every rank, before any collective)
-        raise ValueError(
-            "save_pretrained writes the whole model from the ranks of one data-parallel "
-            "group, and under groups= each expert-parallel rank holds other experts: save "
-            "with zf.save_checkpoint (every expert once, under its own name), which "
-            "zf.load_checkpoint loads into the whole model in one process.")
+    refuse_own_groups(rt, "save_pretrained")
     limit = _shard_bytes(max_shard_size)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"save_pretrained(dtype={dtype!r}): pass a floating torch dtype or None.")
