@@ -71,7 +71,7 @@ def held_and_modelled(rank, world, name):
                         0, 0, {}, {}))
             continue
         msd, osd = zf.get_state_dict(model, opt)
-        leaves = list(_leaves({"model": msd, "optim": osd}))
+        leaves = list(_leaves({"model": msd, "optim": osd}, set()))
         # a background save stages every tensor; DCP copies each view of a larger buffer
         copied = {"async": sum(t.nbytes for t in leaves),
                   "sync": sum(t.nbytes for t in leaves if t.untyped_storage().nbytes() != t.nbytes)}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 import torch
 
@@ -18,8 +19,14 @@ class _OneLine(argparse.ArgumentParser):
     which for this many flags buries it)."""
 
     def error(self, message: str):
-        from .launch import refuse
         refuse(message)
+
+
+def refuse(message: str) -> None:
+    """argparse's form of a refusal, on one line, with where to look."""
+    print(f"zerofn train: error: {' '.join(message.split())} (zerofn train --help lists "
+          f"the flags)", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from zerofn.observe.failures import DEFAULT_TIMEOUT
 
+from .args import refuse
+
 
 def under_launcher() -> bool:
     """Whether torchrun (or another launcher setting RANK and WORLD_SIZE) started us."""
@@ -32,13 +34,6 @@ def check_before_launch(args) -> None:
         resolve(args, device, world=ranks_to_start(args.nproc))
     except (ValueError, OSError) as e:
         refuse(str(e))
-
-
-def refuse(message: str) -> None:
-    """argparse's form of a refusal, on one line, with where to look."""
-    print(f"zerofn train: error: {' '.join(message.split())} (zerofn train --help lists "
-          f"the flags)", file=sys.stderr, flush=True)
-    raise SystemExit(2)
 
 
 def launch(argv: list[str], nproc: int | None) -> None:
