@@ -55,10 +55,7 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: 
         return plain.get_state_dict(model, optimizer, full, device)
     rt = runtime_of(model)
     model = rt.model     # (the module itself, where torch.compile wraps it)
-    optimizer = _check_optimizer(rt, optimizer)
-    rt.prepare_state_dict()
-    rt.init_optimizer_state()
-    rt.spread_owned_state()
+    optimizer = _ready(rt, optimizer, read=True)
     return (get_model_state_dict(model, full=full, device=device),
             _optim_state(rt, optimizer, full, device))
 
@@ -87,10 +84,7 @@ def unread_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
     fewer bits) left there: those tensors are stand-ins of one element, which a save
     replaces and reads a unit at a time (io/checkpoint/streamed.py). A zerofn model only."""
     rt = runtime_of(model)
-    optimizer = _check_optimizer(rt, optimizer)
-    rt.prepare_state_dict(read=False)
-    rt.init_optimizer_state()
-    rt.spread_owned_state()       # (an owner's whole state, as rows: in memory already)
+    optimizer = _ready(rt, optimizer, read=False)
     msd = module_state(rt, rt.model, lambda s: _export(rt, s, s.opt_param.detach(), False))
     return msd, _optim_state(rt, optimizer, False)
 
@@ -185,6 +179,17 @@ def _local_value(rt, slot: ParamSlot, value) -> torch.Tensor:
             and tuple(value.device_mesh.shape) == tuple(mesh.shape):
         return value.to_local()
     return slot.rows_of(slot.piece_of(_full_value(value, slot.global_shape, slot.fqn)))
+
+
+def _ready(rt, optimizer, read: bool):
+    """Before a state dict: the optimizer bound (``_check_optimizer``), the state made
+    current (``read``: offloaded state read into memory too), its state made where none
+    is yet, and owned state spread as rows. Returns the optimizer."""
+    optimizer = _check_optimizer(rt, optimizer)
+    rt.prepare_state_dict(read=read)
+    rt.init_optimizer_state()
+    rt.spread_owned_state()
+    return optimizer
 
 
 def _check_optimizer(rt, optimizer):
