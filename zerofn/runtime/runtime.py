@@ -5,9 +5,9 @@ It lives on the model (``model._zerofn``); the transforms themselves stay statel
 
 One step through the parts: forward's hooks (forward.py) gather each ZeRO-3 unit
 (params.py); backward's tracker (backward.py) tells the reducer (grads.py) when each unit
-is complete, whose reduced shard goes to its landing (step.py) and, at the end, onto
-``p.grad`` (visible.py); ``optimizer.step()`` runs the stepper (stepping.py): the step's
-gradients and one vote (step.py), then each unit's home (offload/) steps its rows and the
+is complete, whose reduced shard goes to its landing (step_grads.py) and, at the end, onto
+``p.grad`` (visible.py); ``optimizer.step()`` runs the stepper (stepper.py): the step's
+gradients and one vote (step_grads.py), then each unit's home (offload/) steps its rows and the
 shards (shards.py) bring the compute rows up to date.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .comm import Comm, device_problems
 from .context import RuntimeContext
 from .copies import CopyStreams
 from .describe import announce
-from .early_step import overlap_problems
+from .overlap import overlap_problems
 from .events import Observers
 from .forward import ForwardHooks
 from .grads import GradReducer
@@ -47,8 +47,8 @@ from .owned import overlap_whole
 from .params import ParamGatherer
 from .pool import BufferPool
 from .shards import Shards
-from .step import Landing
-from .stepping import Stepper, early_steps, nonfinite_problems
+from .landing import Landing
+from .stepper import Stepper, early_steps, nonfinite_problems
 from .visible import VisibleGrads
 
 

@@ -14,12 +14,12 @@ import torch
 
 from ..core.plan import Plan
 from .clip import clip_grads
-from .early_step import EarlySteps
+from .overlap import EarlySteps
 from .optimizer import OptimizerBinding
 from .owned import OwnedStep
 from .placement import AutoPlacement
 from .precision import LossScaler
-from .step import StepGrads
+from .step_grads import StepGrads
 
 
 class Stepper:
@@ -148,7 +148,7 @@ def loss_scaler(plan: Plan) -> LossScaler | None:
 
 
 def nonfinite_problems(plan: Plan) -> list[str]:
-    """What ``on_nonfinite`` cannot keep under this plan (step.py's [Note: the non-finite
+    """What ``on_nonfinite`` cannot keep under this plan (step_grads.py's [Note: the non-finite
     guard]): checked on every rank before any collective."""
     given = plan.sharding.on_nonfinite
     if plan.scales_loss() and given in ("raise", "ignore"):
@@ -166,5 +166,5 @@ def nonfinite_problems(plan: Plan) -> list[str]:
 
 def early_steps(ctx, homes, optimizer) -> EarlySteps | None:
     """``overlap_step``'s host steps during backward ([Note: the host step during
-    backward], early_step.py), or None."""
+    backward], overlap.py), or None."""
     return EarlySteps(homes, optimizer, ctx) if ctx.plan.offload.overlap_step else None
