@@ -12,6 +12,7 @@ import re
 import torch
 from torch import nn
 
+from .plan import OffloadPolicy
 from .units import build_units
 
 PLACES = ("device", "host", "nvme")
@@ -53,7 +54,8 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
                        param_dtype: torch.dtype = torch.bfloat16,
                        master_dtype: torch.dtype = torch.float32, optimizer_states: int = 2,
                        *, reduce_dtype: torch.dtype | None = None, offload: str | None = None,
-                       offload_params: bool = False, units_in_flight: int = 2,
+                       offload_params: bool = False,
+                       units_in_flight: int = OffloadPolicy.units_in_flight,
                        largest_unit: int | None = None, state_dtype: torch.dtype | None = None,
                        ratio: float = 1.0, host_ring: bool = True) -> dict[str, dict[str, float]]:
     """Model-state bytes one rank holds, by place and role, as zerofn lays them out.

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from zerofn.core.estimate import estimate_placement, moment_bytes
+from zerofn.core.plan import ShardingPolicy
 from zerofn.core.units import build_units
 from zerofn.io.checkpoint.checksums import FILE_BYTES
 from zerofn.runtime.host_malloc import THRESHOLD
@@ -216,8 +217,8 @@ def _offloaded_state(c: Candidate, shape: Shape, device_is_host: bool
     return out
 
 
-def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = 4_000_000,
-               prefetch: int = 1, gloo: bool = True) -> tuple[int, int]:
+def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = ShardingPolicy.bucket_size,
+               prefetch: int = ShardingPolicy.prefetch, gloo: bool = True) -> tuple[int, int]:
     """``(bytes, heap bytes)``: what the runtime's buffer pool holds once two steps have
     run (runtime/pool.py), its requests replayed (pool_replay.py), but the gradient
     shards it lends (model state); and of that, the buffers under ``THRESHOLD`` bytes,

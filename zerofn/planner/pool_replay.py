@@ -1,8 +1,9 @@
 """The runtime's buffer pool (runtime/pool.py), replayed over a candidate's steps: the
-same best-fit rule (a request takes the smallest free buffer at most ``MAX_WASTE`` times
-its size, else a new one, made as large as the largest expected request it could serve),
-over the requests the runtime makes, in its order, under the same in-flight bound on
-collectives (runtime/comm.py). What the pool ends up holding depends on the units' sizes
+pool's own best-fit rule (``best_fit``, ``new_size``: a request takes the smallest free
+buffer at most ``MAX_WASTE`` times its size, else a new one, made as large as the largest
+expected request it could serve), over the requests the runtime makes, in its order
+(backward.py's ``first_order``), through the runtime's own in-flight queue on
+collectives (runtime/comm.py's ``InFlight``, its bound and gloo's scratch). What the pool ends up holding depends on the units' sizes
 and not only the largest: a unit too small for the free buffers (a convolutional net's
 early blocks beside its late ones) gets buffers of its own.
 
@@ -24,10 +25,10 @@ The requests, per step (one rank, no accumulation):
 """
 from __future__ import annotations
 
-from collections import deque
-
-from zerofn.runtime.comm import KEEP_IN_FLIGHT
-from zerofn.runtime.pool import MAX_WASTE
+from zerofn.core.plan import ShardingPolicy
+from zerofn.runtime.backward import first_order
+from zerofn.runtime.comm import InFlight, inflight_bytes, scratch_numel
+from zerofn.runtime.pool import best_fit, new_size
 
 
 class _Buffer:
@@ -38,7 +39,8 @@ class _Buffer:
 
 
 class _Pool:
-    """BufferPool's best fit over sizes only (one free list per element size)."""
+    """BufferPool's best fit (runtime/pool.py's rule) over sizes only (one free list per
+    element size)."""
 
     def __init__(self, expected=()):
         self.free: dict[int, list[_Buffer]] = {}
@@ -49,14 +51,10 @@ class _Pool:
         if numel == 0:
             return None
         free = self.free.setdefault(itemsize, [])
-        fits = [b for b in free if numel <= b.numel <= MAX_WASTE * numel]
-        if fits:
-            buf = min(fits, key=lambda b: b.numel)
-            free.remove(buf)
-            return buf
-        size = max((n for n in self.expected if numel <= n <= MAX_WASTE * numel),
-                   default=numel)
-        buf = _Buffer(size, itemsize)
+        fit = best_fit([b.numel for b in free], numel)
+        if fit is not None:
+            return free.pop(fit)
+        buf = _Buffer(new_size(self.expected, numel), itemsize)
         self.owned.append(buf)
         return buf
 
@@ -69,32 +67,12 @@ class _Pool:
         return sum(b.numel * b.itemsize for b in self.owned)
 
 
-class _Queue:
-    """Comm's in-flight bound on collectives whose buffers wait to go back (gloo: each
-    has work to wait for)."""
+class _Waited:
+    """A collective's work as gloo's: waited for when the bound needs room."""
 
-    def __init__(self, bound: int):
-        self.bound, self.inflight = bound, 0
-        self.queue: deque = deque()
-
-    def enqueue(self, nbytes: int, on_done) -> None:
-        self.queue.append((nbytes, on_done))
-        self.inflight += nbytes
-        while self.inflight > self.bound and len(self.queue) > KEEP_IN_FLIGHT:
-            self._finish_oldest()
-
-    def make_room(self, nbytes: int) -> None:
-        while self.queue and self.inflight + nbytes > self.bound:
-            self._finish_oldest()
-
-    def drain(self) -> None:
-        while self.queue:
-            self._finish_oldest()
-
-    def _finish_oldest(self) -> None:
-        nbytes, on_done = self.queue.popleft()
-        self.inflight -= nbytes
-        on_done()
+    @staticmethod
+    def wait() -> None:
+        pass
 
 
 class PoolReplay:
@@ -116,15 +94,18 @@ class PoolReplay:
 
     def __init__(self, stage: int, world: int, shards: tuple[int, ...],
                  trainable: tuple[bool, ...], root: bool, compute: int, master: int,
-                 lent: bool, mixed_copies: bool, bucket_size: int = 4_000_000,
-                 prefetch: int = 1, gloo: bool = True):
+                 lent: bool, mixed_copies: bool,
+                 bucket_size: int = ShardingPolicy.bucket_size,
+                 prefetch: int = ShardingPolicy.prefetch, gloo: bool = True):
         self.stage, self.world, self.compute, self.master = stage, world, compute, master
         self.units = list(range(len(shards)))
         self.shards, self.trainable = shards, trainable
         self.lent_shards, self.mixed_copies = lent, mixed_copies
         self.prefetch, self.gloo = prefetch, gloo
         self.pool = _Pool([world * n for n in shards] if stage == 3 else ())
-        self.queue = _Queue(4 * bucket_size)
+        # (every collective waited as gloo's: a device's side-stream reductions, which keep
+        # KEEP_IN_FLIGHT for room, are not told apart)
+        self.queue = InFlight(inflight_bytes(bucket_size))
         # forward order: the root first, then the units as built
         self.order = self.units[-1:] + self.units[:-1] if root else self.units
         self.gathered: dict[int, _Buffer] = {}
@@ -192,19 +173,14 @@ class PoolReplay:
                 self._free(first)
                 self._reduce(first, send)
         else:
-            for u in self._reduction_order():
+            for u in first_order([u for u in self.units if self.trainable[u]]):
                 self._reduce(u, self._send(u))
         self.queue.drain()
         for u in list(self.gathered):
             self._free(u)
 
-    def _reduction_order(self) -> list[int]:
-        """The reverse of the units' order, the root last (backward.py)."""
-        mine = [u for u in self.units if self.trainable[u]]
-        return mine[-2::-1] + mine[-1:]
-
     def _scratch(self, u: int) -> int:
-        return self.world * self.shards[u] if self.gloo and self.world > 2 else 0
+        return scratch_numel(self.world * self.shards[u], self.world, self.gloo)
 
     def _send(self, u: int) -> _Buffer:
         full = self.world * self.shards[u]
@@ -216,7 +192,7 @@ class PoolReplay:
         if self.lent_shards and u not in self.lent:
             self.lent[u] = self.pool.take(self.shards[u], self.compute)
         nbytes = (self.world * self.shards[u] + self._scratch(u)) * self.compute
-        self.queue.enqueue(nbytes, lambda: self.pool.give(send, scratch))
+        self.queue.enqueue(_Waited, nbytes, lambda: self.pool.give(send, scratch))
 
     # -- the step -----------------------------------------------------------------------
     def _step(self) -> None:
@@ -227,6 +203,6 @@ class PoolReplay:
         if self.stage < 3:
             for u in self.units:
                 recv = self.pool.take(self.world * self.shards[u], self.compute)
-                self.queue.enqueue(self.world * self.shards[u] * self.compute,
+                self.queue.enqueue(_Waited, self.world * self.shards[u] * self.compute,
                                    lambda recv=recv: self.pool.give(recv))
             self.queue.drain()

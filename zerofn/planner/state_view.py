@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from zerofn.core.estimate import DTYPES, HOST_RING_DEPTH, count_params, parse_count, table
+from zerofn.core.plan import OffloadPolicy
 
 
 def _description(n: int, world: int, precision: str, optimizer_states: int,
@@ -52,8 +53,9 @@ def main(argv=None, prog: str = "python -m zerofn estimate") -> int:
     p.add_argument("--master-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="how the masters are stored (offload's master_dtype; bf16 needs "
                         "--precision bf16)")
-    p.add_argument("--units-in-flight", type=int, default=2,
-                   help="NVMe staging buffers in host memory (default 2, as offload's)")
+    p.add_argument("--units-in-flight", type=int, default=OffloadPolicy.units_in_flight,
+                   help="NVMe staging buffers in host memory (default %(default)s, as "
+                        "offload's)")
     p.add_argument("--largest-unit",
                    help="parameters of the largest unit (one block, or the embeddings and "
                         "head), which sizes NVMe's staging buffers and CPU offload's host "

@@ -71,6 +71,13 @@ class BackwardPhase(enum.Enum):
     ACCUMULATING = "accumulating"  # under no_sync: the gradients stay on the parameters
 
 
+def first_order(units: list) -> list:
+    """The first backward's reduction order of the units that have gradients ([Note: one
+    reduction order]): the reverse of the units' order, the last (the root, where it has
+    parameters) last. The planner's pool replay reduces in it (planner/pool_replay.py)."""
+    return units[-2::-1] + units[-1:]
+
+
 class BackwardTracker:
     """Follows backward for its reducer: counts each unit's gradients, finds when a unit
     is done, and calls the reducer's ``pack`` and ``reduce`` in the ranks' common order
@@ -95,8 +102,7 @@ class BackwardTracker:
         self._remaining: dict[Unit, int] = {}
         self._held: dict[Unit, list] = {}       # slots whose gradient waits on the parameter
         # [Note: one reduction order]
-        trainable = [u for u in units if u.trainable]
-        self._order = trainable[-2::-1] + trainable[-1:]
+        self._order = first_order([u for u in units if u.trainable])
         self._learned = False                   # _order is still the first backward's
         self._completed: list[Unit] = []        # the first backward's, as they completed
         self._next = 0                          # _order's first unit not reduced yet

@@ -69,6 +69,57 @@ def device_problems(device: torch.device, backend: str, current: int | None) -> 
     return problems
 
 
+def inflight_bytes(bucket_size: int) -> int:
+    """The in-flight bound in bytes: ``bucket_size`` fp32 elements' worth (the Note)."""
+    return 4 * bucket_size
+
+
+def scratch_numel(full_numel: int, world: int, in_place: bool) -> int:
+    """Elements of scratch a reduce-scatter of ``full_numel`` takes: zerofn's in-place gloo
+    one past two ranks brings every other rank's chunk into it ([Note: gloo collectives])."""
+    return full_numel if in_place and world > 2 else 0
+
+
+class InFlight:
+    """Async collectives whose buffers wait to go back, at most ``bound`` bytes of them
+    but the newest ``KEEP_IN_FLIGHT`` ([Note: in-flight bound]). The planner replays the
+    runtime's pool through this same queue (planner/pool_replay.py)."""
+
+    def __init__(self, bound: int):
+        self._queue: deque = deque()              # (work or None, nbytes, on_done)
+        self._inflight = 0                        # bytes
+        self._max_inflight = bound
+
+    def enqueue(self, work, nbytes: int, on_done: Callable[[], None]) -> None:
+        """Track an async collective on buffers of ``nbytes``; ``on_done`` runs once it is
+        waited, when the in-flight bound needs room or at ``drain``. ``work`` may be None
+        where the caller has ordered the wait itself (CUDA side streams) and only its
+        buffers remain to be let go."""
+        self._queue.append((work, nbytes, on_done))
+        self._inflight += nbytes
+        while self._inflight > self._max_inflight and len(self._queue) > KEEP_IN_FLIGHT:
+            self._finish_oldest()
+
+    def make_room(self, nbytes: int) -> None:
+        """Wait the oldest collectives until ``nbytes`` more fit the in-flight bound, before
+        a buffer for them is taken. The newest ``KEEP_IN_FLIGHT`` are never waited here
+        where they run on a device's side stream (no work: [Note: host collectives])."""
+        while self._queue and self._inflight + nbytes > self._max_inflight and (
+                len(self._queue) > KEEP_IN_FLIGHT or self._queue[0][0] is not None):
+            self._finish_oldest()
+
+    def drain(self) -> None:
+        while self._queue:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, nbytes, on_done = self._queue.popleft()
+        if work is not None:
+            work.wait()
+        self._inflight -= nbytes
+        on_done()
+
+
 class Comm:
     def __init__(self, group, max_inflight_numel: int, device: torch.device):
         self.group = group
@@ -76,9 +127,7 @@ class Comm:
         self.world = dist.get_world_size(group)
         self.step_counts: Counter = Counter()     # elements in the step under way
         self.last_step: Counter = Counter()       # elements of the last finished step
-        self._queue: deque = deque()              # (work or None, nbytes, on_done)
-        self._inflight = 0                        # bytes
-        self._max_inflight = 4 * max_inflight_numel
+        self.in_flight = InFlight(inflight_bytes(max_inflight_numel))
         # NCCL averages inside the reduce-scatter (a pre-multiplied sum for floats), so fp16
         # gradients of many ranks cannot overflow in the sum; gloo's AVG is unreliable, so
         # there the caller divides the sum.
@@ -144,7 +193,7 @@ class Comm:
 
     def scratch_numel(self, full_numel: int) -> int:
         """Elements of scratch ``reduce_scatter`` needs for a buffer of ``full_numel``."""
-        return full_numel if self._in_place and self.world > 2 else 0
+        return scratch_numel(full_numel, self.world, self._in_place)
 
     @staticmethod
     def _finish(async_op: bool, works: list, then=None):
@@ -182,33 +231,15 @@ class Comm:
             dist.broadcast(t, src=dist.get_global_rank(self.group, src_rank), group=self.group)
 
     def enqueue(self, work, nbytes: int, on_done: Callable[[], None]) -> None:
-        """Track an async collective on buffers of ``nbytes``; ``on_done`` runs once it is
-        waited, when the in-flight bound needs room or at ``drain``. ``work`` may be None
-        where the caller has ordered the wait itself (CUDA side streams) and only its
-        buffers remain to be let go."""
-        self._queue.append((work, nbytes, on_done))
-        self._inflight += nbytes
-        while self._inflight > self._max_inflight and len(self._queue) > KEEP_IN_FLIGHT:
-            self._finish_oldest()
+        """``InFlight.enqueue`` on this group's queue."""
+        self.in_flight.enqueue(work, nbytes, on_done)
 
     def make_room(self, nbytes: int) -> None:
-        """Wait the oldest collectives until ``nbytes`` more fit the in-flight bound, before
-        a buffer for them is taken. The newest ``KEEP_IN_FLIGHT`` are never waited here
-        where they run on a device's side stream (no work: [Note: host collectives])."""
-        while self._queue and self._inflight + nbytes > self._max_inflight and (
-                len(self._queue) > KEEP_IN_FLIGHT or self._queue[0][0] is not None):
-            self._finish_oldest()
+        """``InFlight.make_room`` on this group's queue."""
+        self.in_flight.make_room(nbytes)
 
     def drain(self) -> None:
-        while self._queue:
-            self._finish_oldest()
-
-    def _finish_oldest(self) -> None:
-        work, nbytes, on_done = self._queue.popleft()
-        if work is not None:
-            work.wait()
-        self._inflight -= nbytes
-        on_done()
+        self.in_flight.drain()
 
     def end_step(self) -> None:
         self.last_step = self.step_counts

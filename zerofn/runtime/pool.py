@@ -32,6 +32,20 @@ import torch
 MAX_WASTE = 1.5
 
 
+def best_fit(sizes: list[int], numel: int) -> int | None:
+    """The index of the smallest of the free buffers' ``sizes`` (elements) that serves a
+    request of ``numel``, within ``MAX_WASTE``; None where none does ([Note: best fit]).
+    The planner replays the pool with this rule (planner/pool_replay.py)."""
+    fits = [i for i, n in enumerate(sizes) if numel <= n <= MAX_WASTE * numel]
+    return min(fits, key=lambda i: sizes[i]) if fits else None
+
+
+def new_size(expected, numel: int) -> int:
+    """Elements of a new buffer for a request of ``numel``: the largest ``expected``
+    request it could serve, else ``numel`` ([Note: expected sizes])."""
+    return max((n for n in expected if numel <= n <= MAX_WASTE * numel), default=numel)
+
+
 class BufferPool:
     def __init__(self):
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)   # (dtype, device)
@@ -50,15 +64,14 @@ class BufferPool:
         if numel == 0:
             return torch.empty(0, dtype=dtype, device=device)
         free = self._free[(dtype, torch.device(device))]
-        fits = [i for i, b in enumerate(free) if numel <= b.numel() <= MAX_WASTE * numel]
-        if fits:
-            buf = free.pop(min(fits, key=lambda i: free[i].numel()))
+        fit = best_fit([b.numel() for b in free], numel)
+        if fit is not None:
+            buf = free.pop(fit)
             ready = self._ready.pop(buf.data_ptr(), None)
             if ready is not None:   # (the buffer's own device: not always the current one)
                 ready.wait(stream if stream is not None else torch.cuda.current_stream(buf.device))
             return buf[:numel]
-        size = max((n for n in self._expected if numel <= n <= MAX_WASTE * numel), default=numel)
-        buf = torch.empty(size, dtype=dtype, device=device)
+        buf = torch.empty(new_size(self._expected, numel), dtype=dtype, device=device)
         self._owned[buf.data_ptr()] = buf
         return buf[:numel]
 
