@@ -29,6 +29,7 @@ from zerofn.planner.probe import Machine, rates_from_cuda
 from zerofn.io.checkpoint.staging import _leaves
 from zerofn.planner.pool_replay import PoolReplay
 from zerofn.planner.search import MARGIN
+from zerofn.runtime.runtime import runtime_of
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))     # the planner's model families are a tool's
@@ -116,6 +117,44 @@ def test_model_state_and_pool_are_what_zerofn_holds(world, name):
             assert held["cpu"]["buffers"] == pool - lent, (c.describe(), world, pool, held)
             assert planned == pool - lent, (c.describe(), world, planned, pool, lent)
         assert copied == copies, (c.describe(), world, copied, copies)
+
+
+POOLED = [Candidate(stage=s, precision=p, offload=o) for s in (1, 2, 3)
+          for p in ("fp32", "bf16") for o in (None, "cpu")]
+
+
+def pool_held_and_planned(rank, world):
+    """Per candidate: the runtime's pool (``ctx.pool.nbytes()``, taken or free) after three
+    steps of the tied GPT, and the planner's: ``pool_bytes`` and the gradient shards the
+    pool lends (which ``pool_bytes`` leaves to the model state)."""
+    out = []
+    for c in POOLED:
+        torch.manual_seed(0)
+        model = MODELS["tied"]()
+        with torch.device("meta"):
+            shape = memory.shape_of(MODELS["tied"](), world)
+        model, opt = c.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        x = torch.randint(0, CFG.vocab, (2, CFG.context))
+        for _ in range(3):
+            opt.zero_grad()
+            model(x, x).backward()
+            opt.step()
+        lent = memory.model_state(c, shape)["device"]["grads"] if memory.lends_shards(c) else 0
+        out.append((c.describe(), runtime_of(model).ctx.pool.nbytes(),
+                    memory.pool_bytes(c, shape)[0] + lent))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_pool_bytes_are_the_runtime_pools_on_every_rank(world):
+    """The planner's pool (``memory.pool_bytes``, the lent gradient shards added back) is
+    the runtime's buffer pool byte for byte on every rank, at every stage, in fp32 and
+    bf16, with the step on the device and offloaded to the host: the runtime's own
+    requests through its best fit, its in-flight bound and gloo's scratch past two ranks."""
+    for rank, rows in enumerate(run_ranks(world, pool_held_and_planned)):
+        for described, held, planned in rows:
+            assert held == planned, (described, world, rank, held, planned)
 
 
 def test_frozen_parameters_plan_without_gradients_or_state():

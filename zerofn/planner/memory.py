@@ -220,11 +220,11 @@ def _offloaded_state(c: Candidate, shape: Shape, device_is_host: bool
 def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = ShardingPolicy.bucket_size,
                prefetch: int = ShardingPolicy.prefetch, gloo: bool = True) -> tuple[int, int]:
     """``(bytes, heap bytes)``: what the runtime's buffer pool holds once two steps have
-    run (runtime/pool.py), its requests replayed (pool_replay.py), but the gradient
-    shards it lends (model state); and of that, the buffers under ``THRESHOLD`` bytes,
-    which glibc serves from its heap where the device is the host (larger ones it maps
-    by themselves: runtime/host_malloc.py). ``gloo``: the collectives are gloo's (a CPU
-    device), not NCCL's."""
+    run (runtime/pool.py), its requests replayed (pool_replay.py), but the bytes of the
+    gradient shards it lends (model state); and of that, what lies in buffers under
+    ``THRESHOLD`` bytes, which glibc serves from its heap where the device is the host
+    (larger ones it maps by themselves: runtime/host_malloc.py). ``gloo``: the
+    collectives are gloo's (a CPU device), not NCCL's."""
     if c.stage == 0:
         return 0, 0
     cb = DTYPES[c.precision].itemsize
@@ -233,7 +233,8 @@ def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = ShardingPolicy.buc
                          lent=lends_shards(c), mixed_copies=c.offload is None and cb != FP32,
                          bucket_size=bucket_size, prefetch=prefetch,
                          gloo=gloo).run().buffer_bytes()
-    return sum(buffers), sum(b for b in buffers if b < THRESHOLD)
+    return sum(held for _, held in buffers), \
+        sum(held for whole, held in buffers if whole < THRESHOLD)
 
 
 def step_temporaries(c: Candidate, shape: Shape, device_is_host: bool = True) -> int:

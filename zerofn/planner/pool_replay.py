@@ -122,11 +122,13 @@ class PoolReplay:
             self._step()
         return self
 
-    def buffer_bytes(self) -> list[int]:
-        """Bytes of each buffer the pool holds but the gradient shards it has lent (those
-        are model state)."""
-        lent = {id(b) for b in self.lent.values()}
-        return [b.numel * b.itemsize for b in self.pool.owned if id(b) not in lent]
+    def buffer_bytes(self) -> list[tuple[int, int]]:
+        """``(bytes, bytes not lent)`` of each buffer the pool holds: the gradient shards it
+        has lent are model state, and a shard lent from a larger free buffer (a gathered
+        unit's, past two ranks) leaves the rest of that buffer to the pool."""
+        lent = {id(b): self.shards[u] * b.itemsize for u, b in self.lent.items()}
+        return [(b.numel * b.itemsize, b.numel * b.itemsize - lent.get(id(b), 0))
+                for b in self.pool.owned]
 
     # -- ZeRO-3's gathers ---------------------------------------------------------------
     def _start_gather(self, u: int) -> None:
