@@ -8,6 +8,7 @@ c bytes, masters and optimizer state in fp32.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,6 +20,7 @@ PLACES = ("device", "host", "nvme")
 HOST_RING_DEPTH = 3    # offload("cpu")'s ring slots (runtime/offload/ring.py)
 ROLES = ("params", "grads", "optimizer")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FP32 = torch.float32.itemsize
 
 
 def estimate_model_state_bytes(params: int | nn.Module, world: int, stage: int,
@@ -50,7 +52,47 @@ def estimate_model_state_bytes(params: int | nn.Module, world: int, stage: int,
     return out
 
 
-def estimate_placement(params: int | nn.Module, world: int, stage: int,
+@dataclass(frozen=True)
+class Layout:
+    """What the model-state formulas read of one rank's share of a model, in elements.
+    ``Layout.of`` makes it from a parameter count or a module (docs/design.md's Ψ/N: an
+    even share, every row trains); the planner gives rank 0's exact rows, padding, frozen
+    parameters and step counters included (planner/memory.py).
+
+    Attributes:
+        whole: every parameter whole (what stages 0-2 hold).
+        rows: the rank's rows of every parameter.
+        trainable: of those, the rows that train (a frozen row has masters only: no
+            moments, no gradient).
+        grads: gradient elements the rank keeps on the device whatever the home (ZeRO-1's
+            whole gradients where ``Layout.of`` counts them, else the reduced shards).
+        counters: 4-byte step counters the offloaded step keeps (one per trainable tensor).
+        largest: the rank's rows of the largest unit (offload's rings); 0 where unknown.
+        ring_slots: offload("cpu")'s host ring's slots.
+        ring_written: of ``largest``, the rows the gradients write into a ring slot (where
+            the device is the CPU, a slot's rows never written are never resident).
+    """
+
+    whole: float
+    rows: float
+    trainable: float
+    grads: float
+    counters: int = 0
+    largest: float = 0
+    ring_slots: int = HOST_RING_DEPTH
+    ring_written: float | None = None
+
+    @classmethod
+    def of(cls, params: int | nn.Module, world: int, stage: int,
+           largest_unit: int | None = None) -> "Layout":
+        n = count_params(params)
+        return cls(whole=n, rows=n / world, trainable=n / world,
+                   grads=n if stage <= 1 else n / world,
+                   largest=_largest_share(params, world, largest_unit),
+                   ring_slots=_ring_slots(params))
+
+
+def estimate_placement(params: int | nn.Module | Layout, world: int, stage: int,
                        param_dtype: torch.dtype = torch.bfloat16,
                        master_dtype: torch.dtype = torch.float32, optimizer_states: int = 2,
                        *, reduce_dtype: torch.dtype | None = None, offload: str | None = None,
@@ -86,7 +128,7 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
 
     Args:
         params, world, stage, param_dtype, master_dtype, optimizer_states: as for
-            ``estimate_model_state_bytes``.
+            ``estimate_model_state_bytes``; ``params`` may also be a ``Layout``.
         reduce_dtype: dtype gradients are reduced and held in (default ``param_dtype``).
         offload: None, "cpu" or "nvme".
         offload_params: ZeRO-3 only: offload the parameter shards too.
@@ -100,14 +142,14 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
             ring (False under ``overlap_step`` or ``ratio="auto"``, where each unit has a
             landing buffer and, under mixed precision, a compute copy).
         ratio: offload's share of the optimizer state (default all): the rest stays on
-            the device in fp32, with its own gradient landing buffer (and, under
-            ``offload_params``, its parameter shards).
+            the device in fp32 (and, under ``offload_params``, its parameter shards),
+            stepped from the reduced gradients where they lie.
         largest_unit: parameters of the largest unit (e.g. one transformer block, or the
             root's embeddings and head), for NVMe's staging ring and offload("cpu")'s host
             ring; by default found from
             ``params`` when it is a module (zerofn's default units: each module of an
             outermost ``ModuleList``, and the root for the rest), else the ring is not
-            counted.
+            counted. (A ``Layout`` carries its own.)
 
     Returns:
         ``{place: {"params", "grads", "optimizer", "total"}}`` in bytes for every place in
@@ -121,19 +163,21 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
     (The host ring is left out there: a count says nothing of the largest unit.)
     """
     _check(stage, offload, offload_params)
-    n = count_params(params)
+    lay = params if isinstance(params, Layout) else \
+        Layout.of(params, world, stage, largest_unit)
     c, m = param_dtype.itemsize, master_dtype.itemsize
     states = optimizer_states * moment_bytes(state_dtype or master_dtype)
     r = (reduce_dtype or param_dtype).itemsize
-    share = n / world
+    share, n = lay.rows, lay.whole
     out = {place: dict.fromkeys(ROLES, 0.0) for place in PLACES}
     params_bytes = c * (share if stage == 3 else n)
     off = "nvme" if offload == "nvme" else "host"
     out[off if offload_params else "device"]["params"] = params_bytes * (
         ratio if offload_params else 1)
     out["device"]["params"] += params_bytes * (1 - ratio) * offload_params
-    # ZeRO-1 keeps the full gradients until the step; ZeRO-2/3 the reduced shard.
-    out["device"]["grads"] = c * n if stage <= 1 else r * share
+    # ZeRO-1 keeps the full gradients until the step (as Layout.of counts them); ZeRO-2/3
+    # the reduced shard.
+    out["device"]["grads"] = (c if stage <= 1 else r) * lay.grads
     if offload is None:
         master = 0 if master_dtype == param_dtype else m
         out["device"]["optimizer"] = (master + states) * (share if stage else n)
@@ -143,23 +187,26 @@ def estimate_placement(params: int | nn.Module, world: int, stage: int,
         # the compute-dtype copy below, which offload("cpu") keeps in any case.
         shard_is_rows = offload == "cpu" and offload_params
         master = 0 if shard_is_rows and c == m else m
-        out[off]["optimizer"] = (master + states) * share * ratio
+        # (a frozen row has masters but no moments; the home's step keeps the counters)
+        out[off]["optimizer"] = (master * share + states * lay.trainable) * ratio \
+            + FP32 * lay.counters
         landing = r if optimizer_states == 2 else m
         if offload == "cpu" and not offload_params and optimizer_states == 2 and host_ring:
-            ring = _ring_slots(params) * _largest_share(params, world, largest_unit)
-            out["host"]["grads"] = r * ring
+            ring = lay.ring_slots * lay.largest
+            written = lay.largest if lay.ring_written is None else lay.ring_written
+            out["host"]["grads"] = r * lay.ring_slots * written
             if c not in (m, r):    # the rows go up from their own part of each slot
                 out["host"]["params"] += c * ring
         else:
             out["host"]["grads"] = landing * share * ratio
             if offload == "cpu" and c != m and not shard_is_rows:   # the rows sent up
                 out["host"]["params"] += c * share * ratio
-        # ratio < 1: the device's share keeps fp32 masters and state, and a landing buffer
-        fp32 = torch.float32.itemsize
-        out["device"]["optimizer"] += (1 + optimizer_states) * fp32 * share * (1 - ratio)
-        out["device"]["grads"] += landing * share * (1 - ratio)
+        # ratio < 1: the device's share keeps fp32 masters and moments; it steps from the
+        # reduced gradients where they lie (runtime/offload/device.py: no landing buffer)
+        out["device"]["optimizer"] += FP32 * (share + optimizer_states * lay.trainable) \
+            * (1 - ratio)
         if offload == "nvme":
-            ring = units_in_flight * _largest_share(params, world, largest_unit)
+            ring = units_in_flight * lay.largest
             shard = c if offload_params else 0
             rows = c if c != m and not offload_params else 0
             out["host"]["params"] += ring * shard

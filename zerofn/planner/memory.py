@@ -8,7 +8,8 @@ The terms:
   rank 0's rows of every parameter (rank 0 holds the most: ``torch.chunk``'s split),
   each unit's padded flat shard for the gradients, one 4-byte ``step`` counter per
   parameter tensor; a frozen parameter held (with masters) but without gradient, moments
-  or counter. Offloaded homes are ``estimate_placement``'s (zerofn/core/estimate.py).
+  or counter. Offloaded state is ``estimate_placement``'s (zerofn/core/estimate.py, the
+  one home of those formulas) over rank 0's exact ``Layout``.
 - **the pool** (runtime/pool.py): its requests over two steps replayed under its own
   best-fit rule and the in-flight bound (pool_replay.py): the reduce-scatter send
   buffers, ZeRO-3's gathered units, the step's copies and all-gathers.
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerofn.core.estimate import estimate_placement, moment_bytes
+from zerofn.core.estimate import HOST_RING_DEPTH, Layout, estimate_placement
 from zerofn.core.plan import ShardingPolicy
 from zerofn.core.units import build_units
 from zerofn.io.checkpoint.checksums import FILE_BYTES
@@ -190,31 +191,22 @@ def grad_shards(c: Candidate, shape: Shape, device_is_host: bool = False) -> int
 
 def _offloaded_state(c: Candidate, shape: Shape, device_is_host: bool
                      ) -> dict[str, dict[str, int]]:
-    compute = DTYPES[c.precision]
-    # rank 0's rows, exactly (the formulas share the count evenly)
-    placed = estimate_placement(shape.local * shape.world, shape.world, c.stage, compute,
+    """``estimate_placement``'s formulas (zerofn/core/estimate.py) over rank 0's exact
+    layout: its rows, the frozen ones, the gradient shards the reducer keeps on the device
+    whatever the home, the host Adam's step counter per tensor, and the host ring's slots,
+    of which on a CPU the gradients write only a unit's trainable rows."""
+    layout = Layout(whole=shape.params, rows=shape.local, trainable=shape.trainable_local,
+                    grads=grad_shards(c, shape), counters=shape.trainable_tensors,
+                    largest=shape.largest,
+                    ring_slots=max(1, min(HOST_RING_DEPTH, len(shape.unit_shards))),
+                    ring_written=max(shape.unit_trainable, default=0) if device_is_host
+                    else None)
+    placed = estimate_placement(layout, shape.world, c.stage, DTYPES[c.precision],
                                 torch.bfloat16 if c.master_dtype == "bf16" else torch.float32,
                                 offload=c.offload, offload_params=c.params,
-                                largest_unit=shape.largest * shape.world,
                                 state_dtype=DTYPES[c.state_dtype], ratio=c.ratio)
-    out = {place: {role: int(placed[place][role]) for role in ("params", "grads", "optimizer")}
-           for place in PLACES}
-    # the formulas give every row moments: a frozen one has masters only
-    frozen = shape.local - shape.trainable_local
-    home = "host" if c.offload == "cpu" else "nvme"
-    out[home]["optimizer"] -= int(2 * moment_bytes(DTYPES[c.state_dtype]) * frozen * c.ratio)
-    out["device"]["optimizer"] -= int(2 * FP32 * frozen * (1 - c.ratio))
-    # the reducer's gradient shards stay on the device whatever the home; the host's
-    # Adam keeps a step counter per tensor; ZeRO-1/2 keep the whole parameters
-    out["device"]["grads"] = compute.itemsize * grad_shards(c, shape)
-    out[home]["optimizer"] += FP32 * shape.trainable_tensors
-    if c.offload == "cpu" and not c.params and device_is_host and shape.largest:
-        # the host ring's slots (runtime/offload/ring.py) are as large as the largest unit,
-        # but the gradients that come down write only a unit's trainable rows
-        out["host"]["grads"] = out["host"]["grads"] * max(shape.unit_trainable) // shape.largest
-    if c.stage < 3:
-        out["device"]["params"] = compute.itemsize * shape.params
-    return out
+    return {place: {role: int(placed[place][role]) for role in ("params", "grads", "optimizer")}
+            for place in PLACES}
 
 
 def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = ShardingPolicy.bucket_size,

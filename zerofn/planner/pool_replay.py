@@ -124,8 +124,8 @@ class PoolReplay:
 
     def buffer_bytes(self) -> list[tuple[int, int]]:
         """``(bytes, bytes not lent)`` of each buffer the pool holds: the gradient shards it
-        has lent are model state, and a shard lent from a larger free buffer (a gathered
-        unit's, past two ranks) leaves the rest of that buffer to the pool."""
+        has lent are model state, and a shard lent from a larger free buffer (a send
+        buffer's, a gathered unit's) leaves the rest of that buffer to the pool."""
         lent = {id(b): self.shards[u] * b.itemsize for u, b in self.lent.items()}
         return [(b.numel * b.itemsize, b.numel * b.itemsize - lent.get(id(b), 0))
                 for b in self.pool.owned]
