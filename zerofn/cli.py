@@ -35,13 +35,11 @@ def main(argv=None) -> int:
         from . import train
         train.main(rest)
         return 0
-    if command in ("plan", "probe"):
+    if command in ("plan", "probe", "estimate"):
         from .planner import cli as planner_cli
-        run = planner_cli.plan_main if command == "plan" else planner_cli.probe_main
+        run = {"plan": planner_cli.plan_main, "probe": planner_cli.probe_main,
+               "estimate": planner_cli.estimate_main}[command]
         return run(rest, prog=f"zerofn {command}")
-    if command == "estimate":
-        from .planner import state_view
-        return state_view.main(rest, prog="zerofn estimate")
     if command == "consolidate":
         from . import consolidate
         return consolidate.main(rest, prog="zerofn consolidate")

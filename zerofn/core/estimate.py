@@ -1,5 +1,5 @@
 """Model-state memory per rank before building anything, and where offload puts it
-(``zerofn estimate``'s formulas; its command line is zerofn/planner/state_view.py).
+(``zerofn estimate``'s formulas; its command line is zerofn/planner/cli.py).
 
 The formulas are those of docs/design.md (section 4), the same accounting
 ``zf.model_state_bytes`` measures on a live model: Ψ parameters, N ranks, compute dtype of
