@@ -34,6 +34,7 @@ from zerofn.core.estimate import HOST_RING_DEPTH, Layout, estimate_placement
 from zerofn.core.plan import ShardingPolicy
 from zerofn.core.units import build_units
 from zerofn.io.checkpoint.checksums import FILE_BYTES
+from zerofn.runtime.grads import lends_shards as runtime_lends_shards
 from zerofn.runtime.host_malloc import THRESHOLD
 
 from .activations import Activations
@@ -179,8 +180,9 @@ def model_state(c: Candidate, shape: Shape, device_is_host: bool = False
 def lends_shards(c: Candidate) -> bool:
     """Whether the gradient shards are lent by the pool to the units that reduce, until
     ``zero_grad`` (ZeRO-1's, and any whose step is offloaded), not one buffer over every
-    unit made at the first reduction (ZeRO-2/3's; runtime/grads.py)."""
-    return c.stage == 1 or c.offload is not None
+    unit made at the first reduction (ZeRO-2/3's): runtime/grads.py's rule, where an
+    offloaded candidate's shards cross to a home."""
+    return runtime_lends_shards(c.stage, crosses=c.offload is not None)
 
 
 def grad_shards(c: Candidate, shape: Shape, device_is_host: bool = False) -> int:

@@ -48,6 +48,13 @@ from .backward import BackwardTracker
 from ..core.units import ParamSlot, Unit, scatter_to_ranks
 
 
+def lends_shards(stage: int, crosses: bool) -> bool:
+    """Whether the pool lends the gradient shards ([Note: lent gradient shards]): ZeRO-1's,
+    and where the shards cross to a home (``crosses``: some unit's state lives off the
+    device). The planner asks the same (planner/memory.py)."""
+    return stage == 1 or crosses
+
+
 class GradReducer:
     """Reduce-scatters each unit's gradients into this rank's shard and keeps the shards
     until ``zero_grad``: ``grad_of`` reads them, ``got`` says which parameters got a
@@ -206,8 +213,7 @@ class GradReducer:
         return shard
 
     def _lent(self) -> bool:
-        """[Note: lent gradient shards]: ZeRO-1's, and where the shards cross to a home."""
-        return self.stage == 1 or self.landing.crosses
+        return lends_shards(self.stage, self.landing.crosses)
 
     def _new_shard(self, unit: Unit) -> torch.Tensor:
         """Lent shards come from the pool (given back at zero_grad); otherwise the shard is
