@@ -160,6 +160,36 @@ def test_estimate_placement_matches_what_zerofn_holds():
                 assert abs(got - want) <= slack, (config, place, role, got, want)
 
 
+def device_grads_under_a_ratio(rank, world):
+    """The device's gradient bytes zerofn holds and the estimate's, with half the
+    optimizer state offloaded, after two steps."""
+    out = []
+    for stage in (2, 3):
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            model = GPT(PRESETS["tiny"])
+            est = estimate_placement(model, world, stage, dtype, offload="cpu", ratio=0.5)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            ts = [zero(stage)] + ([zf.mixed_precision(dtype)] if dtype != torch.float32 else [])
+            model, opt = zf.compose(*ts, zf.offload("cpu", ratio=0.5))(model, opt)
+            x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+            for _ in range(2):
+                opt.zero_grad()
+                zf.scale_loss(model, model(x, x)).backward()
+                opt.step()
+            out.append(((stage, str(dtype)), zf.model_state_bytes(model)["cpu"]["grads"],
+                        est["device"]["grads"]))
+    return out
+
+
+@pytest.mark.multirank
+def test_estimate_counts_one_gradient_buffer_for_the_devices_share():
+    """Under ``ratio < 1`` the device's share steps from the reduced gradient shards where
+    they lie (runtime/offload/device.py): no second landing buffer, on the device or off."""
+    for config, held, est in run_ranks(2, device_grads_under_a_ratio)[0]:
+        assert held == est, (config, held, est)
+
+
 # -- convert and consolidate ---------------------------------------------------------------
 @pytest.mark.deepspeed
 def test_convert_deepspeed_and_consolidate_are_reachable(tmp_path, capsys):
