@@ -62,11 +62,12 @@ class Layout:
     Attributes:
         whole: every parameter whole (what stages 0-2 hold).
         rows: the rank's rows of every parameter.
-        trainable: of those, the rows that train (a frozen row has masters only: no
+        whole_trainable: of ``whole``, the parameters that train (stage 0's moments).
+        trainable: of ``rows``, those that train (a frozen row has masters only: no
             moments, no gradient).
         grads: gradient elements the rank keeps on the device whatever the home (ZeRO-1's
             whole gradients where ``Layout.of`` counts them, else the reduced shards).
-        counters: 4-byte step counters the offloaded step keeps (one per trainable tensor).
+        counters: 4-byte step counters the optimizer keeps (one per trainable tensor).
         largest: the rank's rows of the largest unit (offload's rings); 0 where unknown.
         ring_slots: offload("cpu")'s host ring's slots.
         ring_written: of ``largest``, the rows the gradients write into a ring slot (where
@@ -75,6 +76,7 @@ class Layout:
 
     whole: float
     rows: float
+    whole_trainable: float
     trainable: float
     grads: float
     counters: int = 0
@@ -86,7 +88,7 @@ class Layout:
     def of(cls, params: int | nn.Module, world: int, stage: int,
            largest_unit: int | None = None) -> "Layout":
         n = count_params(params)
-        return cls(whole=n, rows=n / world, trainable=n / world,
+        return cls(whole=n, rows=n / world, whole_trainable=n, trainable=n / world,
                    grads=n if stage <= 1 else n / world,
                    largest=_largest_share(params, world, largest_unit),
                    ring_slots=_ring_slots(params))
@@ -180,7 +182,8 @@ def estimate_placement(params: int | nn.Module | Layout, world: int, stage: int,
     out["device"]["grads"] = (c if stage <= 1 else r) * lay.grads
     if offload is None:
         master = 0 if master_dtype == param_dtype else m
-        out["device"]["optimizer"] = (master + states) * (share if stage else n)
+        out["device"]["optimizer"] = master * (share if stage else n) + FP32 * lay.counters \
+            + states * (lay.trainable if stage else lay.whole_trainable)
     else:
         # offload("cpu", params=True) computes on the rows the step writes: the masters
         # themselves in the compute dtype (counted as params, as without offload), else

@@ -156,25 +156,28 @@ def shape_of(model: nn.Module, world: int) -> Shape:
 def model_state(c: Candidate, shape: Shape, device_is_host: bool = False
                 ) -> dict[str, dict[str, int]]:
     """Model-state bytes by place and role, as ``zf.model_state_bytes`` counts them after
-    a step (ZeRO-1's whole gradients are backward's, not counted here). Frozen parameters
-    are held (and have masters, which the state dict reads) but have no gradient, no
-    moments and no step counter. ``device_is_host``: the device is this CPU, whose
+    a step (ZeRO-1's whole gradients are backward's, not counted here):
+    ``estimate_placement``'s formulas (zerofn/core/estimate.py) over rank 0's exact
+    layout. Frozen parameters are held (and have masters, which the state dict reads) but
+    have no gradient, no moments and no step counter; torch's AdamW (and the host's Adam)
+    keeps a counter per trainable tensor. ``device_is_host``: the device is this CPU, whose
     memory (none of it page-locked) is resident once written, not once allocated: the
-    kept gradient shards of a unit never reduced, the host ring's columns of frozen rows
-    are not."""
-    if c.offload is not None:
-        return _offloaded_state(c, shape, device_is_host)
-    cb = DTYPES[c.precision].itemsize
-    counters = FP32 * shape.trainable_tensors
-    if c.stage == 0:     # DDP: everything whole; torch's AdamW keeps a counter per tensor
-        device = dict(params=cb * shape.params, grads=cb * shape.trainable_params,
-                      optimizer=2 * FP32 * shape.trainable_params + counters)
-    else:
-        masters = FP32 * shape.local if cb != FP32 else 0
-        device = dict(params=cb * (shape.local if c.stage == 3 else shape.params),
-                      grads=cb * grad_shards(c, shape, device_is_host),
-                      optimizer=2 * FP32 * shape.trainable_local + masters + counters)
-    return {"device": device, "host": _zeros(), "nvme": _zeros()}
+    kept gradient shards of a unit never reduced and the host ring's columns of frozen
+    rows are not."""
+    layout = Layout(whole=shape.params, rows=shape.local,
+                    whole_trainable=shape.trainable_params, trainable=shape.trainable_local,
+                    grads=shape.trainable_params if c.stage == 0 else
+                    grad_shards(c, shape, device_is_host),
+                    counters=shape.trainable_tensors, largest=shape.largest,
+                    ring_slots=max(1, min(HOST_RING_DEPTH, len(shape.unit_shards))),
+                    ring_written=max(shape.unit_trainable, default=0) if device_is_host
+                    else None)
+    placed = estimate_placement(layout, shape.world, c.stage, DTYPES[c.precision],
+                                torch.bfloat16 if c.master_dtype == "bf16" else torch.float32,
+                                offload=c.offload, offload_params=c.params,
+                                state_dtype=DTYPES[c.state_dtype], ratio=c.ratio)
+    return {place: {role: int(placed[place][role]) for role in ("params", "grads", "optimizer")}
+            for place in PLACES}
 
 
 def lends_shards(c: Candidate) -> bool:
@@ -189,26 +192,6 @@ def grad_shards(c: Candidate, shape: Shape, device_is_host: bool = False) -> int
     """Elements of the reduced gradient shards a rank keeps (``lends_shards``); on a CPU,
     those written (``model_state``)."""
     return shape.reduced if lends_shards(c) or device_is_host else shape.shard
-
-
-def _offloaded_state(c: Candidate, shape: Shape, device_is_host: bool
-                     ) -> dict[str, dict[str, int]]:
-    """``estimate_placement``'s formulas (zerofn/core/estimate.py) over rank 0's exact
-    layout: its rows, the frozen ones, the gradient shards the reducer keeps on the device
-    whatever the home, the host Adam's step counter per tensor, and the host ring's slots,
-    of which on a CPU the gradients write only a unit's trainable rows."""
-    layout = Layout(whole=shape.params, rows=shape.local, trainable=shape.trainable_local,
-                    grads=grad_shards(c, shape), counters=shape.trainable_tensors,
-                    largest=shape.largest,
-                    ring_slots=max(1, min(HOST_RING_DEPTH, len(shape.unit_shards))),
-                    ring_written=max(shape.unit_trainable, default=0) if device_is_host
-                    else None)
-    placed = estimate_placement(layout, shape.world, c.stage, DTYPES[c.precision],
-                                torch.bfloat16 if c.master_dtype == "bf16" else torch.float32,
-                                offload=c.offload, offload_params=c.params,
-                                state_dtype=DTYPES[c.state_dtype], ratio=c.ratio)
-    return {place: {role: int(placed[place][role]) for role in ("params", "grads", "optimizer")}
-            for place in PLACES}
 
 
 def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = ShardingPolicy.bucket_size,
@@ -377,7 +360,3 @@ def peak(c: Candidate, shape: Shape, acts: Activations, process: Process = Proce
 def largest(by_phase: dict[str, dict[str, int]], phases=PHASES) -> dict[str, int]:
     """Each place's largest bytes over ``phases`` of ``peaks``' answer."""
     return {place: max(by_phase[ph][place] for ph in phases) for place in PLACES}
-
-
-def _zeros() -> dict[str, int]:
-    return dict(params=0, grads=0, optimizer=0)
