@@ -8,11 +8,12 @@ The terms:
   rank 0's rows of every parameter (rank 0 holds the most: ``torch.chunk``'s split),
   each unit's padded flat shard for the gradients, one 4-byte ``step`` counter per
   parameter tensor; a frozen parameter held (with masters) but without gradient, moments
-  or counter. Offloaded state is ``estimate_placement``'s (zerofn/core/estimate.py, the
-  one home of those formulas) over rank 0's exact ``Layout``.
-- **the pool** (runtime/pool.py): its requests over two steps replayed under its own
-  best-fit rule and the in-flight bound (pool_replay.py): the reduce-scatter send
-  buffers, ZeRO-3's gathered units, the step's copies and all-gathers.
+  or counter: ``estimate_placement``'s formulas (zerofn/core/estimate.py, their one
+  home) over rank 0's exact ``Layout``.
+- **the pool** (runtime/pool.py): its requests over two steps replayed under the pool's
+  own best-fit rule and the collectives' own in-flight queue (pool_replay.py): the
+  reduce-scatter send buffers, ZeRO-3's gathered units, the step's copies and
+  all-gathers.
 - **activations**, measured on fake tensors (activations.py): the peak of forward and
   backward with gradients kept (DDP, ZeRO-1) or let go as they are packed (ZeRO-2/3).
 - **the step's temporaries**: torch's AdamW makes its temporaries per parameter on a CPU
