@@ -49,6 +49,13 @@ class Transform:
         model = apply_plan(model, optimizer, self._edits, OBSERVERS)
         return model if optimizer is None else (model, optimizer)
 
+    def edit(self, plan):
+        """``plan`` as this transform leaves it (no model needed: config.py checks a
+        configuration so)."""
+        for edit in self._edits:
+            plan = edit(plan)
+        return plan
+
     def __repr__(self) -> str:
         return f"zerofn.{self.name}"
 
