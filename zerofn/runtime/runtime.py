@@ -302,8 +302,7 @@ class Runtime:
         # generators must agree, or each would keep rows of a different model.
         rng = rng_digest(self.device) if meta_state(self.model) and \
             self.plan.sharding.sync_module_states else None
-        gathered = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, (digest, problems, sig, rng), group=self.group)
+        gathered = gather((digest, problems, sig, rng), self.group)
         for rank, (_, probs, _, _) in enumerate(gathered):
             if probs:
                 raise ValueError(f"zerofn set-up failed on rank {rank}: " + " ".join(probs))
@@ -429,6 +428,21 @@ class Runtime:
     def time_series(self) -> tuple[str, ...]:
         """The timing series the homes' work fills, beyond every run's."""
         return self.homes.time_series
+
+    # -- parameter state: the rest of zerofn reads and writes masters through these
+    def master_rows(self, slot) -> torch.Tensor:
+        """This rank's rows of ``slot``'s master, what the optimizer steps (detached)."""
+        return slot.opt_param.detach()
+
+    def write_master_rows(self, slot, rows: torch.Tensor) -> None:
+        """Copy ``rows``, this rank's rows of ``slot``'s master, in (a load: it calls
+        ``refresh_params`` once every slot is written)."""
+        with torch.no_grad():
+            slot.opt_param.copy_(rows)
+
+    def slot_of_stepped(self) -> dict:
+        """What the optimizer steps (its params) -> the slot each is the master of."""
+        return {s.opt_param: s for s in self.slot_of.values()}
 
     def slots_by_name(self) -> dict:
         """Every state-dict name of every parameter: a module under two parents (or two
