@@ -21,6 +21,7 @@ import zerofn as zf
 from support.compare import assert_same_state, full_state
 from support.errors import error_of, expect_error
 from support.ranks import run_ranks
+from zerofn.consolidate import to_dcp, to_full
 from zerofn.io.checkpoint import audit, checksums, layout
 
 pytestmark = pytest.mark.multirank
@@ -110,7 +111,20 @@ def round_trip(rank, world, stage, local, url, options):
     found = audit.audit(url)
     assert found.ok and found.summed and found.ckpt == f"{url}/step-00000002", found
     assert audit.main([url]) == 0
+    if rank == 0:
+        consolidates(local, url)
     return True
+
+
+def consolidates(local, url):
+    """``to_full`` reads the URL's checkpoint as the local one; ``to_dcp`` writes one there."""
+    full = {root: to_full(root, f"{local}/{n}.safetensors") for n, root in enumerate((local, url))}
+    assert full[url].keys() == full[local].keys()
+    assert all(torch.equal(full[url][k], full[local][k]) for k in full[local])
+    to_dcp(f"{local}/1.safetensors", f"{url}/back")
+    assert audit.audit(f"{url}/back").ok
+    expect_error(["The consolidated file", "must be a local path", url], to_full, url,
+                 f"{url}/full.safetensors")
 
 
 def checked_and_safe(rank, world, url, options):
