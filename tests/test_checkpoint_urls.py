@@ -264,15 +264,27 @@ def recovers(rank, world, root):
     fail_on("sums")
     expect_error(["injected"], zf.save_checkpoint, root, model, opt, step=3, error=OSError)
     checksums.write_sums = plain
-    zf.save_checkpoint(root, model, opt, step=4)
     store = fsspec.core.url_to_fs(root)[0]
-    assert sorted(os.path.basename(p) for p in store.ls(root, detail=False)) == ["latest", "step-00000004"]
-    assert zf.load_checkpoint(root, model, opt) == {"step": 4}
+    for _ in range(2):       # the second time written over in place, whole again
+        zf.save_checkpoint(root, model, opt, step=4)
+        assert sorted(os.path.basename(p) for p in store.ls(root, detail=False)) == \
+            ["latest", "step-00000004"]
+        assert zf.load_checkpoint(root, model, opt) == {"step": 4}
     return True
 
 
 def test_the_next_save_clears_a_failed_one():
     assert run_ranks(1, recovers, "memory://recovers") == [True]
+
+
+def one_process_memory(rank, world):
+    model, opt = build("zero1")
+    return error_of(zf.save_checkpoint, "memory://mine", model, opt, step=1)
+
+
+def test_memory_url_at_world_2_is_refused_on_every_rank_before_any_write():
+    for message in run_ranks(2, one_process_memory):
+        assert "rank 1" in message and "memory:// is one process's own" in message, message
 
 
 # -- what stays local --------------------------------------------------------------------
