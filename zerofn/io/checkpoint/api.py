@@ -239,7 +239,8 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
 
     Args:
         path: a checkpoint root (its ``latest`` is loaded) or one checkpoint directory,
-            a local path or an fsspec URL, also one written by FSDP2 with ``dcp.save({"model": ..., "optim": ...})``.
+            a local path or an fsspec URL, also one written by FSDP2 with
+            ``dcp.save({"model": ..., "optim": ...})``.
             Any world size and any stage may have saved it.
         optimizer: None loads the model alone (e.g. weights converted by
             ``python -m zerofn.consolidate to-dcp``).

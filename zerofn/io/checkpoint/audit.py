@@ -4,8 +4,9 @@ and what a safe load would refuse; read offline, on one process, running none of
     zerofn verify CKPT     exit status 0 when a load would take it, 1 when it would not
 
 ``CKPT`` is a checkpoint root (its ``latest`` is read) or one checkpoint directory, from
-zerofn, FSDP2 or any ``dcp.save``, a local path or an fsspec URL (``s3://bucket/ckpt``). Every file is checked, not only those one load reads,
-and every entry is scanned; a load checks the same things of what it reads (reader.py).
+zerofn, FSDP2 or any ``dcp.save``, a local path or an fsspec URL (``s3://bucket/ckpt``).
+Every file is checked, not only those one load reads, and every entry is scanned; a load
+checks the same things of what it reads (reader.py).
 """
 from __future__ import annotations
 

@@ -16,10 +16,11 @@ to ``checksums.json`` is blamed on it rather than on a file it describes).
 zerofn writes a checkpoint into an unfinished directory and renames it into place
 (layout.py), so the sums appear with the rest or not at all. At an fsspec URL, where a
 checkpoint is written in place, the writer writes ``checksums.json`` before ``.metadata``,
-the file that makes the checkpoint visible ([Note: complete on object stores]). A load checks ``.metadata``
-against its sum before unpickling it (reader.py), and every data file a rank will read
-before DCP reads any of it (``verify.agree_on_load``): a flipped bit or a truncated file
-is a ``ValueError`` naming the file, on every rank, before any value reaches the model.
+the file that makes the checkpoint visible ([Note: complete on object stores]). A load
+checks ``.metadata`` against its sum before unpickling it (reader.py), and every data
+file a rank will read before DCP reads any of it (``verify.agree_on_load``): a flipped bit
+or a truncated file is a ``ValueError`` naming the file, on every rank, before any value
+reaches the model.
 A checkpoint without ``checksums.json`` (written before zerofn wrote them, or by FSDP2)
 is read as before, its files' sizes checked against ``.metadata``.
 
