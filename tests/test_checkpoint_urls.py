@@ -214,9 +214,11 @@ def fail_on(where: str):
     checksums._Summing.write = write
 
 
-def interrupted(rank, world, root, where, async_save):
+def interrupted(rank, world, root, where, async_save, options=None):
     """A complete save of step 1, then one of step 2 that fails; then the same step 1
     again (written over in place at a URL), which fails too."""
+    if options:
+        fsspec.config.conf["s3"] = options
     checksums.FILE_BYTES = 256
     model, opt = build("zero3_cpu_offload")
     zf.save_checkpoint(root, model, opt, step=1)
@@ -254,6 +256,10 @@ def test_a_failed_save_at_a_url_leaves_nothing_visible(where, async_save):
 
 def test_a_failed_save_at_a_file_url_at_world_2_leaves_nothing_visible(tmp_path):
     assert run_ranks(2, interrupted, f"file://{tmp_path}/failed", "data", False) == [True, True]
+
+
+def test_a_failed_background_save_to_s3_at_world_2_leaves_nothing_visible(s3):
+    assert run_ranks(2, interrupted, "s3://ckpts/failed", "data", True, s3) == [True, True]
 
 
 def recovers(rank, world, root):
