@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import pickle
+import tempfile
 import zlib
 
 import fsspec
@@ -31,6 +32,8 @@ STAGES = {
     "zero3": lambda: [zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()],
     "zero3_cpu_offload": lambda: [zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(),
                                   zf.offload("cpu")],
+    "zero3_nvme_offload": lambda: [zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(),
+                                   zf.offload("nvme", path=tempfile.mkdtemp())],
 }
 S3_OPTIONS = {"key": "testing", "secret": "testing", "client_kwargs": {"region_name": "eu-west-1"}}
 
