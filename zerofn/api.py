@@ -24,7 +24,7 @@ from torch import nn
 
 from .core.plan import (MONITOR_OPTIONS, NONFINITE_RULES, OFFLOAD_OPTIONS, PARAM_OPTIONS,
                         PRECISION_OPTIONS, SHARED_OPTIONS, Plan)
-from .io.fs import local_only
+from .core.paths import local_only
 from .observe.failures import Watch
 from .observe.tensorboard import Monitor
 from .runtime import apply_plan

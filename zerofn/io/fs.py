@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 
+from ..core.paths import is_url, local_only   # (io's modules ask fs.is_url, fs.local_only)
+
 
 def replace(tmp: str, final: str, *, aside: str | None = None) -> None:
     """Put the finished ``tmp`` (a file or a directory) at ``final`` and make it durable.
@@ -78,22 +80,6 @@ def link_tree(src: str, dst: str) -> None:
 # ``scheme://`` goes through fsspec; a plain path through ``os`` exactly as before, so a
 # local checkpoint's code path and bytes are unchanged. URLs are kept whole and joined with
 # ``os.path.join`` (``/``), which every fsspec filesystem takes.
-
-def is_url(path) -> bool:
-    """``path`` names a location through fsspec (``scheme://...``), not a local path."""
-    return isinstance(path, str) and "://" in path
-
-
-def local_only(path, what: str) -> str:
-    """``path`` as a string, or a clear error where it is a URL but ``what`` needs a local
-    filesystem (swap files, TensorBoard logs, files other libraries open by name)."""
-    path = os.fspath(path)
-    if is_url(path):
-        raise ValueError(f"{what} must be a local path, not the URL {path!r}: it is opened "
-                         f"by the operating system, not through fsspec. Pass a directory on "
-                         f"a local or mounted filesystem.")
-    return path
-
 
 def filesystem(url: str):
     """The fsspec filesystem serving ``url`` (fsspec caches them: the same one each time)."""
