@@ -27,7 +27,7 @@ LAYERS = {
 }
 ROOM_OF = {"nanogpt": "models", "data": "models", "_C": "optim", "optim": "optim",
            "core": "core", "runtime": "runtime", "state": "state", "observe": "observe",
-           "io": "io", "api": "api", "deepspeed": "adapters", "integrations": "adapters",
+           "io": "io", "api": "api", "config": "api", "deepspeed": "adapters", "integrations": "adapters",
            "train": "programs", "cli": "programs", "report": "programs",
            "planner": "programs",
            "__main__": "programs", "__init__": "face",

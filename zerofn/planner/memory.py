@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from zerofn.core.estimate import HOST_RING_DEPTH, Layout, estimate_placement
-from zerofn.core.plan import ShardingPolicy
+from zerofn.core.plan import HOMES, ShardingPolicy
 from zerofn.core.units import build_units
 from zerofn.io.checkpoint.checksums import FILE_BYTES
 from zerofn.runtime.grads import lends_shards as runtime_lends_shards
@@ -44,7 +44,7 @@ from .pool_replay import PoolReplay
 
 PHASES = ("forward", "backward", "step", "save")
 SAVES = (None, "sync", "async")     # how the run saves checkpoints (save_checkpoint)
-PLACES = ("device", "host", "nvme")
+PLACES = HOMES
 FP32 = 4
 
 

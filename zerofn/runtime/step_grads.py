@@ -45,7 +45,7 @@ every rank raises the same ``NonFiniteGradient`` naming the step and the first o
 "ignore" checks nothing and reads nothing: the step takes what it is given, as plain
 PyTorch would. Under ``overlap_step`` the host has stepped some units during backward
 before any verdict exists: "skip" cannot be kept and is refused at set-up
-(stepper.py's ``nonfinite_problems``), and "raise", the default there, says how many
+(core/plan.py's ``Plan.problems``), and "raise", the default there, says how many
 units had already taken the step.
 """
 from __future__ import annotations
