@@ -10,8 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from zerofn.observe.failures import DEFAULT_TIMEOUT, name_uncaught_errors
-from zerofn.runtime.host_malloc import return_large_frees
+from zerofn import name_uncaught_errors, return_large_frees
+from zerofn.observe.failures import DEFAULT_TIMEOUT
 
 from .args import refuse
 
