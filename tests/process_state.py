@@ -1,6 +1,6 @@
 """What zerofn changes process-wide, for tests/test_process_unchanged.py: imports every zerofn
-module and applies transforms (ZeRO-3 with CPU offload and a step; ZeRO-1 with
-``timeout=``) in a one-rank gloo group the script made with its own timeout, then makes
+module and applies transforms (ZeRO-3 with CPU offload, ZeRO-2 with NVMe offload, ZeRO-1
+with ``timeout=``; a step each) in a one-rank gloo group the script made with its own timeout, then makes
 each process-wide change on purpose, one at a time. Prints one JSON line: which of the
 watched things changed after the transforms, and after each change made on purpose.
 
@@ -105,11 +105,13 @@ def import_everything() -> None:
             importlib.import_module(module.name)
 
 
-def apply_transforms() -> None:
+def apply_transforms(swap_dir: str) -> None:
     import zerofn as zf
     torch.manual_seed(0)
     for transform in (zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(),
                                  zf.offload("cpu")),
+                      zf.compose(zf.shard_optimizer(), zf.shard_grads(),
+                                 zf.offload("nvme", path=swap_dir)),
                       zf.shard_optimizer(timeout=60)):
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
         model, opt = transform(model, torch.optim.AdamW(model.parameters()))
@@ -123,7 +125,8 @@ def main() -> None:
                             world_size=1, timeout=datetime.timedelta(seconds=USER_TIMEOUT))
     before = state()
     import_everything()
-    apply_transforms()
+    with tempfile.TemporaryDirectory() as swap_dir:
+        apply_transforms(swap_dir)
     report = {"after transforms": changed(before, state()), "lightning installed":
               bool(lightning_names())}
     if large_frees_returned():
