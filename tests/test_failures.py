@@ -201,6 +201,34 @@ def test_timeout_option_is_checked():
             with_timeout(Groups(None, None, None, None, ()), bad, {})
 
 
+def _timeouts(rank, world):
+    """(the user's group's timeout, zerofn's, what timeout= beside a mesh of the user's
+    raises) after a transform with timeout=7."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerofn.observe.failures import _group_timeout
+    from zerofn.runtime import runtime_of
+    model = torch.nn.Linear(8, 8)
+    model, _ = zf.shard_optimizer(timeout=7)(model, torch.optim.AdamW(model.parameters()))
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        zf.shard_optimizer(timeout=7, group=mesh)(torch.nn.Linear(8, 8))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return _group_timeout(None), _group_timeout(runtime_of(model).group), refused
+
+
+def test_timeout_goes_on_a_group_of_zerofns_own():
+    """timeout= leaves the user's group as it was made (run_ranks: 90 s) and bounds
+    zerofn's own; beside a mesh of the user's it is refused on every rank, saying what to
+    do instead."""
+    from support.ranks import run_ranks
+    for user, own, refused in run_ranks(2, _timeouts, timeout=120):
+        assert (user, own) == (90.0, 7.0)
+        assert refused is not None and "group or mesh of yours" in refused, refused
+
+
 def _full_drive(rank, world, path):
     """One good step with NVMe offload, then steps whose swap writes fail: ENOSPC, and a
     short write (what a full drive may also give, with no error from the OS)."""
