@@ -73,7 +73,7 @@ def consolidated(saved, tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
     cli = [[sys.executable, "-m", "zerofn.consolidate", "to-full", f"{root}/zero3",
             f"{out}/model.safetensors"],
-           [sys.executable, os.path.join(os.path.dirname(__file__), "..", "tools", "consolidate.py"),
+           [sys.executable, "-m", "zerofn", "consolidate",     # zerofn consolidate
             "to-full", f"{root}/zero3", f"{out}/model.pt", "--dtype", "bf16"]]
     for cmd in cli:
         subprocess.run(cmd, check=True, capture_output=True)

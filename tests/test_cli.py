@@ -82,7 +82,7 @@ def test_estimate_places_offloaded_state(capsys):
 @pytest.mark.parametrize("argv, expected", [
     (["7q"], "'7q' is not a parameter count"),
     ([], "give a parameter count (e.g. 7B) or --model PRESET"),
-    (["7B", "--stage", "0", "--offload", "cpu"], "offload needs a sharded optimizer"),
+    (["7B", "--stage", "0", "--offload", "cpu"], "offload() shards nothing by itself"),
     (["7B", "--stage", "2", "--offload", "cpu", "--offload-params"], "only ZeRO-3"),
 ])
 def test_estimate_refuses_what_cannot_be(argv, expected, capsys):

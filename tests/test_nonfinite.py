@@ -1,4 +1,4 @@
-"""The non-finite guard (runtime/step.py's [Note: the non-finite guard]): a step whose
+"""The non-finite guard (runtime/step_grads.py's [Note: the non-finite guard]): a step whose
 gradients hold inf or nan on any rank is skipped on every rank ("skip", the default),
 stops every rank naming the step and a parameter ("raise"), or is taken as plain PyTorch
 takes it ("ignore"); fp16 keeps its loss scaler's rule, and overlap_step is refused what

@@ -1,6 +1,6 @@
 """Offload with Adam under loss scaling and clipping: gradients cross to the host in the
 reduce dtype (fp16 stays fp16, half the bytes of fp32) and are never rewritten there; the
-unscale and clip factors reach the C++ Adam as one multiplier (runtime/step.py, [Note:
+unscale and clip factors reach the C++ Adam as one multiplier (runtime/step_grads.py, [Note:
 deferred scaling]). Training equals the same run without offload, and an overflow on one
 rank still skips the step on all."""
 from __future__ import annotations

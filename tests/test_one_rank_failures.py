@@ -160,7 +160,7 @@ SITES = {
     "runtime/runtime.py:_make_homes:1": (homes, "problems", "one", "set-up failed"),
     "runtime/shards.py:_materialize:1": (meta, "problems", "one", "meta-built model"),
     "runtime/runtime.py:bind:1": (bind, "optimizer", "one", "cannot step this model"),
-    "runtime/step.py:_raise_nonfinite:1": (nonfinite, None, "one", "on_nonfinite='raise'"),
+    "runtime/step_grads.py:_raise_nonfinite:1": (nonfinite, None, "one", "on_nonfinite='raise'"),
     "io/checkpoint/verify.py:agree_on_save:1": (save, "save step", "one", "save_checkpoint"),
     "io/checkpoint/verify.py:agree_on_directory:1": (save, "directory", "one",
                                                      "cannot see the directory"),

@@ -1,5 +1,5 @@
 """offload(..., overlap_step=True): the host steps each unit while backward goes on
-([Note: the host step during backward] in zerofn/runtime/early_step.py). The same step
+([Note: the host step during backward] in zerofn/runtime/overlap.py). The same step
 as plain PyTorch's, at worlds 1 and 2; the conditions it rests on are checked; and a
 profile of one step shows the host's Adam inside backward."""
 from __future__ import annotations

@@ -528,7 +528,7 @@ CASES = {
     # stayed pending across the step; the next forward used its pre-step parameters.
     "nested units": [case(({"kind": "stack", "children": [LEAF], "gain": True},), stage=3)],
     # Fixed: a trainable parameter without a gradient got a zero one (Adam decayed its
-    # moments and counted the step) (grads.py, step.py).
+    # moments and counted the step) (grads.py, step_grads.py).
     "unused": [case(({"branch": [2, 1, "dense"]},)),
                case(({"spare": 2},), optimizer="sgd"),
                case(({"spare": 2}, {"branch": [3, 1, "dense"]}), offload="cpu")],

@@ -1,13 +1,21 @@
 """The runtime's surface is a type: every module outside zerofn/runtime/ uses of a runtime
-only the members ``RuntimeView`` declares (zerofn/runtime/view.py). The test reads the
-source: a runtime is what ``runtime_of(...)`` returns, a name assigned from it, and the
-``rt`` an observer is attached to (``attach(rt)``, ``self.rt``)."""
+only the members ``RuntimeView`` declares (zerofn/runtime/view.py), calls nothing on its
+optimizer that torch's optimizers lack, imports from runtime/'s modules only what
+``IMPORTABLE`` lists, and reads or writes a slot's runtime state (``SLOT_STATE``) only
+through the view. The test reads the source: a runtime is what ``runtime_of(...)``
+returns, a name assigned from it, and the ``rt`` an observer is attached to
+(``attach(rt)``, ``self.rt``)."""
 from __future__ import annotations
 
 import ast
 import pathlib
 
-from zerofn.runtime.view import SURFACE, RuntimeView
+import torch
+import torch.nn as nn
+
+from support.ranks import run_ranks
+from zerofn.runtime import __all__ as PACKAGE_NAMES
+from zerofn.runtime.view import IMPORTABLE, SLOT_STATE, SURFACE, RuntimeView
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "zerofn"
 
@@ -36,19 +44,73 @@ def uses(source: str) -> list[tuple[int, str]]:
     return out
 
 
-def past_the_view(source: str) -> list[tuple[int, str]]:
-    return [(line, name) for line, name in uses(source) if name not in SURFACE]
+OPTIMIZER = frozenset(dir(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)))
+
+
+def _optimizer_uses(tree, names: set) -> list[tuple[int, str]]:
+    """``(line, member)`` for ``rt.optimizer.member`` that torch's optimizers lack: a
+    method zerofn would have patched onto the user's optimizer."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
+                node.value.attr == "optimizer" and node.attr not in OPTIMIZER:
+            base = node.value.value
+            if _is_runtime_of(base) or isinstance(base, ast.Name) and base.id in names:
+                out.append((node.lineno, f"optimizer.{node.attr}"))
+    return out
+
+
+def _internal_imports(tree, relative_depth: int) -> list[tuple[int, str]]:
+    """``(line, "module.name")`` for each name imported from a module inside runtime/ that
+    ``IMPORTABLE`` does not list (``relative_depth``: how far the file is below zerofn/)."""
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        module = node.module or ""
+        if node.level:            # relative: resolve against zerofn/
+            if node.level != relative_depth + 1:
+                continue
+        elif module.startswith("zerofn."):
+            module = module[len("zerofn."):]
+        else:
+            continue
+        if module == "runtime":
+            out += [(node.lineno, a.name) for a in node.names if a.name not in PACKAGE_NAMES]
+        elif module.startswith("runtime."):
+            inner = module[len("runtime."):]
+            out += [(node.lineno, f"{inner}.{a.name}") for a in node.names
+                    if a.name not in IMPORTABLE.get(inner, ())]
+    return out
+
+
+def _slot_state(tree) -> list[tuple[int, str]]:
+    return [(node.lineno, node.attr) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr in SLOT_STATE]
+
+
+def past_the_view(source: str, relative_depth: int = 1) -> list[tuple[int, str]]:
+    """Every use in ``source`` beyond the view: members, patched optimizer methods,
+    internal imports and slot state."""
+    tree = ast.parse(source)
+    names = {"rt"} | {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                      and _is_runtime_of(node.value) for t in node.targets
+                      if isinstance(t, ast.Name)}
+    found = [(line, name) for line, name in uses(source) if name not in SURFACE]
+    found += _optimizer_uses(tree, names) + _internal_imports(tree, relative_depth)
+    return sorted(found + _slot_state(tree))
 
 
 def test_no_module_outside_the_runtime_uses_more_than_its_view():
     found = {}
     for path in PACKAGE.rglob("*.py"):
-        if "runtime" in path.relative_to(PACKAGE).parts[:1]:
+        parts = path.relative_to(PACKAGE).parts
+        if "runtime" in parts[:1]:
             continue
-        bad = past_the_view(path.read_text())
+        bad = past_the_view(path.read_text(), len(parts) - 1)
         if bad:
             found[str(path.relative_to(PACKAGE))] = bad
-    assert not found, f"members outside RuntimeView (zerofn/runtime/view.py): {found}"
+    assert not found, f"uses outside RuntimeView (zerofn/runtime/view.py): {found}"
 
 
 def test_the_check_finds_a_planted_use():
@@ -59,6 +121,37 @@ def test_the_check_finds_a_planted_use():
                "    runtime_of(model).reducer.zero_grad()\n"
                "    return rt.device\n")
     assert past_the_view(planted) == [(4, "homes"), (5, "reducer")]
+
+
+def test_the_check_finds_a_planted_patched_method_internal_import_and_slot_state():
+    planted = ("from ..runtime import runtime_of, Runtime\n"
+               "from ..runtime.comm import Comm, gloo_scratch\n"
+               "from zerofn.runtime.homes import Homes\n"
+               "def f(model, slot):\n"
+               "    rt = runtime_of(model)\n"
+               "    rt.optimizer.scale(1.0)\n"
+               "    rt.optimizer.step()\n"
+               "    slot.opt_param.zero_()\n"
+               "    return slot.sharded\n")
+    assert past_the_view(planted) == [(1, "Runtime"), (2, "comm.gloo_scratch"),
+                                      (3, "homes.Homes"), (6, "optimizer.scale"),
+                                      (8, "opt_param"), (9, "sharded")]
+
+
+def _missing_data_attributes(rank, world, names):
+    import zerofn as zf
+    from zerofn.runtime import runtime_of
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model, _ = zf.shard_params()(model, torch.optim.AdamW(model.parameters()))
+    rt = runtime_of(model)
+    return [n for n in names if not hasattr(rt, n)]
+
+
+def test_the_runtime_has_every_data_attribute_of_its_view():
+    """Each attribute the view declares is there on a real runtime; a planted declaration
+    the runtime lacks is found."""
+    names = list(RuntimeView.__annotations__) + ["planted_step_count"]
+    assert run_ranks(1, _missing_data_attributes, names) == [["planted_step_count"]]
 
 
 def test_the_runtime_has_every_member_of_its_view():

@@ -1,4 +1,4 @@
-"""The step's vote (runtime/step.py): a gradient is kept where any rank got one, dropped
+"""The step's vote (runtime/step_grads.py): a gradient is kept where any rank got one, dropped
 where none did, and an overflow on any rank skips the step everywhere. A rank that got
 every gradient and has no overflow to learn takes part in the all-reduce but does not
 read its result (on CUDA that read would stall the host each step); tests/test_cuda.py

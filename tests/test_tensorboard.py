@@ -63,7 +63,7 @@ def test_event_files_hold_what_the_run_did(tmp_path):
                 assert scalars(acc, f"comm/{kind}/bytes")[step] == want, kind
                 assert scalars(acc, f"comm/{kind}/busbw_gbps")[step] > 0
             # one: the vote on which parameters got a gradient carries the clip's norm
-            # (runtime/step.py's [Note: one collective for the verdicts])
+            # (runtime/step_grads.py's [Note: one collective for the verdicts])
             assert scalars(acc, "comm/all_reduce/count")[step] == 1
             assert scalars(acc, "comm/reduce_scatter/count")[step] == CONFIG.layers + 1
             # Memory equals zf.model_state_bytes.

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import zerofn as zf
 from zerofn.nanogpt import GPT, GPTConfig
-from zerofn.runtime.step import any_nonfinite, by_device_and_dtype
+from zerofn.runtime.step_grads import any_nonfinite, by_device_and_dtype
 
 
 def step_ms(cfg, precision, rule: str, steps: int) -> float:

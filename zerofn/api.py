@@ -24,6 +24,7 @@ from torch import nn
 
 from .core.plan import (MONITOR_OPTIONS, NONFINITE_RULES, OFFLOAD_OPTIONS, PARAM_OPTIONS,
                         PRECISION_OPTIONS, SHARED_OPTIONS, Plan)
+from .core.paths import local_only
 from .observe.failures import Watch
 from .observe.tensorboard import Monitor
 from .runtime import apply_plan
@@ -48,6 +49,13 @@ class Transform:
     def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
         model = apply_plan(model, optimizer, self._edits, OBSERVERS)
         return model if optimizer is None else (model, optimizer)
+
+    def edit(self, plan):
+        """``plan`` as this transform leaves it (no model needed: config.py checks a
+        configuration so)."""
+        for edit in self._edits:
+            plan = edit(plan)
+        return plan
 
     def __repr__(self) -> str:
         return f"zerofn.{self.name}"
@@ -338,6 +346,8 @@ def offload(device: str = "cpu", *, params: bool = False, path: str | None = Non
         raise ValueError(f"offload({device!r}): the device is 'cpu' or 'nvme'.")
     check_values("offload", dict(params=params, path=path, units_in_flight=units_in_flight,
                                  seed=seed, overlap_step=overlap_step))
+    if path is not None:       # (swap files are read and written by the OS, not fsspec)
+        local_only(path, 'offload("nvme", path=...)')
     if state_dtype not in (torch.float32, torch.bfloat16, torch.int8):
         raise ValueError(f"offload(state_dtype={state_dtype!r}): Adam's moments are stored as "
                          "torch.float32, torch.bfloat16 or torch.int8.")
@@ -409,10 +419,11 @@ def tensorboard(logdir, *, every: int = 10, ranks="0", profile: dict | None = No
     if not isinstance(memory_snapshot, int) or memory_snapshot < 0:
         raise ValueError(f"tensorboard(memory_snapshot={memory_snapshot!r}): the number of "
                          f"allocator events to keep (0: off).")
-    root = os.fspath(logdir)
+    root = local_only(logdir, "zf.tensorboard(logdir)")
     return _stage_transform("tensorboard", 0, MONITOR_OPTIONS, dict(
         tensorboard=root, tensorboard_every=every, tensorboard_ranks=_ranks(ranks),
-        tensorboard_csv=root if csv is True else (os.fspath(csv) if csv else None),
+        tensorboard_csv=root if csv is True else (local_only(csv, "zf.tensorboard(csv=...)")
+                                                  if csv else None),
         profile=_profile(profile), memory_snapshot=memory_snapshot))
 
 

@@ -1,4 +1,4 @@
-"""The step's vote (runtime/step.py) on one rank, the other rank of a world of two stood in
+"""The step's vote (runtime/step_grads.py) on one rank, the other rank of a world of two stood in
 for by a group that adds its ballot."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from zerofn.core.plan import Plan
-from zerofn.runtime.step import StepGrads
+from zerofn.runtime.step_grads import StepGrads
 from zerofn.runtime.timing import UNTIMED
 
 

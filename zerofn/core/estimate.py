@@ -12,9 +12,10 @@ import re
 import torch
 from torch import nn
 
+from .plan import HOMES, Plan
 from .units import build_units
 
-PLACES = ("device", "host", "nvme")
+PLACES = HOMES
 HOST_RING_DEPTH = 3    # offload("cpu")'s ring slots (runtime/offload/ring.py)
 ROLES = ("params", "grads", "optimizer")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -201,12 +202,13 @@ def _check(stage: int, offload: str | None, offload_params: bool) -> None:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}.")
     if offload not in (None, "cpu", "nvme"):
         raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}.")
-    if offload is not None and stage == 0:
-        raise ValueError("offload needs a sharded optimizer (stage 1, 2 or 3): zerofn has no "
-                         "unsharded mode to offload from.")
-    if offload_params and (offload is None or stage != 3):
-        raise ValueError("offload_params needs offload='cpu' or 'nvme' and stage 3: only "
-                         "ZeRO-3 shards the parameters.")
+    if offload_params and offload is None:
+        raise ValueError("offload_params needs offload='cpu' or 'nvme': it offloads the "
+                         "parameter shards too.")
+    plan = Plan(stage, ("offload",) if offload else (),     # as the transforms would make it
+                {"offload": offload, "offload_params": offload_params})
+    if plan.problems():
+        raise ValueError(" ".join(plan.problems()))
 
 
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}

@@ -72,6 +72,10 @@ class MonitorPolicy:
     memory_snapshot: int = 0
 
 
+# Where a unit's master rows and optimizer state live, nearest the compute first: its
+# home (offload's "tier", the planner's "place").
+HOMES = ("device", "host", "nvme")
+
 # Each option a transform takes: (the policy it sets, its field there).
 OPTION_FIELDS = {
     **{f.name: ("sharding", f.name) for f in dataclasses.fields(ShardingPolicy)},
@@ -153,6 +157,43 @@ class Plan:
         if given is not None:
             return given
         return "raise" if self.offload.overlap_step else "skip"
+
+    def problems(self) -> list[str]:
+        """The configuration rules this plan breaks, each as the sentence a user reads: the
+        rules that need no model, stated here once for every front door (the transforms at
+        set-up, ``zerofn train`` before any rank starts, the planner's candidates, the
+        Lightning and DeepSpeed translations: config.py). What needs the model, the device
+        or the optimizer is checked at set-up by the runtime."""
+        out = []
+        if self.stage == 0 and self.applied:
+            out.append(f"{self.applied[-1]}() shards nothing by itself: compose it with a "
+                       "sharding transform, e.g. zerofn.compose(zerofn.shard_optimizer(), "
+                       f"zerofn.{self.applied[-1]}(...)).")
+        if self.offload.params and 0 < self.stage < 3:
+            out.append("offload(params=True) offloads parameter shards, which only ZeRO-3 "
+                       "has: add zerofn.shard_params(), or drop params=True.")
+        if self.offload.master_dtype == torch.bfloat16 and \
+                self.precision.param_dtype != torch.bfloat16:
+            out.append("offload(master_dtype=torch.bfloat16): bf16 masters are the rows the "
+                       "device computes with, so the compute dtype must be bf16: add "
+                       "zf.mixed_precision(torch.bfloat16).")
+        return out + self._nonfinite_problems()
+
+    def _nonfinite_problems(self) -> list[str]:
+        """What ``on_nonfinite`` cannot keep under this plan (runtime/step_grads.py's [Note:
+        the non-finite guard])."""
+        given = self.sharding.on_nonfinite
+        if self.scales_loss() and given in ("raise", "ignore"):
+            return [f"on_nonfinite={given!r}: under loss scaling (fp16, or a static loss_scale) "
+                    "the scaler skips a step whose gradients overflow and lowers the scale, "
+                    "which is how it finds its scale; leave on_nonfinite unset (or 'skip'), "
+                    "or compute in bf16."]
+        if self.offload.overlap_step and self.nonfinite_rule() == "skip":
+            return ["on_nonfinite='skip': offload(overlap_step=True) steps units on the host "
+                    "during backward, before any rank knows whether a gradient is non-finite, "
+                    "so the step cannot be skipped; use 'raise' (the default there: it stops "
+                    "the run naming the step and the parameter) or 'ignore'."]
+        return []
 
     def describe(self) -> list[str]:
         """The plan as lines compared across ranks at set-up, one per option, so a mismatch

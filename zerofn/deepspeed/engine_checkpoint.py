@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ..checkpoint import load_checkpoint as zf_load_checkpoint
 from ..checkpoint import save_checkpoint as zf_save_checkpoint
 from ..io.fs import write_file
+from ..runtime.agree import from_first, gather
 from ..state.state_dict import get_model_state_dict
 from .config import DeepSpeedConfigWarning
 
@@ -110,8 +111,7 @@ class EngineCheckpoints:
     def _agree_on_tag(self, tag: str, client_state: dict) -> dict:
         """One small collective: every rank saves under the same tag (else every rank raises),
         and rank 0's client_state is the one saved."""
-        gathered = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, (tag, client_state), group=self.group)
+        gathered = gather((tag, client_state), self.group)
         tags = [t for t, _ in gathered]
         if len(set(tags)) > 1:
             raise ValueError(f"save_checkpoint: ranks passed different tags {tags}; pass the "
@@ -121,12 +121,8 @@ class EngineCheckpoints:
     def _checkpoint_dir(self, load_dir: str, tag) -> str | None:
         """Rank 0 finds the checkpoint (DeepSpeed's ``latest`` file names the tag) and tells
         the others, so every rank loads the same one or none does."""
-        found = [None]
-        if dist.get_rank(self.group) == 0:
-            found[0] = _find_checkpoint(load_dir, tag)
-        dist.broadcast_object_list(found, src=dist.get_global_rank(self.group, 0),
-                                   group=self.group)
-        path, problem = found[0]
+        found = _find_checkpoint(load_dir, tag) if dist.get_rank(self.group) == 0 else None
+        path, problem = from_first(found, self.group)
         if problem:
             warnings.warn(problem, DeepSpeedConfigWarning, stacklevel=3)
         return path

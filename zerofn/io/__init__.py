@@ -12,7 +12,8 @@ through the slots ``Runtime.slots_by_name`` names, between ``prepare_state_dict`
 offloaded state a unit at a time as ``checkpoint/streamed.py`` does.
 
 ``fs.py`` puts finished files and directories in place (renames a crash cannot leave
-half done; ``consolidate.to_full`` still writes its one file in place);
+half done; ``consolidate.to_full`` still writes its one file in place), and reaches a
+checkpoint at an fsspec URL (``s3://``, ``memory://``) through fsspec, a path through ``os``;
 ``zerofn/runtime/agree.py`` is the cross-rank agreement every collective entry point
 here starts with.
 """

@@ -55,7 +55,8 @@ def to_full(checkpoint, out, dtype: torch.dtype = torch.float32, *, trusted: boo
     as full tensors, floating ones in ``dtype``; return them. ``trusted``: read its
     pickles as torch would (see the module docstring). ``lightning``: as a Lightning
     checkpoint (torch.save), the weights under ``"state_dict"`` beside Lightning's entries."""
-    writer = _writer_for(os.fspath(out))
+    out = fs.local_only(out, "The consolidated file")
+    writer = _writer_for(out)
     if lightning and writer is not torch.save:
         raise ValueError(f"{out}: a Lightning checkpoint is a torch.save file; name it .ckpt.")
     ckpt = resolve(os.fspath(checkpoint))
@@ -79,7 +80,7 @@ def to_full(checkpoint, out, dtype: torch.dtype = torch.float32, *, trusted: boo
         dcp.load({"model": model}, storage_reader=reader, planner=SafePlanner(trusted=trusted),
                  no_dist=True)
     full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.items()}
-    writer(full if entries is None else {**entries, "state_dict": full}, os.fspath(out))
+    writer(full if entries is None else {**entries, "state_dict": full}, out)
     return full
 
 
@@ -103,11 +104,16 @@ def _lightning_entries(ckpt: str, saved: dict, trusted: bool) -> dict:
 
 def to_dcp(full_file, out_dir, *, trusted: bool = False) -> None:
     """Write a ``{fqn: tensor}`` file (.safetensors or torch.save) as a checkpoint directory
-    (with checksums). ``trusted``: read a torch.save file as torch would."""
-    full_file, out_dir = os.fspath(full_file), os.fspath(out_dir)
-    if os.path.exists(out_dir):
+    (with checksums), locally or at an fsspec URL. ``trusted``: read a torch.save file as
+    torch would."""
+    full_file, out_dir = fs.local_only(full_file, "The full state dict file"), os.fspath(out_dir)
+    if fs.exists(out_dir):
         raise FileExistsError(f"{out_dir} exists; pick a new directory for the checkpoint.")
     model = _read_full(full_file, trusted)
+    if fs.is_url(out_dir):     # in place: visible once its .metadata is, written last
+        with single_process():
+            dcp.save({"model": model}, storage_writer=ChecksumWriter(out_dir), no_dist=True)
+        return
     tmp = out_dir.rstrip(os.sep) + ".tmp"
     with single_process():
         dcp.save({"model": model}, storage_writer=ChecksumWriter(tmp), no_dist=True)

@@ -136,9 +136,9 @@ def _entries(rt, model) -> list[_Entry]:
             b = buffers[name]
             out.append(_Entry(name, b.shape, b.dtype, None, b.detach))
             continue
-        unit, face = unit_of[slot], slot.opt_param.dtype
+        unit, face = unit_of[slot], rt.master_rows(slot).dtype
         local = functools.partial(reader.value, unit, slot, 0, face) if rt.unread(unit) \
-            else slot.opt_param.detach
+            else functools.partial(rt.master_rows, slot)
         mesh, placements = slot.layout(rt.mesh, rt.placements)
         if slot.spec is not None:       # (tensor parallelism: gathered alone)
             whole = functools.partial(_whole, slot, local, rt)

@@ -21,10 +21,13 @@ except ImportError as e:  # a missing or broken build must not degrade silently
 else:
     _IMPORT_ERROR = None
 
-_GRAD_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_OUT_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
-_PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_STATE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 3}
+# What each buffer may hold, by the name zerofn._C gives the kernels' code for it (kernels.h).
+_GRAD_DTYPES = {torch.float32: "DTYPE_F32", torch.bfloat16: "DTYPE_BF16",
+                torch.float16: "DTYPE_F16"}
+_OUT_DTYPES = {torch.bfloat16: "DTYPE_BF16", torch.float16: "DTYPE_F16"}
+_PARAM_DTYPES = {torch.float32: "DTYPE_F32", torch.bfloat16: "DTYPE_BF16"}
+_STATE_DTYPES = {torch.float32: "DTYPE_F32", torch.bfloat16: "DTYPE_BF16",
+                 torch.uint8: "DTYPE_U8"}
 _warned_generic = False
 
 
@@ -150,13 +153,13 @@ def adam_step(
                     exp_avg_sq_scale=exp_avg_sq_scale)
     codes = (lowp._code(True), lowp._code(False)) if quantized else None
     c.adam_step(
-        params.data_ptr(), grads.data_ptr(), _GRAD_DTYPES[grads.dtype],
+        params.data_ptr(), grads.data_ptr(), getattr(c, _GRAD_DTYPES[grads.dtype]),
         exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
         0 if out is None else out.data_ptr(),
-        c.DTYPE_NONE if out is None else _OUT_DTYPES[out.dtype],
+        c.DTYPE_NONE if out is None else getattr(c, _OUT_DTYPES[out.dtype]),
         n, int(step), float(lr), float(beta1), float(beta2), float(eps),
         float(weight_decay), bool(adamw_mode), float(grad_scale),
-        _PARAM_DTYPES[params.dtype], _STATE_DTYPES[exp_avg.dtype],
+        getattr(c, _PARAM_DTYPES[params.dtype]), getattr(c, _STATE_DTYPES[exp_avg.dtype]),
         exp_avg_scale.data_ptr() if quantized else 0,
         exp_avg_sq_scale.data_ptr() if quantized else 0, int(seed),
         codes[0].data_ptr() if quantized else 0, codes[1].data_ptr() if quantized else 0,
@@ -190,7 +193,7 @@ def grad_sumsq_and_finite(grads: torch.Tensor) -> tuple[float, bool]:
     c = native()
     _check_buffer("grads", grads, tuple(_GRAD_DTYPES))
     sumsq, finite = c.grad_sumsq_and_finite(
-        grads.data_ptr(), _GRAD_DTYPES[grads.dtype], grads.numel()
+        grads.data_ptr(), getattr(c, _GRAD_DTYPES[grads.dtype]), grads.numel()
     )
     return sumsq, finite
 

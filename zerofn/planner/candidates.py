@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from zerofn import api as zf
+from zerofn.config import Config
 from zerofn.core.units import default_unit_modules
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -60,15 +61,11 @@ class Candidate:
         out = []
         if self.stage not in (0, 1, 2, 3):
             out.append(f"stage {self.stage}: 0 (DDP), 1, 2 or 3")
-        if self.offload is not None and self.stage == 0:
-            out.append("offload needs a sharded optimizer (stage 1 to 3)")
-        if self.params and (self.offload is None or self.stage != 3):
-            out.append("params=True needs stage 3 and an offload")
-        if self.offload is None and (self.state_dtype, self.master_dtype, self.ratio) != \
-                ("fp32", "fp32", 1.0):
-            out.append("stored dtypes and ratio describe an offload")
-        if self.master_dtype == "bf16" and self.precision != "bf16":
-            out.append("bf16 masters need bf16 compute")
+        if self.offload is None and (self.params, self.state_dtype, self.master_dtype,
+                                     self.ratio) != (False, "fp32", "fp32", 1.0):
+            out.append("params, stored dtypes and ratio describe an offload")
+        elif self.stage in (1, 2, 3) or (self.stage == 0 and self.offload is not None):
+            out += self.config().problems()
         if (self.state_dtype, self.master_dtype) != ("fp32", "fp32") and \
                 self.precision == "fp32":
             out.append("low-precision offloaded state needs mixed precision (fp32 masters)")
@@ -78,23 +75,22 @@ class Candidate:
             out.append("micro_batch and accum are at least 1")
         return out
 
+    def config(self, nvme_path: str | None = None, init=None) -> Config:
+        """This candidate as zerofn's configuration (``init``: a meta-built model's)."""
+        offload = None if self.offload is None else dict(
+            device=self.offload, params=self.params, ratio=self.ratio,
+            path=nvme_path if self.offload == "nvme" else None,
+            state_dtype=DTYPES[self.state_dtype], master_dtype=DTYPES[self.master_dtype])
+        return Config(self.stage, sharding={} if init is None else {"init": init},
+                      precision=None if self.precision == "fp32" else
+                      {"param_dtype": DTYPES[self.precision]}, offload=offload)
+
     def transforms(self, nvme_path: str | None = None, init=None) -> list:
-        """zerofn's transforms for stages 1 to 3 (``init``: a meta-built model's)."""
-        if self.stage == 0:
-            return []
-        out = [zf.shard_optimizer(**({} if init is None else {"init": init}))]
-        out += [zf.shard_grads()] * (self.stage >= 2) + [zf.shard_params()] * (self.stage == 3)
-        if self.precision != "fp32":
-            out.append(zf.mixed_precision(DTYPES[self.precision]))
-        if self.offload is not None:
-            if self.offload == "nvme" and not nvme_path:
-                raise ValueError("this plan offloads to NVMe: give nvme_path (a directory on "
-                                 "the drive).")
-            out.append(zf.offload(self.offload, params=self.params, ratio=self.ratio,
-                                  path=nvme_path if self.offload == "nvme" else None,
-                                  state_dtype=DTYPES[self.state_dtype],
-                                  master_dtype=DTYPES[self.master_dtype]))
-        return out
+        """zerofn's transforms for stages 1 to 3 (none for stage 0)."""
+        if self.offload == "nvme" and not nvme_path:
+            raise ValueError("this plan offloads to NVMe: give nvme_path (a directory on "
+                             "the drive).")
+        return self.config(nvme_path, init).transforms()
 
     def apply(self, model: nn.Module, optimizer, nvme_path: str | None = None, init=None):
         """``(model, optimizer)`` set up as this candidate asks: activation checkpointing on

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zerofn.core.plan import HOMES
 from zerofn.core.estimate import estimate_placement, moment_bytes
 from zerofn.core.units import build_units
 from zerofn.io.checkpoint.checksums import FILE_BYTES
@@ -40,7 +41,7 @@ from .pool_replay import PoolReplay
 
 PHASES = ("forward", "backward", "step", "save")
 SAVES = (None, "sync", "async")     # how the run saves checkpoints (save_checkpoint)
-PLACES = ("device", "host", "nvme")
+PLACES = HOMES
 FP32 = 4
 
 

@@ -18,7 +18,7 @@ The requests, per step (one rank, no accumulation):
   and where the shards are lent (ZeRO-1, or an offloaded step) its gradient shard, kept
   to ``zero_grad``; each reduction's buffers go back once it is waited for, which the
   in-flight bound forces, or at backward's end;
-- the step (runtime/step.py, shards.py): under mixed precision without offload every
+- the step (runtime/step_grads.py, shards.py): under mixed precision without offload every
   unit's gradient rows copied to the masters' dtype, held through the step; ZeRO-1/2's
   all-gather of each unit's updated rows, under the in-flight bound.
 """

@@ -57,7 +57,7 @@ def process(options: dict) -> dict:
     temporaries) a calibration model's step raises the peak by, beyond its model state:
     the process's high-water mark on a CPU, the caching allocator's peak allocated bytes
     on a GPU (what the runs it is checked against report)."""
-    import zerofn as zf
+    from zerofn.config import Config
     from zerofn.nanogpt import GPT, GPTConfig
     from . import calibration
     device = _device(options)
@@ -66,7 +66,7 @@ def process(options: dict) -> dict:
         torch.manual_seed(0)
         model = GPT(cfg).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        model, opt = zf.compose(zf.shard_optimizer(), zf.shard_grads())(model, opt)
+        model, opt = Config(2).transform()(model, opt)
         x = torch.randint(cfg.vocab, (calibration.ROWS, cfg.context), device=device)
         for _ in range(steps):
             model(x, x).backward()
@@ -143,7 +143,7 @@ def own_work(options: dict) -> dict:
     time too."""
     from zerofn.core.units import build_units
     from zerofn.nanogpt import GPT, GPTConfig
-    import zerofn as zf
+    from zerofn.config import Config
     device = _device(options)
     shapes = [GPTConfig(vocab=4096, width=w, heads=w // 64, ffn=4 * w, layers=layers,
                         context=64) for w, layers in ((256, 4), (1024, 2))]
@@ -164,8 +164,7 @@ def own_work(options: dict) -> dict:
             torch.manual_seed(0)
             model = GPT(cfg).to(device)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            ts = [zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()][:stage]
-            model, opt = zf.compose(*ts)(model, opt)
+            model, opt = Config(stage).transform()(model, opt)
             extra = max(0.0, _best(_stepper(model, opt, cfg, device), device=device) - base)
             points.setdefault(str(stage), []).append((units, n, extra))
             del model, opt

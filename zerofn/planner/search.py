@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from zerofn.core.plan import HOMES
+
 from . import activations as acts_mod
 from . import calibration, libraries, memory, step_time
 from .candidates import DTYPES, Candidate
@@ -271,7 +273,7 @@ def _rows(t, n: int):
 def _reason(best: Row, rows: list[Row], margin: float) -> str:
     faster = [r for r in rows if not r.fits and r.seconds["total"] < best.seconds["total"]]
     parts = [f"chosen: {best.candidate.describe()}: peak "
-             + ", ".join(f"{p} {best.peak[p] / GB:.2f} GB" for p in ("device", "host", "nvme")
+             + ", ".join(f"{p} {best.peak[p] / GB:.2f} GB" for p in HOMES
                          if best.peak[p]) + f"; step {best.seconds['total']:.3f} s"]
     terms = {k: v for k, v in best.seconds.items() if k != "total"}
     slowest = max(terms, key=terms.get)

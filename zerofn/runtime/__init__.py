@@ -8,7 +8,7 @@ from .attach import is_transformed, runtime_of
 from .events import ObserverKind, StepObserver
 from .owned import whole_tensors
 from .runtime import apply_plan, chained
-from .step import NonFiniteGradient
+from .step_grads import NonFiniteGradient
 from .view import RuntimeView
 
 __all__ = ["NonFiniteGradient", "ObserverKind", "RuntimeView", "StepObserver", "apply_plan", "chained",

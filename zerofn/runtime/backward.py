@@ -63,7 +63,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..core.units import ParamSlot, Unit
 
 
-class Phase(enum.Enum):
+class BackwardPhase(enum.Enum):
     """Where backward is, as the tracker follows it (one variable, as FSDP2's
     ``TrainingState``)."""
     IDLE = "idle"                  # no backward under way
@@ -91,7 +91,7 @@ class BackwardTracker:
         self.grad_arrived = ctx.guard(self._on_grad)
         self.unit_done = ctx.guard(self.backward_done)
         self._end = ctx.guard(self._end_backward)
-        self.phase = Phase.IDLE
+        self.phase = BackwardPhase.IDLE
         self._remaining: dict[Unit, int] = {}
         self._held: dict[Unit, list] = {}       # slots whose gradient waits on the parameter
         # [Note: one reduction order]
@@ -115,7 +115,7 @@ class BackwardTracker:
 
     @property
     def in_backward(self) -> bool:
-        return self.phase is not Phase.IDLE
+        return self.phase is not BackwardPhase.IDLE
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -124,9 +124,9 @@ class BackwardTracker:
     def _on_grad(self, unit: Unit, slot: ParamSlot, param) -> None:
         self.reducer.unreduced = True
         self.reducer.got.add(slot)
-        if self.phase is Phase.IDLE:
+        if self.phase is BackwardPhase.IDLE:
             self._begin_backward()
-        if self.phase is not Phase.REDUCING:
+        if self.phase is not BackwardPhase.REDUCING:
             return
         self._held.setdefault(unit, []).append(slot)
         self._remaining[unit] -= 1
@@ -168,10 +168,10 @@ class BackwardTracker:
     def backward_done(self, unit: Unit, forward) -> None:
         """The backward of ``forward``, one of ``unit``'s, is done; after the last still to
         come, the unit is complete ([Note: a unit's backward is done])."""
-        if self.phase is Phase.IDLE:
+        if self.phase is BackwardPhase.IDLE:
             self._begin_backward()
         self._forwards[unit].discard(forward)
-        if self._forwards[unit] or self.phase is not Phase.REDUCING:
+        if self._forwards[unit] or self.phase is not BackwardPhase.REDUCING:
             return
         if self._remaining[unit] <= 0:
             if self.gatherer is not None:   # (kept for its frozen weights, or none to pack)
@@ -187,7 +187,7 @@ class BackwardTracker:
         return len(unit.trainable) < len(unit.slots) and bool(self._forwards[unit])
 
     def _begin_backward(self) -> None:
-        self.phase = Phase.ACCUMULATING if self.reducer.no_sync else Phase.REDUCING
+        self.phase = BackwardPhase.ACCUMULATING if self.reducer.no_sync else BackwardPhase.REDUCING
         self._remaining = {u: len(u.trainable) for u in self.units}
         self._held = {}
         self._completed, self._next = [], 0
@@ -214,7 +214,7 @@ class BackwardTracker:
                 self.reducer.pack(unit, s)
 
     def _end_backward(self) -> None:
-        reducing = self.phase is Phase.REDUCING
+        reducing = self.phase is BackwardPhase.REDUCING
         for unit in self._order[self._next:] if reducing else ():
             if self._remaining[unit] > 0:
                 self._pack_the_rest(unit)
@@ -222,7 +222,7 @@ class BackwardTracker:
         self.reducer.finish_backward(reducing)
         if reducing and not self._learned:
             self._learn_order()
-        self.phase = Phase.IDLE
+        self.phase = BackwardPhase.IDLE
         if self.gatherer is not None:
             self.gatherer.end_backward()
 

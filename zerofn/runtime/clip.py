@@ -1,4 +1,4 @@
-"""Global gradient-norm clipping across shards, on the step's gradients (step.py): their
+"""Global gradient-norm clipping across shards, on the step's gradients (step_grads.py): their
 norm travels in the step's vote ([Note: one collective for the verdicts]), and under
 offload with Adam the coefficient is folded into the kernel ([Note: deferred scaling])."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 @torch.no_grad()
 def clip_grads(grads, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
-    """``zf.clip_grad_norm_`` on the step's gradients ``grads`` (step.py's ``StepGrads``):
+    """``zf.clip_grad_norm_`` on the step's gradients ``grads`` (step_grads.py's ``StepGrads``):
     the total norm before clipping."""
     if grads.early is not None:
         grads.early.refuse_clipping()
@@ -25,7 +25,7 @@ def _clip(grads, max_norm: float, norm_type: float, error_if_nonfinite: bool):
     """The global norm across ranks; the gradients scaled to ``max_norm`` where above it."""
     local = _local_norm(grads, norm_type, grads.device)
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    total = grads.vote(local, op)    # step.py's [Note: one collective for the verdicts]
+    total = grads.vote(local, op)    # step_grads.py's [Note: one collective for the verdicts]
     if total is None:                # a second clip this step: the vote was taken
         with grads.timing.collective("all_reduce"):
             grads.comm.all_reduce(local, op=op)

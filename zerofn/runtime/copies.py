@@ -3,7 +3,7 @@
 [Note: copy streams] On CUDA, gradient shards go device to host on one side stream and
 updated parameter rows host to device on another, so both overlap compute. Every copy
 belongs to a unit; one event per unit and direction, created once, marks where that
-unit's latest copy ends. Three waits order everything else against those events:
+unit's latest copy ends. Five waits order everything else against those events:
 
 - ``host_wait``: the host is about to read what ``to_host`` wrote (blocks the host).
 - ``device_wait``: device work is about to read what ``to_device`` wrote (the current

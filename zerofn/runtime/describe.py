@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from ..core.plan import HOMES
+
 log = logging.getLogger("zerofn")
 
 
@@ -22,7 +24,7 @@ def _dtypes(units, field: str) -> str:
 def _homes(rt) -> str:
     """Where the units' state lives: "on the device", "on the host", or a count per home
     ("2 units on the device, 5 on the host, 3 in nvme")."""
-    count = {home: 0 for home in ("device", "host", "nvme")}
+    count = {home: 0 for home in HOMES}
     for u in rt.units:
         if u.slots:
             count[rt.home_of(u)] += 1

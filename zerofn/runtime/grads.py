@@ -55,7 +55,7 @@ class GradReducer:
 
     Args:
         visible: shows the reduced rows on ``p.grad`` (visible.py).
-        landing: the step's landing target (step.py's ``Landing``): where a reduced shard
+        landing: the step's landing target (landing.py's ``Landing``): where a reduced shard
             goes as soon as it is final, under offload.
         gatherer: ZeRO-3's gatherer (a unit's gathered parameters are freed once its
             gradients are packed; the reduction order follows its forward order), or None.
@@ -69,7 +69,7 @@ class GradReducer:
         self.reduce_dtype = ctx.plan.precision.reduce_dtype    # None: the compute dtype
         self.no_sync = False
         self.grad_shard: dict[Unit, torch.Tensor | None] = {}   # made at the first reduction
-        # Slots that got a gradient on this rank since zero_grad (step.py's [Note:
+        # Slots that got a gradient on this rank since zero_grad (step_grads.py's [Note:
         # parameters without a gradient]).
         self.got: set[ParamSlot] = set()
         # [Note: a gradient no rank gave]: whether this rank's ``got`` is every rank's

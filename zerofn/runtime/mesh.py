@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import fnmatch
+import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -248,3 +249,23 @@ def _shown(option) -> str:
     return "{" + ", ".join(f"{k!r}: {type(v).__name__}"
                            + (f" ({v.ndim}-D)" if isinstance(v, DeviceMesh) else "")
                            for k, v in option.items()) + "}"
+
+
+def model_parallel_norms(ctx) -> tuple:
+    """Where tensor parallelism split parameters (mesh.py's ``Groups.model``): the group
+    over which the step's vote is taken again (every piece of the same rows takes the same
+    step), and each slot's weight in the norm's sum, 1 over the number of its
+    model-parallel ranks holding the same rows (a plain parameter: all of them), so the
+    sum over that group counts each row once. None and {} without."""
+    mesh = ctx.groups.model
+    if mesh is None:
+        return None, {}
+    group = mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
+    weight = {}
+    for unit in ctx.units:
+        for s in unit.trainable:
+            copies = mesh.size() if s.spec is None else math.prod(
+                n for n, p in zip(mesh.shape, s.spec.placements) if p.is_replicate())
+            if copies > 1:
+                weight[s] = 1.0 / copies
+    return group, weight

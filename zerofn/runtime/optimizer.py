@@ -75,7 +75,7 @@ class OptimizerBinding:
     Args:
         slot_of: each tensor that stands for a model parameter -> its slot (whose
             ``opt_param`` the optimizer steps instead).
-        stepper: whose ``before_step`` and ``after_step`` the step hooks run (stepping.py).
+        stepper: whose ``before_step`` and ``after_step`` the step hooks run (stepper.py).
         observers: told when a step begins; their guard wraps zerofn's part of it.
     """
 

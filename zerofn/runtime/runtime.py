@@ -5,9 +5,9 @@ It lives on the model (``model._zerofn``); the transforms themselves stay statel
 
 One step through the parts: forward's hooks (forward.py) gather each ZeRO-3 unit
 (params.py); backward's tracker (backward.py) tells the reducer (grads.py) when each unit
-is complete, whose reduced shard goes to its landing (step.py) and, at the end, onto
-``p.grad`` (visible.py); ``optimizer.step()`` runs the stepper (stepping.py): the step's
-gradients and one vote (step.py), then each unit's home (offload/) steps its rows and the
+is complete, whose reduced shard goes to its landing (step_grads.py) and, at the end, onto
+``p.grad`` (visible.py); ``optimizer.step()`` runs the stepper (stepper.py): the step's
+gradients and one vote (step_grads.py), then each unit's home (offload/) steps its rows and the
 shards (shards.py) bring the compute rows up to date.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .comm import Comm, device_problems
 from .context import RuntimeContext
 from .copies import CopyStreams
 from .describe import announce
-from .early_step import overlap_problems
+from .overlap import overlap_problems
 from .events import Observers
 from .forward import ForwardHooks
 from .grads import GradReducer
@@ -46,8 +46,8 @@ from .owned import overlap_whole
 from .params import ParamGatherer
 from .pool import BufferPool
 from .shards import Shards
-from .step import Landing
-from .stepping import Stepper, early_steps, nonfinite_problems
+from .landing import Landing
+from .stepper import Stepper, early_steps
 from .visible import VisibleGrads
 
 
@@ -64,13 +64,8 @@ def apply_plan(model: nn.Module, optimizer, edits, observer_kinds=()):
     plan = old.plan if old is not None else Plan()
     for edit in edits:
         plan = edit(plan)
-    if plan.stage == 0:
-        raise ValueError(f"{plan.applied[-1]}() shards nothing by itself: compose it with a "
-                         "sharding transform, e.g. zerofn.compose(zerofn.shard_optimizer(), "
-                         f"zerofn.{plan.applied[-1]}(...)).")
-    if plan.offload.params and plan.stage < 3:
-        raise ValueError("offload(params=True) offloads parameter shards, which only ZeRO-3 "
-                         "has: add zerofn.shard_params(), or drop params=True.")
+    if plan.stage == 0:     # (no runtime to agree in: the plan's other rules wait for one)
+        raise ValueError(" ".join(plan.problems()))
     if old is not None:
         bound = old.optimizer
         if optimizer is not None and bound is not None and bound is not optimizer:
@@ -280,11 +275,11 @@ class Runtime:
             problems += kind.preflight(plan, self.device, dist.get_rank(self.group),
                                        dist.get_world_size(self.group))
         problems += overlap_problems(plan, optimizer) + overlap_whole(plan, optimizer)
-        problems += nonfinite_problems(plan)
+        problems += plan.problems()
         problems += auto_problems(plan.offload, self.device, self.replica_world > 1)
         order = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
         problems += offload_problems(plan.offload, optimizer, units,
-                                     _param_dtypes(units, plan), compute, order)
+                                     _param_dtypes(units, plan), order)
         return units, problems
 
     def _signature(self, optimizer) -> list[str]:
@@ -304,8 +299,7 @@ class Runtime:
         # generators must agree, or each would keep rows of a different model.
         rng = rng_digest(self.device) if meta_state(self.model) and \
             self.plan.sharding.sync_module_states else None
-        gathered = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, (digest, problems, sig, rng), group=self.group)
+        gathered = gather((digest, problems, sig, rng), self.group)
         for rank, (_, probs, _, _) in enumerate(gathered):
             if probs:
                 raise ValueError(f"zerofn set-up failed on rank {rank}: " + " ".join(probs))
@@ -431,6 +425,21 @@ class Runtime:
     def time_series(self) -> tuple[str, ...]:
         """The timing series the homes' work fills, beyond every run's."""
         return self.homes.time_series
+
+    # -- parameter state: the rest of zerofn reads and writes masters through these
+    def master_rows(self, slot) -> torch.Tensor:
+        """This rank's rows of ``slot``'s master, what the optimizer steps (detached)."""
+        return slot.opt_param.detach()
+
+    def write_master_rows(self, slot, rows: torch.Tensor) -> None:
+        """Copy ``rows``, this rank's rows of ``slot``'s master, in (a load: it calls
+        ``refresh_params`` once every slot is written)."""
+        with torch.no_grad():
+            slot.opt_param.copy_(rows)
+
+    def slot_of_stepped(self) -> dict:
+        """What the optimizer steps (its params) -> the slot each is the master of."""
+        return {s.opt_param: s for s in self.slot_of.values()}
 
     def slots_by_name(self) -> dict:
         """Every state-dict name of every parameter: a module under two parents (or two

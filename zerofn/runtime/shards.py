@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..core.units import gather_from_ranks, local_of, set_local
+from .agree import gather
 from .materialize import Materializer, meta_state
 from .offload import FlatBuffers
 
@@ -126,8 +127,7 @@ class Shards:
                          self.ctx.device)
         m.run(self._lay_out_unit)
         group = self.ctx.groups.everyone
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, m.problems, group=group)
+        gathered = gather(m.problems, group)
         failed = next(((r, p) for r, p in enumerate(gathered) if p), None)
         if failed is not None:
             m.undo()

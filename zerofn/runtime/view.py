@@ -55,6 +55,11 @@ class RuntimeView(Protocol):
     def placement_reason(self) -> str | None: ...
     def time_series(self) -> tuple[str, ...]: ...
 
+    # parameter state: the masters are read and written through these alone
+    def master_rows(self, slot) -> torch.Tensor: ...
+    def write_master_rows(self, slot, rows: torch.Tensor) -> None: ...
+    def slot_of_stepped(self) -> dict: ...
+
     # state dicts
     def slots_by_name(self) -> dict: ...
     def group_names(self, optimizer) -> list[list[str]]: ...
@@ -72,3 +77,23 @@ class RuntimeView(Protocol):
 
 SURFACE = frozenset(n for n in dir(RuntimeView) if not n.startswith("_")) \
     | frozenset(RuntimeView.__annotations__)
+
+# What modules outside runtime/ may import from its modules, beyond the package's own names
+# (runtime/__init__.py): the constants and helpers the planner, the checkpoints and the
+# observers share with the runtime instead of restating them.
+IMPORTABLE = {
+    "agree": {"agree_or_raise", "from_first", "gather"},   # every rank's findings, agreed
+    "attach": {"runtime_of"},
+    "comm": {"Comm", "KEEP_IN_FLIGHT"},
+    "events": {"StepObserver"},
+    "host_malloc": {"THRESHOLD"},
+    "memory": {"proc_bytes"},
+    "offload.base": {"stand_in"},
+    "optimizer": {"SCALER_KEY"},                # where fp16's scaler rides in a state dict
+    "pinned": {"host_buffer", "pins", "registered_bytes"},
+    "pool": {"MAX_WASTE"},
+    "timing": {"Timing"},
+}
+
+# A slot's runtime state, read and written from outside through the view's methods only.
+SLOT_STATE = frozenset({"opt_param", "sharded"})

@@ -12,7 +12,7 @@ Where those rows are not all the step reads, the step learns of the edit (``fold
 
 - a tensor the loop put in ``p.grad`` instead (``p.grad = g * 2``) is copied into the rows;
   ``p.grad = None`` means this rank gave the parameter no gradient, as in torch.optim (the
-  ranks' union decides, step.py's [Note: parameters without a gradient]);
+  ranks' union decides, step_grads.py's [Note: parameters without a gradient]);
 - where backward already copied a unit's rows elsewhere (a landing buffer on the host,
   NVMe's staging, the device's share under ``ratio``: such units are ``watch``ed), an edit
   is seen by a fingerprint of the rows, a hash of each element's bits and position taken
@@ -20,7 +20,7 @@ Where those rows are not all the step reads, the step learns of the edit (``fold
   torch's clipping uses, bump none on a DTensor or its local tensor). An edited unit's
   rows are copied again; where the host already stepped the unit during backward
   (``overlap_step``), the edit cannot be honoured and ``step()`` raises on every rank
-  (step.py's vote carries the verdict). A clip that multiplies by exactly 1 edits
+  (step_grads.py's vote carries the verdict). A clip that multiplies by exactly 1 edits
   nothing;
 - where gradients are reduced in a wider dtype than the parameters compute in
   (``mixed_precision(reduce_dtype=...)``), torch refuses a gradient of another dtype than

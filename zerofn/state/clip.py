@@ -15,7 +15,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
 
     Call on every rank after backward and before ``optimizer.step()``. Under offload with
     Adam the clip coefficient is not applied to the host gradients but folded into the
-    step's Adam kernel (runtime/step.py, [Note: deferred scaling]).
+    step's Adam kernel (runtime/step_grads.py, [Note: deferred scaling]).
 
     Args:
         model: a model transformed by zerofn (or ``zf.auto``'s stage 0: DDP's, whose

@@ -58,7 +58,7 @@ def take_state(rt, module: nn.Module, state_dict: dict, strict: bool = True) -> 
     ``module``: return what each registration would be given. Raises what torch raises
     (a size mismatch; with ``strict``, missing or unexpected keys)."""
     # A Parameter, so that assign=True hands the registration a Parameter in turn.
-    master = (lambda s: nn.Parameter(s.as_dtensor(s.opt_param.detach(), rt.mesh, rt.placements),
+    master = (lambda s: nn.Parameter(s.as_dtensor(rt.master_rows(s), rt.mesh, rt.placements),
                                      requires_grad=False))
     # torch.__future__'s swap would swap a placeholder's contents rather than replace it,
     # and the value given could not be told from the placeholder.

@@ -73,10 +73,10 @@ def get_model_state_dict(model: nn.Module, *, full: bool = False, device=None) -
     model = rt.model     # (the module itself, where torch.compile wraps it)
     rt.prepare_state_dict()
     if full:
-        msd = module_state(rt, model, lambda s: rt.full_tensor(s, s.opt_param.detach(), device))
+        msd = module_state(rt, model, lambda s: rt.full_tensor(s, rt.master_rows(s), device))
         live = {b.untyped_storage().data_ptr() for b in model.buffers()}
         return {k: _owned(v, live, device) for k, v in msd.items()}
-    return module_state(rt, model, lambda s: _export(rt, s, s.opt_param.detach(), False))
+    return module_state(rt, model, lambda s: _export(rt, s, rt.master_rows(s), False))
 
 
 def unread_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -85,7 +85,7 @@ def unread_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> tup
     replaces and reads a unit at a time (io/checkpoint/streamed.py). A zerofn model only."""
     rt = runtime_of(model)
     optimizer = _ready(rt, optimizer, read=False)
-    msd = module_state(rt, rt.model, lambda s: _export(rt, s, s.opt_param.detach(), False))
+    msd = module_state(rt, rt.model, lambda s: _export(rt, s, rt.master_rows(s), False))
     return msd, _optim_state(rt, optimizer, False)
 
 
@@ -130,7 +130,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict) -> None:
         for buffer, value in taken.buffers:
             buffer.copy_(_full_value(value))
         for slot, value in taken.params:   # this rank's rows of the master
-            slot.opt_param.copy_(_local_value(rt, slot, value))
+            rt.write_master_rows(slot, _local_value(rt, slot, value))
     rt.refresh_params()   # the compute parameters from the masters
 
 
@@ -201,20 +201,21 @@ def _check_optimizer(rt, optimizer):
     return optimizer
 
 
-def _is_sharded_state(slot: ParamSlot, value) -> bool:
-    return torch.is_tensor(value) and value.dim() > 0 and value.shape == slot.opt_param.shape \
+def _is_sharded_state(master: torch.Tensor, value) -> bool:
+    """Whether ``value`` (a state tensor of the optimizer's ``master``) has its rows."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == master.shape \
         and not isinstance(value, DTensor)
 
 
 def _optim_state(rt, optimizer, full: bool, device=None) -> dict:
-    slot_of_opt = {s.opt_param: s for s in rt.slot_of.values()}
+    slot_of_opt = rt.slot_of_stepped()
     state, groups = {}, []
     for group, fqns in zip(optimizer.param_groups, rt.group_names(optimizer)):
         for p in group["params"]:
             slot = slot_of_opt[p]
             if p in optimizer.state:
                 state[slot.fqn] = {k: _export(rt, slot, v, full, device)
-                                   if _is_sharded_state(slot, v) else _snapshot(v, full)
+                                   if _is_sharded_state(p, v) else _snapshot(v, full)
                                    for k, v in optimizer.state[p].items()}
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
     out = {"state": state, "param_groups": groups}
@@ -230,7 +231,7 @@ def _load_optim_state(rt, optimizer, osd: dict) -> None:
                          f"optimizer {len(optimizer.param_groups)}.")
     if rt.scaler is not None and SCALER_KEY in osd:
         rt.scaler.load_state_dict(osd[SCALER_KEY])
-    slot_of_opt = {s.opt_param: s for s in rt.slot_of.values()}
+    slot_of_opt = rt.slot_of_stepped()
     loaded = set()
     with torch.no_grad():
         for group, saved, names in zip(optimizer.param_groups, groups,

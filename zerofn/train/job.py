@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
+from zerofn.config import Config
 from zerofn.nanogpt import GPT, PRESETS, GPTConfig, init_weights
 
 from .args import PRECISIONS, SHAPE_FLAGS
@@ -200,33 +201,31 @@ def _stored(job: Job) -> dict:
     return dict(state_dtype=dtype[job.state_dtype], master_dtype=dtype[job.master_dtype])
 
 
-def transforms(job: Job) -> list:
-    """zerofn's transforms for the job: the config's options where the flags leave them."""
+def config(job: Job) -> Config:
+    """zerofn's configuration for the job: the config file's options where the flags leave
+    them."""
     opts = job.options
     shared = dict(opts.get("shard_optimizer", {}), init=init_weights)
     if job.on_nonfinite is not None:
         shared["on_nonfinite"] = job.on_nonfinite
-    out = [zf.shard_optimizer(**shared)]
-    if job.stage >= 2:
-        out.append(zf.shard_grads())
-    if job.stage == 3:
-        out.append(zf.shard_params(**opts.get("shard_params", {})))
     mp = dict(opts.get("mixed_precision", {}))
     dtype = PRECISIONS[job.precision]
     if mp.get("param_dtype", torch.float32) != dtype:   # the config's scaling was for another
         mp = {"reduce_dtype": mp.get("reduce_dtype")}
-    if dtype != torch.float32 or mp.get("reduce_dtype") is not None:
-        out.append(zf.mixed_precision(**dict(mp, param_dtype=dtype)))
-    if job.offload is not None:
-        in_flight = opts.get("offload", {}).get("units_in_flight", 2)
-        out.append(zf.offload(job.offload, params=job.offload_params, path=job.nvme_path,
-                              units_in_flight=in_flight, ratio=job.offload_ratio,
-                              device_budget=job.device_budget,
-                              overlap_step=job.overlap_step, **_stored(job)))
-    if job.tensorboard is not None:
-        options = dict(job.tensorboard)
-        out.append(zf.tensorboard(options.pop("logdir"), **options))
-    return out
+    precision = dict(mp, param_dtype=dtype) \
+        if dtype != torch.float32 or mp.get("reduce_dtype") is not None else None
+    offload = None if job.offload is None else dict(
+        device=job.offload, params=job.offload_params, path=job.nvme_path,
+        units_in_flight=opts.get("offload", {}).get("units_in_flight", 2),
+        ratio=job.offload_ratio, device_budget=job.device_budget,
+        overlap_step=job.overlap_step, **_stored(job))
+    return Config(job.stage, sharding=shared, params=opts.get("shard_params", {}),
+                  precision=precision, offload=offload, tensorboard=job.tensorboard)
+
+
+def transforms(job: Job) -> list:
+    """zerofn's transforms for the job."""
+    return config(job).transforms()
 
 
 # -- building -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from zerofn.nanogpt import GPT
 from zerofn.planner.probe import Machine, load_or_probe
 from zerofn.planner.search import NoPlanFits, candidates, free_budgets, plan
+from zerofn.runtime.agree import from_first
 
 CHOSEN = ("stage", "offload", "offload_params", "offload_ratio", "state_dtype",
           "master_dtype", "grad_accum", "activation_checkpointing")
@@ -36,9 +37,7 @@ def planned(job, args, device: torch.device):
             choice, message = result.choice.to_json(), result.reason
         except (NoPlanFits, ValueError) as e:
             message = f"--plan auto: {e}"
-    got = [choice, message]
-    dist.broadcast_object_list(got, src=0)
-    choice, message = got
+    choice, message = from_first((choice, message), dist.group.WORLD)
     if choice is None:
         raise ValueError(message)
     if dist.get_rank() == 0:

@@ -75,7 +75,7 @@ def read_config(config_or_path, *, model=None, world_size: int | None = None,
     ignored = tuple(ignored_keys(config, stage))
     warn_about_keys(filled, ignored, monitoring)
     return DeepSpeedSettings(
-        transform=compose_transforms(transforms), transforms=transforms, stage=stage,
+        transform=compose_transforms(transforms, stage), transforms=transforms, stage=stage,
         param_dtype=param_dtype, **batch,
         gradient_clipping=float(config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)),
         optimizer=optimizer_factory(config.get("optimizer")),

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ... import api as zt
+from ...config import Config
 from .. import keys as K
 from ..utils import leaf_units, mark_from_config
 from .settings import DeepSpeedConfigWarning
@@ -282,17 +283,13 @@ def _monitor_options(config: dict) -> dict | None:
     return options
 
 
-def compose_transforms(transforms: dict) -> zt.Transform:
-    made = []
-    for name, options in transforms.items():
-        options = dict(options)
-        if name == "offload":
-            made.append(zt.offload(options.pop("device"), **options))
-        elif name == "tensorboard":
-            made.append(zt.tensorboard(options.pop("logdir"), **options))
-        else:
-            made.append(getattr(zt, name)(**options))
-    return zt.compose(*made)
+def compose_transforms(transforms: dict, stage: int) -> zt.Transform:
+    """``transform_options``' dict as the one transform (stage 0 runs as ZeRO-1, as the
+    dict says: zerofn has no unsharded mode)."""
+    return Config(max(stage, 1), sharding=transforms["shard_optimizer"],
+                  params=transforms.get("shard_params", {}),
+                  precision=transforms.get("mixed_precision"), offload=transforms.get("offload"),
+                  tensorboard=transforms.get("tensorboard")).transform()
 
 
 # -- sections kept as read -------------------------------------------------------------

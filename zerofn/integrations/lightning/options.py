@@ -11,8 +11,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerofn as zf
+from zerofn.config import Config
 
-STAGES = {1: zf.shard_optimizer, 2: zf.shard_grads, 3: zf.shard_params}
 PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")     # ZeRO-3's own
 SCALING_OPTIONS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                    "min_loss_scale")
@@ -73,7 +73,7 @@ class ZeroOptions:
     tensorboard: Any = None
 
     def __post_init__(self):
-        if self.stage not in STAGES:
+        if self.stage not in (1, 2, 3):
             raise ValueError(f"stage={self.stage!r}: zerofn's strategy takes stage 1, 2 or 3.")
         if self.state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={self.state_dict_type!r}: 'sharded' (zerofn's "
@@ -104,21 +104,20 @@ class ZeroOptions:
     def transform(self, flag: Flag, group, logdir: str | None, *, fitting: bool) -> zf.Transform:
         """The zerofn transform: the stage over ``group``, precision, offload (training
         only: an evaluation holds no optimizer state) and TensorBoard in ``logdir``."""
-        sharding = dict(self.sharding, **({"group": group} if group is not None else {}))
-        parts = [STAGES[self.stage](**sharding)]
-        if flag.compute is not None:
-            scaling = dict(self.scaling)
-            parts.append(zf.mixed_precision(flag.compute, scaling.pop("reduce_dtype", None),
-                                            **scaling))
-        if self.offload is not None and fitting:
-            parts.append(zf.offload(self.offload, params=self.offload_params,
-                                    path=self.swap_path(), ratio=self.offload_ratio,
-                                    state_dtype=self.state_dtype, master_dtype=self.master_dtype,
-                                    overlap_step=self.overlap_step,
-                                    device_budget=self.device_budget))
-        if logdir is not None and fitting:
-            parts.append(zf.tensorboard(logdir, **self.tensorboard_options()))
-        return zf.compose(*parts)
+        own = {k: self.sharding[k] for k in PARAM_OPTIONS if k in self.sharding}
+        sharding = {k: v for k, v in self.sharding.items() if k not in own}
+        if group is not None:
+            sharding["group"] = group
+        precision = None if flag.compute is None else dict(self.scaling, param_dtype=flag.compute)
+        offload = None if self.offload is None or not fitting else dict(
+            device=self.offload, params=self.offload_params, path=self.swap_path(),
+            ratio=self.offload_ratio, state_dtype=self.state_dtype,
+            master_dtype=self.master_dtype, overlap_step=self.overlap_step,
+            device_budget=self.device_budget)
+        tensorboard = None if logdir is None or not fitting else \
+            dict(self.tensorboard_options(), logdir=logdir)
+        return Config(self.stage, sharding=sharding, params=own, precision=precision,
+                      offload=offload, tensorboard=tensorboard).transform()
 
     def swap_path(self) -> str | None:
         """NVMe's swap directory: ``nvme_path``, else the system's temporary directory."""

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ...runtime import runtime_of
 from ...state.plain import group_of as plain_group, plain_model
 from ...state.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from .. import fs
 from . import extras, layout, positions, verify
 from .checksums import ChecksumWriter
 from .reader import SafePlanner, SafeReader
@@ -144,7 +145,9 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     """Save ``model``, ``optimizer`` and ``extra`` as ``path/step-<step>``; call on every rank.
 
     Args:
-        path: the checkpoint root (created if missing).
+        path: the checkpoint root (created if missing): a local path, or an fsspec URL
+            (``s3://bucket/run``, ``file:///shared/run``; docs/checkpoints.md, "Where
+            checkpoints can live").
         step: names the checkpoint and is returned by ``load_checkpoint``.
         keep: after this save, keep only the newest ``keep`` checkpoints (None: all).
         async_save: return at once and write in the background. State on the device is
@@ -172,11 +175,11 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     blobs = extras.blobs({"step": step, **extra}, dist.get_rank(group))
     blobs.update(positions.records(extra))     # where each data loader is in its epoch
     if dist.get_rank(group) == 0:
-        layout.clear_unfinished(root)
+        layout.clear_unfinished(root, name)
         verify.mark(tmp)
     verify.agree_on_save(step, blobs, group)   # also orders rank 0's clean-up before any write
     verify.agree_on_directory(tmp, group)
-    os.makedirs(tmp, exist_ok=True)
+    fs.makedirs(tmp)
     state = {"model": msd, "optim": osd, "extra": blobs}
     first = dist.get_rank(group) == 0
     finish = (lambda: layout.publish(root, name, keep)) if first else (lambda: None)
@@ -236,7 +239,8 @@ def load_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer | N
 
     Args:
         path: a checkpoint root (its ``latest`` is loaded) or one checkpoint directory,
-            also one written by FSDP2 with ``dcp.save({"model": ..., "optim": ...})``.
+            a local path or an fsspec URL, also one written by FSDP2 with
+            ``dcp.save({"model": ..., "optim": ...})``.
             Any world size and any stage may have saved it.
         optimizer: None loads the model alone (e.g. weights converted by
             ``python -m zerofn.consolidate to-dcp``).

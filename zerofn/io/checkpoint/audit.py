@@ -4,8 +4,9 @@ and what a safe load would refuse; read offline, on one process, running none of
     zerofn verify CKPT     exit status 0 when a load would take it, 1 when it would not
 
 ``CKPT`` is a checkpoint root (its ``latest`` is read) or one checkpoint directory, from
-zerofn, FSDP2 or any ``dcp.save``. Every file is checked, not only those one load reads,
-and every entry is scanned; a load checks the same things of what it reads (reader.py).
+zerofn, FSDP2 or any ``dcp.save``, a local path or an fsspec URL (``s3://bucket/ckpt``).
+Every file is checked, not only those one load reads, and every entry is scanned; a load
+checks the same things of what it reads (reader.py).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
+from .. import fs
 from . import checksums, pickles
 from .layout import resolve
 from .reader import SafeReader, refusals
@@ -68,7 +70,7 @@ def _metadata(found: Audit, sums: dict | None):
     """The checkpoint's ``Metadata``, its refused globals stood in for and recorded; None
     (and a problem recorded) where it cannot be read."""
     path = os.path.join(found.ckpt, checksums.METADATA)
-    with open(path, "rb") as f:
+    with fs.open_file(path, "rb") as f:
         data = f.read()
     try:
         checksums.check_bytes(found.ckpt, checksums.METADATA, data, sums)
@@ -114,8 +116,8 @@ def _holds(metadata, files: list[str], sums: dict | None, ckpt: str) -> list[str
     for fqn, stored in metadata.state_dict_metadata.items():
         groups.setdefault(fqn.split(".", 1)[0], []).append((fqn, stored))
     lines = [f"{name}: {_describe(name, entries)}" for name, entries in sorted(groups.items())]
-    size = sum(os.path.getsize(os.path.join(ckpt, f)) for f in files
-               if os.path.exists(os.path.join(ckpt, f)))
+    size = sum(fs.size(os.path.join(ckpt, f)) for f in files
+               if fs.exists(os.path.join(ckpt, f)))
     lines.append(f"files: {checksums.METADATA} and {len(files)} data "
                  f"file{'s' if len(files) != 1 else ''}, {_bytes(size)}; "
                  + ("checksums: CRC-32 of each" if sums is not None else

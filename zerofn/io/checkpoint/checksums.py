@@ -14,10 +14,13 @@ with DCP's write results, and rank 0 writes them to ``checksums.json`` beside
 to ``checksums.json`` is blamed on it rather than on a file it describes).
 
 zerofn writes a checkpoint into an unfinished directory and renames it into place
-(layout.py), so the sums appear with the rest or not at all. A load checks ``.metadata``
-against its sum before unpickling it (reader.py), and every data file a rank will read
-before DCP reads any of it (``verify.agree_on_load``): a flipped bit or a truncated file
-is a ``ValueError`` naming the file, on every rank, before any value reaches the model.
+(layout.py), so the sums appear with the rest or not at all. At an fsspec URL, where a
+checkpoint is written in place, the writer writes ``checksums.json`` before ``.metadata``,
+the file that makes the checkpoint visible ([Note: complete on object stores]). A load
+checks ``.metadata`` against its sum before unpickling it (reader.py), and every data
+file a rank will read before DCP reads any of it (``verify.agree_on_load``): a flipped bit
+or a truncated file is a ``ValueError`` naming the file, on every rank, before any value
+reaches the model.
 A checkpoint without ``checksums.json`` (written before zerofn wrote them, or by FSDP2)
 is read as before, its files' sizes checked against ``.metadata``.
 
@@ -48,6 +51,7 @@ import zlib
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.futures import Future
@@ -83,10 +87,12 @@ class _Summing:
         return getattr(self.raw, name)
 
 
-class _SummingFileSystem(FileSystem):
-    """DCP's local file system, with ``{file name: (crc32, size)}`` of every file written."""
+class _Sums:
+    """A DCP file system (local or fsspec) keeping ``{file name: (crc32, size)}`` of every
+    file written."""
 
     def __init__(self):
+        super().__init__()
         self.sums: dict[str, tuple[int, int]] = {}
 
     @contextlib.contextmanager
@@ -97,7 +103,40 @@ class _SummingFileSystem(FileSystem):
                 return
             summing = _Summing(stream)
             yield summing
-        self.sums[os.path.basename(path)] = (summing.crc, summing.size)
+        self.sums[os.path.basename(os.fspath(path))] = (summing.crc, summing.size)
+
+
+class _SummingFileSystem(_Sums, FileSystem):
+    """DCP's local file system, summing."""
+
+    def metadata_sum(self, root: str) -> tuple[int, int]:
+        return file_sum(os.path.join(root, METADATA))
+
+    def publish_metadata(self) -> None:
+        """(in place already: the whole directory is renamed into place, layout.py)"""
+
+
+class _SummingFsspec(_Sums, FsspecFileSystem):
+    """DCP's fsspec file system, summing, which holds back the rename that makes
+    ``.metadata`` visible until ``publish_metadata`` (after ``checksums.json``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: tuple[str, str] | None = None
+
+    def rename(self, path, new_path) -> None:
+        if os.path.basename(os.fspath(new_path)) == METADATA:
+            self.held = (path, new_path)
+            return
+        super().rename(path, new_path)
+
+    def metadata_sum(self, root: str) -> tuple[int, int]:
+        """``(crc32, size)`` of the ``.metadata`` written, summed as it was."""
+        return self.sums[os.path.basename(os.fspath(self.held[0]))]
+
+    def publish_metadata(self) -> None:
+        """Rename the written ``.metadata`` into place: the checkpoint is complete."""
+        super().rename(*self.held)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +152,18 @@ class ChecksumWriter(FileSystemWriter):
     file of the checkpoint, and each rank's data in files of at most ``file_bytes`` (None:
     ``FILE_BYTES``), setting the ``threading.Event`` ``written`` (if any) once they are;
     see the module docstring. Takes FileSystemWriter's arguments; the
-    checkpoint has one global ``.metadata`` (``dcp.save``'s default)."""
+    checkpoint has one global ``.metadata`` (``dcp.save``'s default). ``path`` may be an
+    fsspec URL: then it writes through DCP's fsspec file system, as ``FsspecWriter`` does,
+    syncing files only where they are local (an object is durable once written)."""
 
     def __init__(self, path, file_bytes: int | None = None, written=None, **kwargs):
+        url = fs.is_url(path)
+        if url:
+            kwargs.setdefault("sync_files", "file" in fs.filesystem(path).protocol)
         super().__init__(path, **kwargs)
-        self.fs = _SummingFileSystem()
+        self.fs = _SummingFsspec() if url else _SummingFileSystem()
+        if url:
+            self.path = self.fs.init_path(path)
         self.file_bytes = FILE_BYTES if file_bytes is None else file_bytes
         self.written = written     # a threading.Event set once this rank's data is written
 
@@ -153,9 +199,10 @@ class ChecksumWriter(FileSystemWriter):
                 plain[-1].append(dataclasses.replace(r, storage_data=summed.info))
         super().finish(metadata, plain)
         root = os.fspath(self.path)
-        crc, size = file_sum(os.path.join(root, METADATA))
+        crc, size = self.fs.metadata_sum(root)
         files[METADATA] = {"size": size, "crc32": crc}
         write_sums(root, files)
+        self.fs.publish_metadata()       # at a URL, what makes the checkpoint visible
 
 
 def bounded_files(items: list[WriteItem], file_bytes: int) -> list[list[WriteItem]]:
@@ -189,7 +236,7 @@ def file_sum(path: str) -> tuple[int, int]:
     """``(crc32, size)`` of the file at ``path``, read in chunks."""
     crc, size, buf = 0, 0, bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with fs.open_file(path, "rb") if fs.is_url(path) else open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
             crc = zlib.crc32(view[:n], crc)
             size += n
@@ -201,7 +248,7 @@ def read_sums(ckpt: str) -> dict | None:
     Raises ``Mismatch`` where the checksums file is unreadable."""
     path = os.path.join(ckpt, SUMS)
     try:
-        with open(path, "rb") as f:
+        with fs.open_file(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
         return None
@@ -250,9 +297,9 @@ def problems(ckpt: str, names, sums: dict | None) -> dict[str, str]:
 def _file_problem(path: str, expected: dict | None) -> str | None:
     if expected is None:
         return _unlisted(path)
-    if not os.path.exists(path):
+    if not fs.exists(path):
         return f"{path} is missing; copy the whole checkpoint directory"
-    size = os.path.getsize(path)
+    size = fs.size(path)
     if size != expected["size"]:           # no need to read it: the size says it all
         return _verdict(path, expected, None, size)
     return _verdict(path, expected, *file_sum(path))

@@ -17,11 +17,13 @@ import os
 from types import SimpleNamespace
 
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from .. import fs
 from . import checksums, pickles
 
 EXTRA = "extra."     # zerofn's extras: each entry holds one more torch.save blob (extras.py)
@@ -30,19 +32,24 @@ _SMALL = 1 << 20     # bytes: an entry this long is scanned from memory
 
 class SafeReader(FileSystemReader):
     """``FileSystemReader`` that checks ``.metadata`` against the checkpoint's checksums
-    and reads it with the restricted unpickler (as torch does, with ``trusted=True``)."""
+    and reads it with the restricted unpickler (as torch does, with ``trusted=True``).
+    ``path`` may be an fsspec URL: then it reads through DCP's fsspec file system, as
+    ``FsspecReader`` does."""
 
     def __init__(self, path, *, trusted: bool = False):
         super().__init__(path)
+        if fs.is_url(path):
+            self.fs = FsspecFileSystem()
+            self.path = self.fs.init_path(path)
         self.trusted = trusted
 
     def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with open(path, "rb") as f:
+        path = os.fspath(self._get_metadata_path(kwargs.get("rank")))
+        with fs.open_file(path, "rb") as f:
             data = f.read()
         root = os.fspath(self.path)
         checksums.check_bytes(root, os.path.basename(path), data, checksums.read_sums(root))
-        metadata = pickles.load_metadata(data, os.fspath(path), self.trusted)
+        metadata = pickles.load_metadata(data, path, self.trusted)
         if metadata.storage_meta is None:       # (older checkpoints have none)
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -70,7 +77,7 @@ class SafeReader(FileSystemReader):
         load (after ``set_up_storage_reader``)."""
         item = SimpleNamespace(storage_index=MetadataIndex(fqn))
         path = self.file_of(item)
-        with open(path, "rb") as f:
+        with fs.open_file(path, "rb") as f:
             return pickles.load_entry(self.entry(f, item), f"{path} (entry {fqn})",
                                       self.trusted)
 
@@ -121,7 +128,7 @@ def refusals(reader: SafeReader, items) -> list[str]:
     for item in items:
         by_file.setdefault(reader.file_of(item), []).append(item)
     for path, file_items in sorted(by_file.items()):
-        with open(path, "rb") as f:
+        with fs.open_file(path, "rb") as f:
             for item in file_items:
                 where = f"{path} (entry {item.storage_index.fqn})"
                 try:

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from ...runtime.agree import agree_or_raise, from_first, gather
+from .. import fs
 from . import checksums, pickles
 from .layout import holds_nothing, resolve
 from .reader import SafeReader, preflight
@@ -51,8 +52,8 @@ def agree_on_save(step: int, blobs: dict, group) -> None:
 
 def mark(tmp: str) -> None:
     """Rank 0 leaves a token in the save's directory, for every rank to find there."""
-    os.makedirs(tmp, exist_ok=True)
-    with open(os.path.join(tmp, _MARK), "w") as f:
+    fs.makedirs(tmp)
+    with fs.open_file(os.path.join(tmp, _MARK), "w") as f:
         f.write(os.urandom(8).hex())
 
 
@@ -61,11 +62,12 @@ def agree_on_directory(tmp: str, group) -> None:
     directory. Raises the same ValueError on every rank otherwise, before any is written
     (node-local paths would leave no complete checkpoint: docs/checkpoints.md)."""
     try:
-        with open(os.path.join(tmp, _MARK)) as f:
+        with fs.open_file(os.path.join(tmp, _MARK), "r") as f:
             seen = f.read()
     except OSError:
         seen = None
-    gathered = gather((seen, socket.gethostname(), os.path.abspath(tmp)), group)
+    where = tmp if fs.is_url(tmp) else os.path.abspath(tmp)
+    gathered = gather((seen, socket.gethostname(), where), group)
     token, host, path = gathered[0]
     blind = [f"rank {r} on {other}" for r, (seen, other, _) in enumerate(gathered)
              if seen != token]
@@ -75,9 +77,10 @@ def agree_on_directory(tmp: str, group) -> None:
             f"{host}) writes, {os.path.dirname(path)}: every rank must see one "
             f"shared checkpoint root (NFS, Lustre, ...), or no complete checkpoint is "
             f"written. Put --save-dir / the path on a filesystem every node mounts at "
-            f"that path.")
+            f"that path; an fsspec URL must name storage every rank reaches (s3://, "
+            f"file:// on a shared filesystem; memory:// is one process's own).")
     if dist.get_rank(group) == 0:
-        os.remove(os.path.join(tmp, _MARK))
+        fs.remove(os.path.join(tmp, _MARK))
 
 
 # -- load ------------------------------------------------------------------------------
@@ -192,9 +195,9 @@ def file_problems(ckpt: str, metadata) -> list[str]:
     problems = []
     for name, size in sorted(need.items()):
         file = os.path.join(ckpt, name)
-        if not os.path.exists(file):
+        if not fs.exists(file):
             problems.append(f"data file {name} is missing")
-        elif os.path.getsize(file) < size:
-            problems.append(f"data file {name} is truncated ({os.path.getsize(file)} of "
+        elif fs.size(file) < size:
+            problems.append(f"data file {name} is truncated ({fs.size(file)} of "
                             f"{size} bytes)")
     return problems

@@ -67,14 +67,14 @@ def load_pretrained(model: nn.Module, path, *, rename=None, strict: bool = True)
         if strict:
             problems += _key_problems(missing, unexpected)
         agree_or_raise(problems, rt.group, what)
-        problems = _read_rows(model, plan, taken)
+        problems = _read_rows(rt, model, plan, taken)
         agree_or_raise(problems, rt.group, what)  # before refresh_params' gathers
         rt.refresh_params()
     return _IncompatibleKeys(missing, unexpected)
 
 
 @torch.no_grad()
-def _read_rows(model, plan: dict, taken: list) -> list[str]:
+def _read_rows(rt, model, plan: dict, taken: list) -> list[str]:
     """Read this rank's rows of every parameter's master, and every buffer whole; then
     write what the hooked modules' loads gave."""
     buffers, key = dict(model.named_buffers()), None
@@ -84,9 +84,12 @@ def _read_rows(model, plan: dict, taken: list) -> list[str]:
                 buffers[target].copy_(reader.get_tensor(key))
             elif target.local:
                 start = target.rank * target.chunk
-                target.opt_param.copy_(reader.get_slice(key)[start:start + target.local])
+                rt.write_master_rows(target, reader.get_slice(key)[start:start + target.local])
         for target, value in taken:
-            (target.opt_param if isinstance(target, ParamSlot) else buffers[target]).copy_(value)
+            if isinstance(target, ParamSlot):
+                rt.write_master_rows(target, value)
+            else:
+                buffers[target].copy_(value)
     except Exception as e:  # reported on every rank by the caller
         return [f"reading {key!r} failed: {type(e).__name__}: {e}"]
     return []

@@ -125,7 +125,7 @@ def _entries(model, rt, dtype, hooked) -> list[Entry]:
     for s in (s for u in rt.units for s in u.slots):
         free = [n for n in names[s] if not _hooked_name(n, hooked)]
         if free:
-            entries.append(Entry(_kept_name(free, s.fqn, tied), out_dtype(s.opt_param.dtype),
+            entries.append(Entry(_kept_name(free, s.fqn, tied), out_dtype(rt.master_rows(s).dtype),
                                  s.shape, s))
     for name, module in hooked:    # (the values are dropped: only names and shapes count here)
         for key, value in _hooked_state(rt, name, module).items():
@@ -145,7 +145,7 @@ def _hooked_state(rt, name: str, module) -> dict:
     """A module whose own hooks shape its state dict (a fused projection saved as several
     tensors) is saved as its ``state_dict()`` gives it, over its parameters' full masters:
     gathered whole, one such module at a time. Collective."""
-    return module_state(rt, module, lambda s: rt.full_tensor(s, s.opt_param.detach()),
+    return module_state(rt, module, lambda s: rt.full_tensor(s, rt.master_rows(s)),
                         prefix=f"{name}." if name else "")
 
 

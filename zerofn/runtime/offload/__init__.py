@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ...core.plan import HOMES
 from ..chain import members_of
 from .base import ALIGN, FlatBuffers, HomeSpec, HostArena, Home, cpu_adam_steps
 from .device import DeviceHome
@@ -23,13 +24,12 @@ __all__ = ["ALIGN", "DeviceHome", "FlatBuffers", "Home", "HomeSpec", "Homes", "H
            "optimizer_problems"]
 
 
-def offload_problems(policy, optimizer, units, param_dtypes: dict, compute_dtype,
-                     order: dict) -> list[str]:
+def offload_problems(policy, optimizer, units, param_dtypes: dict, order: dict) -> list[str]:
     """What stops the offload ``policy`` asks for: checked on every rank before any
     collective. ``order``: the model's parameters' indices (which units stay, tiers.py).
     ``optimizer``: where the transform was given one (else None: ``optimizer_problems``
     checks it once it is found)."""
-    problems = lowp_problems(policy, units, compute_dtype)
+    problems = lowp_problems(policy, units)
     problems += placement_problems(units, policy)
     if problems or policy.device is None:
         return problems
@@ -120,7 +120,7 @@ def auto_problems(policy, device, replicated: bool) -> list[str]:
     return [f"offload(ratio='auto'): {w}." for w in why]
 
 
-def lowp_problems(policy, units, compute_dtype) -> list[str]:
+def lowp_problems(policy, units) -> list[str]:
     """Low-precision offloaded state is stepped by zerofn's CPU Adam from fp32 masters'
     values (which optimizer steps is ``optimizer_problems``')."""
     asked = [f"{name}={value}" for name, value in (("state_dtype", policy.state_dtype),
@@ -128,16 +128,11 @@ def lowp_problems(policy, units, compute_dtype) -> list[str]:
              if value != torch.float32]
     if not asked or policy.device is None:
         return []
-    what = f"offload({', '.join(asked)})"
-    problems = []
-    if any(u.master_dtype not in (None, torch.float32) for u in units):
-        problems.append(f"{what} needs fp32 masters (their values): add "
-                        "zf.mixed_precision(torch.bfloat16), whose masters are fp32 whatever "
-                        "the model's dtype.")
-    if policy.master_dtype == torch.bfloat16 and compute_dtype != torch.bfloat16:
-        problems.append(f"{what}: bf16 masters are the rows the device computes with, so the "
-                        "compute dtype must be bf16: add zf.mixed_precision(torch.bfloat16).")
-    return problems
+    if all(u.master_dtype in (None, torch.float32) for u in units):
+        return []
+    return [f"offload({', '.join(asked)}) needs fp32 masters (their values): add "
+            "zf.mixed_precision(torch.bfloat16), whose masters are fp32 whatever the model's "
+            "dtype."]
 
 
 def make_homes(spec: HomeSpec, units, order: dict, sharded, per_unit: bool) -> Home:
@@ -146,10 +141,10 @@ def make_homes(spec: HomeSpec, units, order: dict, sharded, per_unit: bool) -> H
     ``sharded``: ZeRO-3's sharded units; ``per_unit``: the device steps one unit at a time."""
     policy = spec.policy
     tiers = tiers_of(units, policy, order, HostCosts(policy, spec.adam))
-    of = {t: [u for u in units if u.slots and tiers[u] == t] for t in ("device", "host", "nvme")}
+    of = {t: [u for u in units if u.slots and tiers[u] == t] for t in HOMES}
     # (a device home exists under ratio="auto" even empty: units move into it)
     empty_device = policy.ratio == "auto" or not any(of.values())
-    used = [t for t in ("device", "host", "nvme") if of[t] or (t == "device" and empty_device)]
+    used = [t for t in HOMES if of[t] or (t == "device" and empty_device)]
     # Units without parameters (a root whose parameters all live in blocks) hold no
     # state: the first home takes them, so that every unit has one.
     of[used[0]] = of[used[0]] + [u for u in units if not u.slots]

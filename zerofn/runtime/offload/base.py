@@ -125,7 +125,7 @@ class HomeSpec:
 
     def grad_dtype(self, unit: Unit) -> torch.dtype:
         """What a unit's gradients land in off the device: the reduce dtype, scaled fp16
-        too. Whatever steps them reads them so and unscales as it reads (step.py's [Note:
+        too. Whatever steps them reads them so and unscales as it reads (step_grads.py's [Note:
         deferred scaling]): zerofn's CPU Adam in its kernel, another optimizer as the host
         casts them to the masters' dtype (host.py)."""
         return self.reduce_dtype or unit.compute_dtype
@@ -139,7 +139,7 @@ class Home(abc.ABC):
         grads: ``{unit: buffer}`` the unit's reduced gradient rows land in during backward
             (off the device); a unit not in it keeps them on the device until the step.
         defers_scaling: the step multiplies gradients by the unscale factor and the clip
-            coefficient as it reads them (step.py's [Note: deferred scaling]): every home
+            coefficient as it reads them (step_grads.py's [Note: deferred scaling]): every home
             off the device, whatever optimizer it is bound to.
         cpu_adam: zerofn's CPU Adam steps; else the user's torch.optim optimizer steps the
             masters (known once bound).
@@ -186,7 +186,7 @@ class Home(abc.ABC):
         ``grad_scale`` as they are read; ``after_unit(unit, rows)`` takes each unit's
         updated compute rows at once. ``copies`` (runtime/copies.py) orders this home's own
         copies, and memory it rewrites within the step after the copies up from it;
-        ``early`` (early_step.py) holds the units stepped during backward already."""
+        ``early`` (overlap.py) holds the units stepped during backward already."""
 
     @abc.abstractmethod
     def updated_rows(self, unit: Unit) -> torch.Tensor | None:

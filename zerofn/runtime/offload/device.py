@@ -15,7 +15,7 @@ optimizer (fused or foreach kernels included) steps exactly as it would on full 
 torch.optim leaves parameters without a gradient alone. Under ZeRO-1/2 with several units
 it steps one unit at a time, so each unit's all-gather runs while the next one steps.
 Where another home steps with zerofn's CPU Adam, which unscales and clips as it reads,
-the gradients here get the same factor first (step.py's [Note: deferred scaling]).
+the gradients here get the same factor first (step_grads.py's [Note: deferred scaling]).
 """
 from __future__ import annotations
 

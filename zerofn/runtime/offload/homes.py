@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from ...core.plan import HOMES
 from ...core.units import Unit
 from .base import Home
 from .device import DeviceHome
 
-ORDER = ("device", "host", "nvme")
 
 
 class Homes(Home):
@@ -23,7 +23,7 @@ class Homes(Home):
     tier = "mixed"
 
     def __init__(self, parts: list[Home]):
-        self.parts = sorted(parts, key=lambda p: ORDER.index(p.tier))
+        self.parts = sorted(parts, key=lambda p: HOMES.index(p.tier))
         self.part_of = {u: p for p in self.parts for u in p.units}
         self.units = [u for p in self.parts for u in p.units]
         self.grads = {u: g for p in self.parts for u, g in p.grads.items()}

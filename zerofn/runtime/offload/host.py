@@ -44,7 +44,7 @@ class HostHome(Home):
         self.timing = spec.timing
         # per_unit: an arena for each unit (not one for all), so that ``release`` gives a
         # unit's host memory back (offload's ratio="auto" moves units to the device).
-        self._groups = _per_unit if per_unit else _by_dtype
+        self._groups = per_unit_groups if per_unit else by_dtype_groups
         self._arenas_of: dict = {}
         self.pin = pins(device_of(units))
         # (units without parameters have no dtype; they take no room either)
@@ -294,7 +294,7 @@ class HostHome(Home):
     kernel_options = None   # slot -> adam_step's keywords for the state's stored form
 
 
-def _by_dtype(dtype_of: dict) -> list:
+def by_dtype_groups(dtype_of: dict) -> list:
     """``[(dtype, [units])]`` from ``{unit: dtype}``, in the units' order: one arena each."""
     out: dict = {}
     for u, dtype in dtype_of.items():
@@ -302,6 +302,6 @@ def _by_dtype(dtype_of: dict) -> list:
     return list(out.items())
 
 
-def _per_unit(dtype_of: dict) -> list:
+def per_unit_groups(dtype_of: dict) -> list:
     """``[(dtype, [unit])]``: an arena for each unit."""
     return [(dtype, [u]) for u, dtype in dtype_of.items()]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .base import HostArena, decoupled_weight_decay, point_at, stand_in
-from .host import HostHome, _per_unit
+from .host import HostHome, per_unit_groups
 from .stored import StoredForm
 
 
@@ -54,7 +54,8 @@ class LowpHostHome(HostHome):
         three arenas for all units, or for each (ratio="auto" gives a moved unit's back)."""
         form = self.form
         self.master_dtype = {u: form.master_dtype for u in self.units}
-        for units in [[u] for u in self.units] if self._groups is _per_unit else [self.units]:
+        each = self._groups is per_unit_groups
+        for units in [[u] for u in self.units] if each else [self.units]:
             sizes = [u.shard_numel for u in units]
             masters = HostArena(sizes, form.master_dtype, self.pin)
             moments = HostArena(sizes * 2, form.moments_dtype)

@@ -23,9 +23,10 @@ from __future__ import annotations
 import fnmatch
 import re
 
+from ...core.plan import HOMES
 from ...core.units import Unit
 
-TIERS = ("device", "host", "nvme")
+TIERS = HOMES
 
 
 def in_parameter_order(units, order: dict) -> list:

@@ -14,12 +14,12 @@ import torch
 
 from ..core.plan import Plan
 from .clip import clip_grads
-from .early_step import EarlySteps
+from .overlap import EarlySteps
 from .optimizer import OptimizerBinding
 from .owned import OwnedStep
 from .placement import AutoPlacement
 from .precision import LossScaler
-from .step import StepGrads
+from .step_grads import StepGrads
 
 
 class Stepper:
@@ -147,24 +147,7 @@ def loss_scaler(plan: Plan) -> LossScaler | None:
                       hysteresis=p.hysteresis, consecutive_hysteresis=p.consecutive_hysteresis)
 
 
-def nonfinite_problems(plan: Plan) -> list[str]:
-    """What ``on_nonfinite`` cannot keep under this plan (step.py's [Note: the non-finite
-    guard]): checked on every rank before any collective."""
-    given = plan.sharding.on_nonfinite
-    if plan.scales_loss() and given in ("raise", "ignore"):
-        return [f"on_nonfinite={given!r}: under loss scaling (fp16, or a static loss_scale) "
-                "the scaler skips a step whose gradients overflow and lowers the scale, "
-                "which is how it finds its scale; leave on_nonfinite unset (or 'skip'), "
-                "or compute in bf16."]
-    if plan.offload.overlap_step and plan.nonfinite_rule() == "skip":
-        return ["on_nonfinite='skip': offload(overlap_step=True) steps units on the host "
-                "during backward, before any rank knows whether a gradient is non-finite, "
-                "so the step cannot be skipped; use 'raise' (the default there: it stops "
-                "the run naming the step and the parameter) or 'ignore'."]
-    return []
-
-
 def early_steps(ctx, homes, optimizer) -> EarlySteps | None:
     """``overlap_step``'s host steps during backward ([Note: the host step during
-    backward], early_step.py), or None."""
+    backward], overlap.py), or None."""
     return EarlySteps(homes, optimizer, ctx) if ctx.plan.offload.overlap_step else None

@@ -15,7 +15,7 @@ conditions, each checked: one reducing backward per step (accumulate under
 ``model.no_sync()``; a second reduction of a stepped unit raises), no clipping
 (``clip_grad_norm_`` raises), no fp16 scaling (refused at set-up). A unit this rank gave
 no gradient to some of whose parameters waits for the step, where the ranks' union
-decides ([Note: parameters without a gradient] in step.py).
+decides ([Note: parameters without a gradient] in step_grads.py).
 """
 from __future__ import annotations
 

@@ -3,14 +3,8 @@ unscaled, and with an overflow verdict every rank agrees on.
 
 In plain fp32 these are views of the reduced gradients, no copies. Under mixed precision
 each unit's gradients are upcast into one pooled master-dtype buffer for the step and
-given back after it. Under offload they land in the unit's host buffer: ZeRO-2/3 start
-that copy during backward, as soon as the unit's shard is reduced (``shard_ready``), so
-it overlaps the backward of the units still to come; ZeRO-1, which reduces here, starts
-every unit's copy before waiting for the first.
-
-Where the offload brings gradients down in its own step (offload/ring.py's [Note: the
-host ring]) nothing lands here: the step reads the device's rows, and the offload copies
-them.
+given back after it. Under offload they are read where they landed (landing.py); ZeRO-1,
+which reduces here, starts every unit's landing copy before waiting for the first.
 
 [Note: deferred scaling] Where zerofn's CPU Adam steps (offload of Adam/AdamW), the
 gradients cross to the host in the reduce dtype (bf16, or fp16 still loss-scaled), and
@@ -51,7 +45,7 @@ every rank raises the same ``NonFiniteGradient`` naming the step and the first o
 "ignore" checks nothing and reads nothing: the step takes what it is given, as plain
 PyTorch would. Under ``overlap_step`` the host has stepped some units during backward
 before any verdict exists: "skip" cannot be kept and is refused at set-up
-(stepping.py's ``nonfinite_problems``), and "raise", the default there, says how many
+(core/plan.py's ``Plan.problems``), and "raise", the default there, says how many
 units had already taken the step.
 """
 from __future__ import annotations
@@ -66,6 +60,7 @@ import torch.distributed as dist
 from ..optim import grad_sumsq_and_finite
 from ..core.units import ParamSlot
 from .agree import gather
+from .mesh import model_parallel_norms
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # grad_sumsq_and_finite's
 
@@ -77,42 +72,7 @@ class NonFiniteGradient(FloatingPointError):
     raised_on_every_rank = True     # (the failure watch has no other rank to name)
 
 
-class Landing:
-    """Where each unit's reduced gradient rows go as soon as they are final: the landing
-    buffer of the home that takes them during backward (``homes.grads``), copied there on
-    the copy stream while backward goes on; a unit with none keeps them on the device until
-    the step. Under ``overlap_step`` a landed unit is handed to the host's Adam at once
-    (early_step.py). Built before the reducer, which tells it of each final shard.
-
-    ``crosses``: some unit's state lives off the device (its gradient shards are then lent
-    from the pool, grads.py's [Note: lent gradient shards]).
-    """
-
-    def __init__(self, ctx, homes, visible, early=None):
-        self.homes, self.visible, self.early, self.copies = homes, visible, early, ctx.copies
-        self.crosses = any(homes.home_of(u) != "device" for u in ctx.units if u.slots)
-        self.streamed: set = set()    # units whose shard is on its way to its home
-
-    def shard_ready(self, unit, shard: torch.Tensor, got: set) -> None:
-        """A backward's reduced shard of ``unit`` is final; copy it to its home now. Under
-        accumulation each backward copies again: the shard sums on the device and the last
-        copy is the one the step reads. (A unit without a landing buffer crosses in its
-        home's step; ``got``: the parameters that got a gradient on this rank.)"""
-        if unit not in self.homes.grads:
-            return
-        self.copies.to_host(unit, self.homes.grads[unit], shard)
-        self.streamed.add(unit)
-        self.visible.watch(unit)     # the loop's edits must reach the copy
-        if self.early is not None:
-            self.early.landed(unit, got)
-
-    def wait(self, units) -> None:
-        for unit in units:
-            self.copies.host_wait(unit)
-        self.streamed.clear()
-
-
-class Phase(enum.Enum):
+class GradsPhase(enum.Enum):
     """Where the step's gradients are, between backward and ``release`` (one variable, as
     FSDP2's ``TrainingState``)."""
     IDLE = "idle"            # not prepared: backward may still change them
@@ -126,7 +86,7 @@ class StepGrads:
 
     Args:
         reducer: whose shards the gradients are (grads.py).
-        landing: where they land off the device (``Landing``).
+        landing: where they land off the device (landing.py's ``Landing``).
         scaler: fp16's loss scaler, or None.
         homes: the units' homes (offload/): which step with zerofn's CPU Adam.
     """
@@ -144,7 +104,7 @@ class StepGrads:
         self.number = 1              # the optimizer step under way, counted from 1
         self.grads: dict[ParamSlot, torch.Tensor | None] = {}
         self.overflow = False
-        self.phase = Phase.IDLE
+        self.phase = GradsPhase.IDLE
         self._found: torch.Tensor | None = None    # this rank's inf/nan verdict, scaled loss
         self._refused: str | None = None     # an edit of p.grad this rank cannot honour
         # [Note: deferred scaling]: the factor the step's gradients still need.
@@ -161,7 +121,7 @@ class StepGrads:
         (``vote`` is the step's one). Idempotent until ``release``: clipping and the step
         share one preparation."""
         self.timing.begin("optimizer")     # (clipping starts the optimizer's part of a step)
-        if self.phase is not Phase.IDLE:
+        if self.phase is not GradsPhase.IDLE:
             return
         self.reducer.sync()
         self._take_edits()
@@ -178,7 +138,7 @@ class StepGrads:
                 self._found = self._nonfinite()
         else:
             self._found = None
-        self.phase = Phase.PREPARED
+        self.phase = GradsPhase.PREPARED
 
     def _take_edits(self) -> None:
         """What the loop did to ``p.grad`` since backward (visible.py's [Note: gradients as
@@ -271,9 +231,9 @@ class StepGrads:
         CUDA would wait for the device's queue. Only a rank lacking some gradient, or one
         that must learn an overflow, reads. Returns None where a rider was not carried:
         the vote was already taken this step."""
-        if self.phase is Phase.VOTED:
+        if self.phase is GradsPhase.VOTED:
             return None
-        self.phase = Phase.VOTED
+        self.phase = GradsPhase.VOTED
         had = [s in self.reducer.got for s in self._trainable]
         found = self._found
         # (only overlap_step's early steps can refuse an edit: only they carry the verdict)
@@ -410,7 +370,7 @@ class StepGrads:
         self._landed.clear()
         self._stats = None
         self.grad_scale = 1.0
-        self.phase = Phase.IDLE
+        self.phase = GradsPhase.IDLE
 
 
 def any_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -431,23 +391,3 @@ def by_device_and_dtype(tensors) -> dict[tuple, list[torch.Tensor]]:
     for t in tensors:
         groups[(t.device, t.dtype)].append(t)
     return groups
-
-
-def model_parallel_norms(ctx) -> tuple:
-    """Where tensor parallelism split parameters (mesh.py's ``Groups.model``): the group
-    over which the step's vote is taken again (every piece of the same rows takes the same
-    step), and each slot's weight in the norm's sum, 1 over the number of its
-    model-parallel ranks holding the same rows (a plain parameter: all of them), so the
-    sum over that group counts each row once. None and {} without."""
-    mesh = ctx.groups.model
-    if mesh is None:
-        return None, {}
-    group = mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
-    weight = {}
-    for unit in ctx.units:
-        for s in unit.trainable:
-            copies = mesh.size() if s.spec is None else math.prod(
-                n for n, p in zip(mesh.shape, s.spec.placements) if p.is_replicate())
-            if copies > 1:
-                weight[s] = 1.0 / copies
-    return group, weight
