@@ -13,8 +13,7 @@ from .observe.failures import RankFailure, name_uncaught_errors
 from .observe.log import flush_logs, log, set_log_step
 from .io.weights import full_weights
 from .pretrained import load_pretrained, save_pretrained
-from .runtime import NonFiniteGradient, is_transformed, whole_tensors
-from .runtime.host_malloc import return_large_frees
+from .runtime import NonFiniteGradient, is_transformed, return_large_frees, whole_tensors
 from .state.accounting import comm_stats, model_state_bytes
 from .state.clip import clip_grad_norm_
 from .state.loss_scale import scale_loss
