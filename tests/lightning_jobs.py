@@ -33,6 +33,7 @@ from support.memory import reset_peak, status_bytes
 from zerofn.nanogpt import GPT, GPTConfig, init_weights
 from zerofn.runtime import runtime_of
 
+zl.register_strategies()      # the zerofn_stage_* names the jobs train under
 STEPS = 2 * STEPS_PER_EPOCH
 QUIET = dict(accelerator="cpu", logger=False, enable_progress_bar=False,
              enable_model_summary=False)

@@ -144,20 +144,37 @@ def test_a_raise_is_named_by_every_other_rank(stage, phase):
 
 
 @pytest.mark.multirank
-def test_a_raise_in_user_backward_code_is_named_by_every_other_rank():
-    """A job's own loop under torchrun: an exception from the model's own backward code
-    passes no zerofn hook, so zerofn records it as it ends the process (sys.excepthook);
-    rank 0 names it and where, not just a rank gone."""
+def user_loop_failure(*flags: str) -> tuple[int, str]:
+    """tests/user_loop_failure.py under torchrun on two ranks: its exit code and output."""
     from support.jobs import ROOT, finish, torchrun
     script = os.path.join(ROOT, "tests", "user_loop_failure.py")
-    code, out, seconds = finish(torchrun(["--standalone", "--nproc-per-node", "2"], [],
+    code, out, seconds = finish(torchrun(["--standalone", "--nproc-per-node", "2"], list(flags),
                                          script=script))
-    print(f"\n[raise in user backward code, ZeRO-2, torchrun] ended after {seconds:.1f} s:\n"
-          + "\n".join(line for line in out.splitlines() if "rank" in line))
+    print(f"\n[raise in user backward code, ZeRO-2, torchrun {flags}] ended after "
+          f"{seconds:.1f} s:\n" + "\n".join(line for line in out.splitlines() if "rank" in line))
+    return code, out
+
+
+def test_a_raise_in_user_backward_code_is_named_by_every_other_rank():
+    """A job's own loop under torchrun: an exception from the model's own backward code
+    passes no zerofn hook; with ``zf.name_uncaught_errors()`` zerofn records it as it
+    ends the process (sys.excepthook), and rank 0 names it and where, not just a rank gone."""
+    code, out = user_loop_failure("named")
     assert code != 0
     assert "rank 1 raised ValueError: injected failure in backward in backward of step 2" \
         in out, out
     assert "zerofn: rank 1 raised this in backward of step 2" in out, out
+
+
+def test_without_the_hook_a_raise_in_user_code_still_ends_every_rank():
+    """By default nothing wraps sys.excepthook: rank 1's error ends its process, and rank 0
+    stops too, naming rank 1 gone where it was (the job ends, no rank waits out the
+    timeout)."""
+    code, out = user_loop_failure()
+    assert code != 0
+    assert "ValueError: injected failure in backward" in out, out
+    assert "rank 1 is gone: its process" in out and "backward of step 2" in out, out
+    assert "rank 1 raised ValueError" not in out, out
 
 
 @pytest.mark.multirank
@@ -178,10 +195,38 @@ def test_a_stalled_rank_is_named_after_the_timeout():
 
 
 def test_timeout_option_is_checked():
-    from zerofn.runtime.mesh import Groups, set_timeout
+    from zerofn.runtime.mesh import Groups, with_timeout
     for bad in (-1, 0, True, "5"):
         with pytest.raises(ValueError, match=f"timeout={bad!r}"):
-            set_timeout(Groups(None, None, None, None, ()), bad)
+            with_timeout(Groups(None, None, None, None, ()), bad, {})
+
+
+def _timeouts(rank, world):
+    """(the user's group's timeout, zerofn's, what timeout= beside a mesh of the user's
+    raises) after a transform with timeout=7."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zerofn.observe.failures import _group_timeout
+    from zerofn.runtime import runtime_of
+    model = torch.nn.Linear(8, 8)
+    model, _ = zf.shard_optimizer(timeout=7)(model, torch.optim.AdamW(model.parameters()))
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        zf.shard_optimizer(timeout=7, group=mesh)(torch.nn.Linear(8, 8))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return _group_timeout(None), _group_timeout(runtime_of(model).group), refused
+
+
+def test_timeout_goes_on_a_group_of_zerofns_own():
+    """timeout= leaves the user's group as it was made (run_ranks: 90 s) and bounds
+    zerofn's own; beside a mesh of the user's it is refused on every rank, saying what to
+    do instead."""
+    from support.ranks import run_ranks
+    for user, own, refused in run_ranks(2, _timeouts, timeout=120):
+        assert (user, own) == (90.0, 7.0)
+        assert refused is not None and "group or mesh of yours" in refused, refused
 
 
 def _full_drive(rank, world, path):

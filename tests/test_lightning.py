@@ -276,6 +276,7 @@ def test_refusals_name_the_option_on_every_rank(two):
 
 @pytest.mark.parametrize("flag", ["64-true", "16-true"])
 def test_precisions_zerofn_cannot_train_are_refused_at_construction(flag):
+    zl.register_strategies()
     with pytest.raises(ValueError, match=f"precision='{flag}'"):
         L.Trainer(strategy="zerofn_stage_3", precision=flag, accelerator="cpu", devices=1)
 
@@ -308,9 +309,25 @@ def test_lightning_plugins_become_zerofns():
         strategy.precision_plugin = DoublePrecision()
 
 
+def test_the_names_are_registered_by_the_call_not_the_import():
+    code = ("import zerofn.integrations.lightning as zl\n"
+            "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+            "from lightning.pytorch.strategies import StrategyRegistry\n"
+            "names = lambda: [n for n in zl.STRATEGY_NAMES\n"
+            "                 if n in StrategyRegistry or n in STRATEGY_REGISTRY]\n"
+            "print(len(names()))\n"
+            "zl.register_strategies()\n"
+            "print(len(names()))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "6"]
+
+
 def test_the_names_are_registered_with_the_trainer_and_fabric():
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
+    zl.register_strategies()
     assert zl.STRATEGY_NAMES == ("zerofn_stage_1", "zerofn_stage_2", "zerofn_stage_2_offload",
                                  "zerofn_stage_3", "zerofn_stage_3_offload",
                                  "zerofn_stage_3_offload_nvme")

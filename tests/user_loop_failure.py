@@ -1,10 +1,13 @@
 """A job's own training loop under torchrun (not ``zerofn train``): ZeRO-2 on the tests'
 GPT, rank 1 raising in the model's own backward code (a module backward hook, where
-zerofn has no hook of its own) in step 2. For tests/test_failures.py.
+zerofn has no hook of its own) in step 2, with ``zf.name_uncaught_errors()`` (argument
+``named``) or without it. For tests/test_failures.py.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/user_loop_failure.py
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/user_loop_failure.py named
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -17,6 +20,8 @@ FAULT_STEP = 2
 
 def main() -> None:
     torch.set_num_threads(1)
+    if sys.argv[1:] == ["named"]:
+        zf.name_uncaught_errors()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     _, model = make_models()

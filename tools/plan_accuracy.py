@@ -29,6 +29,8 @@ import time
 
 from plan_models import FAMILIES, trainable
 
+from zerofn.runtime.host_malloc import THRESHOLD
+
 OFFLOADS = {"none": None, "cpu": "cpu", "nvme": "nvme"}
 
 
@@ -50,6 +52,10 @@ def parse_args(argv=None):
                         "(from --out) instead of running them")
     p.add_argument("--probe", help="a `zerofn probe` JSON to predict with (default this "
                                    "machine's, probed once and cached)")
+    p.add_argument("--malloc-threshold", type=int, default=THRESHOLD,
+                   help="bytes: each rank calls zf.return_large_frees(this) first, the "
+                        "planner's CPU premise (default 8 MiB); 0 leaves glibc's moving "
+                        "threshold (tools/bench_malloc_threshold.py compares them)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -110,8 +116,11 @@ def worker(spec: str) -> None:
     import torch.distributed as dist
 
     from zerofn.runtime.memory import proc_bytes
-    shape, world, stage, off, batch, steps, save = json.loads(spec)   # save: a shared dir
+    shape, world, stage, off, batch, steps, save, threshold = json.loads(spec)   # save: a dir
     torch.set_num_threads(1)
+    if threshold:
+        import zerofn as zf
+        zf.return_large_frees(threshold)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -153,7 +162,8 @@ def worker(spec: str) -> None:
 def measure(shape, world, stage, off, args) -> dict:
     with tempfile.TemporaryDirectory() as shared:     # the ranks' one checkpoint root
         spec = json.dumps([shape, world, stage, off, args.batch, args.steps,
-                           args.save and os.path.join(shared, "checkpoints")])
+                           args.save and os.path.join(shared, "checkpoints"),
+                           args.malloc_threshold])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(world), __file__, "--worker", spec]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -110,7 +110,6 @@ class Watch(StepObserver):
         self.active = True
         self.stalls = StallWatch(stall_warning, self.rank, self.where, self.timeout)
         Watch.latest = weakref.ref(self)
-        _hook_uncaught()
         self._write()
 
     # -- StepObserver: the runtime's events (runtime/events.py) ------------------------
@@ -305,12 +304,17 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _hook_uncaught() -> None:
-    """Record what ends the process uncaught (installed once per process, then calling
-    the hook that was there). An error raised where zerofn has no hook of its own (the
-    model's own backward code, the job's data loading or logging) is then named by the
-    other ranks, where they would otherwise only find this rank gone; a failed
-    collective of the job's own is explained as ``translate`` explains it."""
+def name_uncaught_errors() -> None:
+    """Record in this rank's progress record what ends the process uncaught, so that the
+    other ranks name the error and its phase; a failed collective of the job's own is
+    explained after its traceback as zerofn explains its own (``RankFailure``).
+
+    An opt-in, process-wide change (it wraps ``sys.excepthook``, calling the hook that was
+    there): applying a transform installs nothing. Without it an error raised where zerofn
+    has no hook of its own (the model's own backward code, the job's data loading or
+    logging) still ends every rank: the others find this rank's process gone and name it
+    so. ``zerofn train`` calls it; a job's own script calls it once, anywhere before its
+    loop. Calling it again changes nothing."""
     if getattr(sys.excepthook, "_zerofn", False):
         return
     previous = sys.excepthook

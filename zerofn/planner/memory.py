@@ -127,7 +127,8 @@ class Shape:
 
     def mapped(self, itemsize: int, threshold: int = THRESHOLD) -> int:
         """Bytes of the whole gradients that are blocks of ``threshold`` bytes or more:
-        under zerofn's runtime on a CPU glibc maps each by itself and unmaps it when freed
+        with the threshold fixed on a CPU (``zf.return_large_frees()``, which ``zerofn
+        train`` calls) glibc maps each by itself and unmaps it when freed
         (runtime/host_malloc.py), so the heap's overhead does not apply to them."""
         return sum(itemsize * n for n in self.trainable_numels if itemsize * n >= threshold)
 
@@ -320,7 +321,8 @@ def peaks(c: Candidate, shape: Shape, acts: Activations, process: Process = Proc
     extra = activations_of(c, acts)
     extra["step"] = step_temporaries(c, shape, device_is_host)
     out = {}
-    # Under zerofn's runtime on a CPU glibc maps every block of THRESHOLD bytes or more by
+    # With the threshold fixed on a CPU (zf.return_large_frees(), as zerofn train runs)
+    # glibc maps every block of THRESHOLD bytes or more by
     # itself and unmaps it when freed (runtime/host_malloc.py): no heap overhead on the
     # pool's large buffers or on ZeRO-1's large whole gradients. (A GPU's caching
     # allocator: none counted.)

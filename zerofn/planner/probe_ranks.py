@@ -137,9 +137,10 @@ def own_work(options: dict) -> dict:
     """Each stage's own work at one rank (packing, copies, hooks, the per-unit step,
     Python): seconds a step takes beyond plain PyTorch's, as ``{"per_unit", "per_param"}``
     solved from two calibration GPTs, a narrow one (many small units) and one of width
-    1024 (few large ones). Run in a fresh process, plain PyTorch first: zerofn's runtime
-    fixes glibc's mmap threshold for the whole process (runtime/host_malloc.py), which
-    changes a plain step's time too."""
+    1024 (few large ones). Run in a fresh process, plain PyTorch first, then zerofn's
+    stages with glibc's mmap threshold fixed on a CPU, as ``zerofn train`` runs them
+    (runtime/host_malloc.py): the setting is process-wide and changes a plain step's
+    time too."""
     from zerofn.core.units import build_units
     from zerofn.nanogpt import GPT, GPTConfig
     from zerofn.config import Config
@@ -156,6 +157,8 @@ def own_work(options: dict) -> dict:
                       _best(_stepper(model, opt, cfg, device), device=device)))
         del model, opt
     points = {}
+    if device.type == "cpu":
+        zf.return_large_frees()
     for cfg, (units, n, base) in zip(shapes, plain):
         for stage in (1, 2, 3):
             torch.manual_seed(0)

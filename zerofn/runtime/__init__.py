@@ -6,10 +6,11 @@ observers from outside implement (events.py). Nothing here imports anything of z
 outside this folder but the plan and the optimizer kernels."""
 from .attach import is_transformed, runtime_of
 from .events import ObserverKind, StepObserver
+from .host_malloc import return_large_frees
 from .owned import whole_tensors
 from .runtime import apply_plan, chained
 from .step_grads import NonFiniteGradient
 from .view import RuntimeView
 
 __all__ = ["NonFiniteGradient", "ObserverKind", "RuntimeView", "StepObserver", "apply_plan", "chained",
-           "is_transformed", "runtime_of", "whole_tensors"]
+           "is_transformed", "return_large_frees", "runtime_of", "whole_tensors"]

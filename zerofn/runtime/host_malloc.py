@@ -18,17 +18,19 @@ run-to-run noise of the moving threshold (tools/bench_zero.py; docs/benchmarks.m
 where 4 MiB cost 5-10 % and 64 KiB 15-50 %: every mmapped block's pages are faulted in
 afresh.
 
-This is a process-wide setting, made once, and only where nobody chose one: a process
-started with ``MALLOC_MMAP_THRESHOLD_`` or a ``glibc.malloc.mmap_threshold`` tunable set
-keeps it. On a CUDA device gradients and activations live in device memory and the
-host's large buffers (offload arenas, staging) are made once and kept, so there is
-little for the heap to keep and nothing is changed.
+This is a process-wide setting, so zerofn makes it only where asked:
+``zf.return_large_frees()`` in a job's script, or ``zerofn train`` (whose process is its
+own) on a CPU device. Applying a transform leaves malloc alone, as FSDP2 does. It changes
+nothing where the user chose a threshold: a process started with ``MALLOC_MMAP_THRESHOLD_``
+or a ``glibc.malloc.mmap_threshold`` tunable keeps it. On a CUDA device gradients and
+activations live in device memory and the host's large buffers (offload arenas, staging)
+are made once and kept, so there is little for the heap to keep. What it saves and costs
+on the planner grid's wide GPT: tools/bench_malloc_threshold.py.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import os
 import platform
 
@@ -42,12 +44,25 @@ def user_chose_threshold() -> bool:
         "glibc.malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "")
 
 
-@functools.cache      # once per process
-def return_large_frees() -> int | None:
-    """Fix glibc's mmap threshold at ``THRESHOLD`` (see the note); the threshold this
-    process now has from zerofn, or None where it leaves malloc alone (not glibc, or the
-    user chose a threshold)."""
+def return_large_frees(threshold: int = THRESHOLD) -> int | None:
+    """Have glibc's malloc map every block of ``threshold`` bytes or more by itself, and
+    return it to the OS as soon as it is freed, for the rest of the process.
+
+    On a CPU device a step's gradients and activations come from malloc, whose moving
+    mmap threshold otherwise keeps freed multi-MiB blocks in its heap: at 112M parameters
+    a fifth to a third more peak memory (docs/design.md). This is process-wide and
+    opt-in: applying a transform never calls it; ``zerofn train`` does on a CPU. The
+    planner's CPU memory model assumes it.
+
+    Args:
+        threshold: bytes (default 8 MiB, measured by tools/bench_malloc_threshold.py).
+
+    Returns:
+        The threshold now in force, or None where malloc was left alone: not glibc, or the
+        process was started with a threshold of the user's (``MALLOC_MMAP_THRESHOLD_``,
+        ``GLIBC_TUNABLES``).
+    """
     if platform.libc_ver()[0] != "glibc" or user_chose_threshold():
         return None
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    return THRESHOLD if libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD) == 1 else None   # 1: success
+    return threshold if libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1 else None   # 1: success

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -91,17 +90,31 @@ def groups_of(group, device_type: str) -> Groups:
     return Groups(mesh.get_group(shard), mesh.get_group(replicate), everyone, mesh, placements)
 
 
-def set_timeout(groups: Groups, timeout: float | None, own: list = ()) -> None:
-    """The sharding option ``timeout=``: the seconds any collective of the runtime's groups
-    (and of ``own``, the groups ``groups=`` gave modules) may wait before failing (None
-    keeps each group's own, ``init_process_group``'s)."""
+def with_timeout(groups: Groups, timeout: float | None, own: dict) -> Groups:
+    """The sharding option ``timeout=``: the seconds any collective of zerofn's may wait
+    before failing. The user's groups keep their own timeouts: zerofn makes a group of its
+    own over the world with this one (a collective of every rank, as they all apply the
+    transform; on NCCL one more communicator) and talks over it. A group or mesh of the
+    user's (``group=``, ``groups=``) was made with the timeout its maker chose, so
+    ``timeout=`` beside one is refused (local: every rank raises alike). None: ``groups``
+    as they are."""
     if timeout is None:
-        return
+        return groups
     if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
         raise ValueError(f"timeout={timeout!r}: give the seconds a collective may wait for "
                          "the slowest rank (> 0), or None for the group's own timeout.")
-    for group in {groups.everyone, groups.shard, groups.replicate, *own} - {None}:
-        c10d._set_pg_timeout(datetime.timedelta(seconds=timeout), group)
+    if groups.explicit or own or groups.shard is not dist.group.WORLD:
+        raise ValueError(
+            f"timeout={timeout:g} gives a group zerofn makes over every rank its timeout, "
+            "and this model is sharded over a group or mesh of yours (group= or groups=), "
+            "whose timeout zerofn leaves as you made it: create those groups with the "
+            "timeout (dist.new_group(ranks, timeout=...), or init_process_group(timeout=...) "
+            "before init_device_mesh) and drop timeout=.")
+    made = dist.new_group(dist.get_process_group_ranks(groups.shard),
+                          timeout=datetime.timedelta(seconds=timeout),
+                          backend=dist.get_backend(groups.shard))
+    return Groups(made, None, made, DeviceMesh.from_group(made, groups.mesh.device_type),
+                  groups.placements, explicit=False)
 
 
 def model_parallel(groups: Groups, specs: list) -> list[str]:

@@ -35,10 +35,9 @@ from .overlap import overlap_problems
 from .events import Observers
 from .forward import ForwardHooks
 from .grads import GradReducer
-from .host_malloc import return_large_frees
 from .materialize import meta_state, rng_digest, target_device
 from .memory import model_state_bytes
-from .mesh import groups_of, model_parallel, own_groups, set_timeout
+from .mesh import groups_of, model_parallel, own_groups, with_timeout
 from .offload import (HomeSpec, auto_problems, cpu_adam_steps, make_homes, offload_problems,
                       optimizer_problems)
 from .chain import OptimizerChain, members_of
@@ -136,13 +135,11 @@ class Runtime:
         # groups=: modules with a data-parallel group of their own (core/units.py's [Note:
         # a module's own group]), each pattern's collectives counted apart.
         self._own = own_groups(plan.sharding.groups, model, groups, plan.sharding.init)
-        set_timeout(groups, plan.sharding.timeout, [g.shard for g in self._own.values()])
+        groups = with_timeout(groups, plan.sharding.timeout, self._own)
         comm = Comm(groups.shard, plan.sharding.bucket_size, self.device)
         own_comms = {g.pattern: (Comm(g.shard, plan.sharding.bucket_size, self.device),
                                  g.dp_world) for g in self._own.values()}
         _check_device(self.device, comm)
-        if self.device.type == "cpu":
-            return_large_frees()     # [Note: mmap threshold] in host_malloc.py
         # HSDP: the replicate dimension, over which the reduced shards are averaged.
         replicas = None if groups.replicate is None \
             else Comm(groups.replicate, plan.sharding.bucket_size, self.device)

@@ -10,6 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from zerofn import name_uncaught_errors, return_large_frees
 from zerofn.observe.failures import DEFAULT_TIMEOUT
 
 from .args import refuse
@@ -61,8 +62,11 @@ def without_nproc(argv: list[str]) -> list[str]:
 
 def setup(timeout: float = DEFAULT_TIMEOUT) -> torch.device:
     """Join the process group, whose collectives wait at most ``timeout`` seconds; pick
-    this rank's device."""
+    this rank's device. The process is zerofn train's own, so it takes the process-wide
+    settings a job's own script opts into: uncaught errors named to the other ranks and,
+    on a CPU device, large freed blocks returned to the OS."""
     wait = datetime.timedelta(seconds=timeout)
+    name_uncaught_errors()
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -71,6 +75,7 @@ def setup(timeout: float = DEFAULT_TIMEOUT) -> torch.device:
     # Ranks on one machine share its cores: more threads than their share only fight.
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    return_large_frees()
     dist.init_process_group("gloo", timeout=wait, **attempt_store(wait))
     return torch.device("cpu")
 

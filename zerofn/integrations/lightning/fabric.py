@@ -35,7 +35,8 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     ``state_dict_type="full"``.
 
     Example:
-        >>> import zerofn.integrations.lightning
+        >>> from zerofn.integrations.lightning import register_strategies
+        >>> register_strategies()
         >>> fabric = L.Fabric(strategy="zerofn_stage_2", devices=2, precision="bf16-mixed")
         >>> fabric.launch()
         >>> model, optimizer = fabric.setup(model, optimizer)

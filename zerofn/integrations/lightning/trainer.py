@@ -24,7 +24,7 @@ class ZeroStrategy(DDPStrategy):
     precision and zerofn's checkpoints, over the plain ``LightningModule``.
 
     ``Trainer(strategy="zerofn_stage_3")`` (the names mirror Lightning's DeepSpeed ones,
-    registered by ``import zerofn.integrations.lightning``) or
+    registered by ``zerofn.integrations.lightning.register_strategies()``) or
     ``Trainer(strategy=ZeroStrategy(stage=3, offload="cpu"))``.
 
     Args:
@@ -57,7 +57,8 @@ class ZeroStrategy(DDPStrategy):
     waits for the slowest rank.
 
     Example:
-        >>> import zerofn.integrations.lightning
+        >>> from zerofn.integrations.lightning import register_strategies
+        >>> register_strategies()
         >>> trainer = L.Trainer(strategy="zerofn_stage_3", precision="bf16-mixed",
         ...                     accumulate_grad_batches=2, gradient_clip_val=1.0)
         >>> trainer.fit(model, ckpt_path="last")

@@ -9,7 +9,6 @@ never leave a block half-written (a short count is no error to the OS) to be rea
 """
 from __future__ import annotations
 
-import atexit
 import errno
 import glob
 import itertools
@@ -121,8 +120,9 @@ class SwapFile:
         remove_stale(path, rank)
         self.name = swap_name(path, rank)
         self.fd, self.direct = _open(self.name)
+        # Closed and removed when the file is dropped, or at exit (a finalizer's default:
+        # no exit handler of zerofn's own).
         self._cleanup = weakref.finalize(self, _close_and_remove, self.fd, self.name)
-        atexit.register(self._cleanup)
         try:    # the space reserved now: no later swap write can find the drive full
             os.posix_fallocate(self.fd, 0, max(size, BLOCK))
         except OSError as e:
