@@ -6,6 +6,7 @@ import itertools
 import pytest
 import torch
 
+from support import SLOW
 from support.compare import TOL, max_errors
 from support.loops import train_reference, train_sharded, zero
 from support.models import batches, make_models, make_optimizer
@@ -50,11 +51,25 @@ EXTRA = [
 ]
 
 
+# At 4 ranks (twice the CI machine's cores) what the rank count changes: each stage's
+# uneven shards and accumulation (AdamW), no_sync, the clip's global norm, zero_grad on the
+# model, the kept and persisted units. What does not depend on it (SGD's plain runs, param
+# groups, activation checkpointing alone, prefetch depth) is the same code as at 2 ranks,
+# where the whole matrix runs; ZEROFN_SLOW=1 runs the whole matrix at 4 as well.
+WORLD_4 = [c for c in BASE if c[1] == "adamw"] + [
+    c for c in EXTRA if set(c[3]) & {"clip", "no_sync", "zero_grad", "opts"}
+    and "prefetch" not in c[3].get("opts", {})]
+
+
+def configs_at(world: int) -> list:
+    return WORLD_4 if world == 4 and not SLOW else BASE + EXTRA
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_parity_matrix(world):
     """stage x optimizer x accumulation, plus checkpointing, clipping, no_sync, param groups."""
-    configs = BASE + EXTRA
+    configs = configs_at(world)
     results = run_ranks(world, matrix, configs, timeout=600)
     for rank, errs in enumerate(results):
         for config, (p_err, s_err) in zip(configs, errs):

@@ -28,7 +28,7 @@ import torch
 import zerofn as zf
 from support.ranks import run_ranks
 from support.tensorboard_runs import read, scalars, text
-from zerofn import train
+from zerofn import cli, train
 from zerofn.deepspeed.schedulers import SCHEDULERS
 from zerofn.nanogpt import GPT, PRESETS
 
@@ -209,7 +209,7 @@ RESUMED = ["--stage", "2", "--grad-accum", "2", "--activation-checkpointing"]
 
 
 @pytest.mark.multirank
-def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path):
+def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, capsys):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     # --resume on an empty save dir starts afresh (load_checkpoint returns None).
     out_whole = run_job(*RESUMED, "--save-dir", str(whole), "--resume", steps=8)
@@ -227,13 +227,13 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path):
     assert {**curve(first), **curve(second)} == curve(out_whole), (first, second)
     assert re.search(r"validation loss \S+", second).group(0) == \
         re.search(r"validation loss \S+", out_whole).group(0)
-    # The final weights, bit for bit, through the consolidate subcommand.
+    # The final weights, bit for bit, through the consolidate subcommand (in this process:
+    # test_checkpoint.py runs it as a process of its own).
     files = []
     for root in (whole, parts):
         files.append(tmp_path / f"{root.name}.safetensors")
-        done = subprocess.run([sys.executable, "-m", "zerofn", "consolidate", "to-full",
-                               str(root), str(files[-1])], capture_output=True, text=True)
-        assert done.returncode == 0 and "wrote" in done.stdout, done.stdout + done.stderr
+        assert cli.main(["consolidate", "to-full", str(root), str(files[-1])]) == 0
+        assert "wrote" in capsys.readouterr().out
     from safetensors.torch import load_file
     a, b = (load_file(f) for f in files)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -333,13 +333,31 @@ BAD_LINES = {
 }
 
 
+def said_and_exited(flags: str, monkeypatch, capsys) -> tuple[int, str, str]:
+    """``zerofn train --nproc 2 FLAGS``'s (exit code, stdout, stderr), as a user's shell sees
+    them: the first of BAD_LINES in a process of its own (``python -m zerofn``), the others
+    through the same ``cli.main`` in this one (a launch each would cost seconds and show
+    nothing more), with torchrun replaced by a recorder that must stay empty."""
+    argv = ["train", "--nproc", "2", *flags.split()]
+    if flags == next(iter(BAD_LINES)):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+        done = subprocess.run([sys.executable, "-m", "zerofn", *argv], capture_output=True,
+                              text=True, env=env, timeout=120)
+        return done.returncode, done.stdout, done.stderr
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    launched = []
+    monkeypatch.setattr("zerofn.train.entry.launch", lambda *a: launched.append(a))
+    with pytest.raises(SystemExit) as ended:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    assert not launched, flags
+    return ended.value.code, out, err
+
+
 @pytest.mark.parametrize("flags", list(BAD_LINES))
-def test_zerofn_train_says_one_line_and_exits_2_for_a_bad_flag(flags):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    done = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "2",
-                           *flags.split()], capture_output=True, text=True, env=env,
-                          timeout=120)
-    assert (done.returncode, done.stdout, done.stderr) == (
+def test_zerofn_train_says_one_line_and_exits_2_for_a_bad_flag(flags, monkeypatch, capsys):
+    assert said_and_exited(flags, monkeypatch, capsys) == (
         2, "", f"zerofn train: error: {BAD_LINES[flags]} (zerofn train --help lists the "
         f"flags)\n")
 

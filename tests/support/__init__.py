@@ -14,3 +14,12 @@ import os
 # some tests (more drawn examples in test_properties, every case at every stage in
 # test_deepspeed_convert).
 SLOW = os.environ.get("ZEROFN_SLOW") == "1"
+
+
+def slow_variant(*values, covered_by: str):
+    """A parametrized case (``values``) that runs only with ZEROFN_SLOW=1, because
+    ``covered_by``, a faster test that runs every time, covers the same behaviour; the skip
+    names it."""
+    import pytest   # here: the jobs and scripts that import support need no pytest
+    return pytest.param(*values, marks=pytest.mark.slow(reason=f"covered in every run by "
+                                                               f"{covered_by}"))
