@@ -1,10 +1,21 @@
-"""A tensor subclass of the kind float8 and NF4 weights are: a ``__torch_dispatch__``
-wrapper whose values live in an inner tensor (``inner``), without FSDP2's all-gather
-hooks. zerofn refuses such a parameter (core/units.py, ``_refuse_subclass``)."""
+"""Tensor subclasses of the kind float8 and NF4 weights are: ``__torch_dispatch__`` wrappers
+whose values live in an inner tensor (``inner``).
+
+``Wrapped`` has no FSDP2 all-gather hooks: zerofn refuses such a parameter (core/units.py,
+``_refuse_subclass``). ``Int8Gathered`` has both (``fsdp_pre_all_gather`` and
+``fsdp_post_all_gather``) and changes what is gathered, as float8 training's weights do: its
+rows travel as int8 codes with one fp32 scale per row, and the gathered weight is their
+dequantized values, so a model trains on weights rounded by the gather, under FSDP2 and
+zerofn alike. ``HOOK_CALLS`` counts the hooks' calls, by name."""
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
-from torch.utils._pytree import tree_map
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+from torch.utils._pytree import tree_map, tree_map_only
+
+HOOK_CALLS: Counter = Counter()
 
 
 class Wrapped(torch.Tensor):
@@ -29,3 +40,75 @@ class Wrapped(torch.Tensor):
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
         # nn.Parameter needs detach() to keep the type.
         return Wrapped(out) if func is torch.ops.aten.detach.default else out
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes of each row and the row's fp32 scale (its absolute max / 127)."""
+    scale = (x.abs().amax(dim=1, keepdim=True).float() / 127).clamp(min=1e-12)
+    return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
+class Int8Gathered(torch.Tensor):
+    """A weight kept in full precision (``inner``: what the optimizer steps) and gathered
+    as int8 rows and their scales. Every op but the gather runs on ``inner``; the ops
+    FSDP2's sharding and an optimizer's state need (chunk, view, zeros_like, copy_, ...)
+    keep the subclass, as float8 training's weight wrapper does."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, inner.stride(),
+                                                   inner.storage_offset(), dtype=inner.dtype,
+                                                   device=inner.device,
+                                                   requires_grad=inner.requires_grad)
+
+    def __init__(self, inner: torch.Tensor):
+        self.inner = inner
+
+    def __repr__(self):
+        return f"Int8Gathered({self.inner})"
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(tensors, meta, outer_size, outer_stride):
+        return Int8Gathered(tensors["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        out = func(*tree_map_only(cls, lambda t: t.inner, args),
+                   **tree_map_only(cls, lambda t: t.inner, kwargs or {}))
+        if func in _KEEPS:
+            return tree_map_only(torch.Tensor, cls, out)
+        return out
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This rank's rows as int8 codes and scales, padded to the even share of
+        ``outer_size``'s rows (a rank with fewer rows sends zero rows)."""
+        HOOK_CALLS["pre"] += 1
+        rows = -(-outer_size[0] // mesh.size())
+        padded = self.inner.new_zeros((rows,) + tuple(outer_size[1:]))
+        padded[:self.inner.shape[0]].copy_(self.inner)
+        codes, scale = quantize_rows(padded.reshape(rows, -1))
+        return (codes.view(padded.shape), scale), None
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The dequantized weight, in ``param_dtype``: the tensor the forward uses."""
+        HOOK_CALLS["post"] += 1
+        codes, scale = all_gather_outputs
+        weight = (codes.reshape(codes.shape[0], -1).float() * scale).view(codes.shape)
+        weight = weight.to(param_dtype)
+        if out is not None:      # FSDP2 rebuilding into the tensor it made the first time
+            with torch.no_grad(), _unsafe_preserve_version_counter(out):   # (saved by autograd)
+                out.copy_(weight)
+            return None
+        return weight, (weight,)
+
+
+_aten = torch.ops.aten
+_KEEPS = {_aten.detach.default, _aten.alias.default, _aten.clone.default, _aten.view.default,
+          _aten._unsafe_view.default, _aten.split.Tensor, _aten.split_with_sizes.default,
+          _aten.chunk.default, _aten.slice.Tensor, _aten.narrow.default,
+          _aten.as_strided.default, _aten.new_zeros.default, _aten.new_empty.default,
+          _aten.empty_like.default, _aten.zeros_like.default, _aten.copy_.default,
+          _aten._to_copy.default, _aten.zero_.default, _aten.t.default}

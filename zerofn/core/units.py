@@ -92,6 +92,7 @@ class ParamSlot:
     spec: DTensorSpec | None = None          # a DTensor parameter's own (tensor parallel)
     dp: tuple | None = None                  # (mesh, placements) of its own group, or None
     aliases: list = field(default_factory=list)   # the user's, where ``param`` replaced it
+    hooks: tuple | None = None               # a subclass's gather hooks (``hooks_of``)
     # Filled by the runtime:
     opt_param: torch.Tensor | None = None    # what the optimizer steps: this rank's rows
     sharded: nn.Parameter | None = None      # ZeRO-3: the registered DTensor parameter
@@ -213,6 +214,12 @@ class Unit:
     group: str | None = None     # groups='s pattern naming its module, or None (group=)
 
     @property
+    def plain_numel(self) -> int:
+        """The elements of each rank's shard that the unit's own all-gather moves: every
+        slot but those a subclass's hooks gather, which come last."""
+        return next((s.offset for s in self.slots if s.hooks is not None), self.shard_numel)
+
+    @property
     def trainable(self) -> list[ParamSlot]:
         return [s for s in self.slots if s.requires_grad]
 
@@ -290,39 +297,73 @@ def build_units(model: nn.Module, policy, world: int, rank: int,
             if owner_unit.setdefault(p, unit) is not unit:
                 owner_unit[p] = units[model]
     persistent = Unit("<persistent>", model, replicated=True)
-    for p, unit in owner_unit.items():
+    # [Note: gathered by a subclass's hooks]: such parameters last in their unit, never in
+    # the persistent one (which is never gathered).
+    hooked = {p: type(local_of(p).data) is not torch.Tensor for p in owner_unit}
+    for p, unit in sorted(owner_unit.items(), key=lambda pu: hooked[pu[0]]):
         group = own.get(unit.module) if unit.group is not None else None
         if group is not None:
             _add_slot(unit, p, fqns[p], owners[p], dist.get_world_size(group.shard),
                       dist.get_rank(group.shard), device if p.is_meta else p.device,
                       (group.mesh, group.placements))
             continue
-        _add_slot(persistent if p.numel() < persist_below else unit, p, fqns[p], owners[p],
+        small = p.numel() < persist_below and not hooked[p]
+        _add_slot(persistent if small else unit, p, fqns[p], owners[p],
                   world, rank, device if p.is_meta else p.device)
     # The root stays even when empty: its hooks bracket the whole forward.
     return [units[m] for m in unit_modules if units[m].slots] \
         + [persistent] * bool(persistent.slots) + [units[model]]
 
 
-def _refuse_subclass(p: nn.Parameter, fqn: str) -> None:
-    """A tensor subclass (float8 or NF4 weights, any ``__torch_dispatch__`` wrapper) holds
-    its values in inner tensors that only it knows how to gather: FSDP2 asks it through
-    ``fsdp_pre_all_gather``/``fsdp_post_all_gather``, which zerofn does not call yet. Laying
-    out its outer storage would shard bytes that are not its values, so it is refused."""
+def hooks_of(p: nn.Parameter, fqn: str) -> tuple | None:
+    """How a tensor-subclass parameter is gathered ([Note: gathered by a subclass's hooks]):
+    ``(its type, the name of the inner tensor holding its values, its flatten context)``,
+    or None for a plain tensor.
+
+    A subclass (float8 or NF4 weights, any ``__torch_dispatch__`` wrapper) holds its values
+    in inner tensors that only it knows how to gather. One with FSDP2's hooks says how
+    (``fsdp_pre_all_gather``/``fsdp_post_all_gather``); one without is refused: laying out
+    its outer storage would shard bytes that are not its values."""
     local = local_of(p).data
-    if type(local) is not torch.Tensor:
+    kind = type(local)
+    if kind is torch.Tensor:
+        return None
+    pre, post = (hasattr(local, h) for h in ("fsdp_pre_all_gather", "fsdp_post_all_gather"))
+    if not (pre or post):
         raise ValueError(
-            f"zerofn cannot shard parameter {fqn!r}: its tensor is a "
-            f"{type(local).__name__}, a tensor subclass, and zerofn does not yet gather "
-            "subclasses (FSDP2's fsdp_pre_all_gather/fsdp_post_all_gather hooks). Apply "
-            "zerofn to the model in plain tensors (convert to float8 or NF4 for inference "
-            "after training), or shard this model with FSDP2's fully_shard.")
+            f"zerofn cannot shard parameter {fqn!r}: its tensor is a {kind.__name__}, a "
+            "tensor subclass without FSDP2's all-gather hooks (fsdp_pre_all_gather/"
+            "fsdp_post_all_gather), so zerofn cannot tell which of its bytes are its values. "
+            "Give the subclass both hooks, apply zerofn to the model in plain tensors "
+            "(convert to float8 or NF4 for inference after training), or shard this model "
+            "with FSDP2's fully_shard.")
+    if pre != post:
+        raise ValueError(
+            f"zerofn cannot shard parameter {fqn!r}: its {kind.__name__} defines "
+            f"{'fsdp_pre_all_gather' if pre else 'fsdp_post_all_gather'} but not "
+            f"{'fsdp_post_all_gather' if pre else 'fsdp_pre_all_gather'}; define both "
+            "(FSDP2 requires the same).")
+    names, ctx = local.__tensor_flatten__()
+    inner = getattr(local, names[0]) if len(names) == 1 else None
+    if inner is None or type(inner) is not torch.Tensor or inner.shape != local.shape \
+            or inner.dtype != local.dtype:
+        raise ValueError(
+            f"zerofn cannot shard parameter {fqn!r}: its {kind.__name__} holds its values in "
+            f"{len(names)} inner tensors ({', '.join(names)}); zerofn shards a subclass whose "
+            "__tensor_flatten__ gives one plain inner tensor of its own shape and dtype (the "
+            "full-precision weight, as float8 training's wrapper holds it). Shard this model "
+            "with FSDP2's fully_shard, or keep such weights frozen outside zerofn.")
+    return kind, names[0], ctx
 
 
 def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: int,
               device: torch.device, dp: tuple | None = None) -> None:
     spec = p._spec if isinstance(p, DTensor) else None
-    _refuse_subclass(p, fqn)
+    hooks = hooks_of(p, fqn)
+    if hooks is not None and spec is not None:
+        raise ValueError(f"zerofn cannot shard parameter {fqn!r}: a tensor subclass inside a "
+                         "DTensor (tensor parallelism over a subclass weight) is not sharded "
+                         "yet; apply tensor parallelism to plain weights, or use FSDP2.")
     shape = local_of(p).shape
     if p.dim() == 0:
         raise ValueError(f"zerofn cannot shard the 0-dim parameter {fqn!r} along dim 0; "
@@ -336,7 +377,7 @@ def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: i
             "the model to one dtype and device first, or " + _way_out(unit, p))
     chunk = chunk_rows(shape[0], world)
     slot = ParamSlot(fqn, p, owners, shape, unit.shard_numel, chunk,
-                     local_rows(shape[0], world, rank), rank, spec, dp)
+                     local_rows(shape[0], world, rank), rank, spec, dp, hooks=hooks)
     unit.slots.append(slot)
     unit.shard_numel += -(-chunk * slot.inner // SLOT_ALIGN) * SLOT_ALIGN
 

@@ -154,8 +154,11 @@ class Comm:
         self.step_counts[kind] += numel
         self.step_counts[kind + "_bytes"] += numel * dtype.itemsize
 
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-        self._count("all_gather", out.numel(), out.dtype)
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                   kind: str = "all_gather"):
+        """``kind``: what it is counted as (``subclass_all_gather``: the bytes of tensor
+        subclasses' pre-hook outputs, runtime/subclass.py)."""
+        self._count(kind, out.numel(), out.dtype)
         with record_function("zerofn::all_gather"):
             if not self._in_place:
                 return _all_gather(out, shard, group=self.group, async_op=async_op)

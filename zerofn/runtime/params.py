@@ -16,18 +16,21 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .hooks import eager, in_backward, on_backward_begin
+from .subclass import HookedGather, hooked_slots
 from ..core.units import Unit, local_of, set_local
 
 
 class _SavedView:
     """Where a saved tensor lay in its unit's gathered buffer; ``spec``: the DTensor it was
-    the local piece of (a parameter tensor parallelism split), or None."""
+    the local piece of (a parameter tensor parallelism split), or None; ``slot``: the
+    hooked parameter whose post-hook tensor it lay in instead (runtime/subclass.py), or
+    None."""
 
-    __slots__ = ("offset", "size", "stride", "unit", "spec")
+    __slots__ = ("offset", "size", "stride", "unit", "spec", "slot")
 
-    def __init__(self, unit: Unit, t: torch.Tensor, spec=None):
+    def __init__(self, unit: Unit, t: torch.Tensor, spec=None, slot=None):
         self.unit, self.offset, self.size, self.stride = unit, t.storage_offset(), t.size(), t.stride()
-        self.spec = spec
+        self.spec, self.slot = spec, slot
 
 
 class ParamGatherer:
@@ -58,6 +61,8 @@ class ParamGatherer:
         self.full: dict[Unit, torch.Tensor] = {}
         self._pending: dict[Unit, tuple] = {}
         self._by_storage: dict[int, Unit] = {}
+        self._by_hooked: dict[int, tuple] = {}     # post-hook tensors' storage: (unit, slot)
+        self.mesh = ctx.groups.mesh    # the 1-D mesh a subclass's pre-hook is given
         self.order: list[Unit] = []            # forward order of the last complete forward
         self._recording: list[Unit] = []
         self._placeholders: dict[tuple, torch.Tensor] = {}
@@ -71,9 +76,14 @@ class ParamGatherer:
         if unit in self.full or unit in self._pending or not unit.slots:
             return
         comm = self.comm_of(unit)
-        recv = self.pool.take(comm.world * unit.shard_numel, unit.compute_dtype, unit.device)
+        recv = self.pool.take(comm.world * unit.plain_numel, unit.compute_dtype, unit.device)
         if not self.staged:
-            self._pending[unit] = (self._all_gather(unit, recv, unit.shard), recv)
+            hooked = HookedGather(unit, comm, self.mesh,
+                                  lambda start: self._issue(unit, start)) \
+                if hooked_slots(unit) else None
+            work = self._all_gather(unit, recv, unit.shard[:unit.plain_numel]) \
+                if unit.plain_numel else None
+            self._pending[unit] = (work, recv, hooked)
             return
         # An offloaded shard is copied into this rank's slot and gathered in place. NVMe's
         # staging buffer is reused once this copy has read it.
@@ -82,15 +92,18 @@ class ParamGatherer:
             self.reader.take(unit, lambda: self.copies.before_host_write(unit))
         self.copies.to_device(unit, mine, host)
         with self.copies.after_to_device(unit):
-            self._pending[unit] = (self._all_gather(unit, recv, mine), recv)
+            self._pending[unit] = (self._all_gather(unit, recv, mine), recv, None)
 
     def _all_gather(self, unit: Unit, recv: torch.Tensor, shard: torch.Tensor):
         """The unit's asynchronous all-gather, labelled by the pass that asked for it."""
+        return self._issue(unit, lambda: self.comm_of(unit).all_gather(recv, shard,
+                                                                       async_op=True))
+
+    def _issue(self, unit: Unit, start):
+        """A collective of the unit's gather, started by ``start``, labelled by the pass
+        that asked for it."""
         what = "gather[backward]" if in_backward() else "gather[forward]"
-        return self.timing.issue("all_gather", what, unit.name,
-                                 lambda: self.comm_of(unit).all_gather(recv, shard,
-                                                                       async_op=True),
-                                 "gather_wait")
+        return self.timing.issue("all_gather", what, unit.name, start, "gather_wait")
 
     def ensure(self, unit: Unit) -> torch.Tensor:
         """The unit's gathered buffer (param-major, each param padded to world*chunk rows)."""
@@ -98,26 +111,35 @@ class ParamGatherer:
         if full is not None or not unit.slots:
             return full
         self.start_gather(unit)
-        work, recv = self._pending.pop(unit)
-        work.wait()
+        work, recv, hooked = self._pending.pop(unit)
+        if work is not None:
+            work.wait()
         full = self.pool.take(recv.numel(), unit.compute_dtype, unit.device)
         world = self.comm_of(unit).world
-        ranks = recv.view(world, unit.shard_numel)
+        ranks = recv.view(world, recv.numel() // world)
         for s in unit.slots:
+            if s.hooks is not None:
+                continue
             n = s.chunk * s.inner
             full[world * s.offset:world * s.offset + world * n].view(world, n).copy_(ranks[:, s.cols])
             set_local(s.param, full[world * s.offset:world * s.offset + s.numel].view(s.shape))
         self.pool.give(recv)
+        if hooked is not None:
+            hooked.finish(lambda t, s: self._by_hooked.__setitem__(
+                t.untyped_storage().data_ptr(), (unit, s)))
         self.full[unit] = full
-        self._by_storage[full.untyped_storage().data_ptr()] = unit
+        if full.numel():
+            self._by_storage[full.untyped_storage().data_ptr()] = unit
         return full
 
     def free(self, unit: Unit) -> None:
         full = self.full.pop(unit, None)
         if full is None:
             return
-        del self._by_storage[full.untyped_storage().data_ptr()]
+        self._by_storage.pop(full.untyped_storage().data_ptr(), None)
         for s in unit.slots:
+            if s.hooks is not None:
+                self._by_hooked.pop(local_of(s.param).untyped_storage().data_ptr(), None)
             set_local(s.param, self.placeholder(s, unit))
             _register(s, s.sharded)
         self.pool.give(full)
@@ -201,8 +223,10 @@ class ParamGatherer:
         that did not run. They hold the shards as they were, which the optimizer step (or
         a load) is about to rewrite: the next forward must gather again. (Normally no
         gather is pending here; the next forward's own prefetches start afresh.)"""
-        for work, recv in self._pending.values():
-            work.wait()
+        for work, recv, hooked in self._pending.values():
+            for w in [work] + ([hooked.work] if hooked else []):
+                if w is not None:
+                    w.wait()
             self.pool.give(recv)
         self._pending.clear()
 
@@ -221,7 +245,11 @@ class ParamGatherer:
             return t.detach() if unit is None else _SavedView(unit, local, t._spec)
         if t.__class__ not in (torch.Tensor, nn.Parameter) or t.is_sparse:
             return t
-        unit = self._by_storage.get(t.untyped_storage().data_ptr())
+        ptr = t.untyped_storage().data_ptr()
+        unit = self._by_storage.get(ptr)
+        if unit is None and ptr in self._by_hooked:
+            unit, slot = self._by_hooked[ptr]
+            return _SavedView(unit, t, slot=slot)
         return t.detach() if unit is None else _SavedView(unit, t)
 
     def _unpack(self, saved):
@@ -231,6 +259,8 @@ class ParamGatherer:
         full = self.ensure(saved.unit)
         if not gathered:
             self.prefetch_after(saved.unit, -1)
+        if saved.slot is not None:     # the hooked parameter's tensor, built anew
+            full = local_of(saved.slot.param)
         local = full.as_strided(saved.size, saved.stride, saved.offset)
         return local if saved.spec is None else DTensor(local, saved.spec, requires_grad=False)
 

@@ -48,6 +48,7 @@ from .pool import BufferPool
 from .shards import Shards
 from .landing import Landing
 from .stepper import Stepper, early_steps
+from .subclass import subclass_problems, unwrap_hooked
 from .visible import VisibleGrads
 
 
@@ -153,6 +154,7 @@ class Runtime:
         problems += model_parallel(groups, [s.spec for u in units for s in u.slots if s.spec])
         self.group = groups.everyone
         self._agree_across_ranks(problems, optimizer)
+        unwrap_hooked(units)     # ([Note: gathered by a subclass's hooks], subclass.py)
         self.units = units
         self.observers = Observers([o for kind in observer_kinds if (o := kind.attach(self))])
         order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
@@ -276,6 +278,7 @@ class Runtime:
                                        dist.get_world_size(self.group))
         problems += overlap_problems(plan, optimizer) + overlap_whole(plan, optimizer)
         problems += plan.problems()
+        problems += subclass_problems(plan, units, self.mesh, self.replica_world > 1)
         problems += auto_problems(plan.offload, self.device, self.replica_world > 1)
         order = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
         problems += offload_problems(plan.offload, optimizer, units,

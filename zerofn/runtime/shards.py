@@ -24,6 +24,7 @@ from ..core.units import gather_from_ranks, local_of, set_local
 from .agree import gather
 from .materialize import Materializer, meta_state
 from .offload import FlatBuffers
+from .subclass import subclass_of
 
 
 def _cast(slot, data: torch.Tensor) -> None:
@@ -102,8 +103,10 @@ class Shards:
                 _cast(s, local_of(s.param).data.to(unit.compute_dtype))
         groups = self.ctx.groups
         for s in unit.slots if sharded else ():
-            s.sharded = nn.Parameter(s.as_dtensor(s.shard_of(unit.shard), groups.mesh,
-                                                 groups.placements),
+            # A hooked parameter's shard is its subclass over the rows, as FSDP2's is.
+            rows = s.shard_of(unit.shard)
+            local = rows if s.hooks is None else subclass_of(s, rows)
+            s.sharded = nn.Parameter(s.as_dtensor(local, groups.mesh, groups.placements),
                                      requires_grad=s.requires_grad)
             _cast(s, self.gatherer.placeholder(s, unit))
             for module, name in s.owners:
