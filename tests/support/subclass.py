@@ -1,8 +1,8 @@
 """Tensor subclasses of the kind float8 and NF4 weights are: ``__torch_dispatch__`` wrappers
 whose values live in an inner tensor (``inner``).
 
-``Wrapped`` has no FSDP2 all-gather hooks: zerofn refuses such a parameter (core/units.py,
-``_refuse_subclass``). ``Int8Gathered`` has both (``fsdp_pre_all_gather`` and
+``Wrapped`` has no FSDP2 all-gather hooks, ``PreHookOnly`` one of the two: zerofn refuses
+such a parameter (core/units.py, ``hooks_of``). ``Int8Gathered`` has both (``fsdp_pre_all_gather`` and
 ``fsdp_post_all_gather``) and changes what is gathered, as float8 training's weights do: its
 rows travel as int8 codes with one fp32 scale per row, and the gathered weight is their
 dequantized values, so a model trains on weights rounded by the gather, under FSDP2 and
@@ -39,7 +39,14 @@ class Wrapped(torch.Tensor):
         unwrap = lambda t: t.inner if isinstance(t, Wrapped) else t     # noqa: E731
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
         # nn.Parameter needs detach() to keep the type.
-        return Wrapped(out) if func is torch.ops.aten.detach.default else out
+        return cls(out) if func is torch.ops.aten.detach.default else out
+
+
+class PreHookOnly(Wrapped):
+    """Half of FSDP2's hooks: refused, as FSDP2 refuses it."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return (self.inner,), None
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,224 @@
+"""Weights that are tensor subclasses with FSDP2's all-gather hooks (float8 training's, a
+quantized gather's): ZeRO-3 gathers what ``fsdp_pre_all_gather`` gives, in its dtype, and
+computes with what ``fsdp_post_all_gather`` builds, as FSDP2 does. ``Int8Gathered`` gathers
+each row as int8 codes and a scale, so the weights a model trains on are rounded by the
+gather: zerofn must round them as FSDP2 does, and move a quarter of the bytes."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.utils.parametrize
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import zerofn as zf
+from support.errors import error_of
+from support.ranks import run_ranks
+from support.subclass import HOOK_CALLS, Int8Gathered, PreHookOnly, quantize_rows
+from zerofn.checkpoint import load_checkpoint, save_checkpoint
+
+pytestmark = pytest.mark.multirank
+
+STEPS, WIDTH = 4, 32
+LAYERS = ("0", "2", "4")      # the Linear layers: each a unit (zerofn), a fully_shard (FSDP2)
+
+
+def subclass_model(seed: int = 0, hooked: bool = True) -> nn.Sequential:
+    """An MLP whose Linear weights are ``Int8Gathered`` (``hooked``) or plain."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH),
+                          nn.ReLU(), nn.Linear(WIDTH, 4))
+    for i in LAYERS if hooked else ():
+        model[int(i)].weight = nn.Parameter(Int8Gathered(model[int(i)].weight.detach()))
+    return model
+
+
+def batch(step: int, rank: int, world: int) -> torch.Tensor:
+    return torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step)).chunk(world)[rank]
+
+
+def train(model, opt, rank, world) -> tuple[list[float], list[dict]]:
+    """STEPS steps; each step's loss and hook calls."""
+    losses, calls = [], []
+    for step in range(STEPS):
+        HOOK_CALLS.clear()
+        loss = model(batch(step, rank, world)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        calls.append(dict(HOOK_CALLS))
+    return losses, calls
+
+
+def zerofn_model(seed: int = 0):
+    model = zf.compose(zf.shard_optimizer(), zf.shard_grads(),
+                       zf.shard_params(units=list(LAYERS)))(subclass_model(seed))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def fsdp2_model(world: int):
+    model, mesh = subclass_model(), init_device_mesh("cpu", (world,))
+    for i in LAYERS:
+        fully_shard(model[int(i)], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def full_weights(model, opt, fsdp2: bool) -> dict:
+    if fsdp2:
+        msd, _ = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    else:
+        msd, _ = zf.get_state_dict(model, opt, full=True)
+    return {k: v.detach().clone() for k, v in msd.items()}
+
+
+def gathered_bytes(world: int) -> int:
+    """What Int8Gathered's hooks gather in a step: each weight's padded rows as int8 and a
+    fp32 scale a row, each padded to 16 bytes, from every rank, at the forward's gather and
+    backward's."""
+    def align(n):
+        return -(-n // 16) * 16
+    shapes = [(2 * WIDTH, WIDTH), (WIDTH, 2 * WIDTH), (4, WIDTH)]
+    per_rank = sum(align(-(-r // world) * c) + align(-(-r // world) * 4) for r, c in shapes)
+    return 2 * world * per_rank
+
+
+def plain_bytes(world: int) -> int:
+    """What the units' own all-gathers move in a step: the fp32 biases alone, each rank's
+    rows padded to 16 elements, at the forward's gather and backward's."""
+    return 2 * 4 * world * sum(-(-(-(-b // world)) // 16) * 16 for b in (2 * WIDTH, WIDTH, 4))
+
+
+class RoundTrip(torch.autograd.Function):
+    """The weight as Int8Gathered's hooks gather it whole (one rank), its gradient passed
+    straight through to the full-precision weight, as a gather's is."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        codes, scale = quantize_rows(weight)
+        return codes.float() * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Rounded(nn.Module):
+    def forward(self, weight):
+        return RoundTrip.apply(weight)
+
+
+def rounded_model():
+    """Plain PyTorch on one process, rounding its weights as the gather does."""
+    model = subclass_model(hooked=False)
+    for i in LAYERS:
+        torch.nn.utils.parametrize.register_parametrization(model[int(i)], "weight", Rounded())
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def weights_of_rounded(model) -> dict:
+    return {k.replace(".parametrizations.weight.original", ".weight"): v.detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def against_reference(rank, world):
+    model, opt = zerofn_model()
+    shard = model[0].weight
+    out = {"shard": (type(shard).__name__, type(shard.to_local()).__name__,
+                     tuple(shard.to_local().shape))}
+    out["zerofn"] = train(model, opt, rank, world)
+    out["stats"] = dict(zf.comm_stats(model))
+    out["zerofn_w"] = full_weights(model, opt, fsdp2=False)
+    if world > 1:
+        fmodel, fopt = fsdp2_model(world)
+        out["ref"] = train(fmodel, fopt, rank, world)
+        out["ref_w"] = full_weights(fmodel, fopt, fsdp2=True)
+    else:   # (FSDP2 on one rank gathers a subclass's first pre-hook output only: torch 2.13)
+        ref, ref_opt = rounded_model()
+        out["ref"] = train(ref, ref_opt, rank, world)
+        out["ref"] = (out["ref"][0], [{"pre": 6, "post": 6}] * STEPS)   # (no hooks there)
+        out["ref_w"] = weights_of_rounded(ref)
+    plain = subclass_model(hooked=False)          # the same training without the rounding
+    popt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        plain(torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step))) \
+            .pow(2).mean().backward()
+        popt.step()
+        popt.zero_grad()
+    out["plain_w"] = {k: v.detach().clone() for k, v in plain.state_dict().items()}
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero3_gathers_through_the_hooks_as_fsdp2_does(world):
+    """Two ranks against FSDP2 on the same subclass model; one rank against plain PyTorch
+    rounding its weights as the gather does."""
+    for out in run_ranks(world, against_reference, timeout=300):
+        # The registered shard is the subclass over this rank's rows, as FSDP2's is.
+        assert out["shard"] == ("DTensor", "Int8Gathered", (2 * WIDTH // world, WIDTH))
+        (z_loss, z_calls), (f_loss, f_calls) = out["zerofn"], out["ref"]
+        assert z_loss == f_loss, (z_loss, f_loss)          # bit for bit, every step
+        for k, v in out["ref_w"].items():
+            assert torch.equal(out["zerofn_w"][k], v), k
+        # Each weight is gathered at the forward and again at backward: both hooks run
+        # twice a step for each, as under FSDP2.
+        assert z_calls == f_calls == [{"pre": 6, "post": 6}] * STEPS, (z_calls, f_calls)
+        # The weights travel as int8 and scales; only the biases in their own fp32.
+        stats = out["stats"]
+        assert stats["subclass_all_gather_bytes"] == gathered_bytes(world), stats
+        fp32 = 2 * 4 * sum(p.numel() for p in subclass_model(hooked=False).parameters()
+                           if p.dim() == 2)
+        assert stats["subclass_all_gather_bytes"] < 0.3 * fp32, stats
+        assert stats["all_gather_bytes"] == plain_bytes(world), stats
+        # The rounding is real: the same training on plain weights ends elsewhere.
+        moved = max((out["zerofn_w"][k] - v).abs().max().item()
+                    for k, v in out["plain_w"].items())
+        assert moved > 1e-4, moved
+
+
+def round_trip(rank, world, root):
+    model, opt = zerofn_model()
+    train(model, opt, rank, world)
+    ckpt = save_checkpoint(root, model, opt, step=STEPS)
+    later = train(model, opt, rank, world)[0]
+    again, again_opt = zerofn_model(seed=5)      # other weights, overwritten by the load
+    assert load_checkpoint(ckpt, again, again_opt) == {"step": STEPS}
+    assert type(again[0].weight.to_local()).__name__ == "Int8Gathered"
+    return later, train(again, again_opt, rank, world)[0], \
+        full_weights(model, opt, False), full_weights(again, again_opt, False)
+
+
+def test_a_checkpoint_round_trips_and_training_goes_on_the_same(tmp_path):
+    for later, resumed, weights, resumed_w in run_ranks(2, round_trip, str(tmp_path),
+                                                         timeout=300):
+        assert later == resumed, (later, resumed)
+        for k, v in weights.items():
+            assert torch.equal(resumed_w[k], v), k
+
+
+def refusals(rank, world):
+    def apply(model, *transforms):
+        return zf.compose(*transforms)(model)
+
+    one = subclass_model(hooked=False)
+    one[0].weight = nn.Parameter(PreHookOnly(one[0].weight.detach()))
+    return {
+        "zero2": error_of(apply, subclass_model(), zf.shard_optimizer(), zf.shard_grads()),
+        "offload": error_of(apply, subclass_model(), zf.shard_optimizer(), zf.shard_grads(),
+                            zf.shard_params(), zf.offload("cpu", params=True)),
+        "mixed": error_of(apply, subclass_model(), zf.shard_optimizer(), zf.shard_grads(),
+                          zf.shard_params(), zf.mixed_precision(torch.bfloat16)),
+        "one": error_of(apply, one, zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()),
+    }
+
+
+def test_what_is_not_gathered_through_the_hooks_yet_is_refused_on_every_rank():
+    for out in run_ranks(2, refusals, timeout=300):
+        what = "parameter '0.weight' is a Int8Gathered gathered by its FSDP2 hooks, and "
+        assert what + "zerofn calls those hooks at ZeRO-3 only" in out["zero2"], out
+        assert what + "parameter offload" in out["offload"], out
+        assert what + "mixed precision" in out["mixed"], out
+        assert "defines fsdp_pre_all_gather but not fsdp_post_all_gather" in out["one"], out
