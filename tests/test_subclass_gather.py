@@ -125,8 +125,14 @@ def weights_of_rounded(model) -> dict:
             for k, v in model.state_dict().items()}
 
 
-def against_reference(rank, world, offload=False):
-    model, opt = zerofn_model(0, *[zf.offload("cpu")] * offload)
+# Where the masters, state and (params=True) parameter shards live, by name.
+OFFLOADS = {None: lambda path: (), "state": lambda path: (zf.offload("cpu"),),
+            "params": lambda path: (zf.offload("cpu", params=True),),
+            "nvme": lambda path: (zf.offload("nvme", path=path, params=True),)}
+
+
+def against_reference(rank, world, offload=None, path=None):
+    model, opt = zerofn_model(0, *OFFLOADS[offload](path))
     shard = model[0].weight
     out = {"shard": (type(shard).__name__, type(shard.to_local()).__name__,
                      tuple(shard.to_local().shape))}
@@ -153,12 +159,13 @@ def against_reference(rank, world, offload=False):
     return out
 
 
-@pytest.mark.parametrize("world,offload", [(1, False), (2, False), (2, True)])
-def test_zero3_gathers_through_the_hooks_as_fsdp2_does(world, offload):
-    """Two ranks against FSDP2 on the same subclass model, also with the optimizer state
-    offloaded to the host; one rank against plain PyTorch rounding its weights as the
-    gather does."""
-    for out in run_ranks(world, against_reference, offload, timeout=300):
+@pytest.mark.parametrize("world,offload", [(1, None), (2, None), (2, "state"), (2, "params"),
+                                           (2, "nvme")])
+def test_zero3_gathers_through_the_hooks_as_fsdp2_does(world, offload, tmp_path):
+    """Two ranks against FSDP2 on the same subclass model, also offloaded (the pre-hook
+    then runs on the host rows, and its outputs are what goes to the device); one rank
+    against plain PyTorch rounding its weights as the gather does."""
+    for out in run_ranks(world, against_reference, offload, str(tmp_path), timeout=300):
         # The registered shard is the subclass over this rank's rows, as FSDP2's is.
         assert out["shard"] == ("DTensor", "Int8Gathered", (2 * WIDTH // world, WIDTH))
         (z_loss, z_calls), (f_loss, f_calls) = out["zerofn"], out["ref"]
@@ -211,8 +218,9 @@ def refusals(rank, world):
     one[0].weight = nn.Parameter(PreHookOnly(one[0].weight.detach()))
     return {
         "zero2": error_of(apply, subclass_model(), zf.shard_optimizer(), zf.shard_grads()),
-        "offload": error_of(apply, subclass_model(), zf.shard_optimizer(), zf.shard_grads(),
-                            zf.shard_params(), zf.offload("cpu", params=True)),
+        "hybrid": error_of(apply, subclass_model(), zf.shard_optimizer(), zf.shard_grads(),
+                           zf.shard_params(group=init_device_mesh(
+                               "cpu", (2, 1), mesh_dim_names=("replicate", "shard")))),
         "mixed": error_of(apply, subclass_model(), zf.shard_optimizer(), zf.shard_grads(),
                           zf.shard_params(), zf.mixed_precision(torch.bfloat16)),
         "one": error_of(apply, one, zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()),
@@ -223,6 +231,6 @@ def test_what_is_not_gathered_through_the_hooks_yet_is_refused_on_every_rank():
     for out in run_ranks(2, refusals, timeout=300):
         what = "parameter '0.weight' is a Int8Gathered gathered by its FSDP2 hooks, and "
         assert what + "zerofn calls those hooks at ZeRO-3 only" in out["zero2"], out
-        assert what + "parameter offload" in out["offload"], out
+        assert what + "hybrid sharding" in out["hybrid"], out
         assert what + "mixed precision" in out["mixed"], out
         assert "defines fsdp_pre_all_gather but not fsdp_post_all_gather" in out["one"], out

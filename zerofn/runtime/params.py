@@ -75,24 +75,26 @@ class ParamGatherer:
     def start_gather(self, unit: Unit) -> None:
         if unit in self.full or unit in self._pending or not unit.slots:
             return
-        comm = self.comm_of(unit)
-        recv = self.pool.take(comm.world * unit.plain_numel, unit.compute_dtype, unit.device)
-        if not self.staged:
-            hooked = HookedGather(unit, comm, self.mesh,
-                                  lambda start: self._issue(unit, start)) \
-                if hooked_slots(unit) else None
-            work = self._all_gather(unit, recv, unit.shard[:unit.plain_numel]) \
-                if unit.plain_numel else None
-            self._pending[unit] = (work, recv, hooked)
-            return
-        # An offloaded shard is copied into this rank's slot and gathered in place. NVMe's
-        # staging buffer is reused once this copy has read it.
-        mine = recv.view(comm.world, unit.shard_numel)[comm.rank]
-        host = unit.shard if self.reader is None else \
-            self.reader.take(unit, lambda: self.copies.before_host_write(unit))
-        self.copies.to_device(unit, mine, host)
-        with self.copies.after_to_device(unit):
-            self._pending[unit] = (self._all_gather(unit, recv, mine), recv, None)
+        comm, plain = self.comm_of(unit), unit.plain_numel
+        recv = self.pool.take(comm.world * plain, unit.compute_dtype, unit.device)
+        rows = unit.shard
+        if self.staged and self.reader is not None:
+            rows = self.reader.take(unit, lambda: self.copies.before_host_write(unit))
+        # A subclass's pre-hook reads its rows where they are: under parameter offload on
+        # the host, so that what goes to the device is its outputs (runtime/subclass.py).
+        hooked = HookedGather(unit, comm, self.mesh, lambda start: self._issue(unit, start),
+                              rows) if hooked_slots(unit) else None
+        work = None
+        if plain and not self.staged:
+            work = self._all_gather(unit, recv, rows[:plain])
+        elif plain:
+            # An offloaded shard is copied into this rank's slot and gathered in place.
+            # NVMe's staging buffer is reused once this copy has read it.
+            mine = recv.view(comm.world, plain)[comm.rank]
+            self.copies.to_device(unit, mine, rows[:plain])
+            with self.copies.after_to_device(unit):
+                work = self._all_gather(unit, recv, mine)
+        self._pending[unit] = (work, recv, hooked)
 
     def _all_gather(self, unit: Unit, recv: torch.Tensor, shard: torch.Tensor):
         """The unit's asynchronous all-gather, labelled by the pass that asked for it."""

@@ -87,9 +87,6 @@ def _refusal(plan, unit: Unit, slot: ParamSlot, hybrid: bool) -> str:
         return ("zerofn calls those hooks at ZeRO-3 only (shard_params): at ZeRO-1 and 2 the "
                 "whole parameter stays on every rank and is never gathered through them. "
                 "Add zf.shard_params(), or use plain weights.")
-    if plan.offload.params:
-        return ("parameter offload (offload(..., params=True)) does not carry the pre-hook's "
-                "output yet; offload the optimizer state only (params=False).")
     if plan.precision.param_dtype is not None:
         return ("mixed precision (param_dtype) is not combined with the hooks yet; let the "
                 "subclass choose the gathered dtype (its pre-hook) and train without "
@@ -115,17 +112,18 @@ def pre_all_gather(shard: torch.Tensor, slot: ParamSlot, mesh, module: nn.Module
 
 
 class HookedGather:
-    """One unit's gather of its hooked parameters: ``start`` runs the pre-hooks and starts
-    the all-gather of their outputs, ``finish`` waits for it and points each parameter at
-    the post-hook's tensor. ``register(tensor, slot)`` learns where each lies
+    """One unit's gather of its hooked parameters: made, it runs the pre-hooks on this
+    rank's ``rows`` (the unit's flat shard, wherever it lies) and starts the all-gather of
+    their outputs; ``finish`` waits for it and points each parameter at the post-hook's
+    tensor. ``register(tensor, slot)`` learns where each lies
     (params.py's saved tensors)."""
 
-    def __init__(self, unit: Unit, comm, mesh, issue):
+    def __init__(self, unit: Unit, comm, mesh, issue, rows: torch.Tensor):
         self.unit, self.world = unit, comm.world
         self.pieces = []       # per slot: (slot, shard, metadata, [(offset, dtype, shape)])
         offset = 0
         for s in hooked_slots(unit):
-            shard = subclass_of(s, s.shard_of(unit.shard))
+            shard = subclass_of(s, s.shard_of(rows))
             outputs, meta = pre_all_gather(shard, s, mesh, unit.module)
             places = []
             for t in outputs:
