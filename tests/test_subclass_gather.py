@@ -11,7 +11,7 @@ import torch.nn.utils.parametrize
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zerofn as zf
 from support.compare import TOL
@@ -60,11 +60,12 @@ def zerofn_model(seed: int = 0, *extra):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def fsdp2_model(world: int):
+def fsdp2_model(world: int, policy=None):
     model, mesh = subclass_model(), init_device_mesh("cpu", (world,))
+    mp = {} if policy is None else {"mp_policy": policy}
     for i in LAYERS:
-        fully_shard(model[int(i)], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(model[int(i)], mesh=mesh, **mp)
+    fully_shard(model, mesh=mesh, **mp)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -190,6 +191,24 @@ def test_zero3_gathers_through_the_hooks_as_fsdp2_does(world, offload, tmp_path)
         assert moved > 1e-4, moved
 
 
+def mixed(rank, world):
+    """bf16 compute, fp32 reduction and masters: the pre-hook reads the fp32 masters and
+    the post-hook builds a bf16 weight, under zerofn and FSDP2 alike."""
+    model, opt = zerofn_model(0, zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32))
+    losses = train(model, opt, rank, world)
+    fmodel, fopt = fsdp2_model(world, MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                           reduce_dtype=torch.float32))
+    return (losses, train(fmodel, fopt, rank, world), full_weights(model, opt, False),
+            full_weights(fmodel, fopt, True))
+
+
+def test_mixed_precision_gathers_through_the_hooks_as_fsdp2_does():
+    for ours, theirs, weights, fsdp2_weights in run_ranks(2, mixed, timeout=300):
+        assert ours == theirs, (ours, theirs)       # losses and hook calls, every step
+        for k, v in fsdp2_weights.items():
+            assert torch.equal(weights[k], v), (k, (weights[k] - v).abs().max())
+
+
 def round_trip(rank, world, root):
     model, opt = zerofn_model()
     train(model, opt, rank, world)
@@ -222,7 +241,8 @@ def refusals(rank, world):
                            zf.shard_params(group=init_device_mesh(
                                "cpu", (2, 1), mesh_dim_names=("replicate", "shard")))),
         "mixed": error_of(apply, subclass_model(), zf.shard_optimizer(), zf.shard_grads(),
-                          zf.shard_params(), zf.mixed_precision(torch.bfloat16)),
+                          zf.shard_params(), zf.mixed_precision(torch.bfloat16),
+                          zf.offload("cpu")),
         "one": error_of(apply, one, zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()),
     }
 
@@ -232,5 +252,5 @@ def test_what_is_not_gathered_through_the_hooks_yet_is_refused_on_every_rank():
         what = "parameter '0.weight' is a Int8Gathered gathered by its FSDP2 hooks, and "
         assert what + "zerofn calls those hooks at ZeRO-3 only" in out["zero2"], out
         assert what + "hybrid sharding" in out["hybrid"], out
-        assert what + "mixed precision" in out["mixed"], out
+        assert what + "mixed precision (param_dtype) with offload" in out["mixed"], out
         assert "defines fsdp_pre_all_gather but not fsdp_post_all_gather" in out["one"], out

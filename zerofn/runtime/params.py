@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .hooks import eager, in_backward, on_backward_begin
-from .subclass import HookedGather, hooked_slots
+from .subclass import HookedGather, hooked_slots, policy_of
 from ..core.units import Unit, local_of, set_local
 
 
@@ -63,6 +63,7 @@ class ParamGatherer:
         self._by_storage: dict[int, Unit] = {}
         self._by_hooked: dict[int, tuple] = {}     # post-hook tensors' storage: (unit, slot)
         self.mesh = ctx.groups.mesh    # the 1-D mesh a subclass's pre-hook is given
+        self.policy = policy_of(ctx.plan)
         self.order: list[Unit] = []            # forward order of the last complete forward
         self._recording: list[Unit] = []
         self._placeholders: dict[tuple, torch.Tensor] = {}
@@ -82,8 +83,9 @@ class ParamGatherer:
             rows = self.reader.take(unit, lambda: self.copies.before_host_write(unit))
         # A subclass's pre-hook reads its rows where they are: under parameter offload on
         # the host, so that what goes to the device is its outputs (runtime/subclass.py).
-        hooked = HookedGather(unit, comm, self.mesh, lambda start: self._issue(unit, start),
-                              rows) if hooked_slots(unit) else None
+        hooked = HookedGather(unit, comm, self.mesh, self.policy,
+                              lambda start: self._issue(unit, start), self._rows_of(unit, rows)) \
+            if hooked_slots(unit) else None
         work = None
         if plain and not self.staged:
             work = self._all_gather(unit, recv, rows[:plain])
@@ -95,6 +97,15 @@ class ParamGatherer:
             with self.copies.after_to_device(unit):
                 work = self._all_gather(unit, recv, mine)
         self._pending[unit] = (work, recv, hooked)
+
+    @staticmethod
+    def _rows_of(unit: Unit, rows: torch.Tensor):
+        """Where a subclass's pre-hook reads a slot's rows: the masters where they are not
+        the compute rows (mixed precision: FSDP2 hands its hooks the full-precision shard),
+        else ``rows``, the unit's shard."""
+        if unit.compute_dtype != unit.master_dtype:
+            return lambda s: s.opt_param
+        return lambda s: s.shard_of(rows)
 
     def _all_gather(self, unit: Unit, recv: torch.Tensor, shard: torch.Tensor):
         """The unit's asynchronous all-gather, labelled by the pass that asked for it."""

@@ -69,7 +69,8 @@ def subclass_problems(plan, units, mesh, hybrid: bool) -> list[str]:
     for unit, slot in hooked:
         values = getattr(local_of(slot.param), slot.hooks[1]).detach()
         rows = values[slot.rank * slot.chunk:][:slot.local]
-        outputs, _ = pre_all_gather(subclass_of(slot, rows), slot, mesh, unit.module)
+        outputs, _ = pre_all_gather(subclass_of(slot, rows), slot, mesh, unit.module,
+                                    policy_of(plan))
         odd = [tuple(t.shape) for t in outputs if slot.local < slot.chunk
                and (t.dim() == 0 or t.shape[0] != slot.chunk)]
         if odd:
@@ -87,10 +88,10 @@ def _refusal(plan, unit: Unit, slot: ParamSlot, hybrid: bool) -> str:
         return ("zerofn calls those hooks at ZeRO-3 only (shard_params): at ZeRO-1 and 2 the "
                 "whole parameter stays on every rank and is never gathered through them. "
                 "Add zf.shard_params(), or use plain weights.")
-    if plan.precision.param_dtype is not None:
-        return ("mixed precision (param_dtype) is not combined with the hooks yet; let the "
-                "subclass choose the gathered dtype (its pre-hook) and train without "
-                "param_dtype.")
+    if plan.precision.param_dtype is not None and plan.offload.device is not None:
+        return ("mixed precision (param_dtype) with offload is not combined with the hooks "
+                "yet (the pre-hook reads the full-precision masters, which offload moves); "
+                "drop one of the two.")
     if hybrid or unit.group is not None:
         return ("hybrid sharding and groups= meshes are not combined with the hooks yet; "
                 "shard over one 1-D data-parallel group.")
@@ -100,7 +101,14 @@ def _refusal(plan, unit: Unit, slot: ParamSlot, hybrid: bool) -> str:
     return ""
 
 
-def pre_all_gather(shard: torch.Tensor, slot: ParamSlot, mesh, module: nn.Module):
+def policy_of(plan) -> MixedPrecisionPolicy:
+    """The plan's mixed precision as FSDP2 spells it, for the pre-hook."""
+    return MixedPrecisionPolicy(param_dtype=plan.precision.param_dtype,
+                                reduce_dtype=plan.precision.reduce_dtype)
+
+
+def pre_all_gather(shard: torch.Tensor, slot: ParamSlot, mesh, module: nn.Module,
+                   policy: MixedPrecisionPolicy):
     """``(outputs, metadata)`` of the subclass's pre-hook on ``shard``, called with what
     FSDP2 passes it (torch 2.13: the shard mesh, the whole parameter's size and contiguous
     stride, its module and the mixed-precision policy; older hooks take the mesh only)."""
@@ -108,23 +116,24 @@ def pre_all_gather(shard: torch.Tensor, slot: ParamSlot, mesh, module: nn.Module
     if len(inspect.signature(hook).parameters) == 1:
         return hook(mesh)
     stride = torch.empty(slot.shape, device="meta").stride()
-    return hook(mesh, slot.shape, stride, module, MixedPrecisionPolicy())
+    return hook(mesh, slot.shape, stride, module, policy)
 
 
 class HookedGather:
     """One unit's gather of its hooked parameters: made, it runs the pre-hooks on this
-    rank's ``rows`` (the unit's flat shard, wherever it lies) and starts the all-gather of
-    their outputs; ``finish`` waits for it and points each parameter at the post-hook's
-    tensor. ``register(tensor, slot)`` learns where each lies
-    (params.py's saved tensors)."""
+    rank's rows of each (``rows_of(slot)``: the full-precision masters under mixed
+    precision, as FSDP2 gives its hooks, else the unit's shard, wherever it lies) and
+    starts the all-gather of their outputs; ``finish`` waits for it and points each
+    parameter at the post-hook's tensor, built in the compute dtype; its
+    ``register(tensor, slot)`` learns where each lies (params.py's saved tensors)."""
 
-    def __init__(self, unit: Unit, comm, mesh, issue, rows: torch.Tensor):
+    def __init__(self, unit: Unit, comm, mesh, policy, issue, rows_of):
         self.unit, self.world = unit, comm.world
         self.pieces = []       # per slot: (slot, shard, metadata, [(offset, dtype, shape)])
         offset = 0
         for s in hooked_slots(unit):
-            shard = subclass_of(s, s.shard_of(rows))
-            outputs, meta = pre_all_gather(shard, s, mesh, unit.module)
+            shard = subclass_of(s, rows_of(s))
+            outputs, meta = pre_all_gather(shard, s, mesh, unit.module, policy)
             places = []
             for t in outputs:
                 places.append((offset, t.dtype, tuple(t.shape), t))
