@@ -17,7 +17,7 @@ import zerofn as zf
 from support.compare import TOL
 from support.errors import error_of
 from support.ranks import run_ranks
-from support.subclass import HOOK_CALLS, Int8Gathered, PreHookOnly, quantize_rows
+from support.subclass import HOOK_CALLS, Int8Gathered, Int8Unpadded, PreHookOnly, quantize_rows
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.multirank
@@ -26,11 +26,12 @@ STEPS, WIDTH = 4, 32
 LAYERS = ("0", "2", "4")      # the Linear layers: each a unit (zerofn), a fully_shard (FSDP2)
 
 
-def subclass_model(seed: int = 0, hooked: bool = True) -> nn.Sequential:
-    """An MLP whose Linear weights are ``Int8Gathered`` (``hooked``) or plain."""
+def subclass_model(seed: int = 0, hooked: bool = True, out: int = 4) -> nn.Sequential:
+    """An MLP whose Linear weights are ``Int8Gathered`` (``hooked``) or plain; ``out``: the
+    last layer's rows."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH),
-                          nn.ReLU(), nn.Linear(WIDTH, 4))
+                          nn.ReLU(), nn.Linear(WIDTH, out))
     for i in LAYERS if hooked else ():
         model[int(i)].weight = nn.Parameter(Int8Gathered(model[int(i)].weight.detach()))
     return model
@@ -113,9 +114,9 @@ class Rounded(nn.Module):
         return RoundTrip.apply(weight)
 
 
-def rounded_model():
+def rounded_model(out: int = 4):
     """Plain PyTorch on one process, rounding its weights as the gather does."""
-    model = subclass_model(hooked=False)
+    model = subclass_model(hooked=False, out=out)
     for i in LAYERS:
         torch.nn.utils.parametrize.register_parametrization(model[int(i)], "weight", Rounded())
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -209,6 +210,27 @@ def test_mixed_precision_gathers_through_the_hooks_as_fsdp2_does():
             assert torch.equal(weights[k], v), (k, (weights[k] - v).abs().max())
 
 
+def uneven(rank, world):
+    """A last layer of 5 rows over 2 ranks: 3 and 2, the short shard padded by the hook;
+    against plain PyTorch on the whole batch, rounding its weights as the gather does."""
+    model = zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(
+        units=list(LAYERS)))(subclass_model(out=5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rows = model[4].weight.to_local().shape[0]
+    train(model, opt, rank, world)
+    ref, ref_opt = rounded_model(out=5)
+    train(ref, ref_opt, 0, 1)
+    ours = full_weights(model, opt, False)
+    return rows, max((ours[k] - v).abs().max().item()
+                     for k, v in weights_of_rounded(ref).items())
+
+
+def test_uneven_rows_are_gathered_through_the_hooks_padding():
+    shards = run_ranks(2, uneven, timeout=300)
+    assert [rows for rows, _ in shards] == [3, 2]
+    assert max(error for _, error in shards) < TOL, shards
+
+
 def round_trip(rank, world, root):
     model, opt = zerofn_model()
     train(model, opt, rank, world)
@@ -235,6 +257,8 @@ def refusals(rank, world):
 
     one = subclass_model(hooked=False)
     one[0].weight = nn.Parameter(PreHookOnly(one[0].weight.detach()))
+    short = subclass_model(hooked=False, out=5)
+    short[4].weight = nn.Parameter(Int8Unpadded(short[4].weight.detach()))
     return {
         "zero2": error_of(apply, subclass_model(), zf.shard_optimizer(), zf.shard_grads()),
         "hybrid": error_of(apply, subclass_model(), zf.shard_optimizer(), zf.shard_grads(),
@@ -244,6 +268,8 @@ def refusals(rank, world):
                           zf.shard_params(), zf.mixed_precision(torch.bfloat16),
                           zf.offload("cpu")),
         "one": error_of(apply, one, zf.shard_optimizer(), zf.shard_grads(), zf.shard_params()),
+        "unpadded": error_of(apply, short, zf.shard_optimizer(), zf.shard_grads(),
+                             zf.shard_params()),
     }
 
 
@@ -254,3 +280,7 @@ def test_what_is_not_gathered_through_the_hooks_yet_is_refused_on_every_rank():
         assert what + "hybrid sharding" in out["hybrid"], out
         assert what + "mixed precision (param_dtype) with offload" in out["mixed"], out
         assert "defines fsdp_pre_all_gather but not fsdp_post_all_gather" in out["one"], out
+        # Only rank 1's shard is short, and both ranks say so.
+        assert "set-up failed on rank 1: fsdp_pre_all_gather of '4.weight' returned tensors " \
+            "of shapes [(2, 32), (2, 1)] for this rank's 2 rows; every rank's must have the " \
+            "padded share, 3 rows" in out["unpadded"], out

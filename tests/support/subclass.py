@@ -77,9 +77,9 @@ class Int8Gathered(torch.Tensor):
     def __tensor_flatten__(self):
         return ["inner"], None
 
-    @staticmethod
-    def __tensor_unflatten__(tensors, meta, outer_size, outer_stride):
-        return Int8Gathered(tensors["inner"])
+    @classmethod
+    def __tensor_unflatten__(cls, tensors, meta, outer_size, outer_stride):
+        return cls(tensors["inner"])
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -110,6 +110,13 @@ class Int8Gathered(torch.Tensor):
                 out.copy_(weight)
             return None
         return weight, (weight,)
+
+
+class Int8Unpadded(Int8Gathered):
+    """Gathers a short shard unpadded: the ranks' gathers would not match (refused)."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return quantize_rows(self.inner), None
 
 
 _aten = torch.ops.aten
