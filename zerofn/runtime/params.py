@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .hooks import eager, in_backward, on_backward_begin
-from .subclass import HookedGather, hooked_slots, policy_of
+from .subclass import hooked_slots, policy_of, start_gather as start_hooked, subclass_of
 from ..core.units import Unit, local_of, set_local
 
 
@@ -83,9 +83,10 @@ class ParamGatherer:
             rows = self.reader.take(unit, lambda: self.copies.before_host_write(unit))
         # A subclass's pre-hook reads its rows where they are: under parameter offload on
         # the host, so that what goes to the device is its outputs (runtime/subclass.py).
-        hooked = HookedGather(unit, comm, self.mesh, self.policy,
-                              lambda start: self._issue(unit, start), self._rows_of(unit, rows)) \
-            if hooked_slots(unit) else None
+        hooked = None
+        if hooked_slots(unit):
+            hooked = start_hooked(unit, self._hooked_shards(unit, rows), comm, self.mesh,
+                                  self.policy, lambda start: self._issue(unit, start))
         work = None
         if plain and not self.staged:
             work = self._all_gather(unit, recv, rows[:plain])
@@ -99,13 +100,13 @@ class ParamGatherer:
         self._pending[unit] = (work, recv, hooked)
 
     @staticmethod
-    def _rows_of(unit: Unit, rows: torch.Tensor):
-        """Where a subclass's pre-hook reads a slot's rows: the masters where they are not
-        the compute rows (mixed precision: FSDP2 hands its hooks the full-precision shard),
-        else ``rows``, the unit's shard."""
-        if unit.compute_dtype != unit.master_dtype:
-            return lambda s: s.opt_param
-        return lambda s: s.shard_of(rows)
+    def _hooked_shards(unit: Unit, rows: torch.Tensor) -> list:
+        """Each hooked slot and its subclass over the rows its pre-hook reads: the masters
+        where they are not the compute rows (mixed precision: FSDP2 hands its hooks the
+        full-precision shard), else its rows of ``rows``, the unit's shard."""
+        mixed = unit.compute_dtype != unit.master_dtype
+        return [(s, subclass_of(s, s.opt_param if mixed else s.shard_of(rows)))
+                for s in hooked_slots(unit)]
 
     def _all_gather(self, unit: Unit, recv: torch.Tensor, shard: torch.Tensor):
         """The unit's asynchronous all-gather, labelled by the pass that asked for it."""

@@ -119,37 +119,39 @@ def pre_all_gather(shard: torch.Tensor, slot: ParamSlot, mesh, module: nn.Module
     return hook(mesh, slot.shape, stride, module, policy)
 
 
-class HookedGather:
-    """One unit's gather of its hooked parameters: made, it runs the pre-hooks on this
-    rank's rows of each (``rows_of(slot)``: the full-precision masters under mixed
-    precision, as FSDP2 gives its hooks, else the unit's shard, wherever it lies) and
-    starts the all-gather of their outputs; ``finish`` waits for it and points each
-    parameter at the post-hook's tensor, built in the compute dtype; its
-    ``register(tensor, slot)`` learns where each lies (params.py's saved tensors)."""
+def start_gather(unit: Unit, shards: list, comm, mesh, policy, issue) -> "HookedGather":
+    """Run the pre-hooks on ``shards`` (each hooked slot of ``unit`` with its subclass over
+    this rank's rows) and start the all-gather of their outputs, in one byte buffer, through
+    ``issue`` (the gatherer's labelled start)."""
+    pieces, offset = [], 0    # per slot: (slot, shard, metadata, [(offset, dtype, shape)])
+    outputs_of = []
+    for s, shard in shards:
+        outputs, meta = pre_all_gather(shard, s, mesh, unit.module, policy)
+        places = []
+        for t in outputs:
+            places.append((offset, t.dtype, tuple(t.shape)))
+            outputs_of.append((offset, t))
+            offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        pieces.append((s, shard, meta, places))
+    recv = torch.empty(comm.world * offset, dtype=torch.uint8, device=unit.device)
+    send = recv.view(comm.world, offset)[comm.rank]
+    for at, t in outputs_of:
+        send[at:at + t.numel() * t.element_size()].copy_(
+            t.detach().contiguous().view(-1).view(torch.uint8))
+    work = issue(lambda: comm.all_gather(recv, send, async_op=True,
+                                         kind="subclass_all_gather"))
+    return HookedGather(unit, comm.world, pieces, recv, work)
 
-    def __init__(self, unit: Unit, comm, mesh, policy, issue, rows_of):
-        self.unit, self.world = unit, comm.world
-        self.pieces = []       # per slot: (slot, shard, metadata, [(offset, dtype, shape)])
-        offset = 0
-        for s in hooked_slots(unit):
-            shard = subclass_of(s, rows_of(s))
-            outputs, meta = pre_all_gather(shard, s, mesh, unit.module, policy)
-            places = []
-            for t in outputs:
-                places.append((offset, t.dtype, tuple(t.shape), t))
-                offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-            self.pieces.append((s, shard, meta, places))
-        self.nbytes = offset
-        self.recv = torch.empty(comm.world * offset, dtype=torch.uint8, device=unit.device)
-        send = self.recv.view(comm.world, offset)[comm.rank]
-        for _, _, _, places in self.pieces:
-            for at, _, _, t in places:
-                send[at:at + t.numel() * t.element_size()].copy_(
-                    t.detach().contiguous().view(-1).view(torch.uint8))
-        self.pieces = [(s, shard, meta, [p[:3] for p in places])
-                       for s, shard, meta, places in self.pieces]
-        self.work = issue(lambda: comm.all_gather(self.recv, send, async_op=True,
-                                                  kind="subclass_all_gather"))
+
+class HookedGather:
+    """One unit's gather of its hooked parameters, started (``start_gather``): ``finish``
+    waits for it and points each parameter at the post-hook's tensor, built in the compute
+    dtype, telling ``register(tensor, slot)`` where each lies (params.py's saved
+    tensors)."""
+
+    def __init__(self, unit: Unit, world: int, pieces: list, recv: torch.Tensor, work):
+        self.unit, self.world, self.pieces, self.recv, self.work = unit, world, pieces, recv, work
+        self.nbytes = recv.numel() // world
 
     def finish(self, register) -> None:
         self.work.wait()
