@@ -17,7 +17,8 @@ import zerofn as zf
 from support.compare import TOL
 from support.errors import error_of
 from support.ranks import run_ranks
-from support.subclass import HOOK_CALLS, Int8Gathered, Int8Unpadded, PreHookOnly, quantize_rows
+from support.subclass import (HOOK_CALLS, Int8AsWrapped, Int8Gathered, Int8Unpadded,
+                              PreHookOnly, quantize_rows)
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.multirank
@@ -229,6 +230,20 @@ def test_uneven_rows_are_gathered_through_the_hooks_padding():
     shards = run_ranks(2, uneven, timeout=300)
     assert [rows for rows, _ in shards] == [3, 2]
     assert max(error for _, error in shards) < TOL, shards
+
+
+def subclass_built(rank, world):
+    model = subclass_model(hooked=False)
+    model[0].weight = nn.Parameter(Int8AsWrapped(model[0].weight.detach()))
+    model = zf.compose(zf.shard_optimizer(), zf.shard_grads(),
+                       zf.shard_params(units=list(LAYERS)))(model)
+    return error_of(model, batch(0, rank, world), error=TypeError)
+
+
+def test_a_post_hook_building_a_subclass_is_refused_at_the_gather_on_every_rank():
+    for message in run_ranks(2, subclass_built, timeout=300):
+        assert "fsdp_post_all_gather of '0.weight' returned a Wrapped" in message, message
+        assert "a tensor subclass as the gathered weight is not supported yet" in message
 
 
 def round_trip(rank, world, root):

@@ -119,6 +119,15 @@ class Int8Unpadded(Int8Gathered):
         return quantize_rows(self.inner), None
 
 
+class Int8AsWrapped(Int8Gathered):
+    """Builds its gathered weight as a tensor subclass (as float8 training's post-hook
+    does): refused at the gather."""
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        weight, _ = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype)
+        return Wrapped(weight), (weight,)
+
+
 _aten = torch.ops.aten
 _KEEPS = {_aten.detach.default, _aten.alias.default, _aten.clone.default, _aten.view.default,
           _aten._unsafe_view.default, _aten.split.Tensor, _aten.split_with_sizes.default,
