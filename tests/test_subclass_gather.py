@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.utils.parametrize
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -96,6 +97,44 @@ def plain_bytes(world: int) -> int:
     return 2 * 4 * world * sum(-(-(-(-b // world)) // 16) * 16 for b in (2 * WIDTH, WIDTH, 4))
 
 
+def zerofn_to_fsdp2(rank, world, root):
+    """zerofn's checkpoint read by FSDP2 through torch's own DCP calls; both train on."""
+    model, opt = zerofn_model()
+    train(model, opt, rank, world)
+    ckpt = save_checkpoint(root, model, opt, step=STEPS)
+    fmodel, fopt = fsdp2_model(world)
+    msd, osd = get_state_dict(fmodel, fopt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(fmodel, fopt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = full_weights(fmodel, fopt, True), full_weights(model, opt, False)
+    return loaded, train(fmodel, fopt, rank, world)[0], train(model, opt, rank, world)[0]
+
+
+def fsdp2_to_zerofn(rank, world, root):
+    """FSDP2's DCP checkpoint (its optimizer state is Int8Gathered too: zeros_like keeps
+    the subclass, so the files pickle it) loaded by zerofn, the class trusted."""
+    fmodel, fopt = fsdp2_model(world)
+    train(fmodel, fopt, rank, world)
+    msd, osd = get_state_dict(fmodel, fopt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=root)
+    model, opt = zerofn_model(seed=3)
+    zf.trust_class(Int8Gathered)
+    zf.trust_class(torch._utils._rebuild_wrapper_subclass)
+    load_checkpoint(root, model, opt)
+    loaded = full_weights(fmodel, fopt, True), full_weights(model, opt, False)
+    return loaded, train(fmodel, fopt, rank, world)[0], train(model, opt, rank, world)[0]
+
+
+@pytest.mark.parametrize("move", [zerofn_to_fsdp2, fsdp2_to_zerofn])
+def test_checkpoints_move_between_zerofn_and_fsdp2_and_training_goes_on_the_same(move, tmp_path):
+    for (fsdp2_w, zerofn_w), fsdp2_losses, zerofn_losses in run_ranks(2, move, str(tmp_path),
+                                                                       timeout=300):
+        for k, v in fsdp2_w.items():
+            assert torch.equal(zerofn_w[k], v), k
+        assert fsdp2_losses == zerofn_losses, (fsdp2_losses, zerofn_losses)
+
+
 class RoundTrip(torch.autograd.Function):
     """The weight as Int8Gathered's hooks gather it whole (one rank), its gradient passed
     straight through to the full-precision weight, as a gather's is."""
@@ -174,7 +213,8 @@ def test_zero3_gathers_through_the_hooks_as_fsdp2_does(world, offload, tmp_path)
         (z_loss, z_calls), (f_loss, f_calls) = out["zerofn"], out["ref"]
         error = max((out["zerofn_w"][k] - v).abs().max().item() for k, v in out["ref_w"].items())
         if offload:   # (zerofn's host Adam, not torch's AdamW: rounded otherwise)
-            assert error < TOL and z_loss == pytest.approx(f_loss, rel=1e-6), (error, z_loss, f_loss)
+            assert error < TOL and z_loss == pytest.approx(f_loss, rel=1e-6), \
+                (error, z_loss, f_loss)
         else:         # bit for bit, every step
             assert z_loss == f_loss and error == 0, (error, z_loss, f_loss)
         # Each weight is gathered at the forward and again at backward: both hooks run

@@ -2,11 +2,11 @@
 whose values live in an inner tensor (``inner``).
 
 ``Wrapped`` has no FSDP2 all-gather hooks, ``PreHookOnly`` one of the two: zerofn refuses
-such a parameter (core/units.py, ``hooks_of``). ``Int8Gathered`` has both (``fsdp_pre_all_gather`` and
-``fsdp_post_all_gather``) and changes what is gathered, as float8 training's weights do: its
-rows travel as int8 codes with one fp32 scale per row, and the gathered weight is their
-dequantized values, so a model trains on weights rounded by the gather, under FSDP2 and
-zerofn alike. ``HOOK_CALLS`` counts the hooks' calls, by name."""
+such a parameter (core/units.py, ``hooks_of``). ``Int8Gathered`` has both
+(``fsdp_pre_all_gather`` and ``fsdp_post_all_gather``) and changes what is gathered, as
+float8 training's weights do: its rows travel as int8 codes with one fp32 scale per row,
+and the gathered weight is their dequantized values, so a model trains on weights rounded
+by the gather, under FSDP2 and zerofn alike. ``HOOK_CALLS`` counts the hooks' calls, by name."""
 from __future__ import annotations
 
 from collections import Counter
