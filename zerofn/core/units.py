@@ -297,8 +297,8 @@ def build_units(model: nn.Module, policy, world: int, rank: int,
             if owner_unit.setdefault(p, unit) is not unit:
                 owner_unit[p] = units[model]
     persistent = Unit("<persistent>", model, replicated=True)
-    # [Note: gathered by a subclass's hooks]: such parameters last in their unit, never in
-    # the persistent one (which is never gathered).
+    # [Note: gathered by a subclass's hooks] (runtime/subclass.py): such parameters last in
+    # their unit, never in the persistent one (which is never gathered).
     hooked = {p: type(local_of(p).data) is not torch.Tensor for p in owner_unit}
     for p, unit in sorted(owner_unit.items(), key=lambda pu: hooked[pu[0]]):
         group = own.get(unit.module) if unit.group is not None else None
@@ -316,7 +316,8 @@ def build_units(model: nn.Module, policy, world: int, rank: int,
 
 
 def hooks_of(p: nn.Parameter, fqn: str) -> tuple | None:
-    """How a tensor-subclass parameter is gathered ([Note: gathered by a subclass's hooks]):
+    """How a tensor-subclass parameter is gathered ([Note: gathered by a subclass's hooks],
+    runtime/subclass.py):
     ``(its type, the name of the inner tensor holding its values, its flatten context)``,
     or None for a plain tensor.
 

@@ -55,8 +55,9 @@ def unwrap_hooked(units) -> None:
 
 def subclass_problems(plan, units, mesh, hybrid: bool) -> list[str]:
     """What keeps zerofn from gathering the model's hooked parameters, on this rank; empty
-    where nothing does. The pre-hook runs once on this rank's rows: ranks whose outputs
-    would differ in size would hang the gather (FSDP2 asks the hook to pad them)."""
+    where nothing does. Where this rank's share is short, the pre-hook runs once on it:
+    outputs of another size than the full shares' would hang the gather (FSDP2 asks the
+    hook to pad them)."""
     hooked = [(u, s) for u in units for s in hooked_slots(u)]
     if not hooked:
         return []
@@ -67,12 +68,13 @@ def subclass_problems(plan, units, mesh, hybrid: bool) -> list[str]:
         return [f"{what}, and {refusal}"]
     problems = []
     for unit, slot in hooked:
+        if slot.local == slot.chunk:    # (a full share: nothing to pad)
+            continue
         values = getattr(local_of(slot.param), slot.hooks[1]).detach()
         rows = values[slot.rank * slot.chunk:][:slot.local]
         outputs, _ = pre_all_gather(subclass_of(slot, rows), slot, mesh, unit.module,
                                     policy_of(plan))
-        odd = [tuple(t.shape) for t in outputs if slot.local < slot.chunk
-               and (t.dim() == 0 or t.shape[0] != slot.chunk)]
+        odd = [tuple(t.shape) for t in outputs if t.dim() == 0 or t.shape[0] != slot.chunk]
         if odd:
             problems.append(
                 f"fsdp_pre_all_gather of {slot.fqn!r} returned tensors of shapes {odd} for "
