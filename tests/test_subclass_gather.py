@@ -43,10 +43,10 @@ def batch(step: int, rank: int, world: int) -> torch.Tensor:
     return torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step)).chunk(world)[rank]
 
 
-def train(model, opt, rank, world) -> tuple[list[float], list[dict]]:
-    """STEPS steps; each step's loss and hook calls."""
+def train(model, opt, rank, world, steps=range(STEPS)) -> tuple[list[float], list[dict]]:
+    """The ``steps``' batches; each step's loss and hook calls."""
     losses, calls = [], []
-    for step in range(STEPS):
+    for step in steps:
         HOOK_CALLS.clear()
         loss = model(batch(step, rank, world)).pow(2).mean()
         loss.backward()
@@ -284,6 +284,25 @@ def test_a_post_hook_building_a_subclass_is_refused_at_the_gather_on_every_rank(
     for message in run_ranks(2, subclass_built, timeout=300):
         assert "fsdp_post_all_gather of '0.weight' returned a Wrapped" in message, message
         assert "a tensor subclass as the gathered weight is not supported yet" in message
+
+
+def on_top(rank, world):
+    """ZeRO-3, then offload applied on top after two steps (the model is rebuilt from its
+    restored parameters: still Int8Gathered, holding the trained values), against the two
+    composed from the start."""
+    model, opt = zerofn_model()
+    first = train(model, opt, rank, world, range(2))[0]
+    model = zf.offload("cpu")(model)
+    kept = type(model[0].weight.to_local()).__name__
+    later = train(model, opt, rank, world, range(2, STEPS))[0]
+    whole, whole_opt = zerofn_model(0, zf.offload("cpu"))
+    return kept, first + later, train(whole, whole_opt, rank, world)[0]
+
+
+def test_a_transform_applied_on_top_keeps_gathering_through_the_hooks():
+    for kept, stepwise, composed in run_ranks(2, on_top, timeout=300):
+        assert kept == "Int8Gathered"
+        assert stepwise == pytest.approx(composed, rel=1e-6), (stepwise, composed)
 
 
 def round_trip(rank, world, root):

@@ -48,7 +48,7 @@ from .pool import BufferPool
 from .shards import Shards
 from .landing import Landing
 from .stepper import Stepper, early_steps
-from .subclass import subclass_problems, unwrap_hooked
+from .subclass import rewrap_hooked, subclass_problems, unwrap_hooked
 from .visible import VisibleGrads
 
 
@@ -582,6 +582,8 @@ class Runtime:
         for unit in self.units:
             for s in unit.slots:
                 s.param.data = self.full_tensor(s, s.opt_param.detach(), unit.device)
+                if s.hooks is not None:
+                    rewrap_hooked(s)
                 for module, name in s.owners:
                     module._parameters[name] = s.param
         slot_of_opt = {s.opt_param: s for s in self.slot_of.values()}

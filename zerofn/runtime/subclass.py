@@ -53,6 +53,18 @@ def unwrap_hooked(units) -> None:
                 module._parameters[name] = plain
 
 
+def rewrap_hooked(slot: ParamSlot) -> None:
+    """Undo ``unwrap_hooked`` for one slot whose plain parameter holds the whole values
+    (the runtime's restore): the user's subclass parameter is the slot's again, its inner
+    tensor holding those values, so a transform applied on top gathers it through its
+    hooks too."""
+    user = slot.aliases.pop()
+    with torch.no_grad():
+        inner = getattr(local_of(user), slot.hooks[1])
+        inner.copy_(slot.param.data)
+    slot.param = user
+
+
 def subclass_problems(plan, units, mesh, hybrid: bool) -> list[str]:
     """What keeps zerofn from gathering the model's hooked parameters, on this rank; empty
     where nothing does. Where this rank's share is short, the pre-hook runs once on it:
