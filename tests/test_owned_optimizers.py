@@ -102,6 +102,46 @@ def test_muon_under_cpu_offload_with_clipping_and_accumulation(world):
         check(results, world)
 
 
+def step_traffic(rank, world):
+    """Bytes per step zf.comm_stats counts at each stage, AdamW over every parameter against
+    Muon + AdamW on the same model, and the owned matrices' (rows, inner) shapes."""
+    data = batches(2, 1, world)
+    out = {}
+    for stage in (1, 2, 3):
+        for kind in ("adamw", "muon"):
+            _, model = make_models()
+            opts = (torch.optim.AdamW(model.parameters(), lr=1e-3),) if kind == "adamw" \
+                else OPTIMIZERS["muon"](model)
+            model, opts = zero(stage)(model, opts)
+            train_sharded(model, opts, data, rank, world)
+            out[stage, kind] = sum(v for k, v in zf.comm_stats(model).items()
+                                   if k.endswith("_bytes"))
+    _, model = make_models()
+    out["owned"] = [tuple(p.shape) for p in OPTIMIZERS["muon"](model)[0].param_groups[0]["params"]]
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 4])
+def test_owned_traffic_is_the_formula(world):
+    """Over ZeRO's own AdamW traffic: at ZeRO-1/2 the gradient's gather to the owner
+    (padded rows) and the owner's broadcast of the whole matrix, which the unit's
+    all-gather no longer carries (its padded rows, aligned in the shard): +1x the owned
+    matrices' bytes, less the alignment. At ZeRO-3 the gather and the scatter of the rows
+    back: +2x the padded rows."""
+    from zerofn.core.units import aligned, chunk_rows
+    for out in run_ranks(world, step_traffic, timeout=240):
+        owned = out["owned"]
+        whole = sum(a * b * 4 for a, b in owned)
+        padded = sum(world * chunk_rows(a, world) * b * 4 for a, b in owned)
+        alignment = sum(world * (aligned(chunk_rows(a, world) * b) - chunk_rows(a, world) * b) * 4
+                        for a, b in owned)
+        for stage in (1, 2):
+            extra = out[stage, "muon"] - out[stage, "adamw"]
+            assert extra == whole - alignment and extra <= whole, (stage, out)
+        assert out[3, "muon"] - out[3, "adamw"] == 2 * padded, out
+
+
 def refusals(rank, world):
     """What a whole-tensor optimizer cannot do, refused on every rank with its reason."""
     out = {}

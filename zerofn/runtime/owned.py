@@ -40,6 +40,7 @@ import math
 
 import torch
 
+from ..core.units import local_of
 from .agree import gather
 from .chain import OptimizerChain, members_of, step_without_hooks
 
@@ -91,10 +92,12 @@ class OwnedStep:
         ctx: the runtime's context (the shard group's ``comm``, the device).
         optimizer: the bound optimizer (a chain, or one).
         slot_of: each tensor the optimizer's groups hold -> its slot, before binding.
+        shards: the compute rows (shards.py): which units are ZeRO-3's sharded ones, and
+            the step's whole writes, which their all-gathers leave out.
     """
 
-    def __init__(self, ctx, optimizer, slot_of: dict):
-        self.ctx, self.comm = ctx, ctx.comm
+    def __init__(self, ctx, optimizer, slot_of: dict, shards):
+        self.ctx, self.comm, self.shards = ctx, ctx.comm, shards
         members = members_of(optimizer)
         self.members = [m for m in members if is_whole(m)]
         rest = [m for m in members if not is_whole(m)]
@@ -118,7 +121,9 @@ class OwnedStep:
     @torch.no_grad()
     def step(self, grads: dict, grad_scale: float) -> None:
         """Every owned parameter with a gradient this step (the vote made that the same on
-        every rank) gathered to its owner, stepped whole there, scattered back."""
+        every rank) gathered to its owner, stepped whole there, and sent back: broadcast
+        whole where every rank computes on the whole parameter (ZeRO-1/2), else scattered
+        as rows."""
         self.collect()
         todo = [(m, s) for m, s in self.slots if grads.get(s) is not None]
         if not todo:
@@ -127,9 +132,13 @@ class OwnedStep:
         whole = {s: w for s, w in gathered.items() if w is not None}
         for m in self.members:
             self._step_member(m, [s for mm, s in todo if mm is m and s in whole], whole)
+        sharded = {s for u in self.shards.sharded for s in u.slots}
         for _, s in todo:
-            piece = self._scatter(s, whole.get(s))
-            s.opt_param.copy_(piece[:s.local_numel].view(s.local_shape))
+            if s in sharded:
+                piece = self._scatter(s, whole.get(s))
+                s.opt_param.copy_(piece[:s.local_numel].view(s.local_shape))
+            else:
+                self._broadcast(s, whole.get(s))
         # Every rank's rows are the owners' whole masters now: the owners keep them.
         self.masters.update((s, w[0].to(s.opt_param.device)) for s, w in whole.items())
         self.fresh |= {s for _, s in todo}
@@ -186,6 +195,20 @@ class OwnedStep:
             pieces = padded.view(world, -1)
         self.comm.scatter(piece, pieces, owner)
         return piece
+
+    def _broadcast(self, s, whole) -> None:
+        """The owner's updated whole masters to every rank, written into its masters' rows
+        and its whole compute parameter: this replaces the scatter and the parameter's
+        share of its unit's all-gather, which leaves it out (``shards.written``)."""
+        if whole is not None:
+            t = whole[0].contiguous()
+        else:
+            t = torch.empty(s.shape, dtype=s.opt_param.dtype, device=self.ctx.device)
+        if self.comm.world > 1:
+            self.comm.broadcast(t, self.owner[s])
+        s.opt_param.copy_(s.rows_of(t))
+        local_of(s.param).detach().copy_(t)
+        self.shards.written.add(s)
 
     def _step_member(self, member, slots: list, whole: dict) -> None:
         """``member`` steps the whole tensors of ``slots`` (this rank's): its groups hold
