@@ -128,7 +128,8 @@ class OwnedStep:
         todo = [(m, s) for m, s in self.slots if grads.get(s) is not None]
         if not todo:
             return
-        gathered = {s: self._gather(s, grads[s], grad_scale) for _, s in todo}
+        masters = self._master_rows([s for _, s in todo])
+        gathered = {s: self._gather(s, grads[s], grad_scale, masters.get(s)) for _, s in todo}
         whole = {s: w for s, w in gathered.items() if w is not None}
         for m in self.members:
             self._step_member(m, [s for mm, s in todo if mm is m and s in whole], whole)
@@ -136,7 +137,7 @@ class OwnedStep:
         for _, s in todo:
             if s in sharded:
                 piece = self._scatter(s, whole.get(s))
-                s.opt_param.copy_(piece[:s.local_numel].view(s.local_shape))
+                self._write(s, piece[:s.local_numel].view(s.local_shape))
             else:
                 self._broadcast(s, whole.get(s))
         # Every rank's rows are the owners' whole masters now: the owners keep them.
@@ -158,15 +159,36 @@ class OwnedStep:
                 piece.mul_(scale)
         return piece
 
-    def _gather(self, s, grad_rows, grad_scale: float):
-        """Send this rank's gradient rows to the owner, and its master rows too where the
-        owner keeps no whole masters current (one gather). Returns (whole masters, whole
-        gradient) on the owner, else None."""
+    def _master_rows(self, slots: list) -> dict:
+        """This rank's master rows of each of ``slots`` whose owner keeps no whole masters
+        current: the optimizer's tensor, or where its home holds them out of memory (a swap
+        file) read from there, a unit at a time."""
+        homes, out, read = self.shards.homes, {}, {}
+        for s in slots:
+            if s in self.fresh:
+                continue
+            unit = self.shards.unit_of(s)
+            if not homes.unread(unit):
+                out[s] = s.opt_param
+                continue
+            if unit not in read:
+                read[unit] = homes.read_unit(unit)[0]
+            out[s] = s.shard_of(read[unit])
+        return out
+
+    def _write(self, s, rows: torch.Tensor) -> None:
+        """The updated rows into this rank's masters, wherever its home keeps them."""
+        self.shards.homes.write_rows(self.shards.unit_of(s), s, rows)
+
+    def _gather(self, s, grad_rows, grad_scale: float, master_rows):
+        """Send this rank's gradient rows to the owner, and its ``master_rows`` too where
+        the owner keeps no whole masters current (one gather). Returns (whole masters,
+        whole gradient) on the owner, else None."""
         dtype, owner, world = s.opt_param.dtype, self.owner[s], self.comm.world
         kept = s in self.fresh
         send = self._piece(s, grad_rows, dtype, grad_scale)
         if not kept:
-            send = torch.cat([send, self._piece(s, s.opt_param, dtype)])
+            send = torch.cat([send, self._piece(s, master_rows, dtype)])
         if world == 1:
             recv = send.view(1, -1)
         else:
@@ -206,7 +228,7 @@ class OwnedStep:
             t = torch.empty(s.shape, dtype=s.opt_param.dtype, device=self.ctx.device)
         if self.comm.world > 1:
             self.comm.broadcast(t, self.owner[s])
-        s.opt_param.copy_(s.rows_of(t))
+        self._write(s, s.rows_of(t))
         local_of(s.param).detach().copy_(t)
         self.shards.written.add(s)
 

@@ -68,6 +68,9 @@ class Shards:
         # broadcast at ZeRO-1/2): the units' all-gathers leave them out.
         self.written: set = set()
 
+    def unit_of(self, slot):
+        return self._unit_of[slot]
+
     # -- set-up ------------------------------------------------------------------------
     @torch.no_grad()
     def lay_out(self, optimizer) -> None:
