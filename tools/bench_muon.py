@@ -2,9 +2,9 @@
 of this machine, against peers measured in the same run:
 
 - ``parity``: weights after ``--steps`` steps against single-process PyTorch on the same
-  global batches, at ZeRO-1/2/3 and ZeRO-3 + offload("cpu"), against DDP's own distance in
-  the same harness over three bucket layouts (Muon's Newton-Schulz runs in bf16, so the
-  reduction order shows);
+  global batches, at ZeRO-1/2/3, ZeRO-3 + offload("cpu") and ZeRO-2 + offload("nvme"),
+  against DDP's own distance in the same harness over three bucket layouts (Muon's
+  Newton-Schulz runs in bf16, so the reduction order shows);
 - ``traffic``: ``zf.comm_stats`` per step against ZeRO's own for AdamW over every
   parameter of the same model, the difference in units of the owned matrices' bytes, and
   the largest rank's share of the Newton-Schulz work over the mean;
@@ -80,10 +80,13 @@ def train(model, opts, batches, rank, world, timer=None, sync=lambda: None) -> N
             o.zero_grad()
 
 
-def transformed(cfg, kind: str, stage: int, cpu: bool = False):
+def transformed(cfg, kind: str, stage: int, where: str | None = None):
+    """``where``: "cpu" offloads to the host; any other string is the directory of an
+    offload("nvme") swap file."""
     torch.manual_seed(0)
     model = GPT(cfg)
-    extra = (zf.offload("cpu"),) if cpu else ()
+    extra = () if where is None else (zf.offload("cpu"),) if where == "cpu" \
+        else (zf.offload("nvme", path=where),)
     return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), *extra)(
         model, optimizers(model, kind))
 
@@ -124,11 +127,13 @@ def parity(cfg, args, rank, world) -> list:
         ref = reference(cfg, batches)
         ddp = [distance(ddp_weights(cfg, batches, rank, world, mb), ref) if world > 1 else 0.0
                for mb in DDP_BUCKETS]
-        for name, stage, cpu in (("ZeRO-1", 1, False), ("ZeRO-2", 2, False),
-                                 ("ZeRO-3", 3, False), ("ZeRO-3 + cpu", 3, True)):
-            model, opts = transformed(cfg, "muon", stage, cpu)
-            train(model, opts, batches, rank, world)
-            rows.append((world, accum, name, distance(full_weights(model), ref), ddp))
+        with tempfile.TemporaryDirectory(prefix="bench_muon_swap") as swap:
+            for name, stage, where in (("ZeRO-1", 1, None), ("ZeRO-2", 2, None),
+                                       ("ZeRO-3", 3, None), ("ZeRO-3 + cpu", 3, "cpu"),
+                                       ("ZeRO-2 + nvme", 2, swap)):
+                model, opts = transformed(cfg, "muon", stage, where)
+                train(model, opts, batches, rank, world)
+                rows.append((world, accum, name, distance(full_weights(model), ref), ddp))
     return rows
 
 

@@ -8,12 +8,18 @@ group, balanced by the update's cost (``cost``: Newton-Schulz's flops for Muon, 
 element count), as Megatron's layer-wise distributed optimizer and torchtitan's FlexShard
 ``Owned`` layout do. At the step every rank sends the owner its rows of the parameter's
 reduced gradient (one gather per parameter); the owner runs the user's own optimizer on
-the whole tensor, keeping its whole masters from one step to the next, and scatters the
-updated rows back, which each rank writes into its masters. Where the rows were written
-outside the step (a load), the next gather carries the masters' rows too. The homes' step then sends every unit's rows to
-the compute parameters as for any other parameter. All gathers are issued before any
-owner steps, so the ranks compute their matrices at the same time, and every scatter
-after: each rank's share of the work is its owned parameters' cost.
+the whole tensor, keeping its whole masters from one step to the next, and sends the
+update back. Where every rank computes on whole parameters (ZeRO-1/2, and ZeRO-3's
+persistent unit) the owner broadcasts the updated whole masters: each rank writes its
+rows into its masters and the whole into its compute parameter, and the unit's all-gather
+leaves the parameter out (shards.py's ``written``), so the broadcast takes the place of
+both a scatter and that all-gather's share. Under ZeRO-3 each rank keeps its rows only:
+the owner scatters them. Masters written outside the step (a load) are carried by the
+next gather too. Masters a home keeps out of memory (a swap file) are read from it and
+written back through it (``write_rows``: nvme.py's [Note: owned rows in the file]). All
+gathers are issued before any owner steps, so the ranks compute their matrices at the
+same time, and every broadcast or scatter after: each rank's share of the work is its
+owned parameters' cost.
 
 The optimizer's state for an owned parameter lives on its owner only, whole (keyed, as
 every state entry, by the tensor the group holds: this rank's rows), and nothing of it on
@@ -26,13 +32,22 @@ value whole on every rank. ``spread`` puts it in that form (the owner scatters t
 broadcasts the rest) before a state dict is made or a checkpoint loaded into; the next step
 ``collect``s it back to the owner (a gather of the rows), whoever owns the parameter now:
 a resume at another world size re-owns the matrices by that gather. Elementwise optimizers beside it (AdamW for the rest) step shards as
-before. Traffic per step over ZeRO's own for the same parameters, as ``zf.comm_stats``
-counts full buffers: the gradient's gather and the updated rows' scatter, +2x the owned
-parameters' elements (docs/optimizers.md). +1x would need one of two things given up:
-the reduced rows on every rank's p.grad after backward (a reduce to the owner in place of
-the reduce-scatter), or parameters current when step() returns (the owner's broadcast in
-place of the scatter and the unit's all-gather, left to the next forward). The owner's
-whole masters cost it memory: its owned parameters' elements, in the masters' dtype.
+before.
+
+[Note: owned traffic] Per step over ZeRO's own for the same parameters, as
+``zf.comm_stats`` counts full buffers (docs/optimizers.md): at ZeRO-1/2 the gradient's
+gather (+1x) and the broadcast (+1x) less the all-gather's share it replaces (-1x): +1x
+the owned parameters' bytes. At ZeRO-3 the gather and the scatter: +2x. The owner needs
+the sum of every rank's whole gradient, and with each rank's reduced rows kept for
+``p.grad`` that is the reduce-scatter (ZeRO's own) and a gather (+1x); the update must
+then reach the rows every rank keeps, and no collective of ZeRO-3's step carries them for
+a scatter to replace (each rank writes its own shard; the next forward gathers). So +1x
+there needs one of: the gradient reaching the owner by a reduce in place of the unit's
+reduce-scatter (the other ranks' ``p.grad`` rows scattered from the owner when read; the
+clip and the non-finite verdict taking the owner's whole gradient), or the next forward's
+and backward's all-gathers of the matrix replaced by the owner's broadcasts (the other
+ranks' rows, which the parameter's DTensor shows, stale until then). The owner's whole
+masters cost it memory: its owned parameters' elements, in the masters' dtype.
 """
 from __future__ import annotations
 

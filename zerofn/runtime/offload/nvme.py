@@ -96,6 +96,7 @@ class NvmeHome(Home):
         # write them into their unit's block.
         self.adam_slots: set = set()
         self.pending: dict = {}
+        self.torch_math = False     # (adam.py: beside a whole-tensor optimizer)
 
     def arenas(self) -> list:
         return self._arenas
@@ -208,7 +209,8 @@ class NvmeHome(Home):
                 if self.form.lowp else None
             written = adam_unit(optimizer, group_of, unit, grads, master, state.exp_avg,
                                 state.exp_avg_sq, self.decoupled, lowp=lowp,
-                                grad_scale=grad_scale, timing=self.timing, options=options)
+                                grad_scale=grad_scale, timing=self.timing, options=options,
+                                torch_math=self.torch_math)
             if rows is not None:       # (an fp32 compute shard: all of it)
                 cast_the_rest(rows, master, written if lowp is not None else [])
             self._refresh(unit, master if rows is None else rows, after_unit)
@@ -244,6 +246,7 @@ class NvmeHome(Home):
         their masters here and their state with it (owned.py)."""
         adam = [m for m in members_of(optimizer) if not is_whole(m)]
         self.decoupled = decoupled_weight_decay(adam[0]) if adam else True
+        self.torch_math = len(adam) < len(members_of(optimizer))
         held = {p for m in adam for g in m.param_groups for p in g["params"]}
         self.adam_slots = {s for u in self.units for s in u.trainable if s.opt_param in held}
         steps = HostArena([1] * len(self.adam_slots), torch.float32)   # host, not device
