@@ -50,7 +50,7 @@ class NvmeHome(Home):
 
     tier = "nvme"
 
-    cpu_adam = True      # (nvme_problems refuses other optimizers at set-up)
+    cpu_adam = True      # (set-up refuses other optimizers but whole-tensor ones beside it)
     time_series = ("d2h", "h2d", "cpu_adam", "nvme_read", "nvme_write")
 
     def __init__(self, units, spec: HomeSpec, form: StoredForm = FP32):
