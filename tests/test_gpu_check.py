@@ -236,7 +236,7 @@ def test_pending_stands_for_the_parts_not_passed_yet_in_order():
             "race": {"status": "failed"}, "deepspeed": {"status": "skipped"}}
     assert results.expand_pending(["build", "pending"], done) == \
         ["build", "parity", "job", "largest", "largest_int8", "split", "split_7b", "profile",
-         "race", "compile", "nvme", "deepspeed", "split_ds", "plan"]
+         "race", "compile", "nvme", "deepspeed", "split_ds", "plan", "muon"]
     passed = {n: {"status": "ok"} for n in catalog.PART_NAMES}
     assert results.expand_pending(["pending", "race"], passed) == ["race"]
     assert parse_args(["--parts", "build,pending"]).parts == ["build", "pending"]
@@ -479,3 +479,18 @@ def test_the_plan_part_reads_the_records_and_predicts_the_runs_they_were():
     assert planning.measured(recorded["largest"], "1x1") is None
     pred = planning.predict(str(ROOT / "docs" / "plan_probe.json"), "256x2", 2, True)
     assert pred["gpu"] > 0 and pred["host"] > 0 and pred["step"] > 0
+
+
+def test_the_muon_part_runs_its_bench_at_a_tiny_size_on_the_cpu():
+    """The muon part's command and parsing, through bench_muon.py's offload mode (ZeRO-3 +
+    bf16 + offload('cpu'), Muon + AdamW then AdamW alone) at a tiny size on the CPU; a run
+    that fails is a failed part with the output's tail."""
+    from gpu_check import muon
+    r = muon.muon_run("cpu", "64x2", ["--steps", "3"], 300)
+    assert r["status"] == "ok", r
+    f = r["figures"]
+    assert f["muon_step_s"] > 0 and f["adamw_step_s"] > 0, f
+    assert abs(f["muon_vs_adamw"] - f["muon_step_s"] / f["adamw_step_s"]) < 0.01 * f["muon_vs_adamw"] + 0.01
+    assert "64x2" in r["lines"][0] and "Muon/AdamW" in r["lines"][0]
+    bad = muon.muon_run("cpu", "64by2", [], 300)
+    assert bad["status"] == "failed" and "64by2" in bad["detail"], bad

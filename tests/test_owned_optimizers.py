@@ -9,6 +9,7 @@ ZeRO-2, world 2).
 tools/bench_muon.py measures the bf16 figures against DDP's."""
 from __future__ import annotations
 
+import os
 import tempfile
 
 import pytest
@@ -30,6 +31,8 @@ STEPS, TOL = 4, 1e-5
 EXTRAS = {
     "none": lambda path: (),
     "cpu": lambda path: (zf.offload("cpu"),),
+    "nvme": lambda path: (zf.offload("nvme", path=path),),
+    "nvme params": lambda path: (zf.offload("nvme", path=path, params=True),),
     "bf16": lambda path: (zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32),),
 }
 
@@ -111,6 +114,65 @@ def test_muon_under_cpu_offload_with_clipping_and_accumulation(world):
         check(results, world)
 
 
+def step_traffic(rank, world):
+    """Bytes per step zf.comm_stats counts at each stage, AdamW over every parameter against
+    Muon + AdamW on the same model, and the owned matrices' (rows, inner) shapes."""
+    data = batches(2, 1, world)
+    out = {}
+    for stage in (1, 2, 3):
+        for kind in ("adamw", "muon"):
+            _, model = make_models()
+            opts = (torch.optim.AdamW(model.parameters(), lr=1e-3),) if kind == "adamw" \
+                else OPTIMIZERS["muon"](model)
+            model, opts = zero(stage)(model, opts)
+            train_sharded(model, opts, data, rank, world)
+            out[stage, kind] = sum(v for k, v in zf.comm_stats(model).items()
+                                   if k.endswith("_bytes"))
+    _, model = make_models()
+    out["owned"] = [tuple(p.shape) for p in OPTIMIZERS["muon"](model)[0].param_groups[0]["params"]]
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 4])
+def test_owned_traffic_is_the_formula(world):
+    """Over ZeRO's own AdamW traffic: at ZeRO-1/2 the gradient's gather to the owner
+    (padded rows) and the owner's broadcast of the whole matrix, which the unit's
+    all-gather no longer carries (its padded rows, aligned in the shard): +1x the owned
+    matrices' bytes, less the alignment. At ZeRO-3 the gather and the scatter of the rows
+    back: +2x the padded rows."""
+    from zerofn.core.units import aligned, chunk_rows
+    for out in run_ranks(world, step_traffic, timeout=240):
+        owned = out["owned"]
+        whole = sum(a * b * 4 for a, b in owned)
+        padded = sum(world * chunk_rows(a, world) * b * 4 for a, b in owned)
+        alignment = sum(world * (aligned(chunk_rows(a, world) * b) - chunk_rows(a, world) * b) * 4
+                        for a, b in owned)
+        for stage in (1, 2):
+            extra = out[stage, "muon"] - out[stage, "adamw"]
+            assert extra == whole - alignment and extra <= whole, (stage, out)
+        assert out[3, "muon"] - out[3, "adamw"] == 2 * padded, out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2])
+def test_muon_under_nvme_offload_with_accumulation(world, tmp_path):
+    """ZeRO-2 with offload("nvme") (and ZeRO-3 with the parameter shards in the file too):
+    AdamW's parameters stream through the swap file (CPU Adam), the owned matrices keep
+    their masters' rows there too, their momentum on the owner; accumulation 1 and 4, a
+    global clip at 4. Adafactor alone: no parameter left to CPU Adam."""
+    for stage, extra, kind, accum, clip in ((2, "nvme", "muon", 1, None),
+                                            (2, "nvme", "muon", 4, 0.5),
+                                            (3, "nvme params", "muon", 4, 0.5),
+                                            (2, "nvme", "adafactor", 2, None)):
+        results = run_ranks(world, trained, stage, kind, accum, extra, clip, str(tmp_path),
+                            timeout=240)
+        errs = [r[0] for r in results]
+        assert max(errs) < (1e-6 if world == 1 else TOL), (stage, extra, kind, errs)
+        if kind == "muon":
+            check(results, world)
+
+
 def refusals(rank, world):
     """What a whole-tensor optimizer cannot do, refused on every rank with its reason."""
     out = {}
@@ -122,7 +184,9 @@ def refusals(rank, world):
     _, model = make_models()
     with tempfile.TemporaryDirectory() as tmp:
         nvme = zf.compose(zero(2), zf.offload("nvme", path=tmp))
-        out["nvme"] = error_of(nvme, model, OPTIMIZERS["muon"](model))
+        muon, adamw = OPTIMIZERS["muon"](model)
+        sgd = torch.optim.SGD([p for g in adamw.param_groups for p in g["params"]], lr=0.1)
+        out["nvme"] = error_of(nvme, model, (muon, sgd))
     _, model = make_models()
     out["not a sequence"] = error_of(zero(2), model, "adamw", error=TypeError)
     return out
@@ -133,18 +197,22 @@ def test_what_owned_parameters_cannot_do_is_refused_on_every_rank():
     for out in run_ranks(2, refusals, timeout=120):
         assert "leave overlap_step off" in out["overlap"], out["overlap"]
         assert "LBFGS steps through a closure" in out["lbfgs"], out["lbfgs"]
-        assert "(got Muon + AdamW); use offload('cpu')" in out["nvme"], out["nvme"]
+        assert "(got Muon + SGD); use offload('cpu')" in out["nvme"], out["nvme"]
         assert "(model, (optimizer, ...))" in out["not a sequence"], out["not a sequence"]
 
 
-def resumed(rank, world, stage, path, resume):
+def resumed(rank, world, stage, path, resume, extra="none"):
     """The first two of four steps saved by ``save_checkpoint`` in the background, or
     (``resume``) the last two after ``load_checkpoint``, returning the weights' distance
-    from plain PyTorch's four steps. The global batch is the same at every world size."""
+    from plain PyTorch's four steps. The global batch is the same at every world size.
+    ``extra``'s swap file, if any, goes to ``path``/swap."""
     data = batches(4, 2, world, per_rank=4 // world)
     ref, model = make_models()
+    swap = os.path.join(path, "swap")
+    os.makedirs(swap, exist_ok=True)
     with counted_newton_schulz(fp32=True):
-        model, opts = zero(stage)(model, OPTIMIZERS["muon"](model))
+        model, opts = zf.compose(zero(stage), *EXTRAS[extra](swap))(
+            model, OPTIMIZERS["muon"](model))
         if not resume:
             train_sharded(model, opts, data[:2], rank, world)
             # In the background, while the next steps change the state: it saves step 2's.
@@ -167,6 +235,15 @@ def test_a_checkpoint_from_two_ranks_resumes_at_one_and_four_at_other_stages(tmp
     for world, stage in ((1, 1), (4, 2)):
         errs = run_ranks(world, resumed, stage, str(tmp_path), True, timeout=240)
         assert max(errs) < TOL, (world, stage, errs)
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_under_nvme_offload_resumes_at_another_world_size(tmp_path):
+    """ZeRO-2 + offload("nvme") at two ranks, saved in the background while the next steps
+    change the swap file and the owners' momentum, resumed at one rank as uninterrupted."""
+    run_ranks(2, resumed, 2, str(tmp_path), False, "nvme", timeout=240)
+    errs = run_ranks(1, resumed, 2, str(tmp_path), True, "nvme", timeout=240)
+    assert max(errs) < TOL, errs
 
 
 def zerofn_to_fsdp2(rank, world, root):

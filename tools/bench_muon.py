@@ -2,17 +2,23 @@
 of this machine, against peers measured in the same run:
 
 - ``parity``: weights after ``--steps`` steps against single-process PyTorch on the same
-  global batches, at ZeRO-1/2/3 and ZeRO-3 + offload("cpu"), against DDP's own distance in
-  the same harness over three bucket layouts (Muon's Newton-Schulz runs in bf16, so the
-  reduction order shows);
+  global batches, at ZeRO-1/2/3, ZeRO-3 + offload("cpu") and ZeRO-2 + offload("nvme"),
+  against DDP's own distance in the same harness over three bucket layouts (Muon's
+  Newton-Schulz runs in bf16, so the reduction order shows);
 - ``traffic``: ``zf.comm_stats`` per step against ZeRO's own for AdamW over every
   parameter of the same model, the difference in units of the owned matrices' bytes, and
   the largest rank's share of the Newton-Schulz work over the mean;
 - ``time``: the optimizer step (Muon's and AdamW's ``step()`` together, median of the
   steps after the first two) against FSDP2 running the same optimizers on its Shard(0)
-  DTensors, and against zerofn's step with AdamW alone.
+  DTensors, and against zerofn's step with AdamW alone;
+- ``offload``: one rank on ``--device``, a GPT of ``--size`` (``WxL``, as bench_offload.py
+  sizes them: 2048x24 is 1.31B) under ZeRO-3 + bf16 + offload("cpu"), Muon + AdamW's step
+  against AdamW's alone (median of the steps after the first): the owned matrices'
+  masters and momentum on the host, Newton-Schulz on the device (tools/gpu_check's
+  ``muon`` part runs it on a GPU).
 
     python3 tools/bench_muon.py --mode parity|traffic|time [--worlds 1 2 4] [--steps 20]
+    python3 tools/bench_muon.py --mode offload --device cuda --size 2048x24 --steps 4
 """
 from __future__ import annotations
 
@@ -58,23 +64,29 @@ def data(cfg: GPTConfig, steps: int, accum: int) -> list:
              for _ in range(accum)] for _ in range(steps)]
 
 
-def train(model, opts, batches, rank, world, timer=None) -> None:
+def train(model, opts, batches, rank, world, timer=None, sync=lambda: None) -> None:
+    """``sync``: waits for the device's queued work, before and after a timed step."""
     for micro in batches:
         for x, y in micro:
             (model(x.chunk(world)[rank], y.chunk(world)[rank]) / len(micro)).backward()
+        sync()
         start = time.perf_counter()
         for o in opts:
             o.step()
+        sync()
         if timer is not None:
             timer.append(time.perf_counter() - start)
         for o in opts:
             o.zero_grad()
 
 
-def transformed(cfg, kind: str, stage: int, cpu: bool = False):
+def transformed(cfg, kind: str, stage: int, where: str | None = None):
+    """``where``: "cpu" offloads to the host; any other string is the directory of an
+    offload("nvme") swap file."""
     torch.manual_seed(0)
     model = GPT(cfg)
-    extra = (zf.offload("cpu"),) if cpu else ()
+    extra = () if where is None else (zf.offload("cpu"),) if where == "cpu" \
+        else (zf.offload("nvme", path=where),)
     return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), *extra)(
         model, optimizers(model, kind))
 
@@ -115,11 +127,13 @@ def parity(cfg, args, rank, world) -> list:
         ref = reference(cfg, batches)
         ddp = [distance(ddp_weights(cfg, batches, rank, world, mb), ref) if world > 1 else 0.0
                for mb in DDP_BUCKETS]
-        for name, stage, cpu in (("ZeRO-1", 1, False), ("ZeRO-2", 2, False),
-                                 ("ZeRO-3", 3, False), ("ZeRO-3 + cpu", 3, True)):
-            model, opts = transformed(cfg, "muon", stage, cpu)
-            train(model, opts, batches, rank, world)
-            rows.append((world, accum, name, distance(full_weights(model), ref), ddp))
+        with tempfile.TemporaryDirectory(prefix="bench_muon_swap") as swap:
+            for name, stage, where in (("ZeRO-1", 1, None), ("ZeRO-2", 2, None),
+                                       ("ZeRO-3", 3, None), ("ZeRO-3 + cpu", 3, "cpu"),
+                                       ("ZeRO-2 + nvme", 2, swap)):
+                model, opts = transformed(cfg, "muon", stage, where)
+                train(model, opts, batches, rank, world)
+                rows.append((world, accum, name, distance(full_weights(model), ref), ddp))
     return rows
 
 
@@ -167,6 +181,43 @@ def step_times(cfg, args, rank, world) -> list:
         rows.append((world, f"ZeRO-{stage}", times["muon"], times["adamw"]))
     fsdp2 = statistics.median(fsdp2_step_times(cfg, batches, rank, world)[2:])
     return [row + (fsdp2,) for row in rows]
+
+
+def offload_step_times(args) -> dict:
+    """The step's median seconds, "muon" (Muon + AdamW) and "adamw" (AdamW alone), on one
+    rank of ``args.device`` under ZeRO-3 + bf16 + offload("cpu"), and the model's size."""
+    from bench_offload import init_world_1, model_config
+    init_world_1(args.device)
+    cfg = model_config(args.size, args)
+    cuda = args.device == "cuda"
+    out = {}
+    try:
+        for kind in ("adamw", "muon"):
+            torch.manual_seed(0)
+            with torch.device(args.device):
+                model = GPT(cfg)
+            out["params"] = sum(p.numel() for p in model.parameters())
+            model, opts = zf.compose(*(getattr(zf, n)() for n in STAGES[3]),
+                                     zf.mixed_precision(torch.bfloat16), zf.offload("cpu"))(
+                model, optimizers(model, kind))
+            batches = [[tuple(t.to(args.device) for t in micro) for micro in step]
+                       for step in data(cfg, args.steps, 1)]
+            timer: list = []
+            train(model, opts, batches, 0, 1, timer,
+                  sync=torch.cuda.synchronize if cuda else lambda: None)
+            out[kind] = statistics.median(timer[1:])
+            del model, opts
+            if cuda:
+                torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def report_offload(args, out: dict) -> None:
+    print(f"muon offload: {args.size} ({out['params'] / 1e9:.3g}B params) on {args.device}, "
+          f"ZeRO-3 + bf16 + offload('cpu'): Muon + AdamW step {out['muon']:.4f} s, AdamW step "
+          f"{out['adamw']:.4f} s, Muon/AdamW {out['muon'] / out['adamw']:.2f}x")
 
 
 MODES = {"parity": parity, "traffic": traffic, "time": step_times}
@@ -222,12 +273,21 @@ def report(mode: str, rows: list) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=sorted(MODES), required=True)
+    parser.add_argument("--mode", choices=sorted(MODES) + ["offload"], required=True)
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=48)
     parser.add_argument("--layers", type=int, default=3)
+    offload = parser.add_argument_group("--mode offload")
+    offload.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    offload.add_argument("--size", default="64x2", help="WxL: width and layers")
+    offload.add_argument("--vocab", type=int, default=97)
+    offload.add_argument("--context", type=int, default=16)
     args = parser.parse_args()
+    if args.mode == "offload":
+        args.checkpoint = "off"     # (what bench_offload's model_config reads)
+        report_offload(args, offload_step_times(args))
+        return
     rows = []
     for world in args.worlds:
         rows += run(world, args)

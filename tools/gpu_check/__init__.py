@@ -35,7 +35,8 @@ The package (``tools/gpu_check.py`` runs it, as does ``python3 tools/gpu_check``
   run writes.
 - ``parts.py``: the build, the CUDA tests, race, compile and the main job, and the table of
   every part's runner; ``parity.py``, ``profiling.py`` and ``benchmarks.py`` the parts of
-  their names (``benchmarks.py``: each part that runs ``tools/bench_offload.py``).
+  their names (``benchmarks.py``: each part that runs ``tools/bench_offload.py``;
+  ``muon.py``: the part that runs ``tools/bench_muon.py``).
 - ``results.py``: the results file, the environment each part ran in, pending parts.
 - ``report.py``: the goals' verdicts and docs/gpu.md, rendered from the results.
 - ``commands.py``, ``paths.py``: the subprocess runner and pytest's summary; where things go.

@@ -26,12 +26,15 @@ THROUGHPUT = "--batch 4 --accum 32 --warmup 1 --steps 2"
 SPLIT = "--warmup 2 --steps 3"
 TOKENS_16K = "--batch 4 --accum 4 --warmup 1 --steps 2"
 DS_RATIOS = (0.3, 0.6, 1.0)    # DeepSpeed's offload_optimizer.ratio (ZeRO-3 only)
+# Muon beside AdamW at the compare size: 8 sequences of 1024 tokens a step, the first of 4
+# steps untimed.
+MUON_FLAGS = "--vocab 50304 --context 1024 --steps 4"
 
 # What a part's prose may name in braces, written as the page shows it.
 PROSE_FIELDS = dict(compare_size=COMPARE_SIZE, large_cpu=LARGE_CPU, throughput=THROUGHPUT,
                     int8_ladder=",".join(LARGE_INT8_LADDER), int8_state=INT8_STATE,
                     nvme_ladder=", ".join(NVME_LADDER), split=SPLIT, tokens_16k=TOKENS_16K,
-                    ds_ratios=", ".join(map(str, DS_RATIOS)))
+                    ds_ratios=", ".join(map(str, DS_RATIOS)), muon_flags=MUON_FLAGS)
 
 # How a goal's figure reads, by its unit: (the scale it is divided by, decimals shown).
 UNITS = {"×": (1, 2), "B": (1e9, 2), "": (1, 0)}

@@ -10,7 +10,7 @@ import shutil
 import sys
 import time
 
-from . import benchmarks, parity, planning, profiling
+from . import benchmarks, muon, parity, planning, profiling
 from .catalog import LIMIT
 from .commands import pytest, run, tail
 from .paths import TRACE_DIR
@@ -103,4 +103,4 @@ PART_RUNNERS = {"build": part_build, "tests": part_tests, "parity": parity.part_
                 "race": part_race, "compile": part_compile, "nvme": benchmarks.part_nvme,
                 "deepspeed": benchmarks.part_deepspeed, "split": benchmarks.part_split,
                 "split_7b": benchmarks.part_split_7b, "split_ds": benchmarks.part_split_ds,
-                "plan": planning.part_plan}
+                "plan": planning.part_plan, "muon": muon.part_muon}

@@ -380,7 +380,12 @@ def _add_slot(unit: Unit, p: nn.Parameter, fqn: str, owners, world: int, rank: i
     slot = ParamSlot(fqn, p, owners, shape, unit.shard_numel, chunk,
                      local_rows(shape[0], world, rank), rank, spec, dp, hooks=hooks)
     unit.slots.append(slot)
-    unit.shard_numel += -(-chunk * slot.inner // SLOT_ALIGN) * SLOT_ALIGN
+    unit.shard_numel += aligned(chunk * slot.inner)
+
+
+def aligned(numel: int) -> int:
+    """``numel`` rounded up to the slots' alignment in a unit's shard."""
+    return -(-numel // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def _way_out(unit: Unit, p: nn.Parameter) -> str:

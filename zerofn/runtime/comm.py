@@ -230,6 +230,7 @@ class Comm:
             dist.scatter(t, pieces, src=self._global[src_rank], group=self.group)
 
     def broadcast(self, t: torch.Tensor, src_rank: int = 0) -> None:
+        self._count("broadcast", t.numel(), t.dtype)
         with record_function("zerofn::broadcast"):
             dist.broadcast(t, src=dist.get_global_rank(self.group, src_rank), group=self.group)
 

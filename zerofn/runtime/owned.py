@@ -8,12 +8,18 @@ group, balanced by the update's cost (``cost``: Newton-Schulz's flops for Muon, 
 element count), as Megatron's layer-wise distributed optimizer and torchtitan's FlexShard
 ``Owned`` layout do. At the step every rank sends the owner its rows of the parameter's
 reduced gradient (one gather per parameter); the owner runs the user's own optimizer on
-the whole tensor, keeping its whole masters from one step to the next, and scatters the
-updated rows back, which each rank writes into its masters. Where the rows were written
-outside the step (a load), the next gather carries the masters' rows too. The homes' step then sends every unit's rows to
-the compute parameters as for any other parameter. All gathers are issued before any
-owner steps, so the ranks compute their matrices at the same time, and every scatter
-after: each rank's share of the work is its owned parameters' cost.
+the whole tensor, keeping its whole masters from one step to the next, and sends the
+update back. Where every rank computes on whole parameters (ZeRO-1/2, and ZeRO-3's
+persistent unit) the owner broadcasts the updated whole masters: each rank writes its
+rows into its masters and the whole into its compute parameter, and the unit's all-gather
+leaves the parameter out (shards.py's ``written``), so the broadcast takes the place of
+both a scatter and that all-gather's share. Under ZeRO-3 each rank keeps its rows only:
+the owner scatters them. Masters written outside the step (a load) are carried by the
+next gather too. Masters a home keeps out of memory (a swap file) are read from it and
+written back through it (``write_rows``: nvme.py's [Note: owned rows in the file]). All
+gathers are issued before any owner steps, so the ranks compute their matrices at the
+same time, and every broadcast or scatter after: each rank's share of the work is its
+owned parameters' cost.
 
 The optimizer's state for an owned parameter lives on its owner only, whole (keyed, as
 every state entry, by the tensor the group holds: this rank's rows), and nothing of it on
@@ -26,13 +32,22 @@ value whole on every rank. ``spread`` puts it in that form (the owner scatters t
 broadcasts the rest) before a state dict is made or a checkpoint loaded into; the next step
 ``collect``s it back to the owner (a gather of the rows), whoever owns the parameter now:
 a resume at another world size re-owns the matrices by that gather. Elementwise optimizers beside it (AdamW for the rest) step shards as
-before. Traffic per step over ZeRO's own for the same parameters, as ``zf.comm_stats``
-counts full buffers: the gradient's gather and the updated rows' scatter, +2x the owned
-parameters' elements (docs/optimizers.md). +1x would need one of two things given up:
-the reduced rows on every rank's p.grad after backward (a reduce to the owner in place of
-the reduce-scatter), or parameters current when step() returns (the owner's broadcast in
-place of the scatter and the unit's all-gather, left to the next forward). The owner's
-whole masters cost it memory: its owned parameters' elements, in the masters' dtype.
+before.
+
+[Note: owned traffic] Per step over ZeRO's own for the same parameters, as
+``zf.comm_stats`` counts full buffers (docs/optimizers.md): at ZeRO-1/2 the gradient's
+gather (+1x) and the broadcast (+1x) less the all-gather's share it replaces (-1x): +1x
+the owned parameters' bytes. At ZeRO-3 the gather and the scatter: +2x. The owner needs
+the sum of every rank's whole gradient, and with each rank's reduced rows kept for
+``p.grad`` that is the reduce-scatter (ZeRO's own) and a gather (+1x); the update must
+then reach the rows every rank keeps, and no collective of ZeRO-3's step carries them for
+a scatter to replace (each rank writes its own shard; the next forward gathers). So +1x
+there needs one of: the gradient reaching the owner by a reduce in place of the unit's
+reduce-scatter (the other ranks' ``p.grad`` rows scattered from the owner when read; the
+clip and the non-finite verdict taking the owner's whole gradient), or the next forward's
+and backward's all-gathers of the matrix replaced by the owner's broadcasts (the other
+ranks' rows, which the parameter's DTensor shows, stale until then). The owner's whole
+masters cost it memory: its owned parameters' elements, in the masters' dtype.
 """
 from __future__ import annotations
 
@@ -40,6 +55,7 @@ import math
 
 import torch
 
+from ..core.units import local_of
 from .agree import gather
 from .chain import OptimizerChain, members_of, step_without_hooks
 
@@ -91,10 +107,12 @@ class OwnedStep:
         ctx: the runtime's context (the shard group's ``comm``, the device).
         optimizer: the bound optimizer (a chain, or one).
         slot_of: each tensor the optimizer's groups hold -> its slot, before binding.
+        shards: the compute rows (shards.py): which units are ZeRO-3's sharded ones, and
+            the step's whole writes, which their all-gathers leave out.
     """
 
-    def __init__(self, ctx, optimizer, slot_of: dict):
-        self.ctx, self.comm = ctx, ctx.comm
+    def __init__(self, ctx, optimizer, slot_of: dict, shards):
+        self.ctx, self.comm, self.shards = ctx, ctx.comm, shards
         members = members_of(optimizer)
         self.members = [m for m in members if is_whole(m)]
         rest = [m for m in members if not is_whole(m)]
@@ -118,18 +136,25 @@ class OwnedStep:
     @torch.no_grad()
     def step(self, grads: dict, grad_scale: float) -> None:
         """Every owned parameter with a gradient this step (the vote made that the same on
-        every rank) gathered to its owner, stepped whole there, scattered back."""
+        every rank) gathered to its owner, stepped whole there, and sent back: broadcast
+        whole where every rank computes on the whole parameter (ZeRO-1/2), else scattered
+        as rows."""
         self.collect()
         todo = [(m, s) for m, s in self.slots if grads.get(s) is not None]
         if not todo:
             return
-        gathered = {s: self._gather(s, grads[s], grad_scale) for _, s in todo}
+        masters = self._master_rows([s for _, s in todo])
+        gathered = {s: self._gather(s, grads[s], grad_scale, masters.get(s)) for _, s in todo}
         whole = {s: w for s, w in gathered.items() if w is not None}
         for m in self.members:
             self._step_member(m, [s for mm, s in todo if mm is m and s in whole], whole)
+        sharded = {s for u in self.shards.sharded for s in u.slots}
         for _, s in todo:
-            piece = self._scatter(s, whole.get(s))
-            s.opt_param.copy_(piece[:s.local_numel].view(s.local_shape))
+            if s in sharded:
+                piece = self._scatter(s, whole.get(s))
+                self._write(s, piece[:s.local_numel].view(s.local_shape))
+            else:
+                self._broadcast(s, whole.get(s))
         # Every rank's rows are the owners' whole masters now: the owners keep them.
         self.masters.update((s, w[0].to(s.opt_param.device)) for s, w in whole.items())
         self.fresh |= {s for _, s in todo}
@@ -149,15 +174,36 @@ class OwnedStep:
                 piece.mul_(scale)
         return piece
 
-    def _gather(self, s, grad_rows, grad_scale: float):
-        """Send this rank's gradient rows to the owner, and its master rows too where the
-        owner keeps no whole masters current (one gather). Returns (whole masters, whole
-        gradient) on the owner, else None."""
+    def _master_rows(self, slots: list) -> dict:
+        """This rank's master rows of each of ``slots`` whose owner keeps no whole masters
+        current: the optimizer's tensor, or where its home holds them out of memory (a swap
+        file) read from there, a unit at a time."""
+        homes, out, read = self.shards.homes, {}, {}
+        for s in slots:
+            if s in self.fresh:
+                continue
+            unit = self.shards.unit_of(s)
+            if not homes.unread(unit):
+                out[s] = s.opt_param
+                continue
+            if unit not in read:
+                read[unit] = homes.read_unit(unit)[0]
+            out[s] = s.shard_of(read[unit])
+        return out
+
+    def _write(self, s, rows: torch.Tensor) -> None:
+        """The updated rows into this rank's masters, wherever its home keeps them."""
+        self.shards.homes.write_rows(self.shards.unit_of(s), s, rows)
+
+    def _gather(self, s, grad_rows, grad_scale: float, master_rows):
+        """Send this rank's gradient rows to the owner, and its ``master_rows`` too where
+        the owner keeps no whole masters current (one gather). Returns (whole masters,
+        whole gradient) on the owner, else None."""
         dtype, owner, world = s.opt_param.dtype, self.owner[s], self.comm.world
         kept = s in self.fresh
         send = self._piece(s, grad_rows, dtype, grad_scale)
         if not kept:
-            send = torch.cat([send, self._piece(s, s.opt_param, dtype)])
+            send = torch.cat([send, self._piece(s, master_rows, dtype)])
         if world == 1:
             recv = send.view(1, -1)
         else:
@@ -186,6 +232,20 @@ class OwnedStep:
             pieces = padded.view(world, -1)
         self.comm.scatter(piece, pieces, owner)
         return piece
+
+    def _broadcast(self, s, whole) -> None:
+        """The owner's updated whole masters to every rank, written into its masters' rows
+        and its whole compute parameter: this replaces the scatter and the parameter's
+        share of its unit's all-gather, which leaves it out (``shards.written``)."""
+        if whole is not None:
+            t = whole[0].contiguous()
+        else:
+            t = torch.empty(s.shape, dtype=s.opt_param.dtype, device=self.ctx.device)
+        if self.comm.world > 1:
+            self.comm.broadcast(t, self.owner[s])
+        self._write(s, s.rows_of(t))
+        local_of(s.param).detach().copy_(t)
+        self.shards.written.add(s)
 
     def _step_member(self, member, slots: list, whole: dict) -> None:
         """``member`` steps the whole tensors of ``slots`` (this rank's): its groups hold

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ..core.units import gather_from_ranks, local_of, set_local
+from ..core.units import aligned, gather_from_ranks, local_of, set_local
 from .agree import gather
 from .materialize import Materializer, meta_state
 from .offload import FlatBuffers
@@ -66,6 +66,12 @@ class Shards:
         self.flats: list[FlatBuffers] = []       # the compute shards' buffers, for accounting
         self._compute: dict = {}                  # unit -> its compute shard's buffer
         self._unit_of = {s: u for u in ctx.units for s in u.slots}
+        # Slots whose full parameters this step wrote whole on every rank (owned.py's
+        # broadcast at ZeRO-1/2): the units' all-gathers leave them out.
+        self.written: set = set()
+
+    def unit_of(self, slot):
+        return self._unit_of[slot]
 
     # -- set-up ------------------------------------------------------------------------
     @torch.no_grad()
@@ -156,7 +162,8 @@ class Shards:
         """This rank's compute rows of ``unit`` from its updated ``rows`` (None: the whole
         parameters' own rows are the masters, updated in place): copied into the ZeRO-3
         shard, or into this rank's slot of a gather buffer and all-gathered into the full
-        params in place."""
+        params in place. Parameters the step wrote whole (``written``) stay out of the
+        all-gather."""
         if not unit.slots:
             return
         ctx = self.ctx
@@ -164,40 +171,80 @@ class Shards:
             if rows is not None and rows is not unit.shard:
                 ctx.copies.to_device(unit, unit.shard, rows)
             return
+        layout, width = self._gather_layout(unit)
+        if not layout:
+            return
         comm = ctx.comm_of(unit)
-        recv = ctx.pool.take(comm.world * unit.shard_numel, unit.compute_dtype, unit.device)
-        send = recv.view(comm.world, unit.shard_numel)[comm.rank]
-        if rows is not None:
-            ctx.copies.to_device(unit, send, rows)
-            ctx.copies.device_wait(unit)
+        recv = ctx.pool.take(comm.world * width, unit.compute_dtype, unit.device)
+        send = recv.view(comm.world, width)[comm.rank]
+        if width == unit.shard_numel:
+            self._fill(unit, send, rows)
         else:
-            for s in unit.slots:
-                send[s.offset:s.offset + s.local_numel].copy_(
-                    s.rows_of(local_of(s.param).detach()).reshape(-1))
+            self._fill_packed(unit, send, rows, layout)
         work = ctx.timing.issue("all_gather", "gather[step]", unit.name,
                                 lambda: comm.all_gather(recv, send, async_op=True),
                                 "gather_wait")
-        comm.enqueue(work, recv.nbytes,
-                         lambda u=unit, rv=recv, own=rows is None: self._arrived(u, rv, own))
+        comm.enqueue(work, recv.nbytes, lambda u=unit, rv=recv, own=rows is None, lay=layout:
+                     self._arrived(u, rv, own, lay))
 
-    def _arrived(self, unit, recv, own_current: bool) -> None:
+    def _gather_layout(self, unit) -> tuple[list, int]:
+        """The slots ``unit``'s all-gather carries, each with its columns in a rank's piece,
+        and the piece's width: every slot where it lies in the shard, or (where the step
+        wrote some whole: owned.py's broadcast) the rest packed, aligned as in the shard."""
+        slots = [s for s in unit.slots if s not in self.written]
+        if len(slots) == len(unit.slots):
+            return [(s, s.cols) for s in slots], unit.shard_numel
+        layout, width = [], 0
+        for s in slots:
+            layout.append((s, slice(width, width + s.chunk * s.inner)))
+            width += aligned(s.chunk * s.inner)
+        return layout, width
+
+    def _fill(self, unit, send, rows) -> None:
+        """This rank's piece of the gather: its whole shard of ``unit``."""
+        ctx = self.ctx
+        if rows is not None:
+            ctx.copies.to_device(unit, send, rows)
+            ctx.copies.device_wait(unit)
+            return
+        for s in unit.slots:
+            send[s.offset:s.offset + s.local_numel].copy_(
+                s.rows_of(local_of(s.param).detach()).reshape(-1))
+
+    def _fill_packed(self, unit, send, rows, layout) -> None:
+        """This rank's piece of the gather: the ``layout`` slots' rows only, packed."""
+        ctx = self.ctx
+        staged = None
+        if rows is not None:
+            staged = ctx.pool.take(unit.shard_numel, unit.compute_dtype, unit.device)
+            ctx.copies.to_device(unit, staged, rows)
+            ctx.copies.device_wait(unit)
+        for s, cols in layout:
+            source = staged[s.offset:s.offset + s.local_numel] if staged is not None \
+                else s.rows_of(local_of(s.param).detach()).reshape(-1)
+            send[cols.start:cols.start + s.local_numel].copy_(source)
+        if staged is not None:
+            ctx.pool.give(staged)
+
+    def _arrived(self, unit, recv, own_current: bool, layout: list) -> None:
         """The gathered rows into the full params; this rank's own rows only where they are
         not the ones the optimizer updated in place (``own_current``)."""
         world, r = self.ctx.comm_of(unit).world, self.ctx.comm_of(unit).rank
-        ranks = recv.view(world, unit.shard_numel)
+        ranks = recv.view(world, -1)
         with torch.no_grad():
-            for s in unit.slots:
+            for s, cols in layout:
                 if not own_current:
-                    gather_from_ranks(ranks[:, s.cols], local_of(s.param).detach())
+                    gather_from_ranks(ranks[:, cols], local_of(s.param).detach())
                     continue
                 full, width = local_of(s.param).detach().view(-1), s.chunk * s.inner
-                gather_from_ranks(ranks[:r, s.cols], full[:r * width])
-                gather_from_ranks(ranks[r + 1:, s.cols], full[(r + 1) * width:])
+                gather_from_ranks(ranks[:r, cols], full[:r * width])
+                gather_from_ranks(ranks[r + 1:, cols], full[(r + 1) * width:])
         self.ctx.pool.give(recv)
 
     def await_shards(self) -> None:
         """ZeRO-3's next forward gathers from the refreshed shards: device work from here on
-        waits for their copies (the host does not)."""
+        waits for their copies (the host does not). The step's whole writes are done."""
+        self.written.clear()
         for unit in self.sharded:
             self.ctx.copies.device_wait(unit)
 

@@ -8,6 +8,7 @@ import torch
 
 from ...core.plan import HOMES
 from ..chain import members_of
+from ..owned import is_whole
 from .base import ALIGN, FlatBuffers, HomeSpec, HostArena, Home, cpu_adam_steps
 from .device import DeviceHome
 from .homes import Homes
@@ -61,11 +62,20 @@ def optimizer_problems(policy, optimizer, swapped: bool) -> list[str]:
         return [f"offload({', '.join(lowp)}) stores Adam's state, which zerofn's CPU Adam "
                 f"steps: use torch.optim.Adam, AdamW or zerofn.optim.CPUAdam (without "
                 f"amsgrad), not {name}, or leave the dtypes at fp32."]
-    if swapped:
-        return [f"offload('nvme') steps Adam and AdamW only, alone (got {name}); use "
-                "offload('cpu') for other optimizers, and for Muon or Adafactor beside AdamW "
-                "(docs/optimizers.md)."]
+    if swapped and not _adam_beside_whole(optimizer):
+        return [f"offload('nvme') steps Adam and AdamW only, alone or beside whole-tensor "
+                f"optimizers such as Muon and Adafactor (got {name}); use offload('cpu') "
+                "for other optimizers (docs/optimizers.md)."]
     return []
+
+
+def _adam_beside_whole(optimizer) -> bool:
+    """One optimizer zerofn's CPU Adam steps (or none) beside whole-tensor ones, whose
+    parameters keep their masters in the swap file and their state on the owner
+    (owned.py, nvme.py's [Note: owned rows in the file])."""
+    members = members_of(optimizer)
+    rest = [m for m in members if not is_whole(m)]
+    return len(rest) < len(members) and len(rest) <= 1 and all(map(cpu_adam_steps, rest))
 
 
 def form_of(policy) -> StoredForm:

@@ -15,21 +15,23 @@ def groups_by_param(optimizer) -> dict:
 
 def adam_unit(optimizer, group_of: dict, unit: Unit, grads: dict, master, exp_avg, exp_avg_sq,
               adamw_mode: bool, lowp=None, grad_scale: float = 1.0, timing=UNTIMED,
-              options=None, on_device: bool = False) -> list:
+              options=None, torch_math: bool = False) -> list:
     """zerofn's CPU Adam over each of the unit's parameters that has a gradient, on the
     rows of flat master and state buffers, with that parameter's group hyperparameters
     and its own step count (as torch.optim keeps them); each gradient times
     ``grad_scale`` as it is read. Returns the slots whose rows it wrote (into ``lowp``
     too, in its dtype, where given). ``options(slot)``, where given, adds the kernel's
-    keywords for state stored in fewer bits (scales, the rounding seed). ``on_device``:
-    rows a device steps (offload's ``ratio``), in torch's arithmetic."""
+    keywords for state stored in fewer bits (scales, the rounding seed). ``torch_math``:
+    in torch's arithmetic, not the kernel's (which differs from it in the last bit), as
+    beside a whole-tensor optimizer: Muon's bf16 Newton-Schulz magnifies any difference in
+    the parameters AdamW steps (nvme.py)."""
     with timing.span("cpu_adam", "cpu_adam", unit.name):   # profiles show it against copies
         return _adam_slots(optimizer, group_of, unit, grads, master, exp_avg, exp_avg_sq,
-                           adamw_mode, lowp, grad_scale, options, on_device)
+                           adamw_mode, lowp, grad_scale, options, torch_math)
 
 
 def _adam_slots(optimizer, group_of, unit, grads, master, exp_avg, exp_avg_sq, adamw_mode,
-                lowp, grad_scale, options, on_device) -> list:
+                lowp, grad_scale, options, torch_math) -> list:
     written = []
     for s in unit.trainable:
         g, group = grads.get(s), group_of.get(s.opt_param)
@@ -43,9 +45,9 @@ def _adam_slots(optimizer, group_of, unit, grads, master, exp_avg, exp_avg_sq, a
             continue
         written.append(s)
         # The C++ kernel steps host rows (bf16 masters the user chose round stochastically
-        # in it); a bf16 model's own masters, and the device's share, step as torch.optim
+        # in it); a bf16 model's own masters, and ``torch_math``'s, step as torch.optim
         # steps them.
-        kernel = adam_step if not on_device and (master.dtype == torch.float32 or options) \
+        kernel = adam_step if not torch_math and (master.dtype == torch.float32 or options) \
             else _torch_adam_step
         beta1, beta2 = group["betas"]
         extra = options(s) if options else {}     # (may name the slot's own moments)

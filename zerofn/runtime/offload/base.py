@@ -213,6 +213,11 @@ class Home(abc.ABC):
         (io/checkpoint/streamed.py). Only where ``unread(unit)``."""
         raise NotImplementedError(f"{type(self).__name__} holds its state in memory")
 
+    def write_rows(self, unit: Unit, slot, rows: torch.Tensor) -> None:
+        """``slot``'s master rows (of ``unit``) are ``rows``: a whole-tensor optimizer
+        stepped them before ``step`` (runtime/owned.py)."""
+        slot.opt_param.copy_(rows)
+
     def forget_state(self) -> None:
         """Another optimizer takes the units over: the optimizer state it will see starts
         afresh (the masters stay). Where the user's optimizer keeps its own, it goes with

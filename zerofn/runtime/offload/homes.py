@@ -72,6 +72,9 @@ class Homes(Home):
     def read_unit(self, unit):
         return self._of(unit).read_unit(unit)
 
+    def write_rows(self, unit, slot, rows) -> None:
+        self._of(unit).write_rows(unit, slot, rows)
+
     def steps_early(self, unit) -> bool:
         return self._of(unit).steps_early(unit)
 

@@ -34,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..pinned import host_buffer, pins
+from ..chain import members_of
+from ..owned import is_whole
 from .adam import adam_unit, cast_the_rest, groups_by_param
 from ...core.units import local_of
 from .base import HomeSpec, HostArena, Home, decoupled_weight_decay, device_of, point_at, stand_in
@@ -48,7 +50,7 @@ class NvmeHome(Home):
 
     tier = "nvme"
 
-    cpu_adam = True      # (nvme_problems refuses other optimizers at set-up)
+    cpu_adam = True      # (set-up refuses other optimizers but whole-tensor ones beside it)
     time_series = ("d2h", "h2d", "cpu_adam", "nvme_read", "nvme_write")
 
     def __init__(self, units, spec: HomeSpec, form: StoredForm = FP32):
@@ -88,6 +90,13 @@ class NvmeHome(Home):
         self._stand_in = filler.take(1)
         self._optimizer = None
         self.param_reader = ParamReads(self) if self.params else None
+        # [Note: owned rows in the file] The slots CPU Adam steps (its state is in the
+        # file); a whole-tensor optimizer's (owned.py) keep only their masters' rows here,
+        # and its updated rows wait in ``pending`` (host memory) for the streamed step to
+        # write them into their unit's block.
+        self.adam_slots: set = set()
+        self.pending: dict = {}
+        self.torch_math = False     # (adam.py: beside a whole-tensor optimizer)
 
     def arenas(self) -> list:
         return self._arenas
@@ -191,13 +200,17 @@ class NvmeHome(Home):
                 start_read(i + 1)              # read ahead while this unit steps
             state = self.form.views(unit, buf)
             master = state.master
+            for s in unit.slots:
+                if s in self.pending:
+                    s.shard_of(master).copy_(self.pending.pop(s))
             rows = self._compute_part(unit, buf)
             lowp = rows if rows is not None and rows.dtype != master.dtype else None
             options = (lambda s, st=state: self.form.kernel_options(st, s)) \
                 if self.form.lowp else None
             written = adam_unit(optimizer, group_of, unit, grads, master, state.exp_avg,
                                 state.exp_avg_sq, self.decoupled, lowp=lowp,
-                                grad_scale=grad_scale, timing=self.timing, options=options)
+                                grad_scale=grad_scale, timing=self.timing, options=options,
+                                torch_math=self.torch_math)
             if rows is not None:       # (an fp32 compute shard: all of it)
                 cast_the_rest(rows, master, written if lowp is not None else [])
             self._refresh(unit, master if rows is None else rows, after_unit)
@@ -218,16 +231,31 @@ class NvmeHome(Home):
             unit.shard = self.param_shard(unit, self.params[unit])
 
     # -- state dicts -------------------------------------------------------------------
+    def write_rows(self, unit, slot, rows: torch.Tensor) -> None:
+        """[Note: owned rows in the file] Into the materialized block, or held until the
+        step streams ``unit`` through the ring."""
+        if self.resident:
+            slot.opt_param.copy_(rows)
+        else:
+            self.pending[slot] = rows.to("cpu", copy=True)
+
     def bind(self, optimizer) -> None:
-        """The swap file's state is Adam's (set-up refuses another optimizer: nvme_file.py's
-        ``nvme_problems``): the optimizer's state tensors are stand-ins until read."""
-        self.decoupled = decoupled_weight_decay(optimizer)
-        trainable = [s for u in self.units for s in u.trainable]
-        steps = HostArena([1] * len(trainable), torch.float32)   # host, not device
+        """The swap file's state is Adam's (set-up refuses another optimizer beside
+        whole-tensor ones: offload/__init__.py's ``optimizer_problems``): the optimizer's
+        state tensors are stand-ins until read. A whole-tensor optimizer's parameters keep
+        their masters here and their state with it (owned.py)."""
+        adam = [m for m in members_of(optimizer) if not is_whole(m)]
+        self.decoupled = decoupled_weight_decay(adam[0]) if adam else True
+        self.torch_math = len(adam) < len(members_of(optimizer))
+        held = {p for m in adam for g in m.param_groups for p in g["params"]}
+        self.adam_slots = {s for u in self.units for s in u.trainable if s.opt_param in held}
+        steps = HostArena([1] * len(self.adam_slots), torch.float32)   # host, not device
         self._arenas.append(steps)
         for u in self.units:
             face = self._face(u)
             for s in u.trainable:
+                if s not in self.adam_slots:
+                    continue
                 optimizer.state[s.opt_param] = {"step": steps.take(1).view(()),
                                                 "exp_avg": torch.empty(0, dtype=face),
                                                 "exp_avg_sq": torch.empty(0, dtype=face)}
@@ -309,7 +337,8 @@ class NvmeHome(Home):
             for s in u.slots:
                 views = [s.shard_of(f) for f in flats[u]] if flats else [None] * 3
                 point_at(s.opt_param, views[0], s.local_shape, self._stand_in)
-                state = optimizer.state.get(s.opt_param) if optimizer is not None else None
+                state = optimizer.state.get(s.opt_param) \
+                    if optimizer is not None and s in self.adam_slots else None
                 if state:
                     point_at(state["exp_avg"], views[1], s.local_shape, self._stand_in)
                     point_at(state["exp_avg_sq"], views[2], s.local_shape, self._stand_in)
