@@ -201,7 +201,7 @@ def test_precision_and_offload_compose_one_at_a_time(tmp_path):
 def step_and_gather_order(rank, world, stage):
     """The order of the device home's optimizer steps and the parameter all-gathers inside
     one ``opt.step()``, and where the user's own step hook runs."""
-    import zerofn.runtime.offload.device as device_home
+    import zerofn.runtime.homes.device as device_home
     from zerofn.runtime.comm import Comm
 
     events = []

@@ -185,7 +185,7 @@ def device_grads_under_a_ratio(rank, world):
 @pytest.mark.multirank
 def test_estimate_counts_one_gradient_buffer_for_the_devices_share():
     """Under ``ratio < 1`` the device's share steps from the reduced gradient shards where
-    they lie (runtime/offload/device.py): no second landing buffer, on the device or off."""
+    they lie (runtime/homes/device.py): no second landing buffer, on the device or off."""
     for config, held, est in run_ranks(2, device_grads_under_a_ratio)[0]:
         assert held == est, (config, held, est)
 

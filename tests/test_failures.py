@@ -234,7 +234,7 @@ def _full_drive(rank, world, path):
     short write (what a full drive may also give, with no error from the OS)."""
     import errno
 
-    import zerofn.runtime.offload.nvme_file as nvme
+    import zerofn.runtime.homes.nvme_file as nvme
     from support.models import make_optimizer
 
     real = nvme.os.pwritev
@@ -277,7 +277,7 @@ def _one_rank_swap_refused(rank, world, path):
     drive: the free space each saw at the check held its own file, not both)."""
     import errno
 
-    import zerofn.runtime.offload.nvme_file as nvme
+    import zerofn.runtime.homes.nvme_file as nvme
     from support.models import make_optimizer
 
     real = nvme.os.posix_fallocate

@@ -18,7 +18,7 @@ from support.loops import train_reference, train_sharded, zero
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
 from zerofn.runtime import runtime_of
-from zerofn.runtime.offload.tiers import _matches
+from zerofn.runtime.homes.assignment import _matches
 
 pytestmark = pytest.mark.multirank
 
@@ -170,7 +170,7 @@ def host_budget_for_the_root() -> int:
     ring takes), and the root's state (offload's HostCosts)."""
     from zerofn.core.plan import OffloadPolicy
     from zerofn.core.units import build_units, set_dtypes
-    from zerofn.runtime.offload import HostCosts
+    from zerofn.runtime.homes import HostCosts
     model, opt = _plain()
     units = [u for u in build_units(model, None, 1, 0) if u.slots]
     set_dtypes(units, None, mixed=False)

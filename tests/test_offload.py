@@ -159,8 +159,8 @@ def test_nvme_path_faults_fail_at_set_up_on_every_rank(tmp_path):
 
 def test_nvme_too_small_drive_is_named():
     from zerofn.core.plan import OffloadPolicy
-    from zerofn.runtime.offload import optimizer_problems
-    from zerofn.runtime.offload.nvme_file import nvme_problems
+    from zerofn.runtime.homes import optimizer_problems
+    from zerofn.runtime.homes.nvme_file import nvme_problems
     _, model = make_models()
     problems = nvme_problems("/tmp", 2**60)
     assert problems and "GiB free" in problems[0]

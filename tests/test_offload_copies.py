@@ -22,7 +22,7 @@ from support.models import batches, make_models, make_optimizer
 from support.offload import offload_transform
 from support.ranks import run_ranks
 from zerofn.runtime.copies import CopyStreams
-from zerofn.runtime.offload.ring import DEPTH
+from zerofn.runtime.homes.ring import DEPTH
 from zerofn.runtime.pinned import page_locked
 from zerofn.runtime.runtime import runtime_of
 

@@ -17,7 +17,7 @@ from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
 from zerofn.optim import CPUAdam
 from zerofn.optim.lowp import MIN_8BIT_NUMEL
-from zerofn.runtime.offload.ring import DEPTH
+from zerofn.runtime.homes.ring import DEPTH
 from zerofn.runtime.runtime import runtime_of
 
 COMBOS = [(torch.int8, torch.float32), (torch.bfloat16, torch.float32),

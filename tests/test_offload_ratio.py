@@ -15,7 +15,7 @@ from support.models import batches, make_models, make_optimizer
 from support.offload import build_offloaded
 from support.ranks import run_ranks
 from zerofn.core.units import build_units
-from zerofn.runtime.offload.tiers import staying_units
+from zerofn.runtime.homes.assignment import staying_units
 from zerofn.runtime.runtime import runtime_of
 
 CONFIGS = [(1, "adamw", {}), (2, "adamw", {}), (3, "adamw", {}), (3, "adamw", {"params": True}),

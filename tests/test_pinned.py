@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import zerofn.runtime.pinned as pinned
-from zerofn.runtime.offload import NvmeHome
+from zerofn.runtime.homes import NvmeHome
 from zerofn.core.plan import OffloadPolicy
-from zerofn.runtime.offload import ALIGN, HomeSpec, HostHome
+from zerofn.runtime.homes import ALIGN, HomeSpec, HostHome
 from zerofn.core.units import Unit
 
 

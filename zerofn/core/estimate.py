@@ -16,8 +16,8 @@ from torch import nn
 from .plan import HOMES, OffloadPolicy, Plan
 from .units import build_units
 
-PLACES = HOMES
-HOST_RING_DEPTH = 3    # offload("cpu")'s ring slots (runtime/offload/ring.py)
+HOMES = HOMES
+HOST_RING_DEPTH = 3    # offload("cpu")'s ring slots (runtime/homes/ring.py)
 ROLES = ("params", "grads", "optimizer")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FP32 = torch.float32.itemsize
@@ -171,7 +171,7 @@ def estimate_placement(params: int | nn.Module | Layout, world: int, stage: int,
     states = optimizer_states * moment_bytes(state_dtype or master_dtype)
     r = (reduce_dtype or param_dtype).itemsize
     share, n = lay.rows, lay.whole
-    out = {place: dict.fromkeys(ROLES, 0.0) for place in PLACES}
+    out = {place: dict.fromkeys(ROLES, 0.0) for place in HOMES}
     params_bytes = c * (share if stage == 3 else n)
     off = "nvme" if offload == "nvme" else "host"
     out[off if offload_params else "device"]["params"] = params_bytes * (
@@ -205,7 +205,7 @@ def estimate_placement(params: int | nn.Module | Layout, world: int, stage: int,
             if offload == "cpu" and c != m and not shard_is_rows:   # the rows sent up
                 out["host"]["params"] += c * share * ratio
         # ratio < 1: the device's share keeps fp32 masters and moments; it steps from the
-        # reduced gradients where they lie (runtime/offload/device.py: no landing buffer)
+        # reduced gradients where they lie (runtime/homes/device.py: no landing buffer)
         out["device"]["optimizer"] += FP32 * (share + optimizer_states * lay.trainable) \
             * (1 - ratio)
         if offload == "nvme":
@@ -293,7 +293,7 @@ def table(params: int | nn.Module, world: int, stages, param_dtype: torch.dtype,
         placed = estimate_placement(params, world, stage, param_dtype,
                                     optimizer_states=optimizer_states, offload=offload,
                                     offload_params=offload_params, **more)
-        for place in PLACES:
+        for place in HOMES:
             if place == "device" or placed[place]["total"]:
                 rows.append(f"{'ZeRO-' + str(stage):<8}{place:<8}" + "".join(
                     f"{placed[place][k] / 1e9:>11,.2f}" for k in ROLES + ("total",)))

@@ -73,7 +73,7 @@ class MonitorPolicy:
 
 
 # Where a unit's master rows and optimizer state live, nearest the compute first: its
-# home (offload's "tier", the planner's "place").
+# home (one name for it everywhere).
 HOMES = ("device", "host", "nvme")
 
 # Each option a transform takes: (the policy it sets, its field there).

@@ -44,7 +44,7 @@ from .pool_replay import PoolReplay
 
 PHASES = ("forward", "backward", "step", "save")
 SAVES = (None, "sync", "async")     # how the run saves checkpoints (save_checkpoint)
-PLACES = HOMES
+HOMES = HOMES
 FP32 = 4
 
 
@@ -179,7 +179,7 @@ def model_state(c: Candidate, shape: Shape, device_is_host: bool = False
                                 offload=c.offload, offload_params=c.params,
                                 state_dtype=DTYPES[c.state_dtype], ratio=c.ratio)
     return {place: {role: int(placed[place][role]) for role in ("params", "grads", "optimizer")}
-            for place in PLACES}
+            for place in HOMES}
 
 
 def lends_shards(c: Candidate) -> bool:
@@ -315,7 +315,7 @@ def peaks(c: Candidate, shape: Shape, acts: Activations, process: Process = Proc
     Where the device is the CPU (this machine) its bytes are host memory too, and the
     process's base counts once."""
     state = model_state(c, shape, device_is_host)
-    resident = {p: sum(state[p].values()) for p in PLACES}
+    resident = {p: sum(state[p].values()) for p in HOMES}
     resident["device"] += shape.buffers     # (the model's own, whole on every rank)
     pool, pool_heap = pool_bytes(c, shape, gloo=device_is_host)
     extra = activations_of(c, acts)
@@ -362,4 +362,4 @@ def peak(c: Candidate, shape: Shape, acts: Activations, process: Process = Proce
 
 def largest(by_phase: dict[str, dict[str, int]], phases=PHASES) -> dict[str, int]:
     """Each place's largest bytes over ``phases`` of ``peaks``' answer."""
-    return {place: max(by_phase[ph][place] for ph in phases) for place in PLACES}
+    return {place: max(by_phase[ph][place] for ph in phases) for place in HOMES}

@@ -21,7 +21,7 @@ The events are blocking: a host waiting on one sleeps instead of spinning a core
 
 A copy itself first waits for the work already queued on the current stream, which
 produced (or still reads) what it touches. Non-blocking copies overlap only from pinned
-host memory: offload's arenas are pinned where CUDA exists (offload/host.py).
+host memory: offload's arenas are pinned where CUDA exists (homes/host.py).
 
 Without CUDA the same calls run: copies are synchronous ``copy_``s and waits do nothing.
 Copies between tensors on the same device are always plain ``copy_``s in stream order.

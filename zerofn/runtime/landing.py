@@ -4,7 +4,7 @@ Under offload they land in the unit's host buffer: ZeRO-2/3 start that copy duri
 backward, as soon as the unit's shard is reduced (``shard_ready``), so it overlaps the
 backward of the units still to come; ZeRO-1, which reduces in the step, starts every
 unit's copy before waiting for the first (step_grads.py). Where the offload brings
-gradients down in its own step (offload/ring.py's [Note: the host ring]) nothing lands
+gradients down in its own step (homes/ring.py's [Note: the host ring]) nothing lands
 here: the step reads the device's rows, and the offload copies them.
 """
 from __future__ import annotations

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .offload import cpu_adam_steps
+from .homes import cpu_adam_steps
 
 
 def overlap_problems(plan, optimizer) -> list[str]:

@@ -3,10 +3,10 @@ move their optimizer state to the device; then the placement stays.
 
 [Note: placing by the first step] Set-up puts every unit on the host (an arena each, so a
 moved unit's host memory goes back), or, with ``host_budget``, those beyond it in the swap
-file (offload/tiers.py). The first step shows what the device needs besides optimizer
+file (homes/assignment.py). The first step shows what the device needs besides optimizer
 state: parameters, gradients, buffers and the activations' peak. What the budget leaves
 beyond that peak goes to the host's units in parameter order ([Note: which units stay] in
-offload/tiers.py), each costing its masters and the optimizer's two moments in the
+homes/assignment.py), each costing its masters and the optimizer's two moments in the
 masters' dtype. The ranks take the smallest count any of them can hold (one all-reduce),
 and the units move once. On CUDA the peak is the caching allocator's; on a CPU device,
 where the host is the device, it is the process's peak resident memory less what the
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .memory import proc_bytes
-from .offload import in_parameter_order
+from .homes import in_parameter_order
 
 DEFAULT_SHARE = 0.9     # of the device memory free at set-up, where no budget is given
 

@@ -7,7 +7,7 @@ One step through the parts: forward's hooks (forward.py) gather each ZeRO-3 unit
 (params.py); backward's tracker (backward.py) tells the reducer (grads.py) when each unit
 is complete, whose reduced shard goes to its landing (step_grads.py) and, at the end, onto
 ``p.grad`` (visible.py); ``optimizer.step()`` runs the stepper (stepper.py): the step's
-gradients and one vote (step_grads.py), then each unit's home (offload/) steps its rows and the
+gradients and one vote (step_grads.py), then each unit's home (homes/) steps its rows and the
 shards (shards.py) bring the compute rows up to date.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .grads import GradReducer
 from .materialize import meta_state, rng_digest, target_device
 from .memory import model_state_bytes
 from .mesh import groups_of, model_parallel, own_groups, with_timeout
-from .offload import (HomeSpec, auto_problems, cpu_adam_steps, make_homes, offload_problems,
+from .homes import (HomeSpec, auto_problems, cpu_adam_steps, make_homes, offload_problems,
                       optimizer_problems)
 from .chain import OptimizerChain, members_of
 from .optimizer import check_optimizer, signature
@@ -158,7 +158,7 @@ class Runtime:
         self.units = units
         self.observers = Observers([o for kind in observer_kinds if (o := kind.attach(self))])
         order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
-        # Every unit's home (offload/): where its masters and optimizer state live.
+        # Every unit's home (homes/): where its masters and optimizer state live.
         self.homes = self._make_homes(units, order, optimizer)
         crosses = any(self.homes.home_of(u) != "device" for u in units if u.slots)
         ctx = RuntimeContext(self.device, plan, groups, comm, replicas, BufferPool(),
@@ -411,7 +411,7 @@ class Runtime:
         return self.homes.home_of(unit)
 
     def host_ring(self) -> bool:
-        """Whether gradients and rows cross through the host ring (offload/ring.py)."""
+        """Whether gradients and rows cross through the host ring (homes/ring.py)."""
         return self.homes.ring is not None
 
     def exact_dtypes(self, unit) -> tuple[torch.dtype, torch.dtype]:

@@ -1,7 +1,7 @@
 """Where each unit's parameter rows live for compute, and how they follow the masters.
 
 At set-up each unit is laid out: its home takes this rank's rows as masters
-(offload/base.py), and under ZeRO-3 the unit gets a flat compute shard registered as
+(homes/base.py), and under ZeRO-3 the unit gets a flat compute shard registered as
 ``Shard(0)`` DTensor parameters, as FSDP2 registers them: the masters themselves where they
 are device memory in the compute dtype, else a copy of them in it (a flat buffer here), or
 under ``params=True`` the shard its home holds. A model built on the meta device is
@@ -23,7 +23,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from ..core.units import aligned, gather_from_ranks, local_of, set_local
 from .agree import gather
 from .materialize import Materializer, meta_state
-from .offload import FlatBuffers
+from .homes import FlatBuffers
 from .subclass import subclass_of
 
 
@@ -51,7 +51,7 @@ class Shards:
 
     Args:
         model: the model (its meta-built parameters are materialized here).
-        homes: where each unit's masters live (offload/).
+        homes: where each unit's masters live (homes/).
         gatherer: ZeRO-3's gatherer (its placeholders stand for unsharded parameters), or
             None.
     """

@@ -88,7 +88,7 @@ class StepGrads:
         reducer: whose shards the gradients are (grads.py).
         landing: where they land off the device (landing.py's ``Landing``).
         scaler: fp16's loss scaler, or None.
-        homes: the units' homes (offload/): which step with zerofn's CPU Adam.
+        homes: the units' homes (homes/): which step with zerofn's CPU Adam.
     """
 
     def __init__(self, ctx, reducer, landing, scaler, homes):

@@ -29,7 +29,7 @@ class Stepper:
     (``binding``), whose step hooks call ``before_step`` and ``after_step``.
 
     Args:
-        homes: the units' homes, which step their rows (offload/).
+        homes: the units' homes, which step their rows (homes/).
         shards: refreshes compute rows from the updated masters (shards.py).
         reducer: whose shards the gradients are, with the step's landing (grads.py).
     """

@@ -90,7 +90,7 @@ IMPORTABLE = {
     "grads": {"lends_shards"},
     "host_malloc": {"THRESHOLD"},
     "memory": {"proc_bytes"},
-    "offload.base": {"stand_in"},
+    "homes.base": {"stand_in"},
     "optimizer": {"SCALER_KEY"},                # where fp16's scaler rides in a state dict
     "pinned": {"host_buffer", "pins", "registered_bytes"},
     "pool": {"best_fit", "new_size"},

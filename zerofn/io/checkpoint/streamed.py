@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.tensor import DTensor
 
-from ...runtime.offload.base import stand_in
+from ...runtime.homes.base import stand_in
 from ...state.hooks import hooked_modules, within
 from ...state.state_dict import get_state_dict, unread_state_dict
 from .narrow import MOMENTS, narrowed, saved_dtype

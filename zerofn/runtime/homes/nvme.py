@@ -48,7 +48,7 @@ class NvmeHome(Home):
     """Adam/AdamW state and fp32 masters in a swap file, streamed through a staging ring;
     gradients land in host buffers. See the module notes."""
 
-    tier = "nvme"
+    kind = "nvme"
 
     cpu_adam = True      # (set-up refuses other optimizers but whole-tensor ones beside it)
     time_series = ("d2h", "h2d", "cpu_adam", "nvme_read", "nvme_write")
@@ -241,7 +241,7 @@ class NvmeHome(Home):
 
     def bind(self, optimizer) -> None:
         """The swap file's state is Adam's (set-up refuses another optimizer beside
-        whole-tensor ones: offload/__init__.py's ``optimizer_problems``): the optimizer's
+        whole-tensor ones: homes/__init__.py's ``optimizer_problems``): the optimizer's
         state tensors are stand-ins until read. A whole-tensor optimizer's parameters keep
         their masters here and their state with it (owned.py)."""
         adam = [m for m in members_of(optimizer) if not is_whole(m)]

@@ -59,7 +59,7 @@ def swap_bytes(units, param_dtypes: dict, form: StoredForm = FP32) -> int:
 
 def nvme_problems(path, need_bytes: int, units=()) -> list[str]:
     """What stops an NVMe store at ``path``: checked on every rank before any collective
-    (which optimizer steps it: offload/__init__.py's ``optimizer_problems``)."""
+    (which optimizer steps it: homes/__init__.py's ``optimizer_problems``)."""
     # The swap file's masters and Adam state are fp32, stepped by the C++ kernel: a wider
     # dtype would be rounded (and its gradients are no kernel input).
     wide = next((s for u in units for s in u.slots if s.param.dtype.itemsize > 4), None)

@@ -18,12 +18,12 @@ from .device import DeviceHome
 
 
 class Homes(Home):
-    """``parts``: at most one home per tier; ``home_of(unit)`` names the unit's."""
+    """``parts``: at most one home per kind; ``home_of(unit)`` names the unit's."""
 
-    tier = "mixed"
+    kind = "mixed"
 
     def __init__(self, parts: list[Home]):
-        self.parts = sorted(parts, key=lambda p: HOMES.index(p.tier))
+        self.parts = sorted(parts, key=lambda p: HOMES.index(p.kind))
         self.part_of = {u: p for p in self.parts for u in p.units}
         self.units = [u for p in self.parts for u in p.units]
         self.grads = {u: g for p in self.parts for u, g in p.grads.items()}
@@ -45,7 +45,7 @@ class Homes(Home):
         return self.part_of[unit]
 
     def home_of(self, unit: Unit) -> str:
-        return self._of(unit).tier
+        return self._of(unit).kind
 
     def device_part(self) -> DeviceHome | None:
         return next((p for p in self.parts if isinstance(p, DeviceHome)), None)
@@ -129,7 +129,7 @@ class Homes(Home):
         """Move ``units`` from the host's home to the device's, state and all; the host
         gives their memory back."""
         device = self.device_part()
-        host = next(p for p in self.parts if p.tier == "host")
+        host = next(p for p in self.parts if p.kind == "host")
         host.materialize(optimizer)
         for u in units:
             device.adopt(u, optimizer)

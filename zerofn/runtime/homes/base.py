@@ -3,7 +3,7 @@ allocations homes hand out views of.
 
 A home holds a unit's master rows and optimizer state, and steps them: on the device
 (``DeviceHome``, device.py), in host memory (``HostHome``, ``LowpHostHome``) or in a swap
-file (``NvmeHome``). Every unit has exactly one, and ``Homes`` (homes.py) routes each call
+file (``NvmeHome``). Every unit has exactly one, and ``Homes`` (composed.py) routes each call
 to the unit's own where several share a model. The runtime talks to it only through
 ``Home``: no caller asks which kind it holds, so a new placement is a new class, not new
 branches; "no offload" is the device home, not the absence of one.
@@ -149,7 +149,7 @@ class Home(abc.ABC):
     """
 
     timing = UNTIMED     # runtime/timing.py: the runtime's, given to the constructor
-    tier = "host"        # where its state lives: "device", "host" or "nvme"
+    kind = "host"        # where its state lives: "device", "host" or "nvme"
     units: list          # the units it holds
     grads: dict
     defers_scaling = True
@@ -252,7 +252,7 @@ class Home(abc.ABC):
 
     def home_of(self, unit: Unit) -> str:
         """Where ``unit``'s state lives: "device", "host" or "nvme"."""
-        return self.tier
+        return self.kind
 
     def exact_dtypes(self, unit: Unit) -> tuple[torch.dtype, torch.dtype]:
         """``(masters, moments)``: the narrowest dtypes that hold ``unit``'s masters and

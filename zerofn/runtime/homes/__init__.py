@@ -1,7 +1,7 @@
 """Homes: where each unit's master rows and optimizer state live, behind one interface
 (``Home``, base.py): on the device (device.py), in host memory (host.py, host_lowp.py for
-fewer bits) or in a swap file (nvme.py), each unit in one of them (homes.py routes), the
-map chosen by tiers.py. The runtime chooses once, here, and never asks again."""
+fewer bits) or in a swap file (nvme.py), each unit in one of them (composed.py routes), the
+map chosen by assignment.py. The runtime chooses once, here, and never asks again."""
 from __future__ import annotations
 
 import torch
@@ -11,13 +11,13 @@ from ..chain import members_of
 from ..owned import is_whole
 from .base import ALIGN, FlatBuffers, HomeSpec, HostArena, Home, cpu_adam_steps
 from .device import DeviceHome
-from .homes import Homes
+from .composed import Homes
 from .host import HostHome
 from .host_lowp import LowpHostHome
 from .nvme import NvmeHome
 from .nvme_file import nvme_problems, state_bytes, swap_bytes
 from .stored import StoredForm
-from .tiers import in_parameter_order, placement_problems, tiers_of
+from .assignment import in_parameter_order, placement_problems, homes_of
 
 __all__ = ["ALIGN", "DeviceHome", "FlatBuffers", "Home", "HomeSpec", "Homes", "HostArena", "HostHome",
            "LowpHostHome", "NvmeHome", "auto_problems", "cpu_adam_steps", "form_of",
@@ -27,7 +27,7 @@ __all__ = ["ALIGN", "DeviceHome", "FlatBuffers", "Home", "HomeSpec", "Homes", "H
 
 def offload_problems(policy, optimizer, units, param_dtypes: dict, order: dict) -> list[str]:
     """What stops the offload ``policy`` asks for: checked on every rank before any
-    collective. ``order``: the model's parameters' indices (which units stay, tiers.py).
+    collective. ``order``: the model's parameters' indices (which units stay, assignment.py).
     ``optimizer``: where the transform was given one (else None: ``optimizer_problems``
     checks it once it is found)."""
     problems = lowp_problems(policy, units)
@@ -36,10 +36,10 @@ def offload_problems(policy, optimizer, units, param_dtypes: dict, order: dict) 
         return problems
     cpu_adam = optimizer is None or cpu_adam_steps(optimizer)
     try:
-        tiers = tiers_of(units, policy, order, HostCosts(policy, cpu_adam))
+        where = homes_of(units, policy, order, HostCosts(policy, cpu_adam))
     except ValueError as e:
         return problems + [str(e)]
-    swapped = [u for u in units if tiers[u] == "nvme"]
+    swapped = [u for u in units if where[u] == "nvme"]
     if optimizer is not None:
         problems += optimizer_problems(policy, optimizer, bool(swapped))
     if swapped and not problems:
@@ -85,7 +85,7 @@ def form_of(policy) -> StoredForm:
 
 class HostCosts:
     """What units cost in host memory under ``policy``, for ratio="auto"'s ``host_budget``
-    (tiers.py): a unit on the host holds its stored state (masters and Adam's moments in
+    (assignment.py): a unit on the host holds its stored state (masters and Adam's moments in
     their stored form where zerofn's CPU Adam steps, ``cpu_adam``; masters alone for
     another optimizer, which makes its own state elsewhere) and, where the compute dtype is
     not the masters', a copy of its rows; every offloaded unit's gradients land in a host
@@ -146,12 +146,12 @@ def lowp_problems(policy, units) -> list[str]:
 
 
 def make_homes(spec: HomeSpec, units, order: dict, sharded, per_unit: bool) -> Home:
-    """The home of every unit's state under ``spec.policy`` (tiers.py chooses each unit's):
+    """The home of every unit's state under ``spec.policy`` (assignment.py chooses each unit's):
     one home, or ``Homes`` over several. ``order``: parameter name -> index in the model;
     ``sharded``: ZeRO-3's sharded units; ``per_unit``: the device steps one unit at a time."""
     policy = spec.policy
-    tiers = tiers_of(units, policy, order, HostCosts(policy, spec.adam))
-    of = {t: [u for u in units if u.slots and tiers[u] == t] for t in HOMES}
+    where = homes_of(units, policy, order, HostCosts(policy, spec.adam))
+    of = {t: [u for u in units if u.slots and where[u] == t] for t in HOMES}
     # (a device home exists under ratio="auto" even empty: units move into it)
     empty_device = policy.ratio == "auto" or not any(of.values())
     used = [t for t in HOMES if of[t] or (t == "device" and empty_device)]
@@ -171,7 +171,7 @@ def make_homes(spec: HomeSpec, units, order: dict, sharded, per_unit: bool) -> H
 
 
 def _rings(policy) -> bool:
-    """Whether the host's gradients and updated rows pass through a ring (offload/ring.py):
+    """Whether the host's gradients and updated rows pass through a ring (homes/ring.py):
     not where they must land during backward (the host steps then, under overlap_step),
     where ratio="auto" may move a unit's state to the device, or where the compute rows
     live on the host (params=True: they are the parameter shards)."""

@@ -35,7 +35,7 @@ class DeviceHome(Home):
             overlaps the next unit's step).
     """
 
-    tier = "device"
+    kind = "device"
     defers_scaling = False     # (the step's gradients are unscaled in place here)
 
     def __init__(self, units, spec: HomeSpec, sharded=(), per_unit: bool = False):

@@ -4,7 +4,7 @@ policy. Three ways to choose the map, one result:
 - no offload: every unit on the device;
 - ``ratio=r``: the units first in parameter order keep theirs on the device, up to 1 - r
   of the parameters ([Note: which units stay]); the rest go where ``offload`` names;
-- ``placement={pattern: tier}``: unit names or patterns (``"blocks.*"``, ``"blocks.[30-39]"``
+- ``placement={pattern: home}``: unit names or patterns (``"blocks.*"``, ``"blocks.[30-39]"``
   for a range of numbers, ``"<root>"``), the first pattern a unit matches deciding; the
   units no pattern names go where ``offload`` names;
 - ``ratio="auto"``: set-up puts every unit on the host, the units beyond ``host_budget``
@@ -26,7 +26,7 @@ import re
 from ...core.plan import HOMES
 from ...core.units import Unit
 
-TIERS = HOMES
+HOMES = HOMES
 
 
 def in_parameter_order(units, order: dict) -> list:
@@ -35,25 +35,25 @@ def in_parameter_order(units, order: dict) -> list:
     return sorted(units, key=lambda u: min(order.get(s.fqn, 0) for s in u.slots))
 
 
-def offloaded_tier(policy) -> str:
+def offloaded_home(policy) -> str:
     """Where ``offload`` sends what no choice keeps elsewhere."""
     return {"cpu": "host", "nvme": "nvme"}[policy.device]
 
 
-def tiers_of(units: list[Unit], policy, order: dict, costs=None) -> dict[Unit, str]:
-    """Each unit's tier under ``policy`` (``order``: parameter name -> index in the model;
+def homes_of(units: list[Unit], policy, order: dict, costs=None) -> dict[Unit, str]:
+    """Each unit's home under ``policy`` (``order``: parameter name -> index in the model;
     ``costs``: what units cost on the host, for ``host_budget``: offload's ``HostCosts``)."""
     if policy.device is None:
         return {u: "device" for u in units}
-    rest = offloaded_tier(policy)
+    rest = offloaded_home(policy)
     if policy.placement:
-        return placement_tiers(units, policy.placement, rest)
+        return placement_homes(units, policy.placement, rest)
     if policy.ratio == "auto":
         return _budgeted(units, order, policy.host_budget, costs, rest)
-    tiers = {u: rest for u in units}
+    where = {u: rest for u in units}
     for u in staying_units(units, policy.ratio, order):
-        tiers[u] = "device"
-    return tiers
+        where[u] = "device"
+    return where
 
 
 def staying_units(units: list[Unit], ratio: float, order: dict) -> list[Unit]:
@@ -77,13 +77,13 @@ def _budgeted(units, order: dict, budget, costs, rest: str) -> dict[Unit, str]:
     ``rest``. The share counts every offloaded unit's landing buffer and, while any unit is
     in the swap file, its staging ring; where even those exceed the budget, ValueError names
     the least budget that works."""
-    tiers = {u: "host" for u in units}
+    where = {u: "host" for u in units}
     if budget is None or rest == "host":
-        return tiers
+        return where
     sized = in_parameter_order([u for u in units if u.slots], order)
     landing = sum(costs.landing(u) for u in sized)
     if landing + sum(costs.on_host(u) for u in sized) <= budget:
-        return tiers        # everything fits: no swap file
+        return where        # everything fits: no swap file
     used, swapped = landing + costs.staging(sized), []
     if used > budget:
         raise ValueError(
@@ -92,20 +92,20 @@ def _budgeted(units, order: dict, budget, costs, rest: str) -> dict[Unit, str]:
     for u in sized:
         if swapped or used + costs.on_host(u) > budget:
             swapped.append(u)
-            tiers[u] = rest
+            where[u] = rest
         else:
             used += costs.on_host(u)
-    return tiers
+    return where
 
 
-def placement_tiers(units: list[Unit], placement: dict, rest: str) -> dict[Unit, str]:
+def placement_homes(units: list[Unit], placement: dict, rest: str) -> dict[Unit, str]:
     """``placement``'s map, checked by ``placement_problems``: the first pattern a unit's
     name matches decides; the others go to ``rest``."""
-    tiers = {}
+    where = {}
     for u in units:
-        tiers[u] = next((tier for pattern, tier in placement.items()
+        where[u] = next((home for pattern, home in placement.items()
                          if _matches(pattern, u.name)), rest)
-    return tiers
+    return where
 
 
 def placement_problems(units: list[Unit], policy) -> list[str]:
@@ -114,14 +114,14 @@ def placement_problems(units: list[Unit], policy) -> list[str]:
     if not placement:
         return []
     if not isinstance(placement, dict):
-        return [f"offload(placement=...) takes a dict of unit names or patterns to a tier "
-                f"({', '.join(TIERS)}); got {type(placement).__name__}."]
+        return [f"offload(placement=...) takes a dict of unit names or patterns to a home "
+                f"({', '.join(HOMES)}); got {type(placement).__name__}."]
     problems = []
     names = [u.name for u in units if u.slots]
-    for pattern, tier in placement.items():
-        if tier not in TIERS:
-            problems.append(f"offload(placement=...): {pattern!r} -> {tier!r}: the tier "
-                            f"must be one of {', '.join(map(repr, TIERS))}.")
+    for pattern, home in placement.items():
+        if home not in HOMES:
+            problems.append(f"offload(placement=...): {pattern!r} -> {home!r}: the home "
+                            f"must be one of {', '.join(map(repr, HOMES))}.")
         elif not any(_matches(pattern, n) for n in names):
             problems.append(f"offload(placement=...): {pattern!r} names no unit; the units "
                             f"are {', '.join(map(repr, names))}.")
