@@ -145,9 +145,10 @@ def test_a_raise_is_named_by_every_other_rank(stage, phase):
 
 @pytest.mark.multirank
 def user_loop_failure(*flags: str) -> tuple[int, str]:
-    """tests/user_loop_failure.py under torchrun on two ranks: its exit code and output."""
-    from support.jobs import ROOT, finish, torchrun
-    script = os.path.join(ROOT, "tests", "user_loop_failure.py")
+    """tests/scripts/user_loop_failure.py under torchrun on two ranks: its exit code and
+    output."""
+    from support.jobs import SCRIPTS, finish, torchrun
+    script = os.path.join(SCRIPTS, "user_loop_failure.py")
     code, out, seconds = finish(torchrun(["--standalone", "--nproc-per-node", "2"], list(flags),
                                          script=script))
     print(f"\n[raise in user backward code, ZeRO-2, torchrun {flags}] ended after "

@@ -1,6 +1,6 @@
 """The tests' own layout: a test file imports helpers from tests/support, never from another
 test file, so each can be read, moved or deleted on its own; tools/ imports no test file;
-and what sits loose in tests/ beside the test files is a script some test launches."""
+and a script some test launches sits in tests/scripts/."""
 from __future__ import annotations
 
 import ast
@@ -49,14 +49,16 @@ def test_no_tool_imports_a_test_file():
     assert files and imports_of_tests(files) == {}, "import from tests/support"
 
 
-def test_the_loose_files_in_tests_are_scripts_no_test_imports():
-    """Helpers go in support/; a file beside the tests is a script some test starts (under
-    torchrun, or in a fresh interpreter)."""
-    loose = [p for p in TESTS.glob("*.py")
+def test_tests_hold_test_files_and_scripts_hold_scripts_no_test_imports():
+    """Beside the test files sit only conftest.py and folders: helpers go in support/, a
+    script some test starts (under torchrun, or in a fresh interpreter) in scripts/."""
+    loose = [p.name for p in TESTS.glob("*.py")
              if not p.name.startswith("test_") and p.name != "conftest.py"]
-    assert loose
-    for path in loose:
+    assert loose == [], f"{loose}: helpers go in support/, scripts in scripts/"
+    scripts = sorted((TESTS / "scripts").glob("*.py"))
+    assert scripts
+    for path in scripts:
         assert "__main__" in path.read_text(), f"{path.name} is no script: move it to support/"
     everything = set().union(*(imported(p.read_text()) for p in TESTS.rglob("*.py")))
-    names = {p.stem for p in loose} | {f"tests.{p.stem}" for p in loose}
+    names = {p.stem for p in scripts} | {f"scripts.{p.stem}" for p in scripts}
     assert not everything & names

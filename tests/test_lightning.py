@@ -1,6 +1,6 @@
 """zerofn as a Lightning strategy (zerofn.integrations.lightning, docs/lightning.md).
 
-Two launches do the training (tests/lightning_jobs.py, one module-scoped fixture each):
+Two launches do the training (tests/scripts/lightning_jobs.py, one module-scoped fixture each):
 ``two`` under torchrun on two gloo ranks, ``one`` in a single process. Each run starts
 from seed 0 and reads the same global batches: 2 epochs of 10 steps, 2 micro-batches a
 step, clipped at global norm 1, AdamW with an LR warm-up. The tests compare what the runs
@@ -30,11 +30,11 @@ from zerofn.consolidate import to_full  # noqa: E402
 from support import SLOW  # noqa: E402
 from support.compare import TOL  # noqa: E402
 from support.imports import loaded_by_zerofn  # noqa: E402
-from support.jobs import ROOT, finish, torchrun  # noqa: E402
+from support.jobs import ROOT, SCRIPT_PATH, SCRIPTS, finish, torchrun  # noqa: E402
 from support.lightning_gpt import VAL_WINDOWS, LitGPT, Windows  # noqa: E402
 from support.tensorboard_runs import read  # noqa: E402
 
-JOBS = os.path.join(ROOT, "tests", "lightning_jobs.py")
+JOBS = os.path.join(SCRIPTS, "lightning_jobs.py")
 FABRIC_NAMES = ("zerofn_stage_2_offload", "zerofn_stage_3")    # the jobs' default subset
 STOPPED = "ckpt/epoch=0-step=10.ckpt"                          # ModelCheckpoint's, step 10
 STRAIGHT = "trainer-zerofn_stage_3"         # ZeRO-3 not stopped (lightning_jobs.py's)
@@ -52,7 +52,7 @@ def two(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one(two) -> Path:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=SCRIPT_PATH, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, JOBS, "one", str(two)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

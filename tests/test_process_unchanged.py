@@ -5,7 +5,7 @@ glibc's mmap threshold and Lightning's strategy registries. Each process-wide ch
 zerofn's only where asked (``zf.name_uncaught_errors()``, ``zf.return_large_frees()``,
 ``register_strategies()``), and the check sees each one of them once made.
 
-One fresh interpreter runs it all (tests/process_state.py), since pytest itself
+One fresh interpreter runs it all (tests/scripts/process_state.py), since pytest itself
 hooks some of these."""
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "process_state.py")
+from support.jobs import ROOT, SCRIPT_PATH, SCRIPTS
+SCRIPT = os.path.join(SCRIPTS, "process_state.py")
 
 
 def changes() -> dict:
     """The script's report: what changed after the imports and the transforms, and after
     each change made on purpose."""
     done = subprocess.run([sys.executable, SCRIPT], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+                          timeout=600, env=dict(os.environ, PYTHONPATH=SCRIPT_PATH, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

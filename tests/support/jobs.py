@@ -12,7 +12,10 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAULTY = os.path.join(ROOT, "tests", "faulty_train.py")
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")     # what tests start as processes
+FAULTY = os.path.join(SCRIPTS, "faulty_train.py")
+# A script's interpreter finds zerofn in this checkout and the tests' helpers (support/).
+SCRIPT_PATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
 STEPS = 6
 JOB = ["--model", "tiny", "--layers", "2", "--steps", str(STEPS), "--batch", "4",
        "--log-every", "1", "--eval-batches", "1", "--stage", "3", "--save-every", "2"]
@@ -26,9 +29,9 @@ def free_port() -> int:
 
 def torchrun(launcher: list[str], flags: list[str], fault: str | None = None,
              script: str = FAULTY, env: dict | None = None) -> subprocess.Popen:
-    """Start ``torchrun LAUNCHER tests/faulty_train.py JOB FLAGS`` (no fault unless given),
-    or ``torchrun LAUNCHER SCRIPT FLAGS``; ``env`` adds to the environment."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **(env or {}))
+    """Start ``torchrun LAUNCHER tests/scripts/faulty_train.py JOB FLAGS`` (no fault unless
+    given), or ``torchrun LAUNCHER SCRIPT FLAGS``; ``env`` adds to the environment."""
+    env = dict(os.environ, PYTHONPATH=SCRIPT_PATH, OMP_NUM_THREADS="1", **(env or {}))
     env.pop("ZEROFN_TEST_FAULT", None)
     if fault:
         env["ZEROFN_TEST_FAULT"] = fault

@@ -4,7 +4,7 @@ with ``timeout=``; a step each) in a one-rank gloo group the script made with it
 each process-wide change on purpose, one at a time. Prints one JSON line: which of the
 watched things changed after the transforms, and after each change made on purpose.
 
-    python tests/process_state.py
+    python tests/scripts/process_state.py
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from torch.distributed import distributed_c10d as c10d
 
 USER_TIMEOUT = 1234.0     # seconds: the user's group's
 MALLOPT_CALLS = []        # (param, value) of every mallopt called through ctypes
-ZEROFN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "zerofn")
+ZEROFN = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                      "zerofn")     # (this script is tests/scripts/process_state.py)
 REGISTER = atexit.register
 FOREIGN_EXIT_HANDLERS = [0]   # registered from outside zerofn: the libraries it imports
 

@@ -3,7 +3,7 @@ GPT, rank 1 raising in the model's own backward code (a module backward hook, wh
 zerofn has no hook of its own) in step 2, with ``zf.name_uncaught_errors()`` (argument
 ``named``) or without it. For tests/test_failures.py.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/user_loop_failure.py named
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/scripts/user_loop_failure.py named
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Lightning runs for tests/test_lightning.py, each writing what it measured to OUT.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/lightning_jobs.py two OUT [--every-name]
-    python tests/lightning_jobs.py one OUT        (one process: devices=1; after ``two``)
-    python tests/lightning_jobs.py figures OUT    (prints what they measured)
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/scripts/lightning_jobs.py two OUT [--every-name]
+    python tests/scripts/lightning_jobs.py one OUT        (one process: devices=1; after ``two``)
+    python tests/scripts/lightning_jobs.py figures OUT    (prints what they measured)
 
 ``two``, on two ranks: the Trainer and Fabric under DDP and under zerofn's registered
 names (Fabric under two of them, or all with ``--every-name``); a run stopped at step 10

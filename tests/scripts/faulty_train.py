@@ -1,7 +1,7 @@
 """``zerofn train`` with one injected failure, for the failure and elastic-restart tests.
 
     ZEROFN_TEST_FAULT=KIND:PHASE:STEP:RANK python -m torch.distributed.run ... \\
-        tests/faulty_train.py [zerofn train's flags]
+        tests/scripts/faulty_train.py [zerofn train's flags]
 
 KIND is raise (RuntimeError), valueerror, kill (SIGKILL) or stall; PHASE is forward, backward, step or save (kill
 only: right after the rank handed its checkpoint to the background writer, so the save is
