@@ -36,7 +36,7 @@ def test_a_device_no_backend_serves_or_not_current_is_refused():
 UNDEFINED = textwrap.dedent("""
     import torch, torch.distributed as dist, zerofn as zf
     from zerofn.runtime.runtime import runtime_of
-    dist.init_process_group(init_method="tcp://127.0.0.1:" + PORT, rank=0, world_size=1)
+    dist.init_process_group(init_method="file://" + STORE, rank=0, world_size=1)
     assert dist.get_backend() == "undefined"
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -49,12 +49,10 @@ UNDEFINED = textwrap.dedent("""
 """)
 
 
-def test_a_group_made_without_a_backend_runs_the_gloo_path_on_the_cpu():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    done = subprocess.run([sys.executable, "-c", f"PORT = '{port}'\n" + UNDEFINED],
+def test_a_group_made_without_a_backend_runs_the_gloo_path_on_the_cpu(tmp_path):
+    # (a file store: a port found free may be taken by another test's group before use)
+    done = subprocess.run([sys.executable, "-c", f"STORE = {str(tmp_path / 'store')!r}\n"
+                           + UNDEFINED],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stderr[-3000:]

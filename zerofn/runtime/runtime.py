@@ -65,8 +65,9 @@ def apply_plan(model: nn.Module, optimizer, edits, observer_kinds=()):
     plan = old.plan if old is not None else Plan()
     for edit in edits:
         plan = edit(plan)
-    if plan.stage == 0:     # (no runtime to agree in: the plan's other rules wait for one)
-        raise ValueError(" ".join(plan.problems()))
+    problems = plan.problems()     # (the plan's own rules: every rank finds the same)
+    if problems:
+        raise ValueError(" ".join(problems))
     if old is not None:
         bound = old.optimizer
         if optimizer is not None and bound is not None and bound is not optimizer:
@@ -277,7 +278,6 @@ class Runtime:
             problems += kind.preflight(plan, self.device, dist.get_rank(self.group),
                                        dist.get_world_size(self.group))
         problems += overlap_problems(plan, optimizer) + overlap_whole(plan, optimizer)
-        problems += plan.problems()
         problems += subclass_problems(plan, units, self.mesh, self.replica_world > 1)
         problems += auto_problems(plan.offload, self.device, self.replica_world > 1)
         order = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
