@@ -224,9 +224,13 @@ def test_what_zerofn_cannot_shard_is_refused_naming_what_to_do():
         assert "placement P(sum), which zerofn cannot shard over" in out["partial"], out["partial"]
         assert out["after"].startswith("zerofn: the model's parameter 'blocks.0.attn.q.weight' "
                                        "is no longer the one zerofn sharded"), out["after"]
-        for call in ("plan", "auto"):
-            assert out[call].startswith("zerofn's planner does not model tensor parallelism "
-                                        "yet: parameter 'blocks.0.attn.q.weight' is a DTensor"), out[call]
+        # (tests/test_plan_tensor_parallel.py: the plan over group=mesh["dp"])
+        assert out["plan"].startswith("parameter 'blocks.0.attn.q.weight' is a DTensor"), \
+            out["plan"]
+        assert "group=mesh['dp']" in out["plan"], out["plan"]
+        assert out["auto"].startswith("zf.auto does not apply a plan to a model tensor "
+                                      "parallelism split (parameter 'blocks.0.attn.q.weight' "
+                                      "is a DTensor)"), out["auto"]
 
 
 def subclass_refused(rank, world, stage):

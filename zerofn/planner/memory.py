@@ -137,10 +137,13 @@ class Shape:
         return max(self.unit_shards, default=0)
 
 
-def shape_of(model: nn.Module, world: int) -> Shape:
+def shape_of(model: nn.Module, world: int, rank: int = 0) -> Shape:
     """The model's layout at ``world`` ranks under zerofn's default units (a meta model
-    will do: only shapes are read)."""
-    built = build_units(model, None, world, 0)
+    will do: only shapes are read), as data-parallel ``rank`` holds it (rank 0, the
+    default, holds the most rows). A parameter tensor parallelism split (a DTensor) is laid
+    out from its local tensor, as the runtime lays it out (core/units.py), so ``world`` is
+    then the data-parallel ranks and the shape one tensor-parallel rank's."""
+    built = build_units(model, None, world, rank)
     units = [u for u in built if u.slots]
     slots = [s for u in units for s in u.slots]
     rows = {id(s.param): s.local_numel for s in slots}

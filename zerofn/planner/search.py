@@ -11,7 +11,9 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from zerofn.core.plan import HOMES
@@ -139,7 +141,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = None,
+def plan(model: nn.Module, example_batch, *, world: int | None = None, group=None,
+         batch: int | None = None,
          precision: str | None = None, device_budget: float | None = None,
          host_budget: float | None = None, disk_budget: float | None = None,
          machine: Machine | None = None, on_gpu: bool | None = None, nvme: bool = True,
@@ -151,7 +154,12 @@ def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = Non
         model: the model, real or on the meta device (only shapes are read).
         example_batch: one rank's micro-batch of inputs, as the model is called
             (a tensor or a tuple); its first dimension is the sequences.
-        world: ranks the model trains on.
+        world: ranks the model trains on (data-parallel ranks).
+        group: the data-parallel ranks as the transforms take them (``group=``): a
+            ProcessGroup or a 1-D DeviceMesh; ``world`` is its size. Required for a model
+            tensor parallelism split (``mesh["dp"]``): each rank's bytes are then its
+            local tensors' over the data-parallel ranks, and its activations are not
+            counted (``notes`` says so).
         batch: sequences per rank per optimizer step (default: the example's); split
             into micro-batch × accumulation.
         precision: compute dtype, "fp32" or "bf16" (default bf16 on a GPU, else fp32).
@@ -172,7 +180,8 @@ def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = Non
     if saves not in memory.SAVES:
         raise ValueError(f"saves={saves!r}: one of {memory.SAVES} (how the run saves "
                          f"checkpoints: save_checkpoint, async_save=True, or not at all).")
-    _refuse_model_parallel(model)
+    split = _split_parameter(model)
+    world = _data_parallel_world(world, group, split)
     inputs = example_batch if isinstance(example_batch, tuple) else (example_batch,)
     rows_in = inputs[0].shape[0]
     batch = batch or rows_in
@@ -181,7 +190,7 @@ def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = Non
     machine = machine or load_or_probe()
     pool = only or candidates(batch, precision, nvme)
     shape = memory.shape_of(model, world)
-    profile = _ActivationProfile(model, inputs)
+    profile = _ActivationProfile(model, inputs) if split is None else _NoActivations()
     # the process: torch, zerofn and a process group (the probe's), and the libraries the
     # model comes from; the allocator's overhead from the probe's calibration
     process = memory.Process(base=int(machine.process["base"]) + libraries.resident_bytes(model),
@@ -202,13 +211,22 @@ def plan(model: nn.Module, example_batch, *, world: int, batch: int | None = Non
         rows.append(Row(c, peak, step_time.step_seconds(c, shape, work, machine, on_gpu),
                         not over, over, phases))
     rows.sort(key=lambda r: (not r.fits, r.seconds["total"], r.peak["device"], r.peak["host"]))
-    result = PlanResult(rows, budgets, machine.device)
+    notes = [] if split is None else [_TP_NOTE]
+    result = PlanResult(rows, budgets, machine.device, notes=notes)
     fitting = result.fitting()
     if not fitting:
-        raise NoPlanFits(_refusal(rows, budgets, margin))
+        raise NoPlanFits(" ".join([_refusal(rows, budgets, margin)] + notes))
     result.choice = fitting[0].candidate
-    result.reason = _reason(fitting[0], rows, margin)
+    result.reason = " ".join([_reason(fitting[0], rows, margin)] + notes)
     return result
+
+
+# What a plan of a model tensor parallelism split leaves out, in its notes and reason.
+_TP_NOTE = ("(Tensor parallelism: the peaks count each rank's model state and buffer pool "
+            "over the data-parallel ranks, its step's temporaries and the process, not its "
+            "activations, which the planner does not model under tensor or sequence "
+            "parallelism: leave room for them in the budgets. Nor does the step time count "
+            "tensor parallelism's collectives.)")
 
 
 def _needed(peak: dict[str, int], place: str, margin: float) -> int:
@@ -309,17 +327,47 @@ def _refusal(rows: list[Row], budgets: dict, margin: float) -> str:
     return " ".join(lines)
 
 
-def _refuse_model_parallel(model: nn.Module) -> None:
-    """The memory and time models count whole parameters over data-parallel ranks; a model
-    tensor parallelism split holds pieces, and its forward's collectives and activations
-    are not modelled, so a prediction for it would be wrong without saying so."""
-    split = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
-    if split is not None:
-        raise ValueError(
-            f"zerofn's planner does not model tensor parallelism yet: parameter {split!r} is "
-            "a DTensor (the model was split by parallelize_module). Choose the stage and "
-            "offload by hand and pass group=mesh['dp'] to the transforms "
-            "(docs/parallelism.md).")
+def _split_parameter(model: nn.Module) -> str | None:
+    """The name of a parameter tensor parallelism split (a DTensor), or None."""
+    return next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
+
+
+def _data_parallel_world(world: int | None, group, split: str | None) -> int:
+    """The data-parallel ranks ``plan`` lays the model out over, from ``world`` or
+    ``group``; a split model needs ``group``, so that ``world`` cannot be read as every
+    rank (data- and tensor-parallel) of the job."""
+    if group is None:
+        if split is not None:
+            raise ValueError(
+                f"parameter {split!r} is a DTensor (the model was split by "
+                "parallelize_module): give zf.plan the data-parallel ranks as the transforms "
+                "take them, group=mesh['dp'], not world=; the plan lays out each rank's local "
+                "tensors over them.")
+        if world is None:
+            raise ValueError("zf.plan needs world= (the ranks the model trains on) or group= "
+                             "(a ProcessGroup or 1-D DeviceMesh of them).")
+        return world
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"zf.plan models one data-parallel dimension; group= is a {group.ndim}-D "
+                "DeviceMesh (hybrid sharding is not planned yet): pass a 1-D mesh, "
+                "mesh['dp'].")
+        size = group.size()
+    else:
+        size = dist.get_world_size(group)
+    if world is not None and world != size:
+        raise ValueError(f"world={world} but group= has {size} ranks: give one of them.")
+    return size
+
+
+class _NoActivations:
+    """A split model's activations: not counted (``_TP_NOTE``). The planner's measure runs
+    the model on fake plain tensors, and a split model's forward takes DTensors and runs
+    tensor parallelism's collectives."""
+
+    def at(self, c: Candidate) -> acts_mod.Activations:
+        return acts_mod.Activations(0, 0, 0, 0, 0)
 
 
 def auto(model: nn.Module, optimizer, example_batch, *, world: int | None = None,
@@ -328,7 +376,14 @@ def auto(model: nn.Module, optimizer, example_batch, *, world: int | None = None
     micro-batch × accumulation is the loop's to follow: ``plan_result.micro_batches(model,
     *batch)`` splits each step's batch so (docs/plan.md shows the loop). A budget not
     given is what is free now (``free_budgets``): the choice fits this machine."""
-    import torch.distributed as dist
+    split = _split_parameter(model)
+    if split is not None:
+        raise ValueError(
+            f"zf.auto does not apply a plan to a model tensor parallelism split (parameter "
+            f"{split!r} is a DTensor): the planner does not model its activations, so a "
+            "choice that fits by the plan may not. Plan it with zf.plan(model, batch, "
+            "group=mesh['dp']), leave room for the activations, and apply the stage by "
+            "hand with group=mesh['dp'] (docs/parallelism.md).")
     if world is None:
         world = dist.get_world_size() if dist.is_initialized() else 1
     if plan_kw.get("on_gpu") is None:
