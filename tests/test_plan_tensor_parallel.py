@@ -1,8 +1,9 @@
 """``zf.plan`` for a model tensor parallelism split (``parallelize_module`` on a (dp=2, tp=2)
 mesh of 4 gloo ranks): each rank's model state is its local tensors' over the
 data-parallel ranks, predicted byte for byte per role (as tests/test_plan.py holds plain
-models to), and the plan's own peak of model state and buffer pool within its margin of
-what zerofn holds on every rank; what it cannot predict is said or refused."""
+models to); the plan's own peak of model state and buffer pool is what zerofn holds on
+the ranks whose rows it describes, and within the planner's published accuracy on every
+rank; what it cannot predict is said or refused."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,6 @@ from support.ranks import run_ranks
 from support.tp_models import make_tp_model, parallelize, tp_batches
 from zerofn.planner import Candidate, memory
 from zerofn.planner.probe import Machine
-from zerofn.planner.search import MARGIN
 
 pytestmark = pytest.mark.multirank
 
@@ -26,6 +26,7 @@ MACHINE = Machine(device="a stand-in", matmul={"fp32": 1e11}, memory_bw=1e10,
                   cpu_adam={"fp32": 2e8}, disk_read=1e9, disk_write=5e8,
                   collectives={"2": {"latency_s": 1e-4, "bus_bw": 1e9}},
                   process={"base": 0, "overhead": 0.0}, free={})
+PUBLISHED = 0.054      # docs/plan.md: the grid's worst memory |error|
 CANDIDATES = [Candidate(stage=s) for s in (1, 2, 3)] + [Candidate(stage=3, offload="cpu")]
 
 
@@ -67,9 +68,10 @@ def test_plan_predicts_each_ranks_model_state_over_the_data_parallel_ranks():
                 assert held[where][role] == modelled[place][role], \
                     (c.describe(), rank, role, held[where][role], modelled[place][role])
             total = sum(sum(roles.values()) for roles in held.values())
-            # the plan's is rank 0's (dp rank 0: ranks 0 and 1), the most rows
-            assert abs(peak - total) <= MARGIN * total, (c.describe(), rank, peak, total)
-            if rank < 2 and c.stage < 3:
+            # the plan's is rank 0's rows (dp rank 0: ranks 0 and 1), the most; offloaded,
+            # the host's gradient rows are not counted byte for byte (as for plain models)
+            assert abs(peak - total) <= PUBLISHED * total, (c.describe(), rank, peak, total)
+            if rank < 2 and c.offload is None:
                 assert peak == total, (c.describe(), rank, peak, total)
 
 

@@ -64,6 +64,9 @@ class Shape:
             under each of its names).
         buffers: bytes of the model's buffers, which every rank holds whole.
         root: whether the last unit is the root (it has parameters of its own).
+        root_first: whether a trainable parameter of the root runs after every other unit
+            (a final norm, a head), read from the modules' order as registered: its
+            gradient comes first in backward, and with it the root's send buffer.
     """
 
     world: int
@@ -75,6 +78,7 @@ class Shape:
     named_local: int = 0
     buffers: int = 0
     root: bool = False
+    root_first: bool = False
 
     @property
     def params(self) -> int:
@@ -155,7 +159,19 @@ def shape_of(model: nn.Module, world: int, rank: int = 0) -> Shape:
                  unit_trainable=tuple(sum(s.local_numel for s in u.trainable) for u in units),
                  named_local=sum(rows.get(id(p), 0) for _, p in
                                  model.named_parameters(remove_duplicate=False)),
-                 buffers=sum(buffers.values()), root=bool(built[-1].slots))
+                 buffers=sum(buffers.values()), root=bool(built[-1].slots),
+                 root_first=_root_runs_last(model, built))
+
+
+def _root_runs_last(model: nn.Module, built) -> bool:
+    """Whether a trainable root parameter is registered in a module after every other
+    unit's module (a final norm, a head): forward runs it last, so backward packs its
+    gradient first. (Registration order stands in for the forward's, as it does for a
+    transformer's blocks and the layers around them.)"""
+    order = {m: i for i, m in enumerate(model.modules())}
+    last = max((order[u.module] for u in built[:-1] if u.module is not model), default=-1)
+    return any(order.get(module, -1) > last for s in built[-1].trainable
+               for module, _ in s.owners)
 
 
 def model_state(c: Candidate, shape: Shape, device_is_host: bool = False
@@ -213,8 +229,8 @@ def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = ShardingPolicy.buc
     buffers = PoolReplay(c.stage, shape.world, shape.unit_shards,
                          tuple(n > 0 for n in shape.unit_trainable), shape.root, cb, FP32,
                          lent=lends_shards(c), mixed_copies=c.offload is None and cb != FP32,
-                         bucket_size=bucket_size, prefetch=prefetch,
-                         gloo=gloo).run().buffer_bytes()
+                         bucket_size=bucket_size, prefetch=prefetch, gloo=gloo,
+                         root_first=shape.root_first).run().buffer_bytes()
     return sum(held for _, held in buffers), \
         sum(held for whole, held in buffers if whole < THRESHOLD)
 

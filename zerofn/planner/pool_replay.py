@@ -90,14 +90,19 @@ class PoolReplay:
         mixed_copies: the step copies the gradient rows to the masters' dtype.
         bucket_size, prefetch: zerofn's options (core/plan.py).
         gloo: the collectives are gloo's (a scratch past two ranks).
+        root_first: ZeRO-3's root unit has a parameter that runs after every other unit
+            (``Shape.root_first``), so its gradient, and the root's send buffer, come
+            first in backward.
     """
 
     def __init__(self, stage: int, world: int, shards: tuple[int, ...],
                  trainable: tuple[bool, ...], root: bool, compute: int, master: int,
                  lent: bool, mixed_copies: bool,
                  bucket_size: int = ShardingPolicy.bucket_size,
-                 prefetch: int = ShardingPolicy.prefetch, gloo: bool = True):
+                 prefetch: int = ShardingPolicy.prefetch, gloo: bool = True,
+                 root_first: bool = False):
         self.stage, self.world, self.compute, self.master = stage, world, compute, master
+        self.root_first = root_first
         self.units = list(range(len(shards)))
         self.shards, self.trainable = shards, trainable
         self.lent_shards, self.mixed_copies = lent, mixed_copies
@@ -162,6 +167,9 @@ class PoolReplay:
         if self.stage == 3:
             first, rest = self.order[0], self.order[:0:-1]
             self._ensure(first)           # the root's output's gradient comes first
+            # its send buffer is taken with its first gradient packed: before every other
+            # unit's where a root parameter (a final norm, an untied head) runs after them
+            early = self._send(first) if self.root_first and self.trainable[first] else None
             for j, u in enumerate(rest):
                 if self._ensure(u):
                     for v in rest[j + 1:j + 1 + self.prefetch]:
@@ -171,7 +179,7 @@ class PoolReplay:
                 if send is not None:
                     self._reduce(u, send)
             if self.trainable[first]:     # complete last: packed, freed, reduced
-                send = self._send(first)
+                send = early or self._send(first)
                 self._free(first)
                 self._reduce(first, send)
         else:
