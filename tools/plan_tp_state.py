@@ -1,7 +1,8 @@
 """``zf.plan``'s per-rank model state and buffer pool for a model tensor parallelism split,
 against what zerofn holds: the (dp=2, tp=2) case of tests/test_plan_tensor_parallel.py on 4
-gloo ranks, as a markdown table (bytes after two steps; the plan's is its forward peak
-with the process and the allocator's overhead left out, rank 0's rows).
+gloo ranks, with and without sequence-parallel norms, as a markdown table (bytes after
+two steps; the plan's is its forward peak with the process and the allocator's overhead
+left out, for data-parallel rank 0's rows of the rank's own tensor-parallel piece).
 
     python tools/plan_tp_state.py
 """
@@ -17,15 +18,20 @@ from test_plan_tensor_parallel import held_and_planned  # noqa: E402
 
 
 def main() -> None:
-    print("| candidate | rank | model state held | + pool held | planned | error |")
-    print("|---|---|---|---|---|---|")
-    for rank, (rows, _, _) in enumerate(run_ranks(4, held_and_planned, timeout=300)):
-        for c, held, _, planned in rows:
-            pool = sum(roles["buffers"] for roles in held.values())
-            state = sum(sum(roles.values()) for roles in held.values()) - pool
-            total = state + pool
-            print(f"| {c.describe()} | {rank} | {state:,} | {total:,} | {planned:,} | "
-                  f"{(planned - total) / total:+.1%} |")
+    print("| candidate | sp | rank | model state held | + pool held | planned | error |")
+    print("|---|---|---|---|---|---|---|")
+    for sp in (False, True):
+        for rank, (rows, _, _) in enumerate(run_ranks(4, held_and_planned, sp, timeout=300)):
+            _print(rank, sp, rows)
+
+
+def _print(rank: int, sp: bool, rows) -> None:
+    for c, held, _, planned, _ in rows:
+        pool = sum(roles["buffers"] for roles in held.values())
+        state = sum(sum(roles.values()) for roles in held.values()) - pool
+        total = state + pool
+        print(f"| {c.describe()} | {'yes' if sp else 'no'} | {rank} | {state:,} | {total:,} | "
+              f"{planned:,} | {(planned - total) / total:+.1%} |")
 
 
 if __name__ == "__main__":
