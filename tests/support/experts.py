@@ -14,7 +14,7 @@ from zerofn.runtime.runtime import runtime_of
 
 from .compare import max_errors
 from .loops import zero
-from .homes import offload_transform
+from .offload import offload_transform
 
 
 class Experts(torch.nn.Module):
