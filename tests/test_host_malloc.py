@@ -8,18 +8,16 @@ import sys
 
 import pytest
 
+from support.jobs import SCRIPT_PATH
+
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 
-# Frees a 24 MiB block (mmapped at glibc's start threshold, so a moving threshold rises to
-# 24 MiB), then frees a 16 MiB block that sits below a live small one: on the heap the
-# freed middle stays resident; mmapped, it goes back at once. Prints the MiB returned.
+# Prints the MiB a freed 16 MiB block gives back (support/memory.py's probe) in a fresh
+# process: without zerofn, after a transform, or after zf.return_large_frees().
 SCRIPT = r"""
 import sys, tempfile, torch, torch.distributed as dist
 import zerofn as zf
-
-def rss_mib():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) / 1024
+from support.memory import large_free_returned_mib
 
 if sys.argv[1] == "asked":
     zf.return_large_frees()
@@ -29,19 +27,14 @@ if sys.argv[1] in ("transformed", "asked"):
     model = torch.nn.Linear(8, 8)
     zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params())(
         model, torch.optim.AdamW(model.parameters()))
-big = torch.ones(6 << 20)
-del big
-mid = torch.ones(4 << 20)
-keep = torch.ones(1 << 10)
-before = rss_mib()
-del mid
-print(f"{before - rss_mib():.1f}")
+print(f"{large_free_returned_mib():.1f}")
 """
 
 
 def returned_mib(mode: str, **env) -> float:
     env = {k: v for k, v in os.environ.items()
            if k != "MALLOC_MMAP_THRESHOLD_" and "GLIBC_TUNABLES" not in k} | env
+    env["PYTHONPATH"] = SCRIPT_PATH         # (the probe is the tests' own: support/)
     done = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr

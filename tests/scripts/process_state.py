@@ -85,18 +85,8 @@ def large_frees_returned() -> bool:
     fixed at 16 MiB or less (``mallopt`` by any route, ctypes or C++) maps and returns it
     (tests/test_host_malloc.py shows it does, after ``zf.return_large_frees()``). Once:
     what it frees into the heap would serve a second probe's blocks."""
-    def rss_mib():
-        with open("/proc/self/status") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
-    big = torch.ones(6 << 20)
-    del big
-    mid = torch.ones(4 << 20)
-    keep = torch.ones(1 << 10)
-    before = rss_mib()
-    del mid
-    returned = before - rss_mib() > 15
-    del keep
-    return returned
+    from support.memory import large_free_returned_mib   # (after the spies are in place)
+    return large_free_returned_mib() > 15
 
 
 def import_everything() -> None:

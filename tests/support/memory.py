@@ -62,3 +62,22 @@ def peak_rise_over(step, times: int) -> int:
     for _ in range(times):
         step()
     return status_bytes("VmHWM") - before
+
+
+def large_free_returned_mib() -> float:
+    """MiB a freed 16 MiB block gives back to the OS at once. A 24 MiB block is freed first
+    (mmapped at glibc's start threshold, so a moving threshold rises to 24 MiB); the 16 MiB
+    one sits below a live small block: on the heap its memory stays resident, mmapped (the
+    threshold fixed at 16 MiB or less, as ``zf.return_large_frees()`` fixes it) it goes."""
+    def rss_mib():
+        return status_bytes("VmRSS") / (1 << 20)
+    big = torch.ones(6 << 20)
+    del big
+    mid = torch.ones(4 << 20)
+    keep = torch.ones(1 << 10)
+    before = rss_mib()
+    del mid
+    returned = before - rss_mib()
+    del keep
+    return returned
+
