@@ -1,8 +1,9 @@
 """``zf.plan``'s per-rank model state and buffer pool for a model tensor parallelism split,
-against what zerofn holds: the (dp=2, tp=2) case of tests/test_plan_tensor_parallel.py on 4
-gloo ranks, with and without sequence-parallel norms, as a markdown table (bytes after
-two steps; the plan's is its forward peak with the process and the allocator's overhead
-left out, for data-parallel rank 0's rows of the rank's own tensor-parallel piece).
+against what zerofn holds: the (dp=2, tp=2) case of tests/test_plan_tensor_parallel.py
+(tests/support/tp_plan.py) on 4 gloo ranks, with and without sequence-parallel norms, as
+a markdown table (bytes after two steps; the plan's is its forward peak with the process
+and the allocator's overhead left out, for data-parallel rank 0's rows of the rank's own
+tensor-parallel piece).
 
     python tools/plan_tp_state.py
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from support.ranks import run_ranks  # noqa: E402
-from test_plan_tensor_parallel import held_and_planned  # noqa: E402
+from support.tp_plan import held_and_planned  # noqa: E402
 
 
 def main() -> None:
