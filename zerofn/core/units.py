@@ -37,6 +37,7 @@ elements a parameter.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -213,11 +214,17 @@ class Unit:
     shard: torch.Tensor | None = None    # ZeRO-3: this rank's compute rows, flat
     group: str | None = None     # groups='s pattern naming its module, or None (group=)
 
-    @property
+    # (cached: every gather asks, and a built unit's slots do not change)
+    @functools.cached_property
+    def hooked(self) -> list[ParamSlot]:
+        """The slots a subclass's hooks gather (runtime/subclass.py), last in the unit."""
+        return [s for s in self.slots if s.hooks is not None]
+
+    @functools.cached_property
     def plain_numel(self) -> int:
         """The elements of each rank's shard that the unit's own all-gather moves: every
         slot but those a subclass's hooks gather, which come last."""
-        return next((s.offset for s in self.slots if s.hooks is not None), self.shard_numel)
+        return self.hooked[0].offset if self.hooked else self.shard_numel
 
     @property
     def trainable(self) -> list[ParamSlot]:

@@ -29,7 +29,7 @@ _ALIGN = 16     # bytes: each gathered tensor's start, so any dtype's view of it
 
 
 def hooked_slots(unit: Unit) -> list[ParamSlot]:
-    return [s for s in unit.slots if s.hooks is not None]
+    return unit.hooked
 
 
 def subclass_of(slot: ParamSlot, rows: torch.Tensor) -> torch.Tensor:
