@@ -113,6 +113,8 @@ class OwnedStep:
 
     def __init__(self, ctx, optimizer, slot_of: dict, shards):
         self.ctx, self.comm, self.shards = ctx, ctx.comm, shards
+        # slots ZeRO-3 keeps as rows (their updates are scattered), fixed at set-up
+        self.as_rows = {s for u in shards.sharded for s in u.slots}
         members = members_of(optimizer)
         self.members = [m for m in members if is_whole(m)]
         rest = [m for m in members if not is_whole(m)]
@@ -148,9 +150,8 @@ class OwnedStep:
         whole = {s: w for s, w in gathered.items() if w is not None}
         for m in self.members:
             self._step_member(m, [s for mm, s in todo if mm is m and s in whole], whole)
-        sharded = {s for u in self.shards.sharded for s in u.slots}
         for _, s in todo:
-            if s in sharded:
+            if s in self.as_rows:
                 piece = self._scatter(s, whole.get(s))
                 self._write(s, piece[:s.local_numel].view(s.local_shape))
             else:
