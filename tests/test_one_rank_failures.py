@@ -27,7 +27,7 @@ from support.loops import zero
 from support.ranks import run_ranks
 from zerofn.state_dict import get_model_state_dict, set_model_state_dict
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.timed]
 
 PACKAGE = pathlib.Path(zf.__file__).parent
 HELPERS = {"agree_or_raise", "gather", "from_first"}
