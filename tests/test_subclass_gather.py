@@ -5,6 +5,9 @@ each row as int8 codes and a scale, so the weights a model trains on are rounded
 gather: zerofn must round them as FSDP2 does, and move a quarter of the bytes."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -18,8 +21,8 @@ import zerofn as zf
 from support.compare import TOL
 from support.errors import error_of
 from support.ranks import run_ranks
-from support.subclass import (HOOK_CALLS, Int8AsWrapped, Int8Gathered, Int8Unpadded,
-                              PreHookOnly, quantize_rows)
+from support.subclass import (HOOK_CALLS, Int8Built, Int8Contagious, Int8Flat, Int8Gathered,
+                              Int8Unpadded, PreHookOnly, quantize_rows)
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.multirank
@@ -28,14 +31,15 @@ STEPS, WIDTH = 4, 32
 LAYERS = ("0", "2", "4")      # the Linear layers: each a unit (zerofn), a fully_shard (FSDP2)
 
 
-def subclass_model(seed: int = 0, hooked: bool = True, out: int = 4) -> nn.Sequential:
-    """An MLP whose Linear weights are ``Int8Gathered`` (``hooked``) or plain; ``out``: the
-    last layer's rows."""
+def subclass_model(seed: int = 0, hooked: bool = True, out: int = 4,
+                   kind: type = Int8Gathered) -> nn.Sequential:
+    """An MLP whose Linear weights are ``kind`` (``hooked``) or plain; ``out``: the last
+    layer's rows."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.ReLU(), nn.Linear(2 * WIDTH, WIDTH),
                           nn.ReLU(), nn.Linear(WIDTH, out))
     for i in LAYERS if hooked else ():
-        model[int(i)].weight = nn.Parameter(Int8Gathered(model[int(i)].weight.detach()))
+        model[int(i)].weight = nn.Parameter(kind(model[int(i)].weight.detach()))
     return model
 
 
@@ -43,12 +47,16 @@ def batch(step: int, rank: int, world: int) -> torch.Tensor:
     return torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step)).chunk(world)[rank]
 
 
-def train(model, opt, rank, world, steps=range(STEPS)) -> tuple[list[float], list[dict]]:
-    """The ``steps``' batches; each step's loss and hook calls."""
+def train(model, opt, rank, world, steps=range(STEPS),
+          look=None) -> tuple[list[float], list[dict]]:
+    """The ``steps``' batches; each step's loss and hook calls; ``look()`` is called between
+    each forward and its backward."""
     losses, calls = [], []
     for step in steps:
         HOOK_CALLS.clear()
         loss = model(batch(step, rank, world)).pow(2).mean()
+        if look is not None:
+            look()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -57,14 +65,14 @@ def train(model, opt, rank, world, steps=range(STEPS)) -> tuple[list[float], lis
     return losses, calls
 
 
-def zerofn_model(seed: int = 0, *extra):
-    model = zf.compose(zf.shard_optimizer(), zf.shard_grads(),
-                       zf.shard_params(units=list(LAYERS)), *extra)(subclass_model(seed))
+def zerofn_model(seed: int = 0, *extra, kind: type = Int8Gathered):
+    model = zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(
+        units=list(LAYERS)), *extra)(subclass_model(seed, kind=kind))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def fsdp2_model(world: int, policy=None):
-    model, mesh = subclass_model(), init_device_mesh("cpu", (world,))
+def fsdp2_model(world: int, policy=None, kind: type = Int8Gathered):
+    model, mesh = subclass_model(kind=kind), init_device_mesh("cpu", (world,))
     mp = {} if policy is None else {"mp_policy": policy}
     for i in LAYERS:
         fully_shard(model[int(i)], mesh=mesh, **mp)
@@ -173,16 +181,35 @@ OFFLOADS = {None: lambda path: (), "state": lambda path: (zf.offload("cpu"),),
             "nvme": lambda path: (zf.offload("nvme", path=path, params=True),)}
 
 
-def against_reference(rank, world, offload=None, path=None):
-    model, opt = zerofn_model(0, *OFFLOADS[offload](path))
+def computed_with(model, seen: list):
+    """A forward pre-hook on the first layer: what its forward computes with (the weight's
+    type, and a weak reference to the values of a subclass built by the post-hook) goes
+    into ``seen``; ``look``, for ``train``, asks whether those values outlived the forward
+    (autograd keeping them until backward)."""
+    def hook(module, args):
+        values = getattr(module.weight, "weight", None)    # (a Dequantized's)
+        seen.append([type(module.weight).__name__, values is not None and weakref.ref(values)])
+
+    def look():
+        gc.collect()
+        seen[-1][1] = bool(seen[-1][1]) and seen[-1][1]() is not None
+
+    return model[0].register_forward_pre_hook(hook), look
+
+
+def against_reference(rank, world, offload=None, path=None, kind=Int8Gathered):
+    model, opt = zerofn_model(0, *OFFLOADS[offload](path), kind=kind)
     shard = model[0].weight
     out = {"shard": (type(shard).__name__, type(shard.to_local()).__name__,
                      tuple(shard.to_local().shape))}
-    out["zerofn"] = train(model, opt, rank, world)
+    out["seen"] = []
+    handle, look = computed_with(model, out["seen"])
+    out["zerofn"] = train(model, opt, rank, world, look=look)
+    handle.remove()
     out["stats"] = dict(zf.comm_stats(model))
     out["zerofn_w"] = full_weights(model, opt, fsdp2=False)
     if world > 1:
-        fmodel, fopt = fsdp2_model(world)
+        fmodel, fopt = fsdp2_model(world, kind=kind)
         out["ref"] = train(fmodel, fopt, rank, world)
         out["ref_w"] = full_weights(fmodel, fopt, fsdp2=True)
     else:   # (FSDP2 on one rank gathers a subclass's first pre-hook output only: torch 2.13)
@@ -201,15 +228,24 @@ def against_reference(rank, world, offload=None, path=None):
     return out
 
 
-@pytest.mark.parametrize("world,offload", [(1, None), (2, None), (2, "state"), (2, "params"),
-                                           (2, "nvme")])
-def test_zero3_gathers_through_the_hooks_as_fsdp2_does(world, offload, tmp_path):
+@pytest.mark.parametrize("world,offload,kind", [
+    (1, None, Int8Gathered), (2, None, Int8Gathered), (2, "state", Int8Gathered),
+    (2, "params", Int8Gathered), (2, "nvme", Int8Gathered),
+    (1, None, Int8Built), (2, None, Int8Built), (2, "params", Int8Built)])
+def test_zero3_gathers_through_the_hooks_as_fsdp2_does(world, offload, kind, tmp_path):
     """Two ranks against FSDP2 on the same subclass model, also offloaded (the pre-hook
     then runs on the host rows, and its outputs are what goes to the device); one rank
-    against plain PyTorch rounding its weights as the gather does."""
-    for out in run_ranks(world, against_reference, offload, str(tmp_path), timeout=300):
+    against plain PyTorch rounding its weights as the gather does. ``Int8Built``'s
+    post-hook builds a tensor subclass, as float8 training's does: the module computes
+    with it and its gradient is reduced like any other."""
+    for out in run_ranks(world, against_reference, offload, str(tmp_path), kind,
+                         timeout=300):
         # The registered shard is the subclass over this rank's rows, as FSDP2's is.
-        assert out["shard"] == ("DTensor", "Int8Gathered", (2 * WIDTH // world, WIDTH))
+        assert out["shard"] == ("DTensor", kind.__name__, (2 * WIDTH // world, WIDTH))
+        # The forward computes with what the post-hook built; a subclass, autograd keeps
+        # none of until backward (it is rebuilt from backward's gather).
+        built = [["Dequantized", False]] if kind is Int8Built else [["Parameter", False]]
+        assert out["seen"] == built * STEPS, out["seen"]
         (z_loss, z_calls), (f_loss, f_calls) = out["zerofn"], out["ref"]
         error = max((out["zerofn_w"][k] - v).abs().max().item() for k, v in out["ref_w"].items())
         if offload:   # (zerofn's host Adam, not torch's AdamW: rounded otherwise)
@@ -273,17 +309,28 @@ def test_uneven_rows_are_gathered_through_the_hooks_padding():
 
 
 def subclass_built(rank, world):
-    model = subclass_model(hooked=False)
-    model[0].weight = nn.Parameter(Int8AsWrapped(model[0].weight.detach()))
-    model = zf.compose(zf.shard_optimizer(), zf.shard_grads(),
-                       zf.shard_params(units=list(LAYERS)))(model)
-    return error_of(model, batch(0, rank, world), error=TypeError)
+    """A post-hook building a subclass of another shape than the weight's, and one whose
+    gradient comes back a subclass (the last layer's, the first backward reaches)."""
+    def step(model):
+        model(batch(0, rank, world)).pow(2).mean().backward()
+
+    def model_with(i, kind):
+        model = subclass_model(hooked=False)
+        model[i].weight = nn.Parameter(kind(model[i].weight.detach()))
+        return zf.compose(zf.shard_optimizer(), zf.shard_grads(),
+                          zf.shard_params(units=list(LAYERS)))(model)
+
+    return (error_of(step, model_with(0, Int8Flat), error=TypeError),
+            error_of(step, model_with(4, Int8Contagious), error=TypeError))
 
 
-def test_a_post_hook_building_a_subclass_is_refused_at_the_gather_on_every_rank():
-    for message in run_ranks(2, subclass_built, timeout=300):
-        assert "fsdp_post_all_gather of '0.weight' returned a Wrapped" in message, message
-        assert "a tensor subclass as the gathered weight is not supported yet" in message
+def test_a_post_hook_building_what_zerofn_cannot_compute_with_is_refused_on_every_rank():
+    for flat, contagious in run_ranks(2, subclass_built, timeout=300):
+        assert "fsdp_post_all_gather of '0.weight' returned a Dequantized of shape (2048,); " \
+            "zerofn computes with a plain tensor of at least the parameter's 2048 elements, " \
+            "or a tensor subclass of its shape (64, 32)" in flat, flat
+        assert "the gradient of '4.weight''s gathered weight came back as a Contagious; " \
+            "zerofn reduces a plain tensor" in contagious, contagious
 
 
 def on_top(rank, world):

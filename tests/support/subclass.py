@@ -6,7 +6,9 @@ such a parameter (core/units.py, ``hooks_of``). ``Int8Gathered`` has both
 (``fsdp_pre_all_gather`` and ``fsdp_post_all_gather``) and changes what is gathered, as
 float8 training's weights do: its rows travel as int8 codes with one fp32 scale per row,
 and the gathered weight is their dequantized values, so a model trains on weights rounded
-by the gather, under FSDP2 and zerofn alike. ``HOOK_CALLS`` counts the hooks' calls, by name."""
+by the gather, under FSDP2 and zerofn alike. ``Int8Built`` gathers the same way and builds
+its compute weight as a tensor subclass (``Dequantized``), as float8 training's post-hook
+does. ``HOOK_CALLS`` counts the hooks' calls, by name."""
 from __future__ import annotations
 
 from collections import Counter
@@ -119,13 +121,79 @@ class Int8Unpadded(Int8Gathered):
         return quantize_rows(self.inner), None
 
 
-class Int8AsWrapped(Int8Gathered):
-    """Builds its gathered weight as a tensor subclass (as float8 training's post-hook
-    does): refused at the gather."""
+class Dequantized(torch.Tensor):
+    """The weight ``Int8Built``'s post-hook builds: a tensor subclass over the dequantized
+    values (``weight``), as float8 training's ``Float8TrainingTensor`` is one over float8
+    bytes. Views stay ``Dequantized`` (a Linear's ``weight.t()``, FSDP2's ``as_strided`` and
+    ``nn.Parameter``); every other op runs on the values and gives plain tensors, its
+    gradient among them."""
+
+    @staticmethod
+    def __new__(cls, weight: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, weight.shape, weight.stride(),
+                                                   weight.storage_offset(), dtype=weight.dtype,
+                                                   device=weight.device,
+                                                   requires_grad=weight.requires_grad)
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.weight})"
+
+    def __tensor_flatten__(self):
+        return ["weight"], None
+
+    @classmethod
+    def __tensor_unflatten__(cls, tensors, meta, outer_size, outer_stride):
+        return cls(tensors["weight"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        out = func(*tree_map_only(cls, lambda t: t.weight, args),
+                   **tree_map_only(cls, lambda t: t.weight, kwargs or {}))
+        return tree_map_only(torch.Tensor, cls, out) if cls.keeps(func) else out
+
+    @staticmethod
+    def keeps(func) -> bool:
+        return func in _VIEWS
+
+
+class Contagious(Dequantized):
+    """A ``Dequantized`` every op's result stays, its gradient too: refused in backward."""
+
+    @staticmethod
+    def keeps(func) -> bool:
+        return True
+
+
+class Int8Built(Int8Gathered):
+    """Gathered as ``Int8Gathered``, its compute weight built as a ``Dequantized`` tensor
+    subclass, as float8 training's is (FSDP2 rebuilds it in place: ``out``)."""
+
+    built = Dequantized
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         weight, _ = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype)
-        return Wrapped(weight), (weight,)
+        if out is not None:
+            with torch.no_grad(), _unsafe_preserve_version_counter(out.weight):
+                out.weight.copy_(weight)
+            return None
+        return self.built(weight), (weight,)
+
+
+class Int8Flat(Int8Built):
+    """Builds its compute weight flattened: not the parameter's shape (refused)."""
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        built, inner = super().fsdp_post_all_gather(all_gather_outputs, metadata, param_dtype)
+        return Dequantized(built.weight.flatten()), inner
+
+
+class Int8Contagious(Int8Built):
+    """Builds a ``Contagious`` compute weight: its gradient comes back a subclass."""
+
+    built = Contagious
 
 
 _aten = torch.ops.aten
@@ -135,3 +203,5 @@ _KEEPS = {_aten.detach.default, _aten.alias.default, _aten.clone.default, _aten.
           _aten.as_strided.default, _aten.new_zeros.default, _aten.new_empty.default,
           _aten.empty_like.default, _aten.zeros_like.default, _aten.copy_.default,
           _aten._to_copy.default, _aten.zero_.default, _aten.t.default}
+_VIEWS = {_aten.detach.default, _aten.alias.default, _aten.view.default, _aten.t.default,
+          _aten.transpose.int, _aten.as_strided.default, _aten._unsafe_view.default}

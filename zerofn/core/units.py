@@ -353,7 +353,9 @@ def hooks_of(p: nn.Parameter, fqn: str) -> tuple | None:
             "(FSDP2 requires the same).")
     names, ctx = local.__tensor_flatten__()
     inner = getattr(local, names[0]) if len(names) == 1 else None
-    if inner is None or type(inner) is not torch.Tensor or inner.shape != local.shape \
+    # (torchao's float8 wrapper holds the Linear's own nn.Parameter as its inner tensor)
+    if inner is None or type(inner) not in (torch.Tensor, nn.Parameter) \
+            or inner.shape != local.shape \
             or inner.dtype != local.dtype:
         raise ValueError(
             f"zerofn cannot shard parameter {fqn!r}: its {kind.__name__} holds its values in "

@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_map
 
 from .backward import ZerofnUnitInputs
 from .hooks import eager, in_backward, on_backward_begin
+from .subclass import is_built_subclass
 
 
 class ForwardHooks:
@@ -92,9 +93,10 @@ class ForwardHooks:
         self.gatherer.pre_forward(unit, is_root)
         # (also a recompute in backward: reentrant checkpointing ran the forward without
         # gradients and backpropagates the recompute; a non-reentrant one drops its graph)
-        if torch.is_grad_enabled():
-            return self.tracker.track_forward(unit, args, kwargs)
-        return None
+        tracked = self.tracker.track_forward(unit, args, kwargs) \
+            if torch.is_grad_enabled() else None
+        self.gatherer.register_built(unit)     # (after the tracking: params.py says why)
+        return tracked
 
     def _post_forward(self, unit, is_root: bool, output) -> None:
         raised = sys.exc_info()[1]     # the forward raised: the hook runs anyway
@@ -111,13 +113,21 @@ def _check_registered(units) -> None:
         for s in unit.slots:
             for module, name in s.owners:
                 held = module._parameters.get(name)
-                if held is not s.param and held is not s.sharded:
+                if held is not s.param and held is not s.sharded \
+                        and not _computes_with_built(s, held):
                     raise ValueError(
                         f"zerofn: the model's parameter {s.fqn!r} is no longer the one zerofn "
                         "sharded: it was replaced after the transform (tensor parallelism's "
                         "parallelize_module applied after zerofn, or an assignment), and "
                         "zerofn would never train the new one. Split the model first "
                         "(parallelize_module), then apply zerofn; replace no parameter after.")
+
+
+def _computes_with_built(slot, held) -> bool:
+    """Whether ``held`` is the post-hook's subclass the slot's modules compute with while
+    gathered (runtime/subclass.py): never an ``nn.Parameter``, unlike a replacement."""
+    return slot.hooks is not None and is_built_subclass(held) \
+        and not isinstance(held, torch.nn.Parameter)
 
 
 def _cast_inputs(dtype: torch.dtype, module, args: tuple, kwargs: dict):

@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .hooks import eager, in_backward, on_backward_begin
-from .subclass import hooked_slots, policy_of, start_gather as start_hooked, subclass_of
+from .subclass import (SavedSubclass, compute_weight, hooked_slots, is_built_subclass,
+                       part_storages, policy_of, start_gather as start_hooked, subclass_of)
 from ..core.units import Unit, local_of, set_local
 
 
@@ -62,6 +63,7 @@ class ParamGatherer:
         self._pending: dict[Unit, tuple] = {}
         self._by_storage: dict[int, Unit] = {}
         self._by_hooked: dict[int, tuple] = {}     # post-hook tensors' storage: (unit, slot)
+        self._built: dict = {}      # slot -> its post-hook's subclass, while gathered
         self.mesh = ctx.groups.mesh    # the 1-D mesh a subclass's pre-hook is given
         self.policy = policy_of(ctx.plan)
         self.order: list[Unit] = []            # forward order of the last complete forward
@@ -139,12 +141,33 @@ class ParamGatherer:
             set_local(s.param, full[world * s.offset:world * s.offset + s.numel].view(s.shape))
         self.pool.give(recv)
         if hooked is not None:
-            hooked.finish(lambda t, s: self._by_hooked.__setitem__(
-                t.untyped_storage().data_ptr(), (unit, s)))
+            hooked.finish(lambda t, s: self._hooked_built(unit, s, t))
         self.full[unit] = full
         if full.numel():
             self._by_storage[full.untyped_storage().data_ptr()] = unit
         return full
+
+    def _hooked_built(self, unit: Unit, s, built: torch.Tensor) -> None:
+        """Where the post-hook's weight for ``s`` lies, for the saved tensors; a tensor
+        subclass is kept aside (``register_built``), the plain parameter a placeholder."""
+        if not is_built_subclass(built):
+            self._by_hooked[built.untyped_storage().data_ptr()] = (unit, s)
+            return
+        self._built[s] = built
+        for ptr in part_storages(built):
+            self._by_hooked[ptr] = (unit, s)
+        set_local(s.param, self.placeholder(s, unit))
+
+    def register_built(self, unit: Unit) -> None:
+        """Give the unit's modules the post-hook's subclass to compute with where one was
+        built (runtime/subclass.py's [Note: a subclass as the compute weight]). Called once
+        the unit's inputs are tracked: its autograd node must come after their identity
+        (backward.py's [Note: a unit's backward is done]), so its gradient is in before
+        the unit counts as done."""
+        for s in hooked_slots(unit):
+            built = self._built.get(s)
+            if built is not None:
+                _register(s, compute_weight(s, built))
 
     def free(self, unit: Unit) -> None:
         full = self.full.pop(unit, None)
@@ -153,7 +176,10 @@ class ParamGatherer:
         self._by_storage.pop(full.untyped_storage().data_ptr(), None)
         for s in unit.slots:
             if s.hooks is not None:
-                self._by_hooked.pop(local_of(s.param).untyped_storage().data_ptr(), None)
+                built = self._built.pop(s, None)
+                for ptr in part_storages(built) if built is not None else \
+                        [local_of(s.param).untyped_storage().data_ptr()]:
+                    self._by_hooked.pop(ptr, None)
             set_local(s.param, self.placeholder(s, unit))
             _register(s, s.sharded)
         self.pool.give(full)
@@ -220,6 +246,7 @@ class ParamGatherer:
         self.ensure(unit)
         for s in unit.slots:
             _register(s, s.param)
+        self.register_built(unit)
         if not gathered:
             self.prefetch_after(unit, -1)
 
@@ -258,7 +285,7 @@ class ParamGatherer:
             unit = self._by_storage.get(local.untyped_storage().data_ptr())
             return t.detach() if unit is None else _SavedView(unit, local, t._spec)
         if t.__class__ not in (torch.Tensor, nn.Parameter) or t.is_sparse:
-            return t
+            return self._pack_subclass(t) if self._built and is_built_subclass(t) else t
         ptr = t.untyped_storage().data_ptr()
         unit = self._by_storage.get(ptr)
         if unit is None and ptr in self._by_hooked:
@@ -266,13 +293,26 @@ class ParamGatherer:
             return _SavedView(unit, t, slot=slot)
         return t.detach() if unit is None else _SavedView(unit, t)
 
+    def _pack_subclass(self, t: torch.Tensor):
+        """A post-hook's subclass weight, or a view of it, saved by autograd: a marker that
+        rebuilds it from the unit's next gather; any other subclass as it is."""
+        names, _ = t.__tensor_flatten__()
+        for n in names:
+            found = self._by_hooked.get(getattr(t, n).untyped_storage().data_ptr())
+            if found is not None and found[1] in self._built:
+                unit, slot = found
+                return SavedSubclass(unit, slot, t, self._built[slot])
+        return t
+
     def _unpack(self, saved):
-        if not isinstance(saved, _SavedView):
+        if not isinstance(saved, (_SavedView, SavedSubclass)):
             return saved
         gathered = saved.unit in self.full
         full = self.ensure(saved.unit)
         if not gathered:
             self.prefetch_after(saved.unit, -1)
+        if isinstance(saved, SavedSubclass):
+            return saved.rebuild(self._built[saved.slot])
         if saved.slot is not None:     # the hooked parameter's tensor, built anew
             full = local_of(saved.slot.param)
         local = full.as_strided(saved.size, saved.stride, saved.offset)

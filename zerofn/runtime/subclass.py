@@ -14,6 +14,20 @@ weight the forward computes with, from every rank's outputs concatenated along d
 FSDP2 hands them over. Hooks run at every gather: forward, and backward where ZeRO-3
 gathers again. Inside zerofn the parameter is a plain one (the user's subclass parameter is
 kept as an alias), pointed at the post-hook's tensor while gathered.
+
+[Note: a subclass as the compute weight] A post-hook may build a tensor subclass instead
+(float8 training's ``Float8TrainingTensor``: float8 bytes and a scale, which the matmuls
+use as they are). FSDP2 makes it an ``nn.Parameter`` of its own and reduces that one's
+``.grad``. Here the plain parameter stays the one whose gradient the reducer waits for:
+while the unit is gathered, its modules hold the subclass passed through ``_GradToParam``,
+an autograd identity that hands the subclass's gradient (a plain tensor of the weight's
+shape and dtype; anything else is refused in backward) to the plain parameter, so it is
+counted, accumulated and reduced like any other, and masters, optimizer state and
+checkpoints never see the subclass. The identity is made after the unit's inputs are
+tracked, so backward runs it before the unit counts as done (backward.py). Autograd's saved
+views of the subclass (a Linear's ``weight.t()``) are swapped for ``SavedSubclass``
+markers, rebuilt from backward's gather, so no unit's gathered weight lives until
+backward (params.py's [Note: saved tensors]).
 """
 from __future__ import annotations
 
@@ -22,6 +36,7 @@ import inspect
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..core.units import ParamSlot, Unit, local_of, set_local
 
@@ -67,9 +82,9 @@ def rewrap_hooked(slot: ParamSlot) -> None:
 
 def subclass_problems(plan, units, mesh, hybrid: bool) -> list[str]:
     """What keeps zerofn from gathering the model's hooked parameters, on this rank; empty
-    where nothing does. Where this rank's share is short, the pre-hook runs once on it:
-    outputs of another size than the full shares' would hang the gather (FSDP2 asks the
-    hook to pad them)."""
+    where nothing does. Where a rank's share of a parameter is short, the pre-hook runs once
+    on every rank's: a short share's outputs of another size than the full shares' would
+    hang the gather (FSDP2 asks the hook to pad them)."""
     hooked = [(u, s) for u in units for s in hooked_slots(u)]
     if not hooked:
         return []
@@ -80,12 +95,21 @@ def subclass_problems(plan, units, mesh, hybrid: bool) -> list[str]:
         return [f"{what}, and {refusal}"]
     problems = []
     for unit, slot in hooked:
-        if slot.local == slot.chunk:    # (a full share: nothing to pad)
+        if slot.rows == slot.chunk * mesh.size():    # (every share full: nothing to pad)
             continue
+        # Every rank calls the hook, in the same order: it may hold a collective of its own
+        # (float8's amax all-reduce). Only a short share's outputs can be wrong.
         values = getattr(local_of(slot.param), slot.hooks[1]).detach()
         rows = values[slot.rank * slot.chunk:][:slot.local]
-        outputs, _ = pre_all_gather(subclass_of(slot, rows), slot, mesh, unit.module,
-                                    policy_of(plan))
+        try:
+            outputs, _ = pre_all_gather(subclass_of(slot, rows), slot, mesh, unit.module,
+                                        policy_of(plan))
+        except Exception as e:    # (told to every rank by set-up's agreement)
+            problems.append(f"fsdp_pre_all_gather of {slot.fqn!r} failed on this rank's "
+                            f"{slot.local} rows: {type(e).__name__}: {e}")
+            continue
+        if slot.local == slot.chunk:
+            continue
         odd = [tuple(t.shape) for t in outputs if t.dim() == 0 or t.shape[0] != slot.chunk]
         if odd:
             problems.append(
@@ -171,19 +195,105 @@ class HookedGather:
         self.work.wait()
         ranks = self.recv.view(self.world, self.nbytes)
         for s, shard, meta, places in self.pieces:
+            # (a copy of its own: post-hooks may keep the outputs as the weight's storage)
             outputs = tuple(
-                ranks[:, at:at + torch.Size(shape).numel() * dtype.itemsize].contiguous()
+                ranks[:, at:at + torch.Size(shape).numel() * dtype.itemsize]
+                .clone(memory_format=torch.contiguous_format)
                 .view(dtype).view((-1,) + shape[1:])
                 for at, dtype, shape in places)
             built = shard.fsdp_post_all_gather(outputs, meta, self.unit.compute_dtype)
             whole = built[0] if isinstance(built, tuple) else built
-            if type(whole) is not torch.Tensor or whole.numel() < s.numel:
-                raise TypeError(
-                    f"fsdp_post_all_gather of {s.fqn!r} returned a {type(whole).__name__} of "
-                    f"{whole.numel()} elements; zerofn computes with a plain tensor of at "
-                    f"least the parameter's {s.numel} elements (a tensor subclass as the "
-                    "gathered weight is not supported yet).")
-            stride = torch.empty(s.shape, device="meta").stride()
-            set_local(s.param, torch.as_strided(whole, s.shape, stride, 0))
+            _check_built(whole, s)
+            if type(whole) is torch.Tensor:
+                stride = torch.empty(s.shape, device="meta").stride()
+                set_local(s.param, torch.as_strided(whole, s.shape, stride, 0))
             register(whole, s)
         self.recv = None
+
+
+def _check_built(whole, slot: ParamSlot) -> None:
+    """Refuse a post-hook output zerofn cannot compute with: a plain tensor smaller than the
+    parameter, or a tensor subclass that is not the parameter's shape or that torch cannot
+    take apart (``__tensor_flatten__``: its saved views are rebuilt from its parts)."""
+    if type(whole) is torch.Tensor:
+        if whole.numel() >= slot.numel:
+            return
+    elif is_traceable_wrapper_subclass(whole) and whole.shape == slot.shape:
+        return
+    raise TypeError(
+        f"fsdp_post_all_gather of {slot.fqn!r} returned a {type(whole).__name__} of shape "
+        f"{tuple(whole.shape)}; zerofn computes with a plain tensor of at least the "
+        f"parameter's {slot.numel} elements, or a tensor subclass of its shape "
+        f"{tuple(slot.shape)} that defines __tensor_flatten__ and __tensor_unflatten__. "
+        "Return one of those from the hook, or shard this model with FSDP2's fully_shard.")
+
+
+def is_built_subclass(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a post-hook's weight that is a tensor subclass (float8 training's
+    ``Float8TrainingTensor``) rather than a plain tensor."""
+    return type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t)
+
+
+def part_storages(t: torch.Tensor) -> list[int]:
+    """The storages of a tensor subclass's inner tensors, by data pointer."""
+    names, _ = t.__tensor_flatten__()
+    return [getattr(t, n).untyped_storage().data_ptr() for n in names]
+
+
+class _GradToParam(torch.autograd.Function):
+    """[Note: a subclass as the compute weight] The post-hook's subclass, as the tensor the
+    module computes with, its gradient given to ``param`` (the slot's plain parameter).
+    FSDP2 makes the subclass an ``nn.Parameter`` of its own and reduces that one's
+    ``.grad``; here the gradient lands where every other parameter's does, on the plain
+    parameter that the reducer's hooks watch, so it is counted, accumulated (``no_sync``)
+    and reduced like any other."""
+
+    @staticmethod
+    def forward(ctx, param, built, fqn):
+        ctx.fqn = fqn
+        return built.view_as(built)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if type(grad) is not torch.Tensor:
+            raise TypeError(
+                f"the gradient of {ctx.fqn!r}'s gathered weight came back as a "
+                f"{type(grad).__name__}; zerofn reduces a plain tensor of the weight's shape "
+                "and dtype (as float8 training's Float8Linear gives). Make the subclass's "
+                "backward return a plain gradient, or shard this model with FSDP2.")
+        return grad, None, None
+
+
+def compute_weight(slot: ParamSlot, built: torch.Tensor) -> torch.Tensor:
+    """What the module computes with, while gathered, where the post-hook built a tensor
+    subclass: the subclass itself, through ``_GradToParam`` where a gradient is to come."""
+    if torch.is_grad_enabled() and slot.param.requires_grad:
+        return _GradToParam.apply(slot.param, built, slot.fqn)
+    return built
+
+
+class SavedSubclass:
+    """[Note: saved tensors] (params.py) for a view of a post-hook's subclass that autograd
+    saves (float8's ``weight.t()``): which slot's weight it views, and how, so backward
+    rebuilds it from the weight gathered again instead of keeping every unit's gathered
+    weight until backward. ``parts``: per inner tensor, its ``(size, stride, offset)`` in
+    the same inner tensor of the weight, or itself where it is not one of the weight's."""
+
+    __slots__ = ("unit", "slot", "kind", "ctx", "size", "stride", "parts")
+
+    def __init__(self, unit: Unit, slot: ParamSlot, t: torch.Tensor, built: torch.Tensor):
+        self.unit, self.slot, self.kind = unit, slot, type(t)
+        self.size, self.stride = t.size(), t.stride()
+        names, self.ctx = t.__tensor_flatten__()
+        self.parts = {}
+        for n in names:
+            inner, own = getattr(t, n), getattr(built, n, None)
+            shared = own is not None and \
+                inner.untyped_storage().data_ptr() == own.untyped_storage().data_ptr()
+            self.parts[n] = ((inner.size(), inner.stride(), inner.storage_offset())
+                             if shared else inner.detach())
+
+    def rebuild(self, built: torch.Tensor) -> torch.Tensor:
+        parts = {n: getattr(built, n).as_strided(*p) if isinstance(p, tuple) else p
+                 for n, p in self.parts.items()}
+        return self.kind.__tensor_unflatten__(parts, self.ctx, self.size, self.stride)
