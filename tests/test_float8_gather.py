@@ -8,9 +8,7 @@ matmuls use as they are. zerofn must compute with that subclass, reduce its grad
 any other, and land where FSDP2 lands, gathering a quarter of fp32's bytes."""
 from __future__ import annotations
 
-import gc
 import importlib.util
-import weakref
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 import zerofn as zf
 from support.ranks import run_ranks
+from support.subclass import computed_with
 
 # Found, not imported: torchao's import patches torch (inductor, pytree) in the process that
 # runs the tests; only the ranks, processes of their own, import it.
@@ -50,28 +49,21 @@ def batch(step: int, rank: int, world: int) -> torch.Tensor:
 
 
 def train(model, opt, rank: int, world: int) -> tuple[list[float], list]:
-    """Each step's loss, and what the first layer's forward computed with: the weight's
-    type, and whether it still lived once the forward was over (autograd's saved copy)."""
+    """Each step's loss, and what the second layer's forward computed with
+    (``computed_with``: the weight's type, and whether its float8 bytes outlived the
+    forward; its input needs a gradient, so autograd saves its weight)."""
     seen = []
-
-    def look(module, args):
-        seen.append(type(module.weight).__name__)
-        data = getattr(module.weight, "_data", None)
-        seen.append(None if data is None else weakref.ref(data))
-
-    handle = model[0].register_forward_pre_hook(look)
-    losses, kept = [], []
+    handle, look = computed_with(model[2], seen)
+    losses = []
     for step in range(STEPS):
-        seen.clear()
         loss = model(batch(step, rank, world)).pow(2).mean()
-        gc.collect()
-        kept.append((seen[0], seen[1] is not None and seen[1]() is not None))
+        look()
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     handle.remove()
-    return losses, kept
+    return losses, [tuple(s) for s in seen]
 
 
 def zerofn_run(rank: int, world: int) -> dict:

@@ -5,9 +5,6 @@ each row as int8 codes and a scale, so the weights a model trains on are rounded
 gather: zerofn must round them as FSDP2 does, and move a quarter of the bytes."""
 from __future__ import annotations
 
-import gc
-import weakref
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,7 +19,7 @@ from support.compare import TOL
 from support.errors import error_of
 from support.ranks import run_ranks
 from support.subclass import (HOOK_CALLS, Int8Built, Int8Contagious, Int8Flat, Int8Gathered,
-                              Int8Unpadded, PreHookOnly, quantize_rows)
+                              Int8Unpadded, PreHookOnly, computed_with, quantize_rows)
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.multirank
@@ -181,29 +178,13 @@ OFFLOADS = {None: lambda path: (), "state": lambda path: (zf.offload("cpu"),),
             "nvme": lambda path: (zf.offload("nvme", path=path, params=True),)}
 
 
-def computed_with(model, seen: list):
-    """A forward pre-hook on the first layer: what its forward computes with (the weight's
-    type, and a weak reference to the values of a subclass built by the post-hook) goes
-    into ``seen``; ``look``, for ``train``, asks whether those values outlived the forward
-    (autograd keeping them until backward)."""
-    def hook(module, args):
-        values = getattr(module.weight, "weight", None)    # (a Dequantized's)
-        seen.append([type(module.weight).__name__, values is not None and weakref.ref(values)])
-
-    def look():
-        gc.collect()
-        seen[-1][1] = bool(seen[-1][1]) and seen[-1][1]() is not None
-
-    return model[0].register_forward_pre_hook(hook), look
-
-
 def against_reference(rank, world, offload=None, path=None, kind=Int8Gathered):
     model, opt = zerofn_model(0, *OFFLOADS[offload](path), kind=kind)
     shard = model[0].weight
     out = {"shard": (type(shard).__name__, type(shard.to_local()).__name__,
                      tuple(shard.to_local().shape))}
     out["seen"] = []
-    handle, look = computed_with(model, out["seen"])
+    handle, look = computed_with(model[2], out["seen"])
     out["zerofn"] = train(model, opt, rank, world, look=look)
     handle.remove()
     out["stats"] = dict(zf.comm_stats(model))

@@ -11,6 +11,7 @@ its compute weight as a tensor subclass (``Dequantized``), as float8 training's 
 does. ``HOOK_CALLS`` counts the hooks' calls, by name."""
 from __future__ import annotations
 
+import gc
 from collections import Counter
 
 import torch
@@ -194,6 +195,29 @@ class Int8Contagious(Int8Built):
     """Builds a ``Contagious`` compute weight: its gradient comes back a subclass."""
 
     built = Contagious
+
+
+def computed_with(module, seen: list):
+    """A forward pre-hook on ``module`` (registered after zerofn's, so it runs once the
+    weight is gathered): what its forward computes with goes into ``seen``, as ``[the
+    weight's type name, whether the storage of a subclass's first inner tensor outlived
+    the forward]`` (autograd keeping it until backward), the latter filled in by ``look``,
+    which ``train`` calls between forward and backward. Returns (handle, look)."""
+    def hook(module, args):
+        w = module.weight
+        ref = None
+        if type(w) not in (torch.Tensor, torch.nn.Parameter):
+            ref = getattr(w, w.__tensor_flatten__()[0][0]).untyped_storage()._weak_ref()
+        seen.append([type(w).__name__, ref])
+
+    def look():
+        gc.collect()
+        ref = seen[-1][1]
+        seen[-1][1] = ref is not None and not torch.UntypedStorage._expired(ref)
+        if ref is not None:
+            torch.UntypedStorage._free_weak_ref(ref)
+
+    return module.register_forward_pre_hook(hook), look
 
 
 _aten = torch.ops.aten
