@@ -22,7 +22,7 @@ NEEDS=(
   "nbclient=nbclient" "ipykernel=ipykernel"
   "matplotlib=matplotlib" "transformers=transformers>=5,<6" "accelerate=accelerate"
   "sphinx=sphinx>=9,<10" "furo=furo>=2025,<2027"
-  "lightning=lightning>=2.6,<2.7"
+  "lightning=lightning>=2.6,<2.7" "torchao=torchao>=0.18,<0.19"
 )
 
 die() { echo "setup: $*" >&2; exit 1; }
