@@ -15,9 +15,10 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zerofn as zf
+from support.compare import TOL, worst
 from support.ranks import run_ranks
 from support.subclass import computed_with
 
@@ -66,9 +67,19 @@ def train(model, opt, rank: int, world: int) -> tuple[list[float], list]:
     return losses, [tuple(s) for s in seen]
 
 
-def zerofn_run(rank: int, world: int) -> dict:
+# zerofn's transforms on top of ZeRO-3, and FSDP2's policy for the same, by name.
+VARIANTS = {
+    "fp32": ((), None),
+    "bf16": ((zf.mixed_precision(torch.bfloat16, reduce_dtype=torch.float32),),
+             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+    "offload": ((zf.offload("cpu", params=True),), None),
+}
+
+
+def zerofn_run(rank: int, world: int, variant: str) -> dict:
     model = zf.compose(zf.shard_optimizer(), zf.shard_grads(),
-                       zf.shard_params(units=[str(i) for i in LAYERS]))(float8_model())
+                       zf.shard_params(units=[str(i) for i in LAYERS]),
+                       *VARIANTS[variant][0])(float8_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     shard = model[0].weight.to_local()
     out = {"shard": (type(shard).__name__, tuple(shard.shape))}
@@ -78,18 +89,21 @@ def zerofn_run(rank: int, world: int) -> dict:
     # The gradient of one more backward, as the loop sees it: plain rows.
     model(batch(0, rank, world)).pow(2).mean().backward()
     grad = model[0].weight.grad.to_local()
-    out["grad"] = (type(grad).__name__, grad.dtype, tuple(grad.shape))
+    out["grad"] = (type(grad).__name__, grad.dtype == model[0].bias.grad.to_local().dtype,
+                   tuple(grad.shape))
     opt.zero_grad()
     msd, _ = zf.get_state_dict(model, opt, full=True)
     out["weights"] = {k: v.detach().clone() for k, v in msd.items()}
     return out
 
 
-def fsdp2_run(rank: int, world: int) -> dict:
+def fsdp2_run(rank: int, world: int, variant: str) -> dict:
     model, mesh = float8_model(), init_device_mesh("cpu", (world,))
+    policy = VARIANTS[variant][1]
+    mp = {} if policy is None else {"mp_policy": policy}
     for i in LAYERS:
-        fully_shard(model[i], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(model[i], mesh=mesh, **mp)
+    fully_shard(model, mesh=mesh, **mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out = {}
     out["losses"], out["kept"] = train(model, opt, rank, world)
@@ -110,8 +124,9 @@ def plain_run(rank: int, world: int) -> dict:
     return out
 
 
-def both(rank: int, world: int) -> tuple[dict, dict]:
-    return zerofn_run(rank, world), fsdp2_run(rank, world) if world > 1 else plain_run(0, 1)
+def both(rank: int, world: int, variant: str) -> tuple[dict, dict]:
+    ref = fsdp2_run(rank, world, variant) if world > 1 else plain_run(0, 1)
+    return zerofn_run(rank, world, variant), ref
 
 
 def float8_bytes(world: int) -> int:
@@ -121,11 +136,12 @@ def float8_bytes(world: int) -> int:
     return 2 * world * sum(-(-(r // world) * c // 16) * 16 for r, c in shapes)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_float8_weights_gather_in_float8_and_train_as_under_fsdp2(world):
+@pytest.mark.parametrize("world,variant", [(1, "fp32"), (2, "fp32"), (2, "bf16"),
+                                           (2, "offload")])
+def test_float8_weights_gather_in_float8_and_train_as_under_fsdp2(world, variant):
     """Two ranks against FSDP2 with the same conversion; one rank against plain PyTorch
     (the weight cast by the forward: the same float8 values as the gather's)."""
-    for ours, ref in run_ranks(world, both, timeout=300):
+    for ours, ref in run_ranks(world, both, variant, timeout=300):
         # Sharded as FSDP2 shards it: the float8 wrapper over this rank's rows.
         assert ours["shard"] == ("WeightWithDynamicFloat8CastTensor",
                                  (SIZES[1] // world, SIZES[0]))
@@ -134,11 +150,17 @@ def test_float8_weights_gather_in_float8_and_train_as_under_fsdp2(world):
         assert ours["kept"] == [("Float8TrainingTensor", False)] * STEPS, ours["kept"]
         if world > 1:   # (FSDP2 keeps the tensor, its storage freed: resized to 0 bytes)
             assert [t for t, _ in ref["kept"]] == ["Float8TrainingTensor"] * STEPS
-        # Its gradient comes back plain, in the weight's dtype and rows.
-        assert ours["grad"] == ("Tensor", torch.float32, (SIZES[1] // world, SIZES[0]))
-        assert ours["losses"] == ref["losses"], (ours["losses"], ref["losses"])
-        for k, v in ref["weights"].items():
-            assert torch.equal(ours["weights"][k], v), (k, (ours["weights"][k] - v).abs().max())
+        # Its gradient comes back plain, this rank's rows in the dtype of any other
+        # parameter's (its bias's).
+        assert ours["grad"] == ("Tensor", True, (SIZES[1] // world, SIZES[0])), ours["grad"]
+        error = max(worst(ours["weights"][k] - v) for k, v in ref["weights"].items())
+        print(f"{world} {variant}: weights {error:.3g} from the reference")
+        if variant == "offload":   # (zerofn's host Adam rounds otherwise than torch's AdamW)
+            assert error < TOL and ours["losses"] == pytest.approx(ref["losses"], rel=1e-6), \
+                (error, ours["losses"], ref["losses"])
+        else:                      # bit for bit, every step
+            assert ours["losses"] == ref["losses"] and error == 0, \
+                (error, ours["losses"], ref["losses"])
         # float8 on the wire: a quarter of fp32's bytes.
         fp32 = 2 * 4 * sum(r * c for r, c in zip(SIZES[1:], SIZES[:-1]))
         assert ours["bytes"] == float8_bytes(world) == fp32 // 4, (ours["bytes"], fp32)
