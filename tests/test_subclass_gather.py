@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.utils.parametrize
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -266,6 +267,41 @@ def test_mixed_precision_gathers_through_the_hooks_as_fsdp2_does():
         assert ours == theirs, (ours, theirs)       # losses and hook calls, every step
         for k, v in fsdp2_weights.items():
             assert torch.equal(weights[k], v), (k, (weights[k] - v).abs().max())
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, inner: nn.Module, reentrant: bool):
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+def checkpointed(rank, world, reentrant):
+    """``Int8Built`` weights, the middle layer's forward recomputed in backward (the
+    subclass compute weight given to it there), against the same without recomputing."""
+    def run(wrap):
+        model = subclass_model(kind=Int8Built)
+        if wrap:
+            model[2] = Checkpointed(model[2], reentrant)
+        model = zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params(
+            units=["0", "2.inner" if wrap else "2", "4"]))(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = train(model, opt, rank, world)[0]
+        weights = {k.replace(".inner", ""): v for k, v in full_weights(model, opt, False).items()}
+        return losses, weights
+
+    return run(True), run(False)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_subclass_compute_weight_under_activation_checkpointing(reentrant):
+    for (losses, weights), (plain_losses, plain_weights) in run_ranks(2, checkpointed,
+                                                                      reentrant, timeout=300):
+        assert losses == plain_losses, (losses, plain_losses)
+        for k, v in plain_weights.items():
+            assert torch.equal(weights[k], v), k
 
 
 def uneven(rank, world):
