@@ -295,13 +295,42 @@ def checkpointed(rank, world, reentrant):
     return run(True), run(False)
 
 
+def assert_same_training(ours, theirs) -> None:
+    """Two trainings' ``(losses, full weights)``: equal, bit for bit."""
+    (losses, weights), (their_losses, their_weights) = ours, theirs
+    assert losses == their_losses, (losses, their_losses)
+    for k, v in their_weights.items():
+        assert torch.equal(weights[k], v), k
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_subclass_compute_weight_under_activation_checkpointing(reentrant):
-    for (losses, weights), (plain_losses, plain_weights) in run_ranks(2, checkpointed,
-                                                                      reentrant, timeout=300):
-        assert losses == plain_losses, (losses, plain_losses)
-        for k, v in plain_weights.items():
-            assert torch.equal(weights[k], v), k
+    for recomputed, kept in run_ranks(2, checkpointed, reentrant, timeout=300):
+        assert_same_training(recomputed, kept)
+
+
+def accumulated(rank, world):
+    """Two micro-batches a step, the first under ``no_sync``: ``Int8Built`` (its compute
+    weight a subclass) against ``Int8Gathered`` (the same values as a plain tensor)."""
+    def run(kind):
+        model, opt = zerofn_model(kind=kind)
+        losses = []
+        for step in range(STEPS):
+            with model.no_sync():
+                model(batch(2 * step, rank, world)).pow(2).mean().backward()
+            loss = model(batch(2 * step + 1, rank, world)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, full_weights(model, opt, False)
+
+    return run(Int8Built), run(Int8Gathered)
+
+
+def test_a_subclass_compute_weight_accumulates_under_no_sync_as_a_plain_one():
+    for built, plain in run_ranks(2, accumulated, timeout=300):
+        assert_same_training(built, plain)
 
 
 def uneven(rank, world):
