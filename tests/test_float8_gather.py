@@ -12,8 +12,10 @@ import importlib.util
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -21,6 +23,7 @@ import zerofn as zf
 from support.compare import TOL, worst
 from support.ranks import run_ranks
 from support.subclass import computed_with
+from zerofn.checkpoint import load_checkpoint, save_checkpoint
 
 # Found, not imported: torchao's import patches torch (inductor, pytree) in the process that
 # runs the tests; only the ranks, processes of their own, import it.
@@ -34,9 +37,9 @@ SIZES = (32, 64, 32, 16)        # features: each divisible by 16, as float8 matm
 LAYERS = (0, 2, 4)              # the Linear layers: each a unit (zerofn), a fully_shard (FSDP2)
 
 
-def float8_model() -> nn.Sequential:
+def float8_model(seed: int = 0) -> nn.Sequential:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(SIZES[0], SIZES[1]), nn.ReLU(),
                           nn.Linear(SIZES[1], SIZES[2]), nn.ReLU(),
                           nn.Linear(SIZES[2], SIZES[3]))
@@ -76,11 +79,25 @@ VARIANTS = {
 }
 
 
-def zerofn_run(rank: int, world: int, variant: str) -> dict:
+def zerofn_model(variant: str = "fp32", seed: int = 0):
     model = zf.compose(zf.shard_optimizer(), zf.shard_grads(),
                        zf.shard_params(units=[str(i) for i in LAYERS]),
-                       *VARIANTS[variant][0])(float8_model())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                       *VARIANTS[variant][0])(float8_model(seed))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def fsdp2_model(world: int, variant: str = "fp32", seed: int = 0):
+    model, mesh = float8_model(seed), init_device_mesh("cpu", (world,))
+    policy = VARIANTS[variant][1]
+    mp = {} if policy is None else {"mp_policy": policy}
+    for i in LAYERS:
+        fully_shard(model[i], mesh=mesh, **mp)
+    fully_shard(model, mesh=mesh, **mp)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def zerofn_run(rank: int, world: int, variant: str) -> dict:
+    model, opt = zerofn_model(variant)
     shard = model[0].weight.to_local()
     out = {"shard": (type(shard).__name__, tuple(shard.shape))}
     out["losses"], out["kept"] = train(model, opt, rank, world)
@@ -92,19 +109,16 @@ def zerofn_run(rank: int, world: int, variant: str) -> dict:
     out["grad"] = (type(grad).__name__, grad.dtype == model[0].bias.grad.to_local().dtype,
                    tuple(grad.shape))
     opt.zero_grad()
+    # Its optimizer state, as a state dict shows it: plain rows too.
+    state = zf.get_state_dict(model, opt)[1]["state"]["0.weight"]
+    out["state"] = {k: type(v.to_local()).__name__ for k, v in state.items() if v.dim()}
     msd, _ = zf.get_state_dict(model, opt, full=True)
     out["weights"] = {k: v.detach().clone() for k, v in msd.items()}
     return out
 
 
 def fsdp2_run(rank: int, world: int, variant: str) -> dict:
-    model, mesh = float8_model(), init_device_mesh("cpu", (world,))
-    policy = VARIANTS[variant][1]
-    mp = {} if policy is None else {"mp_policy": policy}
-    for i in LAYERS:
-        fully_shard(model[i], mesh=mesh, **mp)
-    fully_shard(model, mesh=mesh, **mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = fsdp2_model(world, variant)
     out = {}
     out["losses"], out["kept"] = train(model, opt, rank, world)
     msd, _ = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
@@ -154,6 +168,7 @@ def test_float8_weights_gather_in_float8_and_train_as_under_fsdp2(world, variant
         # Its gradient comes back plain, this rank's rows in the dtype of any other
         # parameter's (its bias's).
         assert ours["grad"] == ("Tensor", True, (SIZES[1] // world, SIZES[0])), ours["grad"]
+        assert ours["state"] == {"exp_avg": "Tensor", "exp_avg_sq": "Tensor"}, ours["state"]
         for name, ref in (("FSDP2", fsdp2), ("plain PyTorch", plain)):
             if ref is None:
                 continue
@@ -169,3 +184,28 @@ def test_float8_weights_gather_in_float8_and_train_as_under_fsdp2(world, variant
         # float8 on the wire: a quarter of fp32's bytes.
         fp32 = 2 * 4 * sum(r * c for r, c in zip(SIZES[1:], SIZES[:-1]))
         assert ours["bytes"] == float8_bytes(world) == fp32 // 4, (ours["bytes"], fp32)
+
+
+def resumed(rank: int, world: int, root: str) -> tuple[list, list, list]:
+    """zerofn's checkpoint after ``STEPS`` steps, read back by zerofn and by FSDP2 (torch's
+    own DCP calls) into models that started elsewhere: the losses of ``STEPS`` more steps
+    of the saved model, and of each reader."""
+    model, opt = zerofn_model()
+    train(model, opt, rank, world)
+    ckpt = save_checkpoint(root, model, opt, step=STEPS)
+    later = train(model, opt, rank, world)[0]
+    again, again_opt = zerofn_model(seed=1)
+    load_checkpoint(ckpt, again, again_opt)
+    fsdp2, fsdp2_opt = fsdp2_model(world, seed=1)
+    msd, osd = get_state_dict(fsdp2, fsdp2_opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(fsdp2, fsdp2_opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    return later, train(again, again_opt, rank, world)[0], train(fsdp2, fsdp2_opt, rank, world)[0]
+
+
+def test_a_float8_checkpoint_resumes_under_zerofn_and_under_fsdp2(tmp_path):
+    for later, zerofn_losses, fsdp2_losses in run_ranks(2, resumed, str(tmp_path), timeout=300):
+        assert zerofn_losses == later and fsdp2_losses == later, \
+            (later, zerofn_losses, fsdp2_losses)
