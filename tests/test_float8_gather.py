@@ -21,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zerofn as zf
 from support.compare import TOL, worst
+from support.errors import error_of
 from support.ranks import run_ranks
 from support.subclass import computed_with
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
@@ -37,14 +38,18 @@ SIZES = (32, 64, 32, 16)        # features: each divisible by 16, as float8 matm
 LAYERS = (0, 2, 4)              # the Linear layers: each a unit (zerofn), a fully_shard (FSDP2)
 
 
-def float8_model(seed: int = 0) -> nn.Sequential:
+def convert(model: nn.Module) -> nn.Module:
+    """torchao's float8 training conversion, its weights gathered in float8."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(SIZES[0], SIZES[1]), nn.ReLU(),
-                          nn.Linear(SIZES[1], SIZES[2]), nn.ReLU(),
-                          nn.Linear(SIZES[2], SIZES[3]))
     return convert_to_float8_training(
         model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+
+
+def float8_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return convert(nn.Sequential(nn.Linear(SIZES[0], SIZES[1]), nn.ReLU(),
+                                 nn.Linear(SIZES[1], SIZES[2]), nn.ReLU(),
+                                 nn.Linear(SIZES[2], SIZES[3])))
 
 
 def batch(step: int, rank: int, world: int) -> torch.Tensor:
@@ -209,3 +214,19 @@ def test_a_float8_checkpoint_resumes_under_zerofn_and_under_fsdp2(tmp_path):
     for later, zerofn_losses, fsdp2_losses in run_ranks(2, resumed, str(tmp_path), timeout=300):
         assert zerofn_losses == later and fsdp2_losses == later, \
             (later, zerofn_losses, fsdp2_losses)
+
+
+def uneven(rank: int, world: int) -> str | None:
+    """A last layer of 17 rows over 2 ranks: 9 and 8. torchao's pre-hook does not pad the
+    short share; every rank calls it at set-up (it all-reduces the amax), and all refuse."""
+    model = float8_model()
+    model[4] = convert(nn.Linear(SIZES[2], 17))
+    return error_of(zf.compose(zf.shard_optimizer(), zf.shard_grads(),
+                               zf.shard_params(units=[str(i) for i in LAYERS])), model)
+
+
+def test_float8_rows_that_do_not_divide_over_the_ranks_are_refused_on_every_rank():
+    for message in run_ranks(2, uneven, timeout=300):
+        assert "set-up failed on rank 1: fsdp_pre_all_gather of '4.weight' returned tensors " \
+            "of shapes [(8, 32)] for this rank's 8 rows; every rank's must have the padded " \
+            "share, 9 rows" in message, message
