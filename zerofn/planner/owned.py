@@ -1,0 +1,227 @@
+"""Whole-tensor optimizers (Muon, Adafactor) in the plan: which parameters are owned, by
+which rank, and what each owner holds.
+
+The owners are the runtime's own (runtime/owned.py: ``whole_params`` in its order, given to
+``owners``), so the plan names the ranks a run will. What an owner holds is measured, not
+assumed: the user's own optimizer steps each owned parameter once on fake whole tensors
+(no memory, no arithmetic) under torch's ``MemTracker``, which gives the state it keeps
+(Muon's momentum, Adafactor's row and column statistics and step) and the peak of its own
+work buffers (Newton-Schulz's). On top of that state an owner keeps its parameters' whole
+fp32 masters between steps, and during the step the whole gradients gathered to it.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zerofn.runtime.chain import step_without_hooks
+from zerofn.runtime.owned import is_whole, owners, whole_params
+
+FP32 = 4     # the masters' and the owned state's dtype (fp32 masters: no offload)
+
+
+@dataclass(frozen=True)
+class OwnedTensor:
+    """One owned parameter.
+
+    Attributes:
+        name: its name in the model.
+        shape: its whole shape.
+        owner: the rank that steps it whole.
+        optimizer: the class name of the optimizer that holds it.
+        state: each tensor of the optimizer's state for it, as ``(shape, bytes)``.
+        temporaries: bytes the optimizer's step allocates beyond its state, at its peak.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    owner: int
+    optimizer: str
+    state: tuple[tuple[tuple[int, ...], int], ...]
+    temporaries: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(b for _, b in self.state)
+
+    def padded(self, world: int) -> int:
+        """Elements of the gather's buffer on the owner: each rank's rows padded to the
+        shard's ``chunk`` rows (runtime/owned.py's ``_piece``)."""
+        rows = self.shape[0] if self.shape else 1
+        return world * -(-rows // world) * (self.numel // max(rows, 1))
+
+    def rows_of(self, world: int, rank: int) -> int:
+        """Rows ``rank`` holds under ``torch.chunk``'s split (units.py's layout)."""
+        rows = self.shape[0] if self.shape else 1
+        chunk = -(-rows // world)
+        return max(0, min(chunk, rows - rank * chunk))
+
+
+@dataclass(frozen=True)
+class Owned:
+    """The owned parameters of a model's optimizers at ``world`` ranks, and each rank's
+    share of the update's work (``load``: runtime/owned.py's ``cost``)."""
+
+    world: int
+    tensors: tuple[OwnedTensor, ...]
+    load: tuple[float, ...]
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.tensors)
+
+    def of(self, rank: int) -> list[OwnedTensor]:
+        return [t for t in self.tensors if t.owner == rank]
+
+    def held(self, rank: int, stage: int) -> int:
+        """Optimizer-role bytes ``rank`` holds for owned parameters between steps: under
+        DDP every rank steps every parameter whole, with its state; under ZeRO the owner
+        alone holds the state and its whole fp32 masters."""
+        if stage == 0:
+            return sum(t.state_bytes for t in self.tensors)
+        return sum(t.state_bytes + FP32 * t.numel for t in self.of(rank))
+
+    def step_bytes(self, rank: int, stage: int) -> int:
+        """Bytes the owned step allocates on ``rank`` at its peak: under ZeRO the whole
+        gradients of its parameters, gathered before any owner steps and held through the
+        step, then the largest of its optimizer's own work buffers and of one whole
+        tensor on its way back (the padded copy an owner scatters, or a broadcast's
+        receive buffer on the other ranks at ZeRO-1/2); under DDP the work buffers."""
+        mine = self.tensors if stage == 0 else self.of(rank)
+        work = max((t.temporaries for t in mine), default=0)
+        if stage == 0:
+            return work
+        gathered = sum(FP32 * t.padded(self.world) for t in mine)
+        back = [FP32 * t.padded(self.world) for t in mine] if stage == 3 else \
+            [FP32 * t.numel for t in self.tensors if t.owner != rank]
+        return gathered + max([work] + back)
+
+    def spread(self, rank: int) -> int:
+        """Bytes of owned state a state dict shows on ``rank``: each state tensor of the
+        parameter's shape as its rows, any other whole (runtime/owned.py's [Note: owned
+        state in state dicts])."""
+        out = 0
+        for t in self.tensors:
+            for shape, nbytes in t.state:
+                out += nbytes * t.rows_of(self.world, rank) // t.shape[0] \
+                    if shape == t.shape and t.shape else nbytes
+        return out
+
+    def balance(self) -> str:
+        """Each owner's share: its parameters and its part of the update's work (for Muon
+        Newton-Schulz's flops), and the busiest rank over the mean."""
+        total = sum(self.load) or 1.0
+        mean = total / self.world
+        kinds = "/".join(dict.fromkeys(t.optimizer for t in self.tensors))
+        lines = [f"owned ({kinds}): {len(self.tensors)} parameters, each stepped whole by "
+                 f"one rank; busiest rank {max(self.load) / mean:.2f}x the mean work"]
+        for r in range(self.world):
+            mine = self.of(r)
+            lines.append(f"  rank {r}: {len(mine)} parameters, {self.load[r] / total:.1%} of "
+                         f"the work, {sum(t.numel for t in mine):,} elements")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return dict(world=self.world, load=list(self.load),
+                    owners={t.name: t.owner for t in self.tensors})
+
+
+def members(optimizers) -> tuple:
+    """An optimizer or a sequence of them (as the transforms take them), as a tuple."""
+    return tuple(optimizers) if isinstance(optimizers, (list, tuple)) else (optimizers,)
+
+
+def owned_of(model: nn.Module, optimizers, world: int) -> Owned | None:
+    """The owned parameters of ``optimizers`` (over ``model``'s parameters, a meta model's
+    too) at ``world`` ranks, or None where no member steps whole tensors."""
+    ms = members(optimizers)
+    pairs = [(m, p) for m, p in whole_params(ms) if p.requires_grad]
+    if not pairs:
+        return None
+    name_of = {p: n for n, p in model.named_parameters()}
+    missing = [type(m).__name__ for m, p in pairs if p not in name_of]
+    if missing:
+        raise ValueError(f"{missing[0]} holds a parameter that is not the model's: give "
+                         "zf.plan the optimizers built over this model's parameters.")
+    owner, load = owners([tuple(p.shape) for _, p in pairs], world)
+    measured: dict = {}
+    tensors = []
+    for (m, p), o in zip(pairs, owner):
+        key = (id(m), _group_of(m, p), tuple(p.shape))
+        if key not in measured:
+            measured[key] = _measure(m, p)
+        state, work = measured[key]
+        tensors.append(OwnedTensor(name_of[p], tuple(p.shape), o, type(m).__name__, state, work))
+    return Owned(world, tuple(tensors), tuple(load))
+
+
+def elementwise_problems(optimizers) -> list[str]:
+    """What the plan cannot count: it counts Adam's state (two fp32 moments and a step
+    counter) for every parameter no whole-tensor optimizer holds."""
+    return [f"zf.plan counts Adam's state for the parameters a whole-tensor optimizer does "
+            f"not hold, and {type(m).__name__} holds some: give them to Adam or AdamW, or "
+            f"plan without optimizers= (Adam over every parameter)."
+            for m in members(optimizers)
+            if not is_whole(m) and type(m).__name__ not in ("Adam", "AdamW")]
+
+
+def _group_of(member, p) -> int:
+    return next(i for i, g in enumerate(member.param_groups) if any(q is p for q in g["params"]))
+
+
+class _NoValues(TorchDispatchMode):
+    """Answers a value read (``.item()``: Adafactor reads its parameter's norm) with 1.0:
+    fake tensors carry no values, and what the step allocates does not depend on them."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 1.0
+        return func(*args, **(kwargs or {}))
+
+
+def _measure(member, p) -> tuple[tuple, int]:
+    """``member``'s own step on a fake whole fp32 ``p`` (its group alone holding it, its
+    state table set aside), as the owner's step runs it: the state it makes, and its work
+    buffers' peak beyond what it leaves."""
+    group = _group_of(member, p)
+    saved, table = [list(g["params"]) for g in member.param_groups], member.state
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.empty(p.shape, dtype=torch.float32, device="cpu")
+        fake.grad = torch.empty_like(fake)
+        tracker = MemTracker()
+        tracker.track_external(fake, fake.grad)
+        try:
+            member.state = defaultdict(dict)
+            for i, g in enumerate(member.param_groups):
+                g["params"][:] = [fake] if i == group else []
+            with tracker, _NoValues(), warnings.catch_warnings():
+                # (the tracker warns of each in-place op's None result, which holds nothing)
+                warnings.filterwarnings("ignore", "Expected a tensor", UserWarning)
+                step_without_hooks(member)
+                peak, left = _live(tracker, "peak"), _live(tracker, "current")
+            state = tuple((tuple(v.shape), v.nbytes) for v in member.state[fake].values()
+                          if torch.is_tensor(v))
+        finally:
+            for g, params in zip(member.param_groups, saved):
+                g["params"][:] = params
+            member.state = table
+    return state, peak - left
+
+
+def _live(tracker: MemTracker, kind: str) -> int:
+    return sum(v["Total"] for v in tracker.get_tracker_snapshot(kind).values())
+
