@@ -3,11 +3,13 @@ which rank, and what each owner holds.
 
 The owners are the runtime's own (runtime/owned.py: ``whole_params`` in its order, given to
 ``owners``), so the plan names the ranks a run will. What an owner holds is measured, not
-assumed: the user's own optimizer steps each owned parameter once on fake whole tensors
-(no memory, no arithmetic) under torch's ``MemTracker``, which gives the state it keeps
-(Muon's momentum, Adafactor's row and column statistics and step) and the peak of its own
-work buffers (Newton-Schulz's). On top of that state an owner keeps its parameters' whole
-fp32 masters between steps, and during the step the whole gradients gathered to it.
+assumed: each member steps the parameters a rank owns, all in one call as the owner's
+step makes it, on fake whole tensors (no memory, no arithmetic) under torch's
+``MemTracker``, which gives the state it keeps (Muon's momentum, Adafactor's row and
+column statistics and step) and the peak of its own work buffers (Newton-Schulz's, and
+what a for-loop step keeps of one tensor's while it computes the next's). On top of that
+state an owner keeps its parameters' whole fp32 masters between steps, and during the
+step the whole gradients gathered to it.
 """
 from __future__ import annotations
 
@@ -37,7 +39,6 @@ class OwnedTensor:
         owner: the rank that steps it whole.
         optimizer: the class name of the optimizer that holds it.
         state: each tensor of the optimizer's state for it, as ``(shape, bytes)``.
-        temporaries: bytes the optimizer's step allocates beyond its state, at its peak.
     """
 
     name: str
@@ -45,7 +46,6 @@ class OwnedTensor:
     owner: int
     optimizer: str
     state: tuple[tuple[tuple[int, ...], int], ...]
-    temporaries: int
 
     @property
     def numel(self) -> int:
@@ -73,12 +73,16 @@ class OwnedTensor:
 
 @dataclass(frozen=True)
 class Owned:
-    """The owned parameters of a model's optimizers at ``world`` ranks, and each rank's
-    share of the update's work (``load``: runtime/owned.py's ``cost``)."""
+    """The owned parameters of a model's optimizers at ``world`` ranks, each rank's share
+    of the update's work (``load``: runtime/owned.py's ``cost``), and the bytes its
+    optimizers' steps allocate beyond their state at their peak (``work``: the rank's own
+    parameters; ``work_all``: every owned parameter, as DDP steps them)."""
 
     world: int
     tensors: tuple[OwnedTensor, ...]
     load: tuple[float, ...]
+    work: tuple[int, ...]
+    work_all: int
 
     @property
     def names(self) -> frozenset[str]:
@@ -101,10 +105,9 @@ class Owned:
         step, then the largest of its optimizer's own work buffers and of one whole
         tensor on its way back (the padded copy an owner scatters, or a broadcast's
         receive buffer on the other ranks at ZeRO-1/2); under DDP the work buffers."""
-        mine = self.tensors if stage == 0 else self.of(rank)
-        work = max((t.temporaries for t in mine), default=0)
         if stage == 0:
-            return work
+            return self.work_all
+        mine, work = self.of(rank), self.work[rank]
         gathered = sum(FP32 * t.padded(self.world) for t in mine)
         back = [FP32 * t.padded(self.world) for t in mine] if stage == 3 else \
             [FP32 * t.numel for t in self.tensors if t.owner != rank]
@@ -158,15 +161,15 @@ def owned_of(model: nn.Module, optimizers, world: int) -> Owned | None:
         raise ValueError(f"{missing[0]} holds a parameter that is not the model's: give "
                          "zf.plan the optimizers built over this model's parameters.")
     owner, load = owners([tuple(p.shape) for _, p in pairs], world)
-    measured: dict = {}
-    tensors = []
-    for (m, p), o in zip(pairs, owner):
-        key = (id(m), _group_of(m, p), tuple(p.shape))
-        if key not in measured:
-            measured[key] = _measure(m, p)
-        state, work = measured[key]
-        tensors.append(OwnedTensor(name_of[p], tuple(p.shape), o, type(m).__name__, state, work))
-    return Owned(world, tuple(tensors), tuple(load))
+    state, work = {}, []
+    for r in range(world):
+        # (the members step one after another, each freeing its buffers on return)
+        work.append(max(_measure(m, [p for (mm, p), o in zip(pairs, owner)
+                                     if mm is m and o == r], state) for m in ms))
+    work_all = max(_measure(m, [p for mm, p in pairs if mm is m], {}) for m in ms)
+    tensors = tuple(OwnedTensor(name_of[p], tuple(p.shape), o, type(m).__name__, state[p])
+                    for (m, p), o in zip(pairs, owner))
+    return Owned(world, tensors, tuple(load), tuple(work), work_all)
 
 
 def elementwise_problems(optimizers) -> list[str]:
@@ -179,10 +182,6 @@ def elementwise_problems(optimizers) -> list[str]:
             if not is_whole(m) and type(m).__name__ not in ("Adam", "AdamW")]
 
 
-def _group_of(member, p) -> int:
-    return next(i for i, g in enumerate(member.param_groups) if any(q is p for q in g["params"]))
-
-
 class _NoValues(TorchDispatchMode):
     """Answers a value read (``.item()``: Adafactor reads its parameter's norm) with 1.0:
     fake tensors carry no values, and what the step allocates does not depend on them."""
@@ -193,33 +192,38 @@ class _NoValues(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _measure(member, p) -> tuple[tuple, int]:
-    """``member``'s own step on a fake whole fp32 ``p`` (its group alone holding it, its
-    state table set aside), as the owner's step runs it: the state it makes, and its work
-    buffers' peak beyond what it leaves."""
-    group = _group_of(member, p)
+def _measure(member, params: list, state: dict) -> int:
+    """``member``'s own step on fake whole fp32 stand-ins of ``params`` (of those it holds;
+    each in its own group, its state table set aside), as an owner's step runs it: the
+    bytes its work buffers take at their peak beyond what it leaves. Each parameter's
+    state, as ``(shape, bytes)`` per tensor, goes into ``state``."""
+    held = {p for g in member.param_groups for p in g["params"]}
+    params = [p for p in params if p in held]
+    if not params:
+        return 0
     saved, table = [list(g["params"]) for g in member.param_groups], member.state
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = torch.empty(p.shape, dtype=torch.float32, device="cpu")
-        fake.grad = torch.empty_like(fake)
+        fakes = {p: torch.empty(p.shape, dtype=torch.float32, device="cpu") for p in params}
+        for f in fakes.values():
+            f.grad = torch.empty_like(f)
         tracker = MemTracker()
-        tracker.track_external(fake, fake.grad)
+        tracker.track_external(*fakes.values(), *(f.grad for f in fakes.values()))
         try:
             member.state = defaultdict(dict)
-            for i, g in enumerate(member.param_groups):
-                g["params"][:] = [fake] if i == group else []
+            for g, held in zip(member.param_groups, saved):
+                g["params"][:] = [fakes[p] for p in held if p in fakes]
             with tracker, _NoValues(), warnings.catch_warnings():
                 # (the tracker warns of each in-place op's None result, which holds nothing)
                 warnings.filterwarnings("ignore", "Expected a tensor", UserWarning)
                 step_without_hooks(member)
                 peak, left = _live(tracker, "peak"), _live(tracker, "current")
-            state = tuple((tuple(v.shape), v.nbytes) for v in member.state[fake].values()
-                          if torch.is_tensor(v))
+            state.update((p, tuple((tuple(v.shape), v.nbytes) for v in member.state[f].values()
+                                   if torch.is_tensor(v))) for p, f in fakes.items())
         finally:
             for g, params in zip(member.param_groups, saved):
                 g["params"][:] = params
             member.state = table
-    return state, peak - left
+    return peak - left
 
 
 def _live(tracker: MemTracker, kind: str) -> int:
