@@ -81,8 +81,8 @@ def test_owned_model_state_is_what_each_rank_holds(world, kind):
                     (described, world, rank, role, held[role], planned[role])
             assert load == pytest.approx(planned_load), (described, world, rank)
             # The gather's whole gradients, the optimizer's work buffers, the update on its
-            # way back: the step makes these and a scalar of the non-finite verdict (4 bytes). Gloo's
-            # worker thread sometimes lets go of a gather's send buffer (a rank's rows of
-            # one parameter) after the next is made: up to 11 % more, seen.
+            # way back: the step makes these and a scalar of the non-finite verdict (4
+            # bytes). Gloo's worker thread sometimes lets go of a gather's send buffer (a
+            # rank's rows of one parameter) after the next is made: up to 11 % more, seen.
             assert planned_peak <= peak <= planned_peak * LATE_FREES, \
                 (described, world, rank, peak, planned_peak)
