@@ -5,7 +5,7 @@ the step's allocations what the step allocates, the owners it names are the runt
 the plan prints their balance."""
 from __future__ import annotations
 
-import dataclasses
+import json
 
 import pytest
 import torch
@@ -14,16 +14,23 @@ import zerofn as zf
 from support.allocations import Allocations
 from support.owned import adafactor, muon_and_adamw
 from support.ranks import run_ranks
+from zerofn import cli
 from zerofn.nanogpt import GPT, GPTConfig
 from zerofn.planner import Candidate, plan
 from zerofn.planner import memory
 from zerofn.planner.owned import owned_of
+from zerofn.planner.probe import Machine
+from zerofn.runtime.owned import owners
 from zerofn.runtime.runtime import runtime_of
 
 # rows that do not divide by 4 ranks: the owners' whole tensors and the rows both show
 CFG = GPTConfig(vocab=101, width=48, heads=2, ffn=100, layers=3, context=16)
 OPTIMIZERS = {"muon": muon_and_adamw, "adafactor": adafactor}
 LATE_FREES = 1.15
+MACHINE = Machine(device="a stand-in", matmul={"fp32": 1e11, "bf16": 2e11}, memory_bw=1e10,
+                  cpu_adam={"fp32": 2e8}, disk_read=1e9, disk_write=5e8,
+                  collectives={"2": {"latency_s": 1e-4, "bus_bw": 1e9}},
+                  process={"base": 3e8, "overhead": 0.05}, free={})
 STAGES = [Candidate(stage=s, precision=p) for s in (1, 2, 3) for p in ("fp32", "bf16")]
 
 
@@ -86,3 +93,78 @@ def test_owned_model_state_is_what_each_rank_holds(world, kind):
             # rank's rows of one parameter) after the next is made: up to 11 % more, seen.
             assert planned_peak <= peak <= planned_peak * LATE_FREES, \
                 (described, world, rank, peak, planned_peak)
+
+
+def _meta_model_and_optimizers(kind):
+    with torch.device("meta"):
+        model = GPT(CFG)
+    return model, OPTIMIZERS[kind](model)
+
+
+def test_plan_prints_each_owners_share():
+    """The plan's table names every rank's share of the update's work, from the runtime's
+    own assignment (runtime/owned.py's owners over the same parameters), and its JSON each
+    parameter's owner; offload is left out, and said so."""
+    model, opts = _meta_model_and_optimizers("muon")
+    x = torch.zeros(2, CFG.context, dtype=torch.long)
+    result = plan(model, (x, x), world=4, machine=MACHINE, on_gpu=False, optimizers=opts)
+    matrices = [p for g in opts[0].param_groups for p in g["params"]]
+    owner, load = owners([tuple(p.shape) for p in matrices], 4)
+    table = result.table()
+    for r in range(4):
+        mine = [p for p, o in zip(matrices, owner) if o == r]
+        assert f"rank {r}: {load[r] / sum(load):.1%} of the work, {len(mine)} parameters, " \
+               f"{sum(p.numel() for p in mine):,} elements" in table
+    assert f"the busiest {max(load) / (sum(load) / 4):.2f}x the mean" in table
+    names = {p: n for n, p in model.named_parameters()}
+    assert result.to_json()["owned"]["owners"] == {names[p]: o for p, o in zip(matrices, owner)}
+    assert result.rows and all(r.candidate.offload is None for r in result.rows)
+    assert "Offload beside a whole-tensor optimizer is not planned" in result.reason
+
+
+def test_owners_count_in_the_busiest_rank_and_the_step():
+    """The plan's peak is the busiest rank's (an owner holds more than rank 0 where rank 0
+    owns less), and the owners' Newton-Schulz adds to the step: each owner's share under
+    ZeRO, all of it under DDP."""
+    model, opts = _meta_model_and_optimizers("muon")
+    x = torch.zeros(2, CFG.context, dtype=torch.long)
+    owned = owned_of(model, opts, 2)
+    shapes = [memory.shape_of(model, 2, r, owned) for r in range(2)]
+    c = Candidate(stage=3)
+    held = [memory.model_state(c, s)["device"]["optimizer"] for s in shapes]
+    assert held[1] > held[0]     # (rank 1 owns more here: the balance reads costs, not rows)
+    only = [c, Candidate(stage=0)]
+    with_owned = plan(model, (x, x), world=2, machine=MACHINE, on_gpu=False, only=only,
+                      optimizers=opts)
+    adam = plan(model, (x, x), world=2, machine=MACHINE, on_gpu=False, only=only)
+    rows = {r.candidate: r for r in with_owned.rows}
+    rows_adam = {r.candidate: r for r in adam.rows}
+    assert owned.flops_all["bf16"] > max(owned.flops[r]["bf16"] for r in range(2)) > 0
+    for cand in only:
+        assert rows[cand].seconds["step"] > rows_adam[cand].seconds["step"]
+    assert rows[Candidate(stage=0)].seconds["step"] - rows_adam[Candidate(stage=0)].seconds["step"] \
+        > rows[c].seconds["step"] - rows_adam[c].seconds["step"]
+
+
+def test_plan_refuses_an_elementwise_optimizer_it_does_not_count():
+    """Beside owned parameters, the plan counts Adam's state for the rest: another
+    elementwise optimizer is refused with what to do."""
+    with torch.device("meta"):
+        model = GPT(CFG)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.zeros(2, CFG.context, dtype=torch.long)
+    with pytest.raises(ValueError, match="counts Adam's state .* SGD holds some: give them to "
+                                         "Adam or AdamW"):
+        plan(model, (x, x), world=2, machine=MACHINE, on_gpu=False, optimizers=sgd)
+
+
+def test_zerofn_plan_optimizer_muon_prints_the_balance(capsys, tmp_path):
+    """``zerofn plan --optimizer muon`` prints the owners' balance with the table."""
+    machine = tmp_path / "probe.json"
+    machine.write_text(json.dumps(MACHINE.to_json()))
+    assert cli.main(["plan", "width=48,layers=2,heads=2,ffn=100,vocab=101,context=16",
+                     "--batch", "2", "--world", "2", "--probe", str(machine),
+                     "--optimizer", "muon"]) == 0
+    out = capsys.readouterr().out
+    assert "owned (Muon): 8 parameters" in out
+    assert "rank 0: 50.0% of the work" in out and "rank 1: 50.0% of the work" in out

@@ -22,9 +22,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from zerofn.runtime.chain import step_without_hooks
 from zerofn.runtime.owned import is_whole, owners, whole_params
+
+from .candidates import NAMES
 
 FP32 = 4     # the masters' and the owned state's dtype (fp32 masters: no offload)
 
@@ -74,15 +77,18 @@ class OwnedTensor:
 @dataclass(frozen=True)
 class Owned:
     """The owned parameters of a model's optimizers at ``world`` ranks, each rank's share
-    of the update's work (``load``: runtime/owned.py's ``cost``), and the bytes its
+    of the update's work (``load``: runtime/owned.py's ``cost``), the bytes its
     optimizers' steps allocate beyond their state at their peak (``work``: the rank's own
-    parameters; ``work_all``: every owned parameter, as DDP steps them)."""
+    parameters; ``work_all``: every owned parameter, as DDP steps them) and the matmul
+    flops they run, by dtype (``flops``, ``flops_all``: Newton-Schulz's in bf16)."""
 
     world: int
     tensors: tuple[OwnedTensor, ...]
     load: tuple[float, ...]
     work: tuple[int, ...]
     work_all: int
+    flops: tuple[dict[str, int], ...]
+    flops_all: dict[str, int]
 
     @property
     def names(self) -> frozenset[str]:
@@ -131,11 +137,13 @@ class Owned:
         mean = total / self.world
         kinds = "/".join(dict.fromkeys(t.optimizer for t in self.tensors))
         lines = [f"owned ({kinds}): {len(self.tensors)} parameters, each stepped whole by "
-                 f"one rank; busiest rank {max(self.load) / mean:.2f}x the mean work"]
+                 f"one owner under ZeRO (by every rank under DDP); the update's work "
+                 f"(Newton-Schulz's flops for a matrix, else its elements) by owner, the "
+                 f"busiest {max(self.load) / mean:.2f}x the mean:"]
         for r in range(self.world):
             mine = self.of(r)
-            lines.append(f"  rank {r}: {len(mine)} parameters, {self.load[r] / total:.1%} of "
-                         f"the work, {sum(t.numel for t in mine):,} elements")
+            lines.append(f"  rank {r}: {self.load[r] / total:.1%} of the work, {len(mine)} "
+                         f"parameters, {sum(t.numel for t in mine):,} elements")
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -161,15 +169,14 @@ def owned_of(model: nn.Module, optimizers, world: int) -> Owned | None:
         raise ValueError(f"{missing[0]} holds a parameter that is not the model's: give "
                          "zf.plan the optimizers built over this model's parameters.")
     owner, load = owners([tuple(p.shape) for _, p in pairs], world)
-    state, work = {}, []
-    for r in range(world):
-        # (the members step one after another, each freeing its buffers on return)
-        work.append(max(_measure(m, [p for (mm, p), o in zip(pairs, owner)
-                                     if mm is m and o == r], state) for m in ms))
-    work_all = max(_measure(m, [p for mm, p in pairs if mm is m], {}) for m in ms)
+    state: dict = {}
+    ranks = [_measure_all(ms, [p for (_, p), o in zip(pairs, owner) if o == r], state)
+             for r in range(world)]
+    work_all, flops_all = _measure_all(ms, [p for _, p in pairs], {})
     tensors = tuple(OwnedTensor(name_of[p], tuple(p.shape), o, type(m).__name__, state[p])
                     for (m, p), o in zip(pairs, owner))
-    return Owned(world, tensors, tuple(load), tuple(work), work_all)
+    return Owned(world, tensors, tuple(load), tuple(w for w, _ in ranks), work_all,
+                 tuple(f for _, f in ranks), flops_all)
 
 
 def elementwise_problems(optimizers) -> list[str]:
@@ -182,25 +189,50 @@ def elementwise_problems(optimizers) -> list[str]:
             if not is_whole(m) and type(m).__name__ not in ("Adam", "AdamW")]
 
 
-class _NoValues(TorchDispatchMode):
-    """Answers a value read (``.item()``: Adafactor reads its parameter's norm) with 1.0:
-    fake tensors carry no values, and what the step allocates does not depend on them."""
+class _Counted(TorchDispatchMode):
+    """Counts the matmul flops of the ops under it by dtype (torch's own ``flop_registry``,
+    as ``FlopCounterMode`` counts them), and answers a value read (``.item()``:
+    Adafactor reads its parameter's norm) with 1.0: fake tensors carry no values, and
+    what the step allocates and computes does not depend on them."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops: dict[str, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             return 1.0
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            self.flops[NAMES.get(out.dtype, "fp32")] += count(*args, **(kwargs or {}),
+                                                             out_val=out)
+        return out
 
 
-def _measure(member, params: list, state: dict) -> int:
+def _measure_all(members_: tuple, params: list, state: dict) -> tuple[int, dict[str, int]]:
+    """Each member's step on the ``params`` it holds, one after another as the owner's
+    step runs them (each freeing its buffers on return): the largest work buffers' peak,
+    and the flops of them all."""
+    work, flops = 0, defaultdict(int)
+    for m in members_:
+        w, f = _measure(m, params, state)
+        work = max(work, w)
+        for k, v in f.items():
+            flops[k] += v
+    return work, dict(flops)
+
+
+def _measure(member, params: list, state: dict) -> tuple[int, dict[str, int]]:
     """``member``'s own step on fake whole fp32 stand-ins of ``params`` (of those it holds;
     each in its own group, its state table set aside), as an owner's step runs it: the
-    bytes its work buffers take at their peak beyond what it leaves. Each parameter's
-    state, as ``(shape, bytes)`` per tensor, goes into ``state``."""
+    bytes its work buffers take at their peak beyond what it leaves, and its matmul flops
+    by dtype. Each parameter's state, as ``(shape, bytes)`` per tensor, goes into
+    ``state``."""
     held = {p for g in member.param_groups for p in g["params"]}
     params = [p for p in params if p in held]
     if not params:
-        return 0
+        return 0, {}
     saved, table = [list(g["params"]) for g in member.param_groups], member.state
     with FakeTensorMode(allow_non_fake_inputs=True):
         fakes = {p: torch.empty(p.shape, dtype=torch.float32, device="cpu") for p in params}
@@ -212,18 +244,20 @@ def _measure(member, params: list, state: dict) -> int:
             member.state = defaultdict(dict)
             for g, held in zip(member.param_groups, saved):
                 g["params"][:] = [fakes[p] for p in held if p in fakes]
-            with tracker, _NoValues(), warnings.catch_warnings():
+            counted = _Counted()
+            with warnings.catch_warnings():
                 # (the tracker warns of each in-place op's None result, which holds nothing)
                 warnings.filterwarnings("ignore", "Expected a tensor", UserWarning)
-                step_without_hooks(member)
-                peak, left = _live(tracker, "peak"), _live(tracker, "current")
+                with tracker, counted:
+                    step_without_hooks(member)
+                    peak, left = _live(tracker, "peak"), _live(tracker, "current")
             state.update((p, tuple((tuple(v.shape), v.nbytes) for v in member.state[f].values()
                                    if torch.is_tensor(v))) for p, f in fakes.items())
         finally:
             for g, params in zip(member.param_groups, saved):
                 g["params"][:] = params
             member.state = table
-    return peak - left
+    return peak - left, dict(counted.flops)
 
 
 def _live(tracker: MemTracker, kind: str) -> int:
