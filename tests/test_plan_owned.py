@@ -168,3 +168,18 @@ def test_zerofn_plan_optimizer_muon_prints_the_balance(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "owned (Muon): 8 parameters" in out
     assert "rank 0: 50.0% of the work" in out and "rank 1: 50.0% of the work" in out
+
+
+def test_auto_plans_the_owners_of_its_optimizers(capsys):
+    """``zf.auto`` given Muon + AdamW plans their owners (the balance it prints with its
+    choice) and hands the optimizers back."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opts = OPTIMIZERS["muon"](model)
+    x = torch.zeros(2, CFG.context, dtype=torch.long)
+    model, got, result = zf.auto(model, opts, (x, x), world=1, machine=MACHINE,
+                                 only=[Candidate(stage=0)], host_budget=1e12)
+    assert got is opts and result.owned is not None
+    assert len(result.owned.tensors) == len(opts[0].param_groups[0]["params"])
+    err = capsys.readouterr().err
+    assert "zerofn plan: chosen: DDP" in err and "  rank 0: 100.0% of the work" in err
