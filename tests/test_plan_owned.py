@@ -32,6 +32,9 @@ MACHINE = Machine(device="a stand-in", matmul={"fp32": 1e11, "bf16": 2e11}, memo
                   collectives={"2": {"latency_s": 1e-4, "bus_bw": 1e9}},
                   process={"base": 3e8, "overhead": 0.05}, free={})
 STAGES = [Candidate(stage=s, precision=p) for s in (1, 2, 3) for p in ("fp32", "bf16")]
+OFFLOADED = [Candidate(stage=2, offload="cpu"), Candidate(stage=3, offload="cpu"),
+             Candidate(stage=3, precision="bf16", offload="cpu"),
+             Candidate(stage=3, offload="cpu", params=True)]
 
 
 def held_and_planned(rank, world, kind):
@@ -40,25 +43,41 @@ def held_and_planned(rank, world, kind):
     loads the runtime chose and the plan names."""
     out = []
     for c in STAGES:
-        torch.manual_seed(0)
-        model = GPT(CFG)
-        with torch.device("meta"):
-            meta = GPT(CFG)
-        owned = owned_of(meta, OPTIMIZERS[kind](meta), world)
-        shape = memory.shape_of(meta, world, rank, owned)
-        model, opts = c.apply(model, OPTIMIZERS[kind](model))
-        x = torch.randint(0, CFG.vocab, (2, CFG.context))
-        for _ in range(2):
-            _backward(model, opts, x)
-            _step(opts)
+        model, opts, shape, x = _trained(c, kind, rank, world)
         held = zf.model_state_bytes(model)["cpu"]
         _backward(model, opts, x)
         with Allocations() as step:
             _step(opts)
         out.append((c.describe(), held, memory.model_state(c, shape)["device"], step.peak,
                     memory.step_temporaries(c, shape), runtime_of(model).owned_load(),
-                    list(owned.load)))
+                    list(shape.owned.load)))
     return out
+
+
+def offloaded_held_and_planned(rank, world, kind):
+    """Per offloaded candidate: this rank's model-state bytes after two steps, and the
+    plan's for this rank."""
+    out = []
+    for c in OFFLOADED:
+        model, _, shape, _ = _trained(c, kind, rank, world)
+        out.append((c.describe(), zf.model_state_bytes(model), memory.model_state(c, shape)))
+    return out
+
+
+def _trained(c, kind, rank, world):
+    """The model and optimizers as ``c`` sets them up, two steps trained, and the plan's
+    layout of this rank."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    with torch.device("meta"):
+        meta = GPT(CFG)
+    shape = memory.shape_of(meta, world, rank, owned_of(meta, OPTIMIZERS[kind](meta), world))
+    model, opts = c.apply(model, OPTIMIZERS[kind](model))
+    x = torch.randint(0, CFG.vocab, (2, CFG.context))
+    for _ in range(2):
+        _backward(model, opts, x)
+        _step(opts)
+    return model, opts, shape, x
 
 
 def _backward(model, opts, x) -> None:
@@ -95,6 +114,28 @@ def test_owned_model_state_is_what_each_rank_holds(world, kind):
                 (described, world, rank, peak, planned_peak)
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("world", [1, 2])
+def test_owned_state_under_offload_is_what_each_rank_holds(world, kind):
+    """offload("cpu") at ZeRO-2 and ZeRO-3 (fp32 and bf16 compute, parameter shards on the
+    host too): the device's parameters and gradients byte for byte, and the host's
+    optimizer state: the masters' rows, the owner's state and whole masters, which it
+    keeps beside them, and torch's Adam state for the rest (beside a whole-tensor
+    optimizer the host's Adam is torch's). On this CPU the state torch makes is not in
+    zerofn's host arenas, so ``zf.model_state_bytes`` names its place "cpu": it is host
+    memory, where the plan puts it."""
+    for rank, rows in enumerate(run_ranks(world, offloaded_held_and_planned, kind)):
+        for described, held, planned in rows:
+            where = (described, world, rank)
+            assert held["cpu"]["params"] == planned["device"]["params"], where
+            assert held["host"]["params"] == planned["host"]["params"], where
+            assert held["cpu"]["grads"] == planned["device"]["grads"], where
+            assert held["host"]["optimizer"] + held["cpu"]["optimizer"] == \
+                planned["host"]["optimizer"], (where, held, planned)
+            assert planned["device"]["optimizer"] == 0, where
+
+
 def _meta_model_and_optimizers(kind):
     with torch.device("meta"):
         model = GPT(CFG)
@@ -104,7 +145,7 @@ def _meta_model_and_optimizers(kind):
 def test_plan_prints_each_owners_share():
     """The plan's table names every rank's share of the update's work, from the runtime's
     own assignment (runtime/owned.py's owners over the same parameters), and its JSON each
-    parameter's owner; offload is left out, and said so."""
+    parameter's owner; of offload, only what the plan models is weighed, and it says so."""
     model, opts = _meta_model_and_optimizers("muon")
     x = torch.zeros(2, CFG.context, dtype=torch.long)
     result = plan(model, (x, x), world=4, machine=MACHINE, on_gpu=False, optimizers=opts)
@@ -118,8 +159,10 @@ def test_plan_prints_each_owners_share():
     assert f"the busiest {max(load) / (sum(load) / 4):.2f}x the mean" in table
     names = {p: n for n, p in model.named_parameters()}
     assert result.to_json()["owned"]["owners"] == {names[p]: o for p, o in zip(matrices, owner)}
-    assert result.rows and all(r.candidate.offload is None for r in result.rows)
-    assert "Offload beside a whole-tensor optimizer is not planned" in result.reason
+    assert {r.candidate.offload for r in result.rows} == {None, "cpu"}
+    assert all(r.candidate.ratio == 1.0 and r.candidate.state_dtype == "fp32"
+               for r in result.rows)
+    assert "the plan weighs offload('cpu') with every unit's fp32 state" in result.reason
 
 
 def test_owners_count_in_the_busiest_rank_and_the_step():

@@ -234,9 +234,9 @@ def model_state(c: Candidate, shape: Shape, device_is_host: bool = False
                                 torch.bfloat16 if c.master_dtype == "bf16" else torch.float32,
                                 offload=c.offload, offload_params=c.params,
                                 state_dtype=DTYPES[c.state_dtype], ratio=c.ratio)
-    # (an owner's state and whole masters live with the device's: offload is not planned
-    # beside a whole-tensor optimizer, search.py)
-    placed["device"]["optimizer"] += shape.owned_held(c.stage)
+    # An owner keeps its state and whole masters where its masters' rows are: the host
+    # under offload("cpu"), the only offload planned beside them (search.py)
+    placed["host" if c.offload else "device"]["optimizer"] += shape.owned_held(c.stage)
     return {place: {role: int(placed[place][role]) for role in ("params", "grads", "optimizer")}
             for place in HOMES}
 
@@ -277,12 +277,17 @@ def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = ShardingPolicy.buc
 
 def step_temporaries(c: Candidate, shape: Shape, device_is_host: bool = True) -> int:
     """Bytes the step allocates at its peak: the owned step's (owned.py), which runs
-    first and frees them, or torch's AdamW's (zerofn's CPU Adam: none), in fp32: on a
+    first and frees them, or torch's AdamW's (zerofn's CPU Adam, which steps offloaded
+    Adam but beside a whole-tensor optimizer: none), in fp32: on a
     CPU, a tensor at a time, two of its size (the denominator is the second moment's
     square root, then that divided by the bias correction: both live at once); on a GPU,
     one list of temporaries (the square roots, divided in place) of what it steps at once."""
     owned = 0 if shape.owned is None else shape.owned.step_bytes(shape.rank, c.stage)
-    if c.offload is not None and c.ratio == 1.0:
+    if c.offload and not device_is_host:
+        # (the owner steps on the device: its whole masters and state come up for it)
+        owned += shape.owned_held(c.stage)
+    # (beside a whole-tensor optimizer the host's Adam is torch's, not zerofn's kernel)
+    if c.offload is not None and c.ratio == 1.0 and shape.owned is None:
         return owned
     if device_is_host:
         return max(owned, 2 * FP32 * shape.largest_piece(c.stage, trainable=True))

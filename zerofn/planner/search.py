@@ -207,8 +207,8 @@ def plan(model: nn.Module, example_batch, *, world: int | None = None, group=Non
     machine = machine or load_or_probe()
     pool = only or candidates(batch, precision, nvme)
     notes = [] if split is None else [_TP_NOTE]
-    if owned is not None and any(c.offload for c in pool):
-        pool = [c for c in pool if c.offload is None]
+    if owned is not None and any(not _owned_plans(c) for c in pool):
+        pool = [c for c in pool if _owned_plans(c)]
         notes.append(_OWNED_NOTE)
     # each rank's layout: rank 0 holds the most rows, an owner its whole-tensor state
     shapes = [memory.shape_of(model, world, r, owned) for r in range(world if owned else 1)]
@@ -252,9 +252,17 @@ _TP_NOTE = ("(Tensor parallelism: the peaks count each rank's model state and bu
 
 
 # What a plan beside a whole-tensor optimizer leaves out, in its notes and reason.
-_OWNED_NOTE = ("(Offload beside a whole-tensor optimizer is not planned: the planner does "
-               "not model where its owners' state and the elementwise optimizer's step live "
-               "then. Choose it by hand: docs/optimizers.md.)")
+_OWNED_NOTE = ("(Beside a whole-tensor optimizer the plan weighs offload('cpu') with every "
+               "unit's fp32 state on the host only: NVMe, a ratio and low-precision state "
+               "are not modelled there. Choose them by hand: docs/optimizers.md.)")
+
+
+def _owned_plans(c: Candidate) -> bool:
+    """Whether the planner models ``c`` beside a whole-tensor optimizer: without offload,
+    or offload('cpu') of every unit in fp32 (torch's Adam steps the host's masters there,
+    and the owners keep their state beside them)."""
+    return c.offload is None or (c.offload == "cpu" and c.ratio == 1.0 and
+                                 (c.state_dtype, c.master_dtype) == ("fp32", "fp32"))
 
 
 def _busiest(by_rank: list[dict]) -> dict[str, dict[str, int]]:
