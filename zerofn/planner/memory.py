@@ -277,8 +277,8 @@ def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = ShardingPolicy.buc
 
 def step_temporaries(c: Candidate, shape: Shape, device_is_host: bool = True) -> int:
     """Bytes the step allocates at its peak: the owned step's (owned.py), which runs
-    first and frees them, or torch's AdamW's (zerofn's CPU Adam, which steps offloaded
-    Adam but beside a whole-tensor optimizer: none), in fp32: on a
+    first and frees them, or torch's AdamW's (none where zerofn's CPU Adam steps offloaded
+    Adam; beside a whole-tensor optimizer torch's steps it there too), in fp32: on a
     CPU, a tensor at a time, two of its size (the denominator is the second moment's
     square root, then that divided by the bias correction: both live at once); on a GPU,
     one list of temporaries (the square roots, divided in place) of what it steps at once."""
