@@ -26,7 +26,7 @@ from zerofn.runtime.runtime import runtime_of
 # rows that do not divide by 4 ranks: the owners' whole tensors and the rows both show
 CFG = GPTConfig(vocab=101, width=48, heads=2, ffn=100, layers=3, context=16)
 OPTIMIZERS = {"muon": muon_and_adamw, "adafactor": adafactor}
-LATE_FREES = 1.15
+VERDICT = 4    # bytes: the non-finite verdict's scalar, alive through the step
 MACHINE = Machine(device="a stand-in", matmul={"fp32": 1e11, "bf16": 2e11}, memory_bw=1e10,
                   cpu_adam={"fp32": 2e8}, disk_read=1e9, disk_write=5e8,
                   collectives={"2": {"latency_s": 1e-4, "bus_bw": 1e9}},
@@ -49,8 +49,9 @@ def held_and_planned(rank, world, kind):
         with Allocations() as step:
             _step(opts)
         out.append((c.describe(), held, memory.model_state(c, shape)["device"], step.peak,
-                    memory.step_temporaries(c, shape), runtime_of(model).owned_load(),
-                    list(shape.owned.load)))
+                    (memory.step_temporaries(c, shape),
+                     max(4 * t.padded(world) for t in shape.owned.tensors)),
+                    runtime_of(model).owned_load(), list(shape.owned.load)))
     return out
 
 
@@ -98,20 +99,21 @@ def test_owned_model_state_is_what_each_rank_holds(world, kind):
     """Every role on every rank, byte for byte, at ZeRO-1/2/3 in fp32 and bf16: each
     owner's optimizer state (measured from the user's optimizer on fake tensors) and whole
     masters on top of its rows, Adam's moments and counters for the parameters Adam holds;
-    the step's allocations at their peak at the plan's figure or a little above; and
+    the step's allocations at their peak the plan's figure, or up to one whole tensor
+    more that a collective lets go of late; and
     the planner's owners are the runtime's (the same loads)."""
     for rank, rows in enumerate(run_ranks(world, held_and_planned, kind)):
-        for described, held, planned, peak, planned_peak, load, planned_load in rows:
+        for described, held, planned, peak, (planned_peak, late), load, planned_load in rows:
             for role in ("params", "grads", "optimizer"):
                 assert held[role] == planned[role], \
                     (described, world, rank, role, held[role], planned[role])
             assert load == pytest.approx(planned_load), (described, world, rank)
             # The gather's whole gradients, the optimizer's work buffers, the update on its
-            # way back: the step makes these and a scalar of the non-finite verdict (4
-            # bytes). Gloo's worker thread sometimes lets go of a gather's send buffer (a
-            # rank's rows of one parameter) after the next is made: up to 11 % more, seen.
-            assert planned_peak <= peak <= planned_peak * LATE_FREES, \
-                (described, world, rank, peak, planned_peak)
+            # way back, and the verdict's scalar; gloo's worker thread sometimes holds a
+            # collective's buffer (a send, a receive, a padded copy) a little past its
+            # return, so up to one whole tensor (``late``: the largest's padded bytes) more.
+            assert planned_peak <= peak - VERDICT <= planned_peak + late, \
+                (described, world, rank, peak, planned_peak, late)
 
 
 @pytest.mark.multirank

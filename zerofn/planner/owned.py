@@ -110,7 +110,9 @@ class Owned:
         gradients of its parameters, gathered before any owner steps and held through the
         step, then the largest of its optimizer's own work buffers and of one whole
         tensor on its way back (the padded copy an owner scatters, or a broadcast's
-        receive buffer on the other ranks at ZeRO-1/2); under DDP the work buffers."""
+        receive buffer on the other ranks at ZeRO-1/2); under DDP the work buffers.
+        (Gloo's worker thread sometimes holds a collective's buffer a little past its
+        return: up to one whole tensor more, not counted.)"""
         if stage == 0:
             return self.work_all
         mine, work = self.of(rank), self.work[rank]
