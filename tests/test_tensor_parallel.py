@@ -249,7 +249,7 @@ def test_a_tensor_subclass_parameter_is_refused_on_every_rank_naming_the_way_out
 
 def built_on_meta(rank, world, stage, meta):
     """The model built on the meta device (or not), split by tensor parallelism, then
-    ZeRO-``stage`` materializes it: its weights, whole."""
+    ZeRO-``stage`` materializes it: its weights, whole, and what this rank holds."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     with torch.device("meta") if meta else torch.device("cpu"):
@@ -257,7 +257,7 @@ def built_on_meta(rank, world, stage, meta):
     parallelize(model, mesh["tp"])
     torch.manual_seed(0)       # (the init's stream: the eager model drew it at construction)
     model, opt = zerofn_tp_of(model, stage, mesh)
-    return full_state(model, opt)[0]
+    return full_state(model, opt)[0], zf.model_state_bytes(model)
 
 
 def zerofn_tp_of(model, stage: int, mesh):
@@ -268,7 +268,12 @@ def zerofn_tp_of(model, stage: int, mesh):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_model_built_on_meta_is_initialized_as_the_eager_one_piece_by_piece(stage):
-    eager = run_ranks(4, built_on_meta, stage, False, timeout=300)[0]
-    meta = run_ranks(4, built_on_meta, stage, True, timeout=300)[0]
+    """The same weights; and the same bytes held: a tensor-parallel parameter's whole,
+    initialized first, is not kept once its piece is taken (at ZeRO-1/2 too, where the
+    plain parameters beside it stay in the unit's materialized buffer)."""
+    (eager, eager_held), (meta, meta_held) = (run_ranks(4, built_on_meta, stage, on_meta,
+                                                        timeout=300)[0]
+                                              for on_meta in (False, True))
     assert eager.keys() == meta.keys()
     assert all(torch.equal(eager[k], meta[k]) for k in eager)
+    assert meta_held == eager_held, (meta_held, eager_held)
