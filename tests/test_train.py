@@ -358,6 +358,7 @@ REFUSED = {
         "--tp", "2", "--batch", "5", "--grad-accum", "2"],
     "--plan auto with --tp 2: the planner does not model activations under tensor "
     "parallelism": ["--tp", "2", "--plan", "auto"],
+    "--compile with --tp 2 is not supported yet": ["--tp", "2", "--compile"],
 }
 
 
