@@ -58,6 +58,7 @@ class Shards:
 
     def __init__(self, ctx, model: nn.Module, homes, gatherer):
         self.ctx, self.model, self.homes, self.gatherer = ctx, model, homes, gatherer
+        self.table = ctx.table
         self.meta = meta_state(model) is True      # built on the meta device: materialize
         # ZeRO-3's sharded units: a unit without parameters has no rows to shard, and the
         # persistent one stays whole on every rank.
@@ -103,20 +104,20 @@ class Shards:
         sharded = unit in self.sharded
         master = self.homes.place_masters(unit, keep=sharded)
         if sharded:
-            unit.shard = self._compute_shard(unit, master)
+            self.table[unit].shard = self._compute_shard(unit, master)
         elif unit.compute_dtype != unit.dtype:
             for s in unit.slots:
                 _cast(s, local_of(s.param).data.to(unit.compute_dtype))
         groups = self.ctx.groups
         for s in unit.slots if sharded else ():
             # A hooked parameter's shard is its subclass over the rows, as FSDP2's is.
-            rows = s.shard_of(unit.shard)
+            rows = s.shard_of(self.table[unit].shard)
             local = rows if s.hooks is None else subclass_of(s, rows)
-            s.sharded = nn.Parameter(s.as_dtensor(local, groups.mesh, groups.placements),
-                                     requires_grad=s.requires_grad)
+            self.table[s].sharded = nn.Parameter(
+                s.as_dtensor(local, groups.mesh, groups.placements), requires_grad=s.requires_grad)
             _cast(s, self.gatherer.placeholder(s, unit))
             for module, name in s.owners:
-                module._parameters[name] = s.sharded
+                module._parameters[name] = self.table[s].sharded
 
     def _compute_shard(self, unit, master) -> torch.Tensor:
         """ZeRO-3's flat compute shard: the home's under ``params=True`` (for NVMe, in the
@@ -168,8 +169,8 @@ class Shards:
             return
         ctx = self.ctx
         if unit in self.sharded:
-            if rows is not None and rows is not unit.shard:
-                ctx.copies.to_device(unit, unit.shard, rows)
+            if rows is not None and rows is not self.table[unit].shard:
+                ctx.copies.to_device(unit, self.table[unit].shard, rows)
             return
         layout, width = self._gather_layout(unit)
         if not layout:
@@ -259,12 +260,13 @@ class Shards:
         """Every rank's master rows of ``unit`` as one rank-major ``(world, shard)`` buffer,
         on the runtime's device, in the masters' dtype. Collective."""
         comm = self.ctx.comm_of(unit)
-        dtype = unit.slots[0].opt_param.dtype
+        dtype = self.table[unit.slots[0]].opt_param.dtype
         recv = torch.empty(comm.world * unit.shard_numel, dtype=dtype, device=self.ctx.device)
         send = recv.view(comm.world, unit.shard_numel)[comm.rank]    # gathered in place
         send.zero_()
         for s in unit.slots:
-            send[s.offset:s.offset + s.local_numel].copy_(s.opt_param.detach().reshape(-1))
+            send[s.offset:s.offset + s.local_numel].copy_(
+                self.table[s].opt_param.detach().reshape(-1))
         comm.all_gather(recv, send)
         return recv.view(comm.world, unit.shard_numel)
 
