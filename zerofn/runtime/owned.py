@@ -115,7 +115,7 @@ class OwnedStep:
         self.ctx, self.comm, self.shards = ctx, ctx.comm, shards
         self.table = ctx.table
         # slots ZeRO-3 keeps as rows (their updates are scattered), fixed at set-up
-        self.as_rows = {s for u in shards.sharded for s in u.slots}
+        self.as_rows = {s for u in shards.sharded_units for s in u.slots}
         members = members_of(optimizer)
         self.members = [m for m in members if is_whole(m)]
         rest = [m for m in members if not is_whole(m)]

@@ -62,7 +62,7 @@ class Shards:
         self.meta = meta_state(model) is True      # built on the meta device: materialize
         # ZeRO-3's sharded units: a unit without parameters has no rows to shard, and the
         # persistent one stays whole on every rank.
-        self.sharded = [u for u in ctx.units
+        self.sharded_units = [u for u in ctx.units
                         if ctx.stage == 3 and not u.replicated and u.slots]
         self.flats: list[FlatBuffers] = []       # the compute shards' buffers, for accounting
         self._compute: dict = {}                  # unit -> its compute shard's buffer
@@ -94,14 +94,14 @@ class Shards:
         """The compute shards that need a buffer of their own: not the masters (device
         memory in the compute dtype already), not a home's (``params=True``)."""
         params = self.ctx.plan.offload.params
-        return {u: (u.compute_dtype, u.shard_numel) for u in self.sharded if not params
+        return {u: (u.compute_dtype, u.shard_numel) for u in self.sharded_units if not params
                 and not (self.homes.masters_on_device(u) and u.compute_dtype == u.master_dtype)}
 
     def _lay_out_unit(self, unit) -> None:
         """Masters (what the optimizer steps) and compute params of one unit, from its full
         parameters. ZeRO-3 computes on a flat shard registered as Shard(0) DTensor
         parameters; the full parameters are then let go."""
-        sharded = unit in self.sharded
+        sharded = unit in self.sharded_units
         master = self.homes.place_masters(unit, keep=sharded)
         if sharded:
             self.table[unit].shard = self._compute_shard(unit, master)
@@ -168,7 +168,7 @@ class Shards:
         if not unit.slots:
             return
         ctx = self.ctx
-        if unit in self.sharded:
+        if unit in self.sharded_units:
             if rows is not None and rows is not self.table[unit].shard:
                 ctx.copies.to_device(unit, self.table[unit].shard, rows)
             return
@@ -246,7 +246,7 @@ class Shards:
         """ZeRO-3's next forward gathers from the refreshed shards: device work from here on
         waits for their copies (the host does not). The step's whole writes are done."""
         self.written.clear()
-        for unit in self.sharded:
+        for unit in self.sharded_units:
             self.ctx.copies.device_wait(unit)
 
     def settle_copies(self) -> None:
