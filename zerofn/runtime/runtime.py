@@ -465,7 +465,7 @@ class Runtime:
         rank's; with ``groups=``, every rank's (each expert-parallel rank holds other
         experts, and a checkpoint's groups must name them all, once). Collective then,
         once per optimizer."""
-        slot_of_opt = {self.table[s].opt_param: s for s in self.slot_of.values()}
+        slot_of_opt = self.slot_of_stepped()
         mine = [[slot_of_opt[p].fqn for p in g["params"]] for g in optimizer.param_groups]
         if not self._own:
             return mine
@@ -589,7 +589,7 @@ class Runtime:
                     rewrap_hooked(s)
                 for module, name in s.owners:
                     module._parameters[name] = s.param
-        slot_of_opt = {self.table[s].opt_param: s for s in self.slot_of.values()}
+        slot_of_opt = self.slot_of_stepped()
         # Optimizer state goes where torch.optim keeps it: with the parameter.
         if self.stepper.binding is not None:
             self.stepper.binding.restore(
