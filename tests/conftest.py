@@ -24,6 +24,9 @@ MARKERS = {
     "hf": "needs Hugging Face transformers",
     "deepspeed": "DeepSpeed compatibility (zerofn.deepspeed, its configs and checkpoints); "
                  "DeepSpeed itself is not needed",
+    "timed": "asserts how long something takes or waits out a timeout (failures, stalls); "
+             "scripts/test.sh runs these alone, after the rest, so that other tests' load "
+             "cannot move their clocks",
     "slow(reason)": "runs only with ZEROFN_SLOW=1; skipped otherwise, saying why it is slow",
 }
 

@@ -22,6 +22,8 @@ import zerofn as zf
 from support.models import batches, make_models
 from support.ranks import started
 
+pytestmark = pytest.mark.timed   # (conftest.py: run alone, after the rest)
+
 FAULT_STEP = 2   # the optimizer step (from 1) in which rank 1 fails
 
 

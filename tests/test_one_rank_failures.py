@@ -6,16 +6,25 @@ The checks are found from the code: every place zerofn exchanges what the ranks 
 agree.py). Each is listed in SITES with a scenario that reaches it through the public
 API and what a problem on one rank looks like there; the problem is injected on rank 1 of
 2 and rank 3 of 4 (rank 0 where the check is rank 0's read, told to the others), into
-what that rank sends. A place not listed fails ``test_every_check_site_is_listed``.
+what that rank sends. A place not listed fails ``test_every_check_site_is_listed``. The
+front doors (DeepSpeed's ``initialize``, Lightning's Fabric) reach the same sites through
+their own set-up and checkpoints, and are injected the same way (FRONT_DOORS).
+
+A raise on one rank outside these exchanges ends that rank's process, and the others' next
+collective fails at once naming it gone: ``test_failures.py`` injects such raises in the
+forward, backward, step and a save, in a user's loop and in ``zerofn train``.
 """
 from __future__ import annotations
 
 import ast
 import contextlib
+import importlib.util
+import json
 import os
 import pathlib
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -23,9 +32,13 @@ import torch.distributed as dist
 from torch import nn
 
 import zerofn as zf
+import zerofn.deepspeed as deepspeed
 from support.loops import zero
 from support.ranks import run_ranks
+from zerofn.planner.probe import Machine
 from zerofn.state_dict import get_model_state_dict, set_model_state_dict
+from zerofn.train.args import parse_args
+from zerofn.train.job import resolve
 
 pytestmark = pytest.mark.multirank
 
@@ -68,6 +81,8 @@ INJECT = {
     "directory": lambda o: (None, *o[1:]),                         # (rank 0's token seen, ...)
     "rank 0's read": lambda o: ValueError(PROBLEM),
     "rank 0's write": lambda o: PROBLEM,
+    "rank 0's plan": lambda o: (None, PROBLEM),                    # (choice, why none)
+    "tag": lambda o: (o[0] + "-elsewhere", o[1]),                  # (tag, client_state)
 }
 
 
@@ -153,6 +168,70 @@ def nonfinite(tmp, rank):
     opt.step()
 
 
+def plan_auto(tmp, rank):
+    """``zerofn train --plan auto``'s set-up: rank 0 plans, every rank takes its choice."""
+    os.makedirs(tmp, exist_ok=True)
+    probe = os.path.join(tmp, f"probe{rank}.json")
+    with open(probe, "w") as f:
+        json.dump(MACHINE.to_json(), f)
+    args = parse_args(["--model", "tiny", "--context", "16", "--batch", "4", "--steps", "1",
+                       "--plan", "auto", "--probe", probe])
+    resolve(args, torch.device("cpu"))
+
+
+def engine(config_stage=2):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return deepspeed.initialize(model=Net(), config={
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": config_stage}}, dist_init_required=False)[0]
+
+
+def deepspeed_save(tmp, rank):
+    engine().save_checkpoint(tmp, tag="t")
+
+
+def deepspeed_load(tmp, rank):
+    model = engine()
+    with injecting_nowhere():
+        model.save_checkpoint(tmp, tag="t")
+    model.load_checkpoint(tmp)
+
+
+def fabric(rank, world):
+    """Lightning's Fabric on zerofn over the ranks' own process group, as a job that
+    torchrun started finds it (Lightning initializes nothing already initialized)."""
+    from lightning.fabric import Fabric
+
+    from zerofn.integrations.lightning import ZeroFabricStrategy
+    os.environ.update(TORCHELASTIC_RUN_ID="harness", RANK=str(rank), LOCAL_RANK=str(rank),
+                      GROUP_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=ZeroFabricStrategy(stage=2))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = Net()
+    return fabric, *fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def fabric_set_up(tmp, rank):
+    fabric(rank, dist.get_world_size())
+
+
+def fabric_load(tmp, rank):
+    lightning, model, opt = fabric(rank, dist.get_world_size())
+    path = os.path.join(tmp, "fabric")
+    with injecting_nowhere():
+        lightning.save(path, {"model": model, "optimizer": opt})
+    lightning.load(path, {"model": model, "optimizer": opt})
+
+
+def deepspeed_set_up(tmp, rank):
+    engine()
+
+
 # site: (scenario, injection or None where the scenario fails on its own, whose rank:
 # "one" (the failing rank) or 0 (rank 0's read), what the error names)
 SITES = {
@@ -176,14 +255,27 @@ SITES = {
                                                 "load_pretrained"),
     "io/pretrained/load.py:load_pretrained:2": (load_pretrained, "problems", "one",
                                                 "load_pretrained"),
+    "train/planned.py:planned:1": (plan_auto, "rank 0's plan", 0, "--plan auto"),
+    "deepspeed/engine_checkpoint.py:_agree_on_tag:1": (deepspeed_save, "tag", "one",
+                                                       "save_checkpoint"),
+    "deepspeed/engine_checkpoint.py:_checkpoint_dir:1": (deepspeed_load, "rank 0's read", 0,
+                                                         "load_checkpoint"),
 }
+# The front doors, each through one or two of the sites above: (site, scenario, injection,
+# whose rank, what the error names).
+FRONT_DOORS = {
+    "deepspeed: initialize": ("runtime/runtime.py:_agree_across_ranks:1", deepspeed_set_up,
+                              "set-up", "one", "set-up failed"),
+    "lightning: Fabric.setup": ("runtime/runtime.py:_agree_across_ranks:1", fabric_set_up,
+                                "set-up", "one", "set-up failed"),
+    "lightning: Fabric.load": ("io/checkpoint/verify.py:agree_on_load:1", fabric_load,
+                               "problems", "one", "Cannot load checkpoint"),
+}
+if importlib.util.find_spec("lightning") is None:   # (set-up installs it; offline may not)
+    FRONT_DOORS = {k: v for k, v in FRONT_DOORS.items() if not k.startswith("lightning")}
+
 # Exchanges this harness does not reach yet, and why (each still agrees by construction).
 NOT_REACHED = {
-    "train/planned.py:planned:1": "zerofn train --plan auto: rank 0 plans and broadcasts "
-                                  "its verdict (tests/test_plan.py runs it)",
-    "deepspeed/engine_checkpoint.py:_agree_on_tag:1": "the DeepSpeed engine's save "
-                                                     "(tests/test_deepspeed_engine.py)",
-    "deepspeed/engine_checkpoint.py:_checkpoint_dir:1": "the DeepSpeed engine's load",
     "runtime/owned.py:spread_out:1": "each owner's description of its whole-tensor state, "
                                      "spread to every rank for a state dict: data, no "
                                      "finding (tests/test_owned_optimizers.py saves it)",
@@ -191,6 +283,12 @@ NOT_REACHED = {
                                         "checkpoint's param groups: names, no finding to "
                                         "agree on (tests/test_experts.py saves them)",
 }
+
+# a stand-in machine for --plan auto (probing this one would take seconds and vary)
+MACHINE = Machine(device="a stand-in", matmul={"fp32": 1e11}, memory_bw=1e10,
+                  cpu_adam={"fp32": 2e8}, disk_read=1e9, disk_write=5e8,
+                  collectives={str(w): {"latency_s": 1e-4, "bus_bw": 1e9} for w in (2, 4)},
+                  process={"base": 3e8, "overhead": 0.05}, free={})
 
 FAILING = [1]     # the rank a scenario's own failure is on (nonfinite), set per world
 
@@ -239,21 +337,30 @@ def _install() -> None:
     dist.all_gather_object, dist.broadcast_object_list = all_gather_object, broadcast_object_list
 
 
-def injected_runs(rank, world, tmp, sites):
-    """For each site: the error this rank raised (type, message), when it ended (the
+def cases() -> dict:
+    """``{case: (where, scenario, injection, whose, names)}``: every listed site, then each
+    front door."""
+    sites = check_sites()
+    out = {key: (sites[key], *SITES[key]) for key in SITES if key in sites}
+    out.update({door: (sites[site], *rest) for door, (site, *rest) in FRONT_DOORS.items()})
+    return out
+
+
+def injected_runs(rank, world, tmp, runs):
+    """For each case: the error this rank raised (type, message), when it ended (the
     wall clock, which the ranks of one machine share), and how often the injection fired
     here, on which rank."""
     _install()
     failing = world - 1
     FAILING[0] = failing
     out = {}
-    for key, where in sites.items():
-        scenario, inject, whose, _ = SITES[key]
+    for key, (where, scenario, inject, whose, _) in runs.items():
         target_rank = failing if whose == "one" else 0
         _target.clear()
         if inject is not None:
             _target.update(where=where, rank=target_rank, inject=INJECT[inject], hits=0)
-        directory = os.path.join(tmp, f"w{world}", key.replace("/", "_").replace(":", "_"))
+        directory = os.path.join(tmp, f"w{world}", "".join(c if c.isalnum() else "_"
+                                                           for c in key))
         dist.barrier()
         try:
             scenario(directory, rank)
@@ -276,11 +383,10 @@ def test_every_check_site_is_listed():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_problem_on_one_rank_stops_every_rank_naming_it(world, tmp_path):
-    sites = {k: v for k, v in check_sites().items() if k in SITES}
-    results = run_ranks(world, injected_runs, str(tmp_path), sites, timeout=600)
+    runs = cases()
+    results = run_ranks(world, injected_runs, str(tmp_path), runs, timeout=600)
     table = []
-    for key in sites:
-        _, inject, _, names = SITES[key]
+    for key, (_, _, inject, _, names) in runs.items():
         seen = [r[key] for r in results]
         target_rank = seen[0][3]
         if inject is not None:
@@ -291,6 +397,6 @@ def test_a_problem_on_one_rank_stops_every_rank_naming_it(world, tmp_path):
         ends = [end for _, end, _, _ in seen]
         # every rank ended, within this of the first (a hang would wait for the timeout)
         assert max(ends) - min(ends) < 10, (key, ends)
-        table.append(f"{key:46} rank {target_rank}  {max(ends) - min(ends):5.2f} s  "
+        table.append(f"{key:50} rank {target_rank}  {max(ends) - min(ends):5.2f} s  "
                      f"{seen[0][0][0]}: {seen[0][0][1][:90]}")
     print(f"\nworld {world}:\n" + "\n".join(table))

@@ -15,6 +15,8 @@ from support.loops import zero
 from support.models import batches, make_models
 from support.ranks import run_ranks
 
+pytestmark = pytest.mark.timed   # (conftest.py: run alone, after the rest)
+
 STALL, TIMEOUT = 2.0, 8.0
 
 

@@ -112,17 +112,27 @@ class EngineCheckpoints:
         """One small collective: every rank saves under the same tag (else every rank raises),
         and rank 0's client_state is the one saved."""
         gathered = gather((tag, client_state), self.group)
-        tags = [t for t, _ in gathered]
-        if len(set(tags)) > 1:
-            raise ValueError(f"save_checkpoint: ranks passed different tags {tags}; pass the "
-                             f"same tag on every rank (or none).")
+        for rank, (other, _) in enumerate(gathered):
+            if other != gathered[0][0]:
+                raise ValueError(f"save_checkpoint: rank {rank} passed tag {other!r} where "
+                                 f"rank 0 passed {gathered[0][0]!r}; pass the same tag on "
+                                 f"every rank (or none).")
         return gathered[0][1]
 
     def _checkpoint_dir(self, load_dir: str, tag) -> str | None:
         """Rank 0 finds the checkpoint (DeepSpeed's ``latest`` file names the tag) and tells
         the others, so every rank loads the same one or none does."""
-        found = _find_checkpoint(load_dir, tag) if dist.get_rank(self.group) == 0 else None
-        path, problem = from_first(found, self.group)
+        found = None
+        if dist.get_rank(self.group) == 0:
+            try:
+                found = _find_checkpoint(load_dir, tag)
+            except OSError as e:      # told to every rank, not raised here alone
+                found = e
+        found = from_first(found, self.group)
+        if isinstance(found, Exception):
+            raise ValueError(f"load_checkpoint: rank 0 could not read {load_dir}: {found}. "
+                             "Nothing was loaded.") from found
+        path, problem = found
         if problem:
             warnings.warn(problem, DeepSpeedConfigWarning, stacklevel=3)
         return path

@@ -99,6 +99,14 @@ def owners(shapes: list, world: int) -> tuple[list[int], list[float]]:
     return owner, load
 
 
+def whole_params(members) -> list:
+    """``(member, parameter)`` for every parameter a whole-tensor member of ``members``
+    holds, in the order ``owners`` is given their shapes: the runtime's binding and the
+    planner (zerofn/planner/owned.py) read the one order, so they name the same owners."""
+    return [(m, p) for m in members if is_whole(m) for g in m.param_groups
+            for p in g["params"]]
+
+
 class OwnedStep:
     """The owned parameters of ``optimizer``'s whole-tensor members, and their step (see the
     module note).
@@ -122,8 +130,8 @@ class OwnedStep:
         # What the homes step: the elementwise members (none: an empty chain steps nothing).
         self.elementwise = rest[0] if len(rest) == 1 and len(members) == 1 \
             else OptimizerChain(rest)
-        self.slots = [(m, slot_of[p]) for m in self.members for g in m.param_groups
-                      for p in g["params"] if slot_of[p].requires_grad]
+        self.slots = [(m, slot_of[p]) for m, p in whole_params(self.members)
+                      if slot_of[p].requires_grad]
         owner, self.load = owners([s.global_shape for _, s in self.slots], self.comm.world)
         self.owner = {s: o for (_, s), o in zip(self.slots, owner)}
         self.spread = False   # [Note: owned state in state dicts]: state in rows, everywhere

@@ -35,11 +35,11 @@ def planned(job, args, device: torch.device):
         try:
             result = _plan(job, args, device, world)
             choice, message = result.choice.to_json(), result.reason
-        except (NoPlanFits, ValueError) as e:
-            message = f"--plan auto: {e}"
+        except (NoPlanFits, ValueError, OSError) as e:     # told to every rank below
+            message = str(e)
     choice, message = from_first((choice, message), dist.group.WORLD)
     if choice is None:
-        raise ValueError(message)
+        raise ValueError(f"--plan auto (rank 0's plan): {message}")
     if dist.get_rank() == 0:
         print(f"zerofn plan: {message}", flush=True)
     job.stage, job.offload = choice["stage"], choice["offload"]
