@@ -45,7 +45,7 @@ def test_train_help_says_flags_override_the_config(capsys):
     assert "an explicit flag wins over --config" in " ".join(out.split()), out
     for flag in ("--config", "--stage", "--precision", "--offload", "--nvme-path",
                  "--offload-params", "--grad-accum", "--activation-checkpointing", "--model",
-                 "--save-dir", "--save-every", "--resume", "--nproc"):
+                 "--save-dir", "--save-every", "--resume", "--nproc", "--tp"):
         assert flag in out, flag
 
 

@@ -1,11 +1,13 @@
 """The package's layers (docs/design.md, "The house"): every import in zerofn/, lazy ones
 inside functions included, runs down a layer or within one, never up, and no modules
 import each other in a circle. The test reads the source, so it sees imports no test
-happens to run."""
+happens to run. And docs/design.md's map ("Where things are") names every module of
+zerofn/, and none that is not there."""
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -192,3 +194,44 @@ def test_lazy_imports_inside_functions_are_seen(module, tmp_path):
     path = tmp_path / "planted.py"
     path.write_text(source)
     assert "zerofn.train" in imports_of(module, path, modules())
+
+
+DESIGN = PACKAGE.parent / "docs" / "design.md"
+# Folders the map heads that hold no __init__.py (namespace packages).
+_FOLDERS_WITHOUT_INIT = {p.relative_to(PACKAGE).as_posix() + "/" for p in PACKAGE.iterdir()
+                         if p.is_dir() and not (p / "__init__.py").exists()
+                         and any(p.glob("*.py"))}
+
+
+def mapped(design: str) -> set[str]:
+    """The modules docs/design.md's map ("Where things are") names: the backquoted names in
+    the first cell of each of its table's rows."""
+    section = design.split("### Where things are", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| ")]
+    return {name for cell in rows[1:] for name in re.findall(r"`([^`]+)`", cell)}
+
+
+def map_names() -> set[str]:
+    """What the map must name: each module's path below zerofn/, a package's
+    ``__init__.py`` as its folder (``runtime/homes/``); the face, ``__init__.py``."""
+    out = set()
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        out.add(rel[:-len("__init__.py")] if rel.endswith("/__init__.py") else rel)
+    return out
+
+
+def test_the_design_map_names_every_module_and_no_other():
+    names, listed = map_names(), mapped(DESIGN.read_text())
+    assert sorted(names - listed) == [], "modules missing from docs/design.md's map"
+    assert sorted(listed - names - _FOLDERS_WITHOUT_INIT) == [], \
+        "names in docs/design.md's map that are no module of zerofn/"
+
+
+def test_the_map_check_finds_a_missing_and_a_stale_module():
+    design = DESIGN.read_text()
+    row = "| `runtime/param_table.py` |"
+    assert row in design
+    without = design.replace(row, "| `runtime/homes.py` |")
+    assert sorted(map_names() - mapped(without)) == ["runtime/param_table.py"]
+    assert sorted(mapped(without) - map_names() - _FOLDERS_WITHOUT_INIT) == ["runtime/homes.py"]

@@ -40,7 +40,7 @@ from zerofn.state_dict import get_model_state_dict, set_model_state_dict
 from zerofn.train.args import parse_args
 from zerofn.train.job import resolve
 
-pytestmark = [pytest.mark.multirank, pytest.mark.timed]
+pytestmark = pytest.mark.multirank
 
 PACKAGE = pathlib.Path(zf.__file__).parent
 HELPERS = {"agree_or_raise", "gather", "from_first"}

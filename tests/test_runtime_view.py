@@ -4,17 +4,24 @@ optimizer that torch's optimizers lack, imports from runtime/'s modules only wha
 ``IMPORTABLE`` lists, and reads or writes a slot's runtime state (``SLOT_STATE``) only
 through the view. The test reads the source: a runtime is what ``runtime_of(...)``
 returns, a name assigned from it, and the ``rt`` an observer is attached to
-(``attach(rt)``, ``self.rt``)."""
+(``attach(rt)``, ``self.rt``).
+
+The parameter state the runtime makes at set-up has one owner, its table
+(zerofn/runtime/param_table.py): core's layout declares none of it, and every module, the
+runtime's too, reaches it in one form, ``table[key].field``."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 
 import torch
 import torch.nn as nn
 
 from support.ranks import run_ranks
+from zerofn.core.units import ParamSlot, Unit
 from zerofn.runtime import __all__ as PACKAGE_NAMES
+from zerofn.runtime.param_table import SlotState, UnitState
 from zerofn.runtime.view import IMPORTABLE, SLOT_STATE, SURFACE, RuntimeView
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "zerofn"
@@ -136,6 +143,100 @@ def test_the_check_finds_a_planted_patched_method_internal_import_and_slot_state
     assert past_the_view(planted) == [(1, "Runtime"), (2, "comm.gloo_scratch"),
                                       (3, "homes.Homes"), (6, "optimizer.scale"),
                                       (8, "opt_param"), (9, "sharded")]
+
+
+TABLE_FIELDS = frozenset(f.name for cls in (SlotState, UnitState)
+                         for f in dataclasses.fields(cls))
+# Fields whose name nothing else uses: every use, read or write, is on a table entry.
+# ``shard`` is also a process group's (mesh.py's ``groups.shard``): its writes are checked.
+ONLY_ON_TABLE = frozenset({"opt_param", "sharded"})
+
+
+def _on_table(node: ast.Attribute) -> bool:
+    """Whether the attribute is a field of an entry of the runtime's table:
+    ``table[key].field`` or ``<obj>.table[key].field``."""
+    base = node.value
+    return isinstance(base, ast.Subscript) and (
+        getattr(base.value, "id", None) == "table" or getattr(base.value, "attr", None) == "table")
+
+
+def _written(tree) -> list[ast.expr]:
+    """Every target an assignment writes, tuples unpacked."""
+    targets = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets += node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets.append(node.target)
+    out = []
+    while targets:
+        t = targets.pop()
+        if isinstance(t, (ast.Tuple, ast.List)):
+            targets += t.elts
+        else:
+            out.append(t)
+    return out
+
+
+def off_the_table(source: str) -> list[tuple[int, str]]:
+    """``(line, field)`` for each use of the table's state not in the table's one form: any
+    use of ``opt_param`` or ``sharded``, and any write of ``shard`` (an assignment or a
+    ``setattr``), on anything but ``table[key]``."""
+    tree = ast.parse(source)
+    found = [(n.lineno, n.attr) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+             and n.attr in ONLY_ON_TABLE and not _on_table(n)]
+    found += [(t.lineno, t.attr) for t in _written(tree) if isinstance(t, ast.Attribute)
+              and t.attr in TABLE_FIELDS - ONLY_ON_TABLE and not _on_table(t)]
+    found += [(n.lineno, n.args[1].value) for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setattr"
+              and len(n.args) > 1 and isinstance(n.args[1], ast.Constant)
+              and n.args[1].value in TABLE_FIELDS]
+    return sorted(set(found))
+
+
+def test_every_module_reaches_the_parameter_state_through_the_table_alone():
+    found = {str(path.relative_to(PACKAGE)): bad for path in PACKAGE.rglob("*.py")
+             if (bad := off_the_table(path.read_text()))}
+    assert not found, f"parameter state outside runtime/param_table.py's table: {found}"
+
+
+def test_the_check_finds_a_planted_write_of_the_state_from_core_or_outside_the_runtime():
+    # as core/units.py might fill a slot, and io/ or the runtime in the old form would
+    planted = ("def lay_out(unit, table, rows, p):\n"
+               "    for slot in unit.slots:\n"
+               "        slot.opt_param = slot.shard_of(rows)\n"
+               "    unit.shard, other.sharded = rows, p\n"
+               "    setattr(unit, 'shard', rows)\n"
+               "    table[slot].opt_param = rows\n"
+               "    self.table[unit].shard = rows\n"
+               "    return groups.shard, table[slot].sharded\n")
+    assert off_the_table(planted) == [(3, "opt_param"), (4, "shard"), (4, "sharded"),
+                                      (5, "shard")]
+    assert past_the_view(planted) == [(3, "opt_param"), (4, "sharded"), (6, "opt_param"),
+                                      (8, "sharded")]
+    # the same write appended to core's own layout, and to a checkpoint module
+    write = "\ndef fill(slot, rows):\n    slot.opt_param = rows\n"
+    for module in ("core/units.py", "io/checkpoint/api.py"):
+        source = (PACKAGE / module).read_text()
+        line = source.count("\n") + 3
+        assert off_the_table(source) == [] and off_the_table(source + write) == \
+            [(line, "opt_param")], module
+
+
+def _declared_state(*classes) -> dict[str, set[str]]:
+    return {c.__name__: {f.name for f in dataclasses.fields(c)} & TABLE_FIELDS
+            for c in classes if {f.name for f in dataclasses.fields(c)} & TABLE_FIELDS}
+
+
+def test_core_declares_none_of_the_runtime_state():
+    """The layout (core/units.py) holds no field of the table's; a planted one is found."""
+    assert _declared_state(ParamSlot, Unit) == {}
+
+    @dataclasses.dataclass
+    class Planted(ParamSlot):
+        opt_param: object = None
+
+    assert _declared_state(ParamSlot, Unit, Planted) == {"Planted": {"opt_param"}}
 
 
 def _missing_data_attributes(rank, world, names):

@@ -3,8 +3,10 @@ each global batch, and a rank's share of it under zerofn (or FSDP2)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
+import torch.distributed as dist
 
 import zerofn as zf
 
@@ -32,7 +34,28 @@ def build_parity(stage: int, kind: str = "adamw", *extra, seed: int = 0,
 
 def train_reference(ref, opt, data, clip=None):
     """Plain single-process PyTorch: each global batch of ``data`` (a list of micro-batches)
-    in one forward."""
+    in one forward. Called on every rank of a process group, rank 0 trains and the others
+    take its parameters, buffers, optimizer state and random state: the same result as
+    each training it, for 1/world of the work (the reference is the global batch, so on
+    every rank it was most of a multi-rank test's compute)."""
+    shared = dist.is_initialized() and dist.get_world_size() > 1
+    if not shared or dist.get_rank() == 0:
+        _train_whole(ref, opt, data, clip)
+    if shared:
+        _take_rank_0s(ref, opt)
+
+
+def _take_rank_0s(ref, opt) -> None:
+    for t in itertools.chain(ref.parameters(), ref.buffers()):
+        dist.broadcast(t.data, src=0)
+    box = [opt.state_dict(), torch.get_rng_state()]
+    dist.broadcast_object_list(box, src=0)
+    if dist.get_rank():
+        opt.load_state_dict(box[0])
+        torch.set_rng_state(box[1])
+
+
+def _train_whole(ref, opt, data, clip):
     for micro in data:
         x = torch.cat([m[0] for m in micro])
         y = torch.cat([m[1] for m in micro])

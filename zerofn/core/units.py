@@ -94,9 +94,8 @@ class ParamSlot:
     dp: tuple | None = None                  # (mesh, placements) of its own group, or None
     aliases: list = field(default_factory=list)   # the user's, where ``param`` replaced it
     hooks: tuple | None = None               # a subclass's gather hooks (``hooks_of``)
-    # Filled by the runtime:
-    opt_param: torch.Tensor | None = None    # what the optimizer steps: this rank's rows
-    sharded: nn.Parameter | None = None      # ZeRO-3: the registered DTensor parameter
+    # (what the runtime makes for a slot, the rows the optimizer steps and ZeRO-3's
+    # registered DTensor, is the runtime's own: runtime/param_table.py)
     _layouts: dict = field(default_factory=dict, repr=False)   # as_dtensor's, per mesh
 
     @property
@@ -211,7 +210,6 @@ class Unit:
     compute_dtype: torch.dtype | None = None
     master_dtype: torch.dtype | None = None
     replicated: bool = False     # ZeRO-3's small persistent params: whole on every rank
-    shard: torch.Tensor | None = None    # ZeRO-3: this rank's compute rows, flat
     group: str | None = None     # groups='s pattern naming its module, or None (group=)
 
     # (cached: every gather asks, and a built unit's slots do not change)

@@ -35,10 +35,13 @@ class Batches:
         self.position = state["position"]
 
 
-def micro_batches(x: torch.Tensor, y: torch.Tensor, grad_accum: int, device):
+def micro_batches(x: torch.Tensor, y: torch.Tensor, grad_accum: int, device,
+                  ranks: tuple[int, int] | None = None):
     """This rank's part of each of ``grad_accum`` micro-batches of one global batch (whose
-    rows split evenly into them on every rank)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rows split evenly into them on every rank). ``ranks``: (how many ranks split the batch,
+    this one's index among them), where not every rank reads its own rows (tensor
+    parallelism's ranks read their data-parallel rank's); default the process group's."""
+    world, rank = ranks or (dist.get_world_size(), dist.get_rank())
     shape = (grad_accum, world, -1, x.shape[1])
     for i in range(grad_accum):
         yield x.view(shape)[i, rank].to(device), y.view(shape)[i, rank].to(device)

@@ -1,6 +1,7 @@
 """``zerofn plan``, ``zerofn probe`` and ``zerofn estimate``: the planner's command lines.
 
     zerofn plan 125m --batch 8 --world 2 --host-budget 6
+    zerofn plan 125m --batch 8 --world 4 --optimizer muon   # Muon's owners, their balance
     zerofn plan width=4096,layers=32,heads=32,ffn=11008,vocab=32000,context=2048 \\
         --batch 1 --world 8 --precision bf16 --device-budget 80 --gpu --json
     zerofn probe                      # this machine's rates, probed once and cached
@@ -71,6 +72,12 @@ def plan_main(argv=None, prog: str = "zerofn plan") -> int:
                    help="plan for a GPU, with a GPU's probe: this machine's where it has one, "
                         "else --probe (`zerofn probe` run on the GPU machine)")
     p.add_argument("--probe", help="a probe's JSON (default this machine's, cached)")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
+                   help="adamw (default); muon: torch.optim.Muon over the blocks' matrices, "
+                        "AdamW over the rest; adafactor: torch.optim.Adafactor over every "
+                        "parameter. Muon's and Adafactor's parameters are each stepped whole "
+                        "by one owner rank: the plan counts their state there and prints the "
+                        "owners' balance")
     p.add_argument("--json", action="store_true")
     p.add_argument("--all", action="store_true", help="every candidate in the table")
     args = p.parse_args(argv)
@@ -89,7 +96,8 @@ def plan_main(argv=None, prog: str = "zerofn plan") -> int:
                       device_budget=_bytes(args.device_budget),
                       host_budget=_bytes(args.host_budget), disk_budget=_bytes(args.disk),
                       machine=machine, on_gpu=args.gpu or None, nvme=not args.no_nvme,
-                      margin=args.margin, saves=None if args.saves == "none" else args.saves)
+                      margin=args.margin, saves=None if args.saves == "none" else args.saves,
+                      optimizers=OPTIMIZERS[args.optimizer](model))
     except NoPlanFits as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
@@ -98,6 +106,21 @@ def plan_main(argv=None, prog: str = "zerofn plan") -> int:
         return 2
     print(dumps(result) if args.json else result.table(None if args.all else 20))
     return 0
+
+
+def _muon_and_adamw(model: nn.Module) -> tuple:
+    """Muon over the blocks' matrices, AdamW over the rest (embeddings, head, norms,
+    biases), as torch's Muon documentation pairs them and docs/optimizers.md builds them."""
+    named = [(n, p) for n, p in model.named_parameters()]
+    matrices = [p for n, p in named if n.startswith("blocks.") and p.ndim == 2]
+    taken = {id(p) for p in matrices}
+    return (torch.optim.Muon(matrices), torch.optim.AdamW([p for _, p in named
+                                                           if id(p) not in taken]))
+
+
+# ``zerofn plan --optimizer``: the optimizers each name builds over the (meta) model
+OPTIMIZERS = {"adamw": lambda model: None, "muon": _muon_and_adamw,
+              "adafactor": lambda model: torch.optim.Adafactor(model.parameters())}
 
 
 _NO_GPU_PROBE = ("--gpu plans with a GPU's rates and memory, but {what}: run `zerofn probe` on "

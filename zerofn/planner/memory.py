@@ -40,6 +40,7 @@ from zerofn.runtime.host_malloc import THRESHOLD
 
 from .activations import Activations
 from .candidates import DTYPES, Candidate
+from .owned import Owned
 from .pool_replay import PoolReplay
 
 PHASES = ("forward", "backward", "step", "save")
@@ -67,6 +68,10 @@ class Shape:
         root_first: whether a trainable parameter of the root runs after every other unit
             (a final norm, a head), read from the modules' order as registered: its
             gradient comes first in backward, and with it the root's send buffer.
+        rank: the data-parallel rank described.
+        owned: the parameters whole-tensor optimizers hold (owned.py), or None: Adam
+            steps every parameter.
+        tensor_owned: whether each tensor is one of them (no Adam moments or counter).
     """
 
     world: int
@@ -79,6 +84,9 @@ class Shape:
     buffers: int = 0
     root: bool = False
     root_first: bool = False
+    rank: int = 0
+    owned: Owned | None = None
+    tensor_owned: tuple[bool, ...] = ()
 
     @property
     def params(self) -> int:
@@ -114,6 +122,29 @@ class Shape:
     def trainable_local(self) -> int:
         return sum(self.unit_trainable)
 
+    def _adam(self) -> list[int]:
+        """Indices of the trainable tensors Adam steps (those no whole-tensor optimizer
+        owns)."""
+        owned = self.tensor_owned or (False,) * self.tensors
+        return [i for i, (t, o) in enumerate(zip(self.trainable, owned)) if t and not o]
+
+    @property
+    def adam_params(self) -> int:
+        return sum(self.tensor_numels[i] for i in self._adam())
+
+    @property
+    def adam_local(self) -> int:
+        """This rank's rows of the tensors Adam steps (its moments' elements)."""
+        return sum(self.tensor_locals[i] for i in self._adam())
+
+    @property
+    def adam_tensors(self) -> int:
+        return len(self._adam())
+
+    def owned_held(self, stage: int) -> int:
+        """Optimizer-role bytes this rank holds for owned parameters (owned.py)."""
+        return 0 if self.owned is None else self.owned.held(self.rank, stage)
+
     @property
     def reduced_shards(self) -> tuple[int, ...]:
         """The padded shards of the units that have gradients to reduce."""
@@ -124,9 +155,11 @@ class Shape:
         return sum(self.reduced_shards)
 
     def largest_piece(self, stage: int, trainable: bool = False) -> int:
-        """Elements of the largest piece of one parameter (``trainable``: of those that
-        train) a rank holds: the whole tensor under DDP (stage 0), its rows under ZeRO."""
-        largest = max(self.trainable_numels if trainable else self.tensor_numels, default=0)
+        """Elements of the largest piece of one parameter (``trainable``: of those Adam
+        steps) a rank holds: the whole tensor under DDP (stage 0), its rows under ZeRO."""
+        numels = [self.tensor_numels[i] for i in self._adam()] if trainable \
+            else self.tensor_numels
+        largest = max(numels, default=0)
         return largest if stage == 0 else -(-largest // self.world)
 
     def mapped(self, itemsize: int, threshold: int = THRESHOLD) -> int:
@@ -141,15 +174,18 @@ class Shape:
         return max(self.unit_shards, default=0)
 
 
-def shape_of(model: nn.Module, world: int, rank: int = 0) -> Shape:
+def shape_of(model: nn.Module, world: int, rank: int = 0, owned: Owned | None = None) -> Shape:
     """The model's layout at ``world`` ranks under zerofn's default units (a meta model
     will do: only shapes are read), as data-parallel ``rank`` holds it (rank 0, the
-    default, holds the most rows). A parameter tensor parallelism split (a DTensor) is laid
-    out from its local tensor, as the runtime lays it out (core/units.py), so ``world`` is
-    then the data-parallel ranks and the shape one tensor-parallel rank's."""
+    default, holds the most rows; with ``owned`` parameters each owner holds more). A
+    parameter tensor parallelism split (a DTensor) is laid out from its local tensor, as the
+    runtime lays it out (core/units.py), so ``world`` is then the data-parallel ranks and
+    the shape one tensor-parallel rank's."""
     built = build_units(model, None, world, rank)
     units = [u for u in built if u.slots]
     slots = [s for u in units for s in u.slots]
+    names = owned.names if owned is not None else frozenset()
+    held = {id(p) for n, p in model.named_parameters() if n in names}
     rows = {id(s.param): s.local_numel for s in slots}
     buffers = {id(b): b.nbytes for b in model.buffers()}
     return Shape(world=world, tensor_numels=tuple(s.numel for s in slots),
@@ -160,7 +196,8 @@ def shape_of(model: nn.Module, world: int, rank: int = 0) -> Shape:
                  named_local=sum(rows.get(id(p), 0) for _, p in
                                  model.named_parameters(remove_duplicate=False)),
                  buffers=sum(buffers.values()), root=bool(built[-1].slots),
-                 root_first=_root_runs_last(model, built))
+                 root_first=_root_runs_last(model, built), rank=rank, owned=owned,
+                 tensor_owned=tuple(id(s.param) in held for s in slots))
 
 
 def _root_runs_last(model: nn.Module, built) -> bool:
@@ -186,10 +223,10 @@ def model_state(c: Candidate, shape: Shape, device_is_host: bool = False
     kept gradient shards of a unit never reduced and the host ring's columns of frozen
     rows are not."""
     layout = Layout(whole=shape.params, rows=shape.local,
-                    whole_trainable=shape.trainable_params, trainable=shape.trainable_local,
+                    whole_trainable=shape.adam_params, trainable=shape.adam_local,
                     grads=shape.trainable_params if c.stage == 0 else
                     grad_shards(c, shape, device_is_host),
-                    counters=shape.trainable_tensors, largest=shape.largest,
+                    counters=shape.adam_tensors, largest=shape.largest,
                     ring_slots=max(1, min(HOST_RING_DEPTH, len(shape.unit_shards))),
                     ring_written=max(shape.unit_trainable, default=0) if device_is_host
                     else None)
@@ -197,6 +234,9 @@ def model_state(c: Candidate, shape: Shape, device_is_host: bool = False
                                 torch.bfloat16 if c.master_dtype == "bf16" else torch.float32,
                                 offload=c.offload, offload_params=c.params,
                                 state_dtype=DTYPES[c.state_dtype], ratio=c.ratio)
+    # An owner keeps its state and whole masters where its masters' rows are: the host
+    # under offload("cpu"), the only offload planned beside them (search.py)
+    placed["host" if c.offload else "device"]["optimizer"] += shape.owned_held(c.stage)
     return {place: {role: int(placed[place][role]) for role in ("params", "grads", "optimizer")}
             for place in HOMES}
 
@@ -236,15 +276,22 @@ def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = ShardingPolicy.buc
 
 
 def step_temporaries(c: Candidate, shape: Shape, device_is_host: bool = True) -> int:
-    """Bytes torch's AdamW allocates while it steps (zerofn's CPU Adam: none), in fp32: on a
+    """Bytes the step allocates at its peak: the owned step's (owned.py), which runs
+    first and frees them, or torch's AdamW's (none where zerofn's CPU Adam steps offloaded
+    Adam; beside a whole-tensor optimizer torch's steps it there too), in fp32: on a
     CPU, a tensor at a time, two of its size (the denominator is the second moment's
     square root, then that divided by the bias correction: both live at once); on a GPU,
     one list of temporaries (the square roots, divided in place) of what it steps at once."""
-    if c.offload is not None and c.ratio == 1.0:
-        return 0
+    owned = 0 if shape.owned is None else shape.owned.step_bytes(shape.rank, c.stage)
+    if c.offload and not device_is_host:
+        # (the owner steps on the device: its whole masters and state come up for it)
+        owned += shape.owned_held(c.stage)
+    # (beside a whole-tensor optimizer the host's Adam is torch's, not zerofn's kernel)
+    if c.offload is not None and c.ratio == 1.0 and shape.owned is None:
+        return owned
     if device_is_host:
-        return 2 * FP32 * shape.largest_piece(c.stage, trainable=True)
-    return FP32 * (shape.trainable_params if c.stage == 0 else max(shape.unit_trainable))
+        return max(owned, 2 * FP32 * shape.largest_piece(c.stage, trainable=True))
+    return max(owned, FP32 * (shape.adam_params if c.stage == 0 else max(shape.unit_trainable)))
 
 
 def activations_of(c: Candidate, acts: Activations) -> dict[str, int]:
@@ -259,12 +306,15 @@ def activations_of(c: Candidate, acts: Activations) -> dict[str, int]:
 def state_dict_bytes(c: Candidate, shape: Shape) -> dict[str, int]:
     """Bytes of the rank's state dicts (``get_state_dict``): the model's, its rows of every
     parameter by name as fp32 masters (tied parameters under each name, frozen ones too);
-    the optimizer's, two fp32 moments a trainable row and a step counter per trainable
-    tensor."""
+    the optimizer's, two fp32 moments a row and a step counter per tensor Adam steps, and
+    owned state as the owners spread it (owned.py)."""
     # stage 0 holds whole parameters: rank 0's rows times the ranks, padding included
     named = shape.named_local * (1 if c.stage else shape.world)
-    rows = shape.trainable_params if c.stage == 0 else shape.trainable_local
-    return {"model": FP32 * named, "optim": 2 * FP32 * rows + FP32 * shape.trainable_tensors}
+    rows = shape.adam_params if c.stage == 0 else shape.adam_local
+    owned = 0 if shape.owned is None else \
+        shape.owned.held(shape.rank, 0) if c.stage == 0 else shape.owned.spread(shape.rank)
+    return {"model": FP32 * named,
+            "optim": 2 * FP32 * rows + FP32 * shape.adam_tensors + owned}
 
 
 def save_copies(c: Candidate, shape: Shape, saves: str | None,

@@ -21,7 +21,9 @@ from zerofn.core.plan import HOMES
 from . import activations as acts_mod
 from . import calibration, libraries, memory, step_time
 from .candidates import DTYPES, Candidate
+from .owned import Owned, elementwise_problems, members, owned_of
 from zerofn.runtime.memory import proc_bytes
+from zerofn.runtime.owned import is_whole
 
 from .probe import Machine, load_or_probe
 
@@ -52,7 +54,8 @@ class PlanResult:
     """The plan: ``rows`` (every candidate, fitting ones first, each group by time),
     ``choice`` (the fastest that fits, or None) and ``reason``; for the loop, the chosen
     ``micro_batch`` and ``accum`` and the rank's batch split into them
-    (``micro_batches``)."""
+    (``micro_batches``); ``owned``: the parameters whole-tensor optimizers hold and
+    the balance of their owners (owned.py), or None."""
 
     rows: list[Row]
     budgets: dict[str, float | None]
@@ -60,6 +63,7 @@ class PlanResult:
     choice: Candidate | None = None
     reason: str = ""
     notes: list[str] = field(default_factory=list)
+    owned: Owned | None = None
 
     def fitting(self) -> list[Row]:
         return [r for r in self.rows if r.fits]
@@ -104,12 +108,14 @@ class PlanResult:
                        f"{r.seconds['total']:>9.3f}  {'yes' if r.fits else 'no'}")
         if limit and len(self.rows) > limit:
             out.append(f"... {len(self.rows) - limit} more (--all, or --json)")
-        return "\n".join(out + ["", self.reason])
+        owned = [] if self.owned is None else ["", self.owned.balance()]
+        return "\n".join(out + owned + ["", self.reason])
 
     def to_json(self) -> dict:
         return dict(machine=self.machine, budgets=self.budgets,
                     choice=None if self.choice is None else self.choice.to_json(),
-                    reason=self.reason, rows=[r.to_json() for r in self.rows])
+                    reason=self.reason, rows=[r.to_json() for r in self.rows],
+                    owned=None if self.owned is None else self.owned.to_json())
 
 
 class NoPlanFits(ValueError):
@@ -147,7 +153,7 @@ def plan(model: nn.Module, example_batch, *, world: int | None = None, group=Non
          host_budget: float | None = None, disk_budget: float | None = None,
          machine: Machine | None = None, on_gpu: bool | None = None, nvme: bool = True,
          only: list[Candidate] | None = None, margin: float = MARGIN,
-         saves: str | None = "sync") -> PlanResult:
+         saves: str | None = "sync", optimizers=None) -> PlanResult:
     """Every candidate for ``model`` at ``world`` ranks, predicted and sorted.
 
     Args:
@@ -173,6 +179,13 @@ def plan(model: nn.Module, example_batch, *, world: int | None = None, group=Non
             are the swap files' own sizes, exact).
         saves: how the run saves checkpoints: "sync" (``save_checkpoint``), "async"
             (``async_save=True``: a host copy of the state first) or None (it does not).
+        optimizers: the run's optimizer, or its sequence (Muon and AdamW), built over the
+            model's parameters (a meta model's too); None: AdamW over every parameter.
+            A whole-tensor optimizer's parameters (Muon, Adafactor, ``zf.whole_tensors``)
+            are given the runtime's owners: each rank's bytes count the state and whole
+            masters it owns and the step's whole gradients (``owned``, printed with the
+            table); every other parameter is counted as Adam's. Offload is not planned
+            beside them (``notes`` says so).
 
     Raises:
         NoPlanFits: no candidate fits; names the smallest budgets that would.
@@ -180,8 +193,12 @@ def plan(model: nn.Module, example_batch, *, world: int | None = None, group=Non
     if saves not in memory.SAVES:
         raise ValueError(f"saves={saves!r}: one of {memory.SAVES} (how the run saves "
                          f"checkpoints: save_checkpoint, async_save=True, or not at all).")
+    problems = [] if optimizers is None else elementwise_problems(optimizers)
+    if problems:
+        raise ValueError(problems[0])
     split = _split_parameter(model)
     world = _data_parallel_world(world, group, split)
+    owned = None if optimizers is None else owned_of(model, optimizers, world)
     inputs = example_batch if isinstance(example_batch, tuple) else (example_batch,)
     rows_in = inputs[0].shape[0]
     batch = batch or rows_in
@@ -189,7 +206,13 @@ def plan(model: nn.Module, example_batch, *, world: int | None = None, group=Non
     precision = precision or ("bf16" if on_gpu else "fp32")
     machine = machine or load_or_probe()
     pool = only or candidates(batch, precision, nvme)
-    shape = memory.shape_of(model, world)
+    notes = [] if split is None else [_TP_NOTE]
+    if owned is not None and any(not _owned_plans(c) for c in pool):
+        pool = [c for c in pool if _owned_plans(c)]
+        notes.append(_OWNED_NOTE)
+    # each rank's layout: rank 0 holds the most rows, an owner its whole-tensor state
+    shapes = [memory.shape_of(model, world, r, owned) for r in range(world if owned else 1)]
+    shape = shapes[0]
     profile = _ActivationProfile(model, inputs) if split is None else _NoActivations()
     # the process: torch, zerofn and a process group (the probe's), and the libraries the
     # model comes from; the allocator's overhead from the probe's calibration
@@ -201,8 +224,8 @@ def plan(model: nn.Module, example_batch, *, world: int | None = None, group=Non
     budgets = dict(device=device_budget, host=host_budget, nvme=disk_budget)
     rows = []
     for c in pool:
-        phases = memory.peaks(c, shape, profile.at(c), process, device_is_host=not on_gpu,
-                              saves=saves)
+        phases = _busiest([memory.peaks(c, s, profile.at(c), process, device_is_host=not on_gpu,
+                                        saves=saves) for s in shapes])
         peak = memory.largest(phases)
         if not on_gpu:
             peak["device"] = peak["host"]    # the device is this memory
@@ -211,8 +234,7 @@ def plan(model: nn.Module, example_batch, *, world: int | None = None, group=Non
         rows.append(Row(c, peak, step_time.step_seconds(c, shape, work, machine, on_gpu),
                         not over, over, phases))
     rows.sort(key=lambda r: (not r.fits, r.seconds["total"], r.peak["device"], r.peak["host"]))
-    notes = [] if split is None else [_TP_NOTE]
-    result = PlanResult(rows, budgets, machine.device, notes=notes)
+    result = PlanResult(rows, budgets, machine.device, notes=notes, owned=owned)
     fitting = result.fitting()
     if not fitting:
         raise NoPlanFits(" ".join([_refusal(rows, budgets, margin)] + notes))
@@ -227,6 +249,26 @@ _TP_NOTE = ("(Tensor parallelism: the peaks count each rank's model state and bu
             "activations, which the planner does not model under tensor or sequence "
             "parallelism: leave room for them in the budgets. Nor does the step time count "
             "tensor parallelism's collectives.)")
+
+
+# What a plan beside a whole-tensor optimizer leaves out, in its notes and reason.
+_OWNED_NOTE = ("(Beside a whole-tensor optimizer the plan weighs offload('cpu') with every "
+               "unit's fp32 state on the host only: NVMe, a ratio and low-precision state "
+               "are not modelled there. Choose them by hand: docs/optimizers.md.)")
+
+
+def _owned_plans(c: Candidate) -> bool:
+    """Whether the planner models ``c`` beside a whole-tensor optimizer: without offload,
+    or offload('cpu') of every unit in fp32 (torch's Adam steps the host's masters there,
+    and the owners keep their state beside them)."""
+    return c.offload is None or (c.offload == "cpu" and c.ratio == 1.0 and
+                                 (c.state_dtype, c.master_dtype) == ("fp32", "fp32"))
+
+
+def _busiest(by_rank: list[dict]) -> dict[str, dict[str, int]]:
+    """Each phase and place's largest bytes over the ranks' ``memory.peaks``."""
+    return {ph: {place: max(r[ph][place] for r in by_rank) for place in by_rank[0][ph]}
+            for ph in by_rank[0]}
 
 
 def _needed(peak: dict[str, int], place: str, margin: float) -> int:
@@ -391,10 +433,14 @@ def auto(model: nn.Module, optimizer, example_batch, *, world: int | None = None
     for place, free in free_budgets(plan_kw["on_gpu"]).items():
         if plan_kw.get(f"{place}_budget") is None:
             plan_kw[f"{place}_budget"] = free
-    result = plan(model, example_batch, world=world, nvme=nvme_path is not None, **plan_kw)
+    # (a whole-tensor optimizer's owners are planned; any other is planned as Adam)
+    whole = any(is_whole(m) for m in members(optimizer))
+    result = plan(model, example_batch, world=world, nvme=nvme_path is not None,
+                  optimizers=optimizer if whole else None, **plan_kw)
     model, optimizer = result.choice.apply(model, optimizer, nvme_path, init)
     if not quiet and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(f"zerofn plan: {result.reason}", file=sys.stderr, flush=True)
+        balance = "" if result.owned is None else "\n" + result.owned.balance()
+        print(f"zerofn plan: {result.reason}{balance}", file=sys.stderr, flush=True)
     return model, optimizer, result
 
 

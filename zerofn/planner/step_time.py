@@ -17,7 +17,11 @@ reads and the probe's rates (probe.py):
   micro-batch) and the reduce-scatter, (n-1)/n each; one call per unit;
 - **the optimizer step**: torch's AdamW on the device touches 7 fp32 words per element
   (read parameter, gradient, two moments; write parameter and moments) at the probed
-  memory bandwidth; zerofn's CPU Adam at the probed rate per state dtype;
+  memory bandwidth; zerofn's CPU Adam at the probed rate per state dtype; a whole-tensor
+  optimizer's matmuls (Muon's Newton-Schulz, counted on its own step: owned.py) at the
+  probed matmul rate of their dtype, the busiest owner's under ZeRO, all of them under
+  DDP, and under ZeRO its traffic (docs/optimizers.md's: the gather to the owner and the
+  update back, less the all-gather's share the broadcast replaces at ZeRO-1/2);
 - **copies**: offload's gradients down and rows up (pinned H2D/D2H on a GPU, memory
   bandwidth on a CPU); NVMe's state read and written once per step at the probed disk
   rates;
@@ -117,16 +121,42 @@ def _comm(c: Candidate, shape: Shape, m: Machine, cb: int) -> float:
     scatters = 1 if c.stage == 1 else c.accum
     gathers = 1 if c.stage in (1, 2) else 2 * c.accum
     return (n - 1) * cb * (scatters * shape.reduced / scatter + gathers * shape.shard / gather) \
-        + (scatters * len(shape.reduced_shards) + gathers * len(shape.unit_shards)) * latency
+        + (scatters * len(shape.reduced_shards) + gathers * len(shape.unit_shards)) * latency \
+        + _owned_comm(c, shape, cb, gather, latency)
+
+
+def _owned_comm(c: Candidate, shape: Shape, cb: int, bw: float, latency: float) -> float:
+    """The owned parameters' traffic over ZeRO's own: each gathered to its owner and sent
+    back in fp32 (two calls), at ZeRO-1/2 less its share of the all-gather in the compute
+    dtype, which the broadcast replaces."""
+    owned = shape.owned
+    if owned is None:
+        return 0.0
+    n = shape.world
+    elements = sum(t.numel for t in owned.tensors)
+    per = 2 * 4 - (cb if c.stage in (1, 2) else 0)
+    return (n - 1) / n * per * elements / bw + 2 * len(owned.tensors) * latency
 
 
 def _step(c: Candidate, shape: Shape, m: Machine, on_gpu: bool) -> float:
-    elements = shape.trainable_params if c.stage == 0 else shape.trainable_local
+    elements = shape.adam_params if c.stage == 0 else shape.adam_local
+    owned = _owned_step(c, shape, m)
     if c.offload is None:
-        return 7 * 4 * elements / m.memory_bw
+        return 7 * 4 * elements / m.memory_bw + owned
     host = elements * c.ratio
     return host / host_adam_rate(m, c.state_dtype, shape.world, on_gpu) + \
-        7 * 4 * elements * (1 - c.ratio) / m.memory_bw
+        7 * 4 * elements * (1 - c.ratio) / m.memory_bw + owned
+
+
+def _owned_step(c: Candidate, shape: Shape, m: Machine) -> float:
+    """Seconds of a whole-tensor optimizer's matmuls on the busiest rank: every owned
+    parameter's under DDP, the busiest owner's under ZeRO (the owners run at once)."""
+    owned = shape.owned
+    if owned is None:
+        return 0.0
+    ranks = [owned.flops_all] if c.stage == 0 else owned.flops
+    return max(sum(f / m.matmul.get(d, m.matmul["fp32"]) for d, f in flops.items())
+               for flops in ranks)
 
 
 def host_adam_rate(m: Machine, state_dtype: str, world: int, on_gpu: bool) -> float:

@@ -16,6 +16,7 @@ from .comm import Comm
 from .copies import CopyStreams
 from .events import Observers
 from .mesh import Groups
+from .param_table import ParamTable
 from .pool import BufferPool
 from .save_reads import SaveReads
 
@@ -36,6 +37,7 @@ class RuntimeContext:
     # summed gradients are divided by ([Note: a module's own group] in core/units.py).
     own: dict = field(default_factory=dict)    # pattern -> (Comm, dp_world)
     saves: SaveReads = field(default_factory=SaveReads)   # background saves reading state
+    table: ParamTable = field(default_factory=ParamTable)  # each slot's and unit's made state
 
     def comm_of(self, unit: Unit) -> Comm:
         """The collectives a unit is gathered and reduced over: its own group's where

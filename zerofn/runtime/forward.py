@@ -71,7 +71,7 @@ class ForwardHooks:
 
     def _forward_begins(self, module, args) -> None:
         if not in_backward():   # (a checkpointed recompute is part of backward)
-            _check_registered(self.ctx.units)
+            _check_registered(self.ctx.units, self.ctx.table)
             self.stepper.follow_zero_grad()
             self.observers.forward_begin()
 
@@ -105,7 +105,7 @@ class ForwardHooks:
         self.gatherer.post_forward(unit, is_root, output)
 
 
-def _check_registered(units) -> None:
+def _check_registered(units, table) -> None:
     """Every parameter zerofn laid out is still the one its modules hold: one replaced after
     the transform (tensor parallelism's ``parallelize_module`` applied after zerofn, or an
     assignment) would compute, and never be trained, silently."""
@@ -113,7 +113,7 @@ def _check_registered(units) -> None:
         for s in unit.slots:
             for module, name in s.owners:
                 held = module._parameters.get(name)
-                if held is not s.param and held is not s.sharded \
+                if held is not s.param and held is not table[s].sharded \
                         and not _computes_with_built(s, held):
                     raise ValueError(
                         f"zerofn: the model's parameter {s.fqn!r} is no longer the one zerofn "

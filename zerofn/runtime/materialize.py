@@ -137,7 +137,9 @@ class Materializer:
             if p is None or not p.is_meta or p in self.new_of:
                 continue
             slot = self._slot_of[p]
-            new = nn.Parameter(self._view(self._unit_of[slot], slot.global_shape),
+            unit = self._unit_of[slot]
+            new = nn.Parameter(self._view(unit, slot.global_shape) if slot.spec is None
+                               else self._empty(slot.global_shape, unit.dtype),
                                requires_grad=p.requires_grad)
             if not (new.is_floating_point() or new.is_complex()):
                 self._versions[id(new)] = new._version
@@ -180,10 +182,11 @@ class Materializer:
             self._buffers_pool.give(flat)
 
     def _view(self, unit: Unit, shape: torch.Size) -> torch.Tensor:
-        """Storage for one of ``unit``'s parameters, whole: the next piece of the unit's
-        buffer."""
+        """Storage for one of ``unit``'s plain parameters, whole: the next piece of the unit's
+        buffer. (A tensor-parallel one's whole gets its own, freed once its piece is taken:
+        at ZeRO-1/2 the plain ones keep the buffer alive.)"""
         if unit not in self._flat:
-            total = sum(s.global_shape.numel() for s in unit.slots)
+            total = sum(s.global_shape.numel() for s in unit.slots if s.spec is None)
             flat = self._buffers_pool.take(total, unit.dtype, self.device)
             self._flat[unit] = (self._poison(flat), [0])
         flat, used = self._flat[unit]

@@ -72,13 +72,14 @@ def model_state_bytes(ctx, optimizer, homes, shards, reducer,
     arenas = list(homes.arenas()) + shards.flats
     # offload("cpu") under mixed precision: the host's compute-dtype copy of the rows, which
     # the step writes and sends to the device (under params=True, the shards themselves).
-    params = [s.sharded if s.sharded is not None else s.param for s in slots] \
+    table = ctx.table
+    params = [table[s].sharded if table[s].sharded is not None else s.param for s in slots] \
         + homes.compute_copies()
     # (an optimizer's own .grad is a marker outside the step: visible.py)
     grads = [s.param.grad for s in slots] + list(reducer.grad_shard.values()) \
         + list(homes.grads.values())
     state = optimizer.state.values() if optimizer is not None else ()
-    opt = [s.opt_param for s in slots] + [t for st in state for t in st.values()] \
+    opt = [table[s].opt_param for s in slots] + [t for st in state for t in st.values()] \
         + homes.state_buffers() + list(kept)
     # The pool's buffers last: bytes of them a role above holds (a lent gradient shard)
     # are that role's, counted once.

@@ -74,21 +74,23 @@ class OptimizerBinding:
 
     Args:
         slot_of: each tensor that stands for a model parameter -> its slot (whose
-            ``opt_param`` the optimizer steps instead).
+            ``opt_param`` in the runtime's table the optimizer steps instead).
         stepper: whose ``before_step`` and ``after_step`` the step hooks run (stepper.py).
-        observers: told when a step begins; their guard wraps zerofn's part of it.
+        ctx: the runtime's context: its observers, told when a step begins (their guard
+            wraps zerofn's part of it), and its parameter table (param_table.py).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, slot_of: dict, stepper, observers,
+    def __init__(self, optimizer: torch.optim.Optimizer, slot_of: dict, stepper, ctx,
                  whole: set = frozenset()):
         self.optimizer = optimizer
+        table = ctx.table
         self.slots = [[slot_of[p] for p in g["params"]] for g in optimizer.param_groups]
-        self._swap({p: slot_of[p].opt_param for g in optimizer.param_groups for p in g["params"]},
-                   lambda p, v: _shard_state(slot_of[p], v))
+        self._swap({p: table[slot_of[p]].opt_param for g in optimizer.param_groups
+                    for p in g["params"]}, lambda p, v: _shard_state(slot_of[p], v))
         self.members = members_of(optimizer)
-        self._handles = self._step_hooks(stepper, observers)
+        self._handles = self._step_hooks(stepper, ctx.observers)
         # (owned.py: a whole-tensor optimizer's state is made whole, on the owner, at its step)
-        self._trainable = {s.opt_param for g in self.slots for s in g
+        self._trainable = {table[s].opt_param for g in self.slots for s in g
                            if s.requires_grad and s not in whole}
         self.stepped = False      # a step or a load ran: the state is torch.optim's own now
         self._made: set = set()   # params init_state gave state to (no step ever made it)

@@ -99,6 +99,14 @@ def owners(shapes: list, world: int) -> tuple[list[int], list[float]]:
     return owner, load
 
 
+def whole_params(members) -> list:
+    """``(member, parameter)`` for every parameter a whole-tensor member of ``members``
+    holds, in the order ``owners`` is given their shapes: the runtime's binding and the
+    planner (zerofn/planner/owned.py) read the one order, so they name the same owners."""
+    return [(m, p) for m in members if is_whole(m) for g in m.param_groups
+            for p in g["params"]]
+
+
 class OwnedStep:
     """The owned parameters of ``optimizer``'s whole-tensor members, and their step (see the
     module note).
@@ -113,16 +121,17 @@ class OwnedStep:
 
     def __init__(self, ctx, optimizer, slot_of: dict, shards):
         self.ctx, self.comm, self.shards = ctx, ctx.comm, shards
+        self.table = ctx.table
         # slots ZeRO-3 keeps as rows (their updates are scattered), fixed at set-up
-        self.as_rows = {s for u in shards.sharded for s in u.slots}
+        self.as_rows = {s for u in shards.sharded_units for s in u.slots}
         members = members_of(optimizer)
         self.members = [m for m in members if is_whole(m)]
         rest = [m for m in members if not is_whole(m)]
         # What the homes step: the elementwise members (none: an empty chain steps nothing).
         self.elementwise = rest[0] if len(rest) == 1 and len(members) == 1 \
             else OptimizerChain(rest)
-        self.slots = [(m, slot_of[p]) for m in self.members for g in m.param_groups
-                      for p in g["params"] if slot_of[p].requires_grad]
+        self.slots = [(m, slot_of[p]) for m, p in whole_params(self.members)
+                      if slot_of[p].requires_grad]
         owner, self.load = owners([s.global_shape for _, s in self.slots], self.comm.world)
         self.owner = {s: o for (_, s), o in zip(self.slots, owner)}
         self.spread = False   # [Note: owned state in state dicts]: state in rows, everywhere
@@ -157,7 +166,8 @@ class OwnedStep:
             else:
                 self._broadcast(s, whole.get(s))
         # Every rank's rows are the owners' whole masters now: the owners keep them.
-        self.masters.update((s, w[0].to(s.opt_param.device)) for s, w in whole.items())
+        self.masters.update((s, w[0].to(self.table[s].opt_param.device))
+                            for s, w in whole.items())
         self.fresh |= {s for _, s in todo}
 
     def stale(self) -> None:
@@ -185,7 +195,7 @@ class OwnedStep:
                 continue
             unit = self.shards.unit_of(s)
             if not homes.unread(unit):
-                out[s] = s.opt_param
+                out[s] = self.table[s].opt_param
                 continue
             if unit not in read:
                 read[unit] = homes.read_unit(unit)[0]
@@ -200,7 +210,7 @@ class OwnedStep:
         """Send this rank's gradient rows to the owner, and its ``master_rows`` too where
         the owner keeps no whole masters current (one gather). Returns (whole masters,
         whole gradient) on the owner, else None."""
-        dtype, owner, world = s.opt_param.dtype, self.owner[s], self.comm.world
+        dtype, owner, world = self.table[s].opt_param.dtype, self.owner[s], self.comm.world
         kept = s in self.fresh
         send = self._piece(s, grad_rows, dtype, grad_scale)
         if not kept:
@@ -225,7 +235,8 @@ class OwnedStep:
         owner, world = self.owner[s], self.comm.world
         if world == 1:
             return whole[0].view(-1)
-        piece = torch.empty(s.chunk * s.inner, dtype=s.opt_param.dtype, device=self.ctx.device)
+        piece = torch.empty(s.chunk * s.inner, dtype=self.table[s].opt_param.dtype,
+                            device=self.ctx.device)
         pieces = None
         if whole is not None:
             padded = torch.zeros(world * s.chunk * s.inner, dtype=piece.dtype, device=piece.device)
@@ -241,7 +252,7 @@ class OwnedStep:
         if whole is not None:
             t = whole[0].contiguous()
         else:
-            t = torch.empty(s.shape, dtype=s.opt_param.dtype, device=self.ctx.device)
+            t = torch.empty(s.shape, dtype=self.table[s].opt_param.dtype, device=self.ctx.device)
         if self.comm.world > 1:
             self.comm.broadcast(t, self.owner[s])
         self._write(s, s.rows_of(t))
@@ -254,7 +265,7 @@ class OwnedStep:
         if not slots:
             return
         saved = [list(g["params"]) for g in member.param_groups]
-        mine = {s.opt_param: s for s in slots}
+        mine = {self.table[s].opt_param: s for s in slots}
         tensor_of = {}
         for g in member.param_groups:
             held = [mine[p] for p in g["params"] if p in mine]
@@ -262,8 +273,8 @@ class OwnedStep:
         # The math runs where the whole tensors are (the device); the state lives with
         # the masters' rows (the host, under offload): up for the step, down after.
         for s in slots:
-            if s.opt_param in member.state:
-                member.state[tensor_of[s]] = _moved(member.state.pop(s.opt_param),
+            if self.table[s].opt_param in member.state:
+                member.state[tensor_of[s]] = _moved(member.state.pop(self.table[s].opt_param),
                                                     tensor_of[s].device)
         try:
             step_without_hooks(member)
@@ -272,15 +283,16 @@ class OwnedStep:
                 g["params"][:] = params
             for s in slots:
                 if tensor_of[s] in member.state:
-                    member.state[s.opt_param] = _moved(member.state.pop(tensor_of[s]),
-                                                       s.opt_param.device)
+                    member.state[self.table[s].opt_param] = _moved(
+                        member.state.pop(tensor_of[s]), self.table[s].opt_param.device)
 
     # -- state dicts ([Note: owned state in state dicts]) ------------------------------
     def adopt_state(self) -> None:
         """At binding: state the optimizer already held (the same on every rank: a
         transform applied on top of another restored it whole) was cut to this rank's rows
         like any other, which is the spread form; the first step collects it."""
-        self.spread = any(s.opt_param in self.member_of[s].state for _, s in self.slots)
+        self.spread = any(self.table[s].opt_param in self.member_of[s].state
+                          for _, s in self.slots)
 
     @torch.no_grad()
     def make_state(self) -> None:
@@ -289,15 +301,15 @@ class OwnedStep:
         helpers make state the same way)."""
         for m in self.members:
             bare = [s for s in self.mine() if self.member_of[s] is m
-                    and s.opt_param not in m.state]
+                    and self.table[s].opt_param not in m.state]
             if not bare:
                 continue
             lrs = [g["lr"] for g in m.param_groups]
             for g in m.param_groups:
                 g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
             try:
-                zeros = {s: torch.zeros(s.shape, dtype=s.opt_param.dtype, device=s.opt_param.device)
-                         for s in bare}
+                zeros = {s: torch.zeros(s.shape, dtype=self.table[s].opt_param.dtype,
+                                        device=self.table[s].opt_param.device) for s in bare}
                 self._step_member(m, bare, {s: (z, torch.zeros_like(z)) for s, z in zeros.items()})
             finally:
                 for g, lr in zip(m.param_groups, lrs):
@@ -309,7 +321,8 @@ class OwnedStep:
         self.stale()
         if self.spread or not self.slots:
             return
-        mine = {s.fqn: _describe(self.member_of[s].state.get(s.opt_param)) for s in self.mine()}
+        mine = {s.fqn: _describe(self.member_of[s].state.get(self.table[s].opt_param))
+                for s in self.mine()}
         described: dict = {}
         for part in gather(mine, self.comm.group):
             described.update(part)
@@ -317,8 +330,8 @@ class OwnedStep:
             entries = described[s.fqn]
             if entries is None:
                 continue
-            own = self.member_of[s].state.pop(s.opt_param, {})
-            self.member_of[s].state[s.opt_param] = {
+            own = self.member_of[s].state.pop(self.table[s].opt_param, {})
+            self.member_of[s].state[self.table[s].opt_param] = {
                 k: self._spread_value(s, own.get(k), meta) for k, meta in entries.items()}
         self.spread = True
 
@@ -341,12 +354,12 @@ class OwnedStep:
         if not self.spread:
             return
         for _, s in self.slots:
-            state = self.member_of[s].state.pop(s.opt_param, None)
+            state = self.member_of[s].state.pop(self.table[s].opt_param, None)
             if state is None:
                 continue
             whole = {k: self._collect_value(s, v) for k, v in state.items()}
             if self.owner[s] == self.comm.rank:
-                self.member_of[s].state[s.opt_param] = whole
+                self.member_of[s].state[self.table[s].opt_param] = whole
         self.spread = False
 
     def _collect_value(self, s, value):

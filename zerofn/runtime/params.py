@@ -43,13 +43,14 @@ class ParamGatherer:
     Args:
         reader: parameter offload to NVMe: the staged shards come from the swap file
             through it (nvme.ParamReads), read ahead in ``order``; else None, and they are
-            ``unit.shard``.
+            the unit's compute shard (``table[unit].shard``).
     """
 
     def __init__(self, ctx, reader=None):
         pool, units = ctx.pool, ctx.units
         sharding = ctx.plan.sharding
         self.comm_of, self.pool, self.units = ctx.comm_of, pool, units
+        self.table = ctx.table
         self.timing = ctx.timing
         self._pre_backward = ctx.guard(self.pre_backward)
         # Parameter offload: each host shard goes to the device on the copy stream when its
@@ -80,7 +81,7 @@ class ParamGatherer:
             return
         comm, plain = self.comm_of(unit), unit.plain_numel
         recv = self.pool.take(comm.world * plain, unit.compute_dtype, unit.device)
-        rows = unit.shard
+        rows = self.table[unit].shard
         if self.staged and self.reader is not None:
             rows = self.reader.take(unit, lambda: self.copies.before_host_write(unit))
         # A subclass's pre-hook reads its rows where they are: under parameter offload on
@@ -101,13 +102,12 @@ class ParamGatherer:
                 work = self._all_gather(unit, recv, mine)
         self._pending[unit] = (work, recv, hooked)
 
-    @staticmethod
-    def _hooked_shards(unit: Unit, rows: torch.Tensor) -> list:
+    def _hooked_shards(self, unit: Unit, rows: torch.Tensor) -> list:
         """Each hooked slot and its subclass over the rows its pre-hook reads: the masters
         where they are not the compute rows (mixed precision: FSDP2 hands its hooks the
         full-precision shard), else its rows of ``rows``, the unit's shard."""
         mixed = unit.compute_dtype != unit.master_dtype
-        return [(s, subclass_of(s, s.opt_param if mixed else s.shard_of(rows)))
+        return [(s, subclass_of(s, self.table[s].opt_param if mixed else s.shard_of(rows)))
                 for s in hooked_slots(unit)]
 
     def _all_gather(self, unit: Unit, recv: torch.Tensor, shard: torch.Tensor):
@@ -181,7 +181,7 @@ class ParamGatherer:
                         [local_of(s.param).untyped_storage().data_ptr()]:
                     self._by_hooked.pop(ptr, None)
             set_local(s.param, self.placeholder(s, unit))
-            _register(s, s.sharded)
+            _register(s, self.table[s].sharded)
         self.pool.give(full)
 
     def placeholder(self, s, unit: Unit) -> torch.Tensor:

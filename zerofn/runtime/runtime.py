@@ -43,6 +43,7 @@ from .homes import (HomeSpec, auto_problems, cpu_adam_steps, make_homes, offload
 from .chain import OptimizerChain, members_of
 from .optimizer import check_optimizer, signature
 from .owned import overlap_whole
+from .param_table import ParamTable
 from .params import ParamGatherer
 from .pool import BufferPool
 from .shards import Shards
@@ -157,6 +158,7 @@ class Runtime:
         self._agree_across_ranks(problems, optimizer)
         unwrap_hooked(units)     # ([Note: gathered by a subclass's hooks], subclass.py)
         self.units = units
+        self.table = ParamTable()    # what set-up makes for each slot and unit (param_table.py)
         self.observers = Observers([o for kind in observer_kinds if (o := kind.attach(self))])
         order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
         # Every unit's home (homes/): where its masters and optimizer state live.
@@ -164,7 +166,7 @@ class Runtime:
         crosses = any(self.homes.home_of(u) != "device" for u in units if u.slots)
         ctx = RuntimeContext(self.device, plan, groups, comm, replicas, BufferPool(),
                              CopyStreams(self.device, units, crosses, self.observers.timing),
-                             self.observers, tuple(units), order, own_comms)
+                             self.observers, tuple(units), order, own_comms, table=self.table)
         self.ctx = ctx
         if plan.sharding.sync_module_states and not meta_state(model):
             self._broadcast_module_states()
@@ -175,10 +177,11 @@ class Runtime:
         self.shards.lay_out(optimizer)
         self.slot_of = {s.param: s for u in units for s in u.slots}   # (after meta's new params)
         # What an optimizer may hold for each parameter: the whole one, or ZeRO-3's DTensor.
-        self.param_index = {**self.slot_of, **{s.sharded: s for s in self.slot_of.values()
-                                                if s.sharded is not None},
+        table = self.table
+        self.param_index = {**self.slot_of, **{table[s].sharded: s for s in self.slot_of.values()
+                                                if table[s].sharded is not None},
                             **{a: s for s in self.slot_of.values() for a in s.aliases}}
-        visible = VisibleGrads(units, self.mesh, self.placements, ctx.pool)
+        visible = VisibleGrads(units, self.mesh, self.placements, ctx.pool, ctx.table)
         landing = Landing(ctx, self.homes, visible, early_steps(ctx, self.homes, optimizer))
         self.reducer = GradReducer(ctx, visible, landing, self.gatherer)
         self.stepper = Stepper(ctx, self.homes, self.shards, self.reducer)
@@ -244,7 +247,7 @@ class Runtime:
         """``new`` takes over from ``old``: ``old``'s state goes (the homes' with it), and
         stepping ``old`` again raises."""
         self.prepare_state_dict()
-        self.stepper.binding.retire(VisibleGrads.param_of)
+        self.stepper.binding.retire(self.reducer.visible.param_of)
         self.homes.forget_state()
         finder.retire(old, f"zerofn: this {type(old).__name__} no longer steps its model: "
                            f"{_a(type(new).__name__)} built later took its parameters over at "
@@ -339,7 +342,7 @@ class Runtime:
         per_unit = plan.stage < 3 and len(units) > 1   # (each all-gather overlaps a step)
         spec = HomeSpec(plan.offload, plan.precision.reduce_dtype, self.device,
                         dist.get_rank(), self.observers.timing, _param_dtypes(units, plan),
-                        adam=optimizer is None or cpu_adam_steps(optimizer))
+                        adam=optimizer is None or cpu_adam_steps(optimizer), table=self.table)
         if plan.offload.device is None:
             return make_homes(spec, units, order, sharded, per_unit)
         # Ranks sharing one drive reserve their swap files' space at once: the free space
@@ -432,17 +435,17 @@ class Runtime:
     # -- parameter state: the rest of zerofn reads and writes masters through these
     def master_rows(self, slot) -> torch.Tensor:
         """This rank's rows of ``slot``'s master, what the optimizer steps (detached)."""
-        return slot.opt_param.detach()
+        return self.table[slot].opt_param.detach()
 
     def write_master_rows(self, slot, rows: torch.Tensor) -> None:
         """Copy ``rows``, this rank's rows of ``slot``'s master, in (a load: it calls
         ``refresh_params`` once every slot is written)."""
         with torch.no_grad():
-            slot.opt_param.copy_(rows)
+            self.table[slot].opt_param.copy_(rows)
 
     def slot_of_stepped(self) -> dict:
         """What the optimizer steps (its params) -> the slot each is the master of."""
-        return {s.opt_param: s for s in self.slot_of.values()}
+        return {self.table[s].opt_param: s for s in self.slot_of.values()}
 
     def slots_by_name(self) -> dict:
         """Every state-dict name of every parameter: a module under two parents (or two
@@ -462,7 +465,7 @@ class Runtime:
         rank's; with ``groups=``, every rank's (each expert-parallel rank holds other
         experts, and a checkpoint's groups must name them all, once). Collective then,
         once per optimizer."""
-        slot_of_opt = {s.opt_param: s for s in self.slot_of.values()}
+        slot_of_opt = self.slot_of_stepped()
         mine = [[slot_of_opt[p].fqn for p in g["params"]] for g in optimizer.param_groups]
         if not self._own:
             return mine
@@ -581,12 +584,12 @@ class Runtime:
         self.reducer.remove_hooks()
         for unit in self.units:
             for s in unit.slots:
-                s.param.data = self.full_tensor(s, s.opt_param.detach(), unit.device)
+                s.param.data = self.full_tensor(s, self.table[s].opt_param.detach(), unit.device)
                 if s.hooks is not None:
                     rewrap_hooked(s)
                 for module, name in s.owners:
                     module._parameters[name] = s.param
-        slot_of_opt = {s.opt_param: s for s in self.slot_of.values()}
+        slot_of_opt = self.slot_of_stepped()
         # Optimizer state goes where torch.optim keeps it: with the parameter.
         if self.stepper.binding is not None:
             self.stepper.binding.restore(

@@ -58,10 +58,11 @@ class Shards:
 
     def __init__(self, ctx, model: nn.Module, homes, gatherer):
         self.ctx, self.model, self.homes, self.gatherer = ctx, model, homes, gatherer
+        self.table = ctx.table
         self.meta = meta_state(model) is True      # built on the meta device: materialize
         # ZeRO-3's sharded units: a unit without parameters has no rows to shard, and the
         # persistent one stays whole on every rank.
-        self.sharded = [u for u in ctx.units
+        self.sharded_units = [u for u in ctx.units
                         if ctx.stage == 3 and not u.replicated and u.slots]
         self.flats: list[FlatBuffers] = []       # the compute shards' buffers, for accounting
         self._compute: dict = {}                  # unit -> its compute shard's buffer
@@ -93,30 +94,30 @@ class Shards:
         """The compute shards that need a buffer of their own: not the masters (device
         memory in the compute dtype already), not a home's (``params=True``)."""
         params = self.ctx.plan.offload.params
-        return {u: (u.compute_dtype, u.shard_numel) for u in self.sharded if not params
+        return {u: (u.compute_dtype, u.shard_numel) for u in self.sharded_units if not params
                 and not (self.homes.masters_on_device(u) and u.compute_dtype == u.master_dtype)}
 
     def _lay_out_unit(self, unit) -> None:
         """Masters (what the optimizer steps) and compute params of one unit, from its full
         parameters. ZeRO-3 computes on a flat shard registered as Shard(0) DTensor
         parameters; the full parameters are then let go."""
-        sharded = unit in self.sharded
+        sharded = unit in self.sharded_units
         master = self.homes.place_masters(unit, keep=sharded)
         if sharded:
-            unit.shard = self._compute_shard(unit, master)
+            self.table[unit].shard = self._compute_shard(unit, master)
         elif unit.compute_dtype != unit.dtype:
             for s in unit.slots:
                 _cast(s, local_of(s.param).data.to(unit.compute_dtype))
         groups = self.ctx.groups
         for s in unit.slots if sharded else ():
             # A hooked parameter's shard is its subclass over the rows, as FSDP2's is.
-            rows = s.shard_of(unit.shard)
+            rows = s.shard_of(self.table[unit].shard)
             local = rows if s.hooks is None else subclass_of(s, rows)
-            s.sharded = nn.Parameter(s.as_dtensor(local, groups.mesh, groups.placements),
-                                     requires_grad=s.requires_grad)
+            self.table[s].sharded = nn.Parameter(
+                s.as_dtensor(local, groups.mesh, groups.placements), requires_grad=s.requires_grad)
             _cast(s, self.gatherer.placeholder(s, unit))
             for module, name in s.owners:
-                module._parameters[name] = s.sharded
+                module._parameters[name] = self.table[s].sharded
 
     def _compute_shard(self, unit, master) -> torch.Tensor:
         """ZeRO-3's flat compute shard: the home's under ``params=True`` (for NVMe, in the
@@ -167,9 +168,9 @@ class Shards:
         if not unit.slots:
             return
         ctx = self.ctx
-        if unit in self.sharded:
-            if rows is not None and rows is not unit.shard:
-                ctx.copies.to_device(unit, unit.shard, rows)
+        if unit in self.sharded_units:
+            if rows is not None and rows is not self.table[unit].shard:
+                ctx.copies.to_device(unit, self.table[unit].shard, rows)
             return
         layout, width = self._gather_layout(unit)
         if not layout:
@@ -245,7 +246,7 @@ class Shards:
         """ZeRO-3's next forward gathers from the refreshed shards: device work from here on
         waits for their copies (the host does not). The step's whole writes are done."""
         self.written.clear()
-        for unit in self.sharded:
+        for unit in self.sharded_units:
             self.ctx.copies.device_wait(unit)
 
     def settle_copies(self) -> None:
@@ -259,12 +260,13 @@ class Shards:
         """Every rank's master rows of ``unit`` as one rank-major ``(world, shard)`` buffer,
         on the runtime's device, in the masters' dtype. Collective."""
         comm = self.ctx.comm_of(unit)
-        dtype = unit.slots[0].opt_param.dtype
+        dtype = self.table[unit.slots[0]].opt_param.dtype
         recv = torch.empty(comm.world * unit.shard_numel, dtype=dtype, device=self.ctx.device)
         send = recv.view(comm.world, unit.shard_numel)[comm.rank]    # gathered in place
         send.zero_()
         for s in unit.slots:
-            send[s.offset:s.offset + s.local_numel].copy_(s.opt_param.detach().reshape(-1))
+            send[s.offset:s.offset + s.local_numel].copy_(
+                self.table[s].opt_param.detach().reshape(-1))
         comm.all_gather(recv, send)
         return recv.view(comm.world, unit.shard_numel)
 

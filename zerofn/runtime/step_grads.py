@@ -95,7 +95,7 @@ class StepGrads:
         self.ctx, self.reducer, self.landing, self.scaler = ctx, reducer, landing, scaler
         self.comm, self.pool, self.units, self.device = ctx.comm, ctx.pool, ctx.units, ctx.device
         self.timing, self.replicas, self.copies = ctx.timing, ctx.replicas, ctx.copies
-        self.homes = homes
+        self.homes, self.table = homes, ctx.table
         self.model_parallel, self.norm_weight = model_parallel_norms(ctx)
         self.early = landing.early   # overlap_step: steps each landed unit during backward
         # [Note: the non-finite guard]: whether an unscaled step is checked, and what then.
@@ -180,9 +180,10 @@ class StepGrads:
                 g, dest = s.shard_of(landing), landing
                 self._landed.add(s)
             elif g is not None and self.homes.home_of(unit) == "device" and (
-                    g.dtype != s.opt_param.dtype or scaled and not self.deferred):
+                    g.dtype != self.table[s].opt_param.dtype or scaled and not self.deferred):
                 if dest is None:      # the master dtype, unscaled in place (on the device)
-                    dest = self.pool.take(unit.shard_numel, s.opt_param.dtype, unit.device)
+                    dest = self.pool.take(unit.shard_numel, self.table[s].opt_param.dtype,
+                                          unit.device)
                     self._buffers.append(dest)
                 s.shard_of(dest).copy_(g)
                 g = s.shard_of(dest)

@@ -50,7 +50,7 @@ class Stepper:
         """Step with ``optimizer`` from now on (its problems were agreed on already): its
         groups hold the shards first, then the homes give it their state."""
         self.owned = OwnedStep(self.ctx, optimizer, slot_of, self.shards)
-        self.binding = OptimizerBinding(optimizer, slot_of, self, self.ctx.observers,
+        self.binding = OptimizerBinding(optimizer, slot_of, self, self.ctx,
                                         {s for _, s in self.owned.slots})
         self.owned.adopt_state()    # (state the optimizer had is cut to rows, as every rank's)
         self.homes.bind(optimizer)

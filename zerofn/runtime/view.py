@@ -85,6 +85,7 @@ IMPORTABLE = {
     "agree": {"agree_or_raise", "from_first", "gather"},   # every rank's findings, agreed
     "attach": {"runtime_of"},
     "backward": {"first_order"},                # the planner's pool replay reduces in it
+    "chain": {"step_without_hooks"},            # the planner steps owned state on fakes
     "comm": {"Comm", "InFlight", "inflight_bytes", "scratch_numel"},
     "events": {"StepObserver"},
     "grads": {"lends_shards"},
@@ -92,6 +93,7 @@ IMPORTABLE = {
     "memory": {"proc_bytes"},
     "homes.base": {"stand_in"},
     "optimizer": {"SCALER_KEY"},                # where fp16's scaler rides in a state dict
+    "owned": {"is_whole", "owners", "whole_params"},   # the planner owns as the runtime does
     "pinned": {"host_buffer", "pins", "registered_bytes"},
     "pool": {"best_fit", "new_size"},
     "timing": {"Timing"},

@@ -75,11 +75,13 @@ class VisibleGrads:
         units: the runtime's units (those with trainable parameters are shown).
         mesh, placements: what the gradients are DTensors over (the parameters' own).
         pool: lends the rounded copies where gradients are reduced in a wider dtype.
+        table: the runtime's parameter state (param_table.py).
     """
 
-    def __init__(self, units: list[Unit], mesh, placements, pool):
+    def __init__(self, units: list[Unit], mesh, placements, pool, table):
         self.units = [u for u in units if u.trainable]
         self.mesh, self.placements, self.pool = mesh, placements, pool
+        self.table = table
         self.shown: dict[ParamSlot, DTensor] = {}   # slot -> the DTensor on its parameter
         self._rows: dict[Unit, torch.Tensor] = {}   # unit -> the flat rows shown
         self._copies: dict[Unit, torch.Tensor] = {} # unit -> its rows rounded (pool's)
@@ -93,12 +95,12 @@ class VisibleGrads:
         mine = weakref.ref(self)
         # [Note: gradients as a loop sees them]: autograd accumulates into whole parameters.
         self._hooks = [s.param.register_hook(functools.partial(_before_accumulation, mine, s))
-                       for u in self.units for s in u.trainable if s.sharded is None]
+                       for u in self.units for s in u.trainable if table[s].sharded is None]
 
-    @staticmethod
-    def param_of(slot: ParamSlot):
+    def param_of(self, slot: ParamSlot):
         """The parameter the model registers between steps (ZeRO-3's DTensor, else whole)."""
-        return slot.sharded if slot.sharded is not None else slot.param
+        sharded = self.table[slot].sharded
+        return sharded if sharded is not None else slot.param
 
     def watch(self, unit: Unit) -> None:
         """Backward copied ``unit``'s reduced rows elsewhere: the step must learn of edits."""
@@ -158,7 +160,7 @@ class VisibleGrads:
         """The marked slots whose marker the loop's ``zero_grad`` took off or zeroed, so
         far ([Note: the optimizer's markers])."""
         for s, (marker, version) in self._markers.items():
-            if s not in self._cleared and (s.opt_param.grad is not marker
+            if s not in self._cleared and (self.table[s].opt_param.grad is not marker
                                            or marker._version != version):
                 self._cleared.add(s)
         return set(self._cleared)
@@ -166,7 +168,7 @@ class VisibleGrads:
     def _marker(self, slot: ParamSlot) -> torch.Tensor:
         """The slot's marker: made once (on a GPU each would cost a kernel a step), again
         only where its rows moved (ratio="auto" moves them to the device)."""
-        t = slot.opt_param
+        t = self.table[slot].opt_param
         marker = self._made.get(slot)
         if marker is None or (marker.device, marker.dtype, marker.shape) != \
                 (t.device, t.dtype, t.shape):
@@ -187,14 +189,14 @@ class VisibleGrads:
         """Take the markers off: the optimizer is about to step (the loop's clearing was
         read at ``fold``)."""
         for s, (marker, _) in self._markers.items():
-            if s.opt_param.grad is marker:
-                s.opt_param.grad = None
+            if self.table[s].opt_param.grad is marker:
+                self.table[s].opt_param.grad = None
 
     def mark(self) -> None:
         """Put the markers (back) on, where the loop has not cleared them."""
         for s, (marker, _) in self._markers.items():
             if s not in self._cleared:
-                s.opt_param.grad = marker
+                self.table[s].opt_param.grad = marker
                 self._markers[s] = (marker, marker._version)
 
     def _edited(self, unit: Unit, rows: torch.Tensor) -> bool:

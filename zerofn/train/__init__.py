@@ -23,6 +23,7 @@ placement it prints, the device restarts are agreed on, the step failures name) 
     launch.py    starting under torchrun; the process group; restarts
     job.py       what to run (flags over the config over defaults), its transforms, and
                  the model, optimizer and schedule built for it
+    tensor_parallel.py  --tp N: the GPT split over a (dp, tp) mesh before zerofn
     loop.py      the steps, the validation loss, checkpoints saved and resumed
     progress.py  what rank 0 prints
     errors.py    one message for an error across ranks

@@ -100,6 +100,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     zero.add_argument("--master-dtype", choices=("fp32", "bf16"),
                       help="--offload: how the masters are stored (bf16 needs --precision "
                            "bf16; default fp32)")
+    zero.add_argument("--tp", type=_whole(1), default=1, metavar="N",
+                      help="tensor parallelism: split each block's attention heads and MLP "
+                           "over N ranks (torch's parallelize_module: column-wise qkv and fc, "
+                           "row-wise proj and out), then ZeRO over the ranks / N data-parallel "
+                           "ranks, which split the batch. N must divide the ranks and --heads "
+                           "(default 1: none; docs/parallelism.md)")
     zero.add_argument("--grad-accum", type=_whole(1),
                       help="micro-batches per optimizer step (default 1)")
     zero.add_argument("--activation-checkpointing", action="store_true",

@@ -14,6 +14,7 @@ import zerofn as zf
 from zerofn.config import Config
 from zerofn.nanogpt import GPT, PRESETS, GPTConfig, init_weights
 
+from . import tensor_parallel
 from .args import PRECISIONS, SHAPE_FLAGS
 
 
@@ -39,6 +40,7 @@ class Job:
     steps: int
     eval_batches: int
     compile: str | None = None                     # torch.compile's backend
+    tp: int = 1                                    # tensor-parallel ranks (--tp)
     on_nonfinite: str | None = None                # None: the sharding option's default
     tensorboard: dict | None = None                # zf.tensorboard's options
     options: dict = field(default_factory=dict)   # from the config: per transform
@@ -46,8 +48,13 @@ class Job:
     scheduler: object = None
 
     @property
+    def data_parallel(self) -> int:
+        """The ranks that split the batch: the world, less tensor parallelism's."""
+        return dist.get_world_size() // self.tp
+
+    @property
     def micro(self) -> int:
-        return self.batch // (dist.get_world_size() * self.grad_accum)
+        return self.batch // (self.data_parallel * self.grad_accum)
 
 
 def resolve(args, device: torch.device, world: int | None = None) -> Job:
@@ -84,7 +91,7 @@ def resolve(args, device: torch.device, world: int | None = None) -> Job:
         clip=_first(args.clip, settings and settings.gradient_clipping, 1.0),
         lr=_first(args.lr, None if settings and settings.optimizer else 2e-3),
         log_every=_first(args.log_every, settings and settings.steps_per_print, 10),
-        steps=args.steps, eval_batches=args.eval_batches, compile=args.compile,
+        steps=args.steps, eval_batches=args.eval_batches, compile=args.compile, tp=args.tp,
         on_nonfinite=args.on_nonfinite,
         options=opts, optimizer=settings and settings.optimizer,
         scheduler=settings and settings.scheduler)
@@ -94,6 +101,7 @@ def resolve(args, device: torch.device, world: int | None = None) -> Job:
         # The flag names the directory; the config's csv_monitor still applies.
         job.tensorboard = dict(opts.get("tensorboard", {}), every=job.log_every,
                                **({"logdir": args.tensorboard} if args.tensorboard else {}))
+    _check_tp(job, args, world)     # (before a plan is made for a model it would not fit)
     if getattr(args, "plan", None) == "auto":
         from .planned import planned, refusals      # (the planner only when asked for)
         given = refusals(args)
@@ -119,9 +127,11 @@ def _read_config(path: str):
 
 
 def _check(job: Job, args, device: torch.device, world: int) -> None:
-    if min(job.batch, job.grad_accum) < 1 or job.batch % (world * job.grad_accum):
+    dp = world // job.tp
+    if min(job.batch, job.grad_accum) < 1 or job.batch % (dp * job.grad_accum):
+        ranks = f"{dp} data-parallel rank" + "s" * (dp != 1) if job.tp > 1 else f"{world} ranks"
         raise ValueError(f"the global batch ({job.batch} sequences) must split evenly into "
-                         f"{job.grad_accum} micro-batches on each of {world} ranks; change "
+                         f"{job.grad_accum} micro-batches on each of {ranks}; change "
                          f"--batch or --grad-accum.")
     if job.offload == "nvme" and not job.nvme_path:
         raise ValueError("--offload nvme needs --nvme-path DIR (a directory on the drive) or "
@@ -171,6 +181,22 @@ def _check(job: Job, args, device: torch.device, world: int) -> None:
                          f"{job.cfg.heads}.")
 
 
+def _check_tp(job: Job, args, world: int) -> None:
+    """--tp N: it divides the ranks and the heads; the planner does not plan a split model,
+    and torch.compile does not trace it here (torch 2.13: dynamo meets the meta storage the
+    split GPT was built with)."""
+    if job.tp == 1:
+        return
+    tensor_parallel.check(job.cfg, job.tp, world)
+    if getattr(args, "plan", None) == "auto":
+        raise ValueError(f"--plan auto with --tp {job.tp}: the planner does not model "
+                         f"activations under tensor parallelism; give the stage and offload "
+                         f"flags yourself.")
+    if job.compile:
+        raise ValueError(f"--compile with --tp {job.tp} is not supported yet (torch.compile "
+                         f"fails on the split model); drop one of the two.")
+
+
 def _check_auto(job: Job, device: torch.device) -> None:
     """--offload-ratio auto and its --device-budget (offload's own checks, in flags)."""
     if job.device_budget is not None and job.offload_ratio != "auto":
@@ -201,11 +227,13 @@ def _stored(job: Job) -> dict:
     return dict(state_dtype=dtype[job.state_dtype], master_dtype=dtype[job.master_dtype])
 
 
-def config(job: Job) -> Config:
+def config(job: Job, group=None) -> Config:
     """zerofn's configuration for the job: the config file's options where the flags leave
-    them."""
+    them. ``group``: the data-parallel mesh under --tp (None: the world)."""
     opts = job.options
     shared = dict(opts.get("shard_optimizer", {}), init=init_weights)
+    if group is not None:
+        shared.update(group=group, init=tensor_parallel.init_in_head_groups(job.tp))
     if job.on_nonfinite is not None:
         shared["on_nonfinite"] = job.on_nonfinite
     mp = dict(opts.get("mixed_precision", {}))
@@ -223,17 +251,21 @@ def config(job: Job) -> Config:
                   precision=precision, offload=offload, tensorboard=job.tensorboard)
 
 
-def transforms(job: Job) -> list:
-    """zerofn's transforms for the job."""
-    return config(job).transforms()
+def transforms(job: Job, group=None) -> list:
+    """zerofn's transforms for the job (over ``group``, as ``config``)."""
+    return config(job, group).transforms()
 
 
 # -- building -----------------------------------------------------------------------------
 def build(job: Job, seed: int):
-    """The model built on the meta device, its optimizer and LR schedule, transformed:
-    each rank materializes and initializes only its rows."""
+    """The model built on the meta device (under --tp split over tensor-parallel ranks),
+    its optimizer and LR schedule, transformed: each rank materializes and initializes only
+    its rows."""
     with torch.device("meta"):
         model = GPT(job.cfg)
+    group = None
+    if job.tp > 1:
+        group = tensor_parallel.split(model, job.tp)["dp"]
     if job.optimizer is not None:
         kwargs = dict(job.optimizer.kwargs, **({"lr": job.lr} if job.lr is not None else {}))
         opt = job.optimizer.cls(model.parameters(), **kwargs)
@@ -241,7 +273,7 @@ def build(job: Job, seed: int):
         opt = torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=0.1,
                                 betas=(0.9, 0.95))
     torch.manual_seed(seed)            # the same on every rank: one model, not several
-    model, opt = zf.compose(*transforms(job))(model, opt)
+    model, opt = zf.compose(*transforms(job, group))(model, opt)
     if job.compile:
         model.compile(backend=job.compile)
     sched = job.scheduler(opt) if job.scheduler is not None else \

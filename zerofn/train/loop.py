@@ -18,6 +18,7 @@ from .errors import fp16_kernels_missing
 from .job import Job, build, resolve
 from .launch import restarted
 from .progress import Progress, banner, gather_stats, measured
+from .tensor_parallel import HeadGroups, data_parallel_rank
 
 
 def train(args, device) -> None:
@@ -27,7 +28,7 @@ def train(args, device) -> None:
     train_data, val_data = split(load_corpus())
     model, opt, sched = build(job, args.seed)
     data = Batches(train_data, args.seed, job.batch, job.cfg.context)
-    start = resume(args, model, opt, sched, data)
+    start = resume(args, model, opt, sched, data, job.tp)
     runtime_of(model).set_step(start + 1)   # failures name the run's own step
     zf.set_log_step(model, start)     # a resumed run's series go on from its step
     end = args.stop_at or args.steps
@@ -62,7 +63,7 @@ def train(args, device) -> None:
         progress.skipped += runtime_of(model).step_skipped()
         if args.save_dir and ((args.save_every and (step + 1) % args.save_every == 0)
                               or step + 1 == end):
-            save(args, model, opt, sched, data, step + 1)
+            save(args, model, opt, sched, data, step + 1, job.tp)
         if progress.wants(step, end):
             mean_loss, peak = gather_stats(loss, device)
             progress.show(step, mean_loss, lr, None if norm is None else norm.item(), peak,
@@ -78,7 +79,8 @@ def train_step(model, opt, sched, batch, job: Job, device) -> tuple[torch.Tensor
     loss and the global gradient norm (inf or nan where a gradient was: the step is then
     skipped unless --on-nonfinite ignore; None under --overlap-step, which takes none)."""
     loss = torch.zeros((), device=device)
-    micro = list(micro_batches(*batch, job.grad_accum, device))
+    micro = list(micro_batches(*batch, job.grad_accum, device,
+                               (job.data_parallel, data_parallel_rank(job.tp))))
     for i, (x, y) in enumerate(micro):
         # (under --overlap-step only the last backward reduces: the host steps on it)
         quiet = job.overlap_step and i < len(micro) - 1
@@ -102,39 +104,47 @@ def train_step(model, opt, sched, batch, job: Job, device) -> tuple[torch.Tensor
 def evaluate(model, data: torch.Tensor, job: Job, device) -> float:
     """Mean loss over held-out batches (fixed seed, so every run sees the same text)."""
     generator = torch.Generator().manual_seed(1234)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    dp, rank = job.data_parallel, data_parallel_rank(job.tp)
     losses = []
     for _ in range(job.eval_batches):
         x, y = sample_batch(data, job.batch, job.cfg.context, generator)
-        losses.append(model(x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)))
+        losses.append(model(x.chunk(dp)[rank].to(device), y.chunk(dp)[rank].to(device)))
     total = torch.stack(losses).float().mean()
-    dist.all_reduce(total)
-    return total.item() / world
+    dist.all_reduce(total)     # (a data-parallel rank's tensor-parallel ranks agree)
+    return total.item() / dist.get_world_size()
 
 
-def save(args, model, opt, sched, data: Batches, step: int) -> None:
+def save(args, model, opt, sched, data: Batches, step: int, tp: int) -> None:
     zf.save_checkpoint(args.save_dir, model, opt, step=step, keep=args.keep, async_save=True,
-                       sched=sched, data=data, rng=zf.RNGState())
+                       sched=sched, data=data, rng=zf.RNGState(), qkv_order=HeadGroups(tp))
 
 
-def resume(args, model, opt, sched, data: Batches) -> int:
+def resume(args, model, opt, sched, data: Batches, tp: int) -> int:
     """The step to start from: the checkpoint's under --resume or after torchrun restarted
     the job (a rank failed: ``--max-restarts``), else 0."""
     if not (args.resume or args.save_dir and restarted(runtime_of(model).device)):
         return 0
-    extras = {"sched": sched, "data": data, "rng": zf.RNGState()}
-    try:
-        state = zf.load_checkpoint(args.save_dir, model, opt, **extras)
-    except ValueError as e:
-        if "per-rank state 'rng'" not in str(e):
-            raise
-        # Saved by another number of ranks: everything else reshards, the generators'
-        # state is per rank. Training draws from no global generator, so nothing changes.
-        del extras["rng"]
-        state = zf.load_checkpoint(args.save_dir, model, opt, **extras)
-        if dist.get_rank() == 0:
-            print("the checkpoint was saved by another number of ranks: its random "
-                  "generator states are not restored (training draws none)", flush=True)
+    extras = {"sched": sched, "data": data, "rng": zf.RNGState(), "qkv_order": HeadGroups(tp)}
+    # What a checkpoint may lack: the generators' states where another number of ranks
+    # saved it (per rank; training draws from no global generator, so nothing changes), and
+    # the q/k/v order where a run before --tp existed saved it (the usual order: --tp 1's).
+    optional = {"rng": "per-rank state 'rng'", "qkv_order": "extra.qkv_order"}
+    while True:
+        try:
+            state = zf.load_checkpoint(args.save_dir, model, opt, **extras)
+            break
+        except ValueError as e:
+            lacking = [k for k, words in optional.items() if k in extras and words in str(e)]
+            if not lacking:
+                raise
+            if "qkv_order" in lacking and tp > 1:
+                raise ValueError(f"the checkpoint in {args.save_dir} was saved without --tp "
+                                 f"(its q/k/v rows in the usual order); resume it with --tp "
+                                 f"1.") from None
+            del extras[lacking[0]]
+    if "rng" not in extras and dist.get_rank() == 0:
+        print("the checkpoint was saved by another number of ranks: its random "
+              "generator states are not restored (training draws none)", flush=True)
     if state is None:
         if dist.get_rank() == 0:
             print(f"no checkpoint in {args.save_dir} yet: starting at step 0", flush=True)

@@ -17,6 +17,7 @@ from zerofn.runtime import runtime_of
 
 from .args import PRECISIONS
 from .job import Job
+from .tensor_parallel import local_params
 
 
 def peak_memory(device: torch.device) -> int:
@@ -38,8 +39,9 @@ def gather_stats(loss: torch.Tensor, device: torch.device) -> tuple[float, int]:
 
 def banner(job: Job, model, opt, args) -> str:
     """Parameters, world, plan and the estimated model state per rank."""
-    world = dist.get_world_size()
+    world, dp = dist.get_world_size(), job.data_parallel
     n = job.cfg.params()
+    batch_ranks = _ranks(world) if job.tp == 1 else f"{dp} data-parallel rank" + "s" * (dp != 1)
     rt = runtime_of(model)
     offload = "none" if job.offload is None else job.offload + \
         (" (params too)" if job.offload_params else "") + \
@@ -55,18 +57,21 @@ def banner(job: Job, model, opt, args) -> str:
         ("" if job.state_dtype == "fp32" else f", {job.state_dtype} Adam state") +
         f", offload {offload}, "
         f"{units} units, activation checkpointing {'on' if job.cfg.checkpoint else 'off'}"
-        + (f", torch.compile ({job.compile})" if job.compile else ""),
+        + (f", torch.compile ({job.compile})" if job.compile else "")
+        + (f", tensor parallel {job.tp} x data parallel {dp}" if job.tp > 1 else ""),
         f"batch: {job.batch} sequences of {job.cfg.context} bytes per step ({job.grad_accum} "
-        f"x {job.micro} on each of {_ranks(world)}); clip {job.clip or 'off'}; "
+        f"x {job.micro} on each of {batch_ranks}); clip {job.clip or 'off'}; "
         f"{_optimizer_name(job, opt)}",
     ]
     if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):   # the estimate's optimizer
         reduce_dtype = job.options.get("mixed_precision", {}).get("reduce_dtype")
-        est = estimate_placement(n, world, job.stage, PRECISIONS[job.precision],
+        # Under --tp: a tensor-parallel rank's parameters, sharded over the data-parallel ranks.
+        est = estimate_placement(local_params(job.cfg, job.tp), dp, job.stage,
+                                 PRECISIONS[job.precision],
                                  reduce_dtype=reduce_dtype, offload=job.offload,
                                  offload_params=job.offload_params,
                                  units_in_flight=rt.plan.offload.units_in_flight,
-                                 largest_unit=world * max(u.shard_numel for u in rt.units),
+                                 largest_unit=dp * max(u.shard_numel for u in rt.units),
                                  ratio=offloaded_share(rt) if job.offload else 1.0,
                                  host_ring=rt.host_ring(),
                                  **_stored_dtypes(rt.plan.offload))

@@ -1,6 +1,7 @@
 """zerofn as a strategy of PyTorch Lightning: ``ZeroStrategy`` for the ``Trainer``,
 ``ZeroFabricStrategy`` for ``Fabric``, sharing their options (``options.py``), precision
-(``precision.py``) and checkpoints (``checkpoints.py``).
+(``precision.py``), checkpoints (``checkpoints.py``) and the steps they take alike
+(``strategy.py``).
 
 ``register_strategies()`` registers, with both of Lightning's strategy registries, names
 that mirror Lightning's DeepSpeed ones, so a script changes one string::

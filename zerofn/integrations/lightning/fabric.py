@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -16,8 +15,10 @@ import zerofn as zf
 
 from ...runtime import is_transformed, runtime_of
 from . import checkpoints as ckpt
-from .options import REGISTERED, ZeroOptions, refuse
-from .precision import ZeroFabricPrecision, zero_precision
+from .options import ZeroOptions
+from .precision import ZeroFabricPrecision
+from .strategy import (checked_precision, load, mesh_group, refuse_optimizers, register,
+                       save_path, tear_down)
 
 
 class ZeroFabricStrategy(DDPStrategy, _Sharded):
@@ -63,10 +64,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     @precision.setter
     def precision(self, plugin) -> None:
-        zero = zero_precision(plugin, ZeroFabricPrecision)
-        if plugin is not None:     # (None: the default, until Lightning sets the flag's)
-            refuse(self.zero.precision_problems(zero.precision))
-        self._precision = zero
+        self._precision = checked_precision(self, plugin, ZeroFabricPrecision)
 
     def _configure_launcher(self) -> None:
         if self.num_processes > 1:
@@ -74,8 +72,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.zero.device_mesh is not None:
-            self._group = self.zero.mesh(self.root_device, self.world_size)
+        self._group = mesh_group(self)
 
     # -- building the model ---------------------------------------------------------------
     def module_init_context(self, empty_init: bool | None = None):
@@ -93,9 +90,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
             module.to(self.root_device)
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
-        if len(optimizers) != 1:
-            refuse([f"fabric.setup() with {len(optimizers)} optimizers: zerofn shards a "
-                    "model together with its one optimizer"])
+        refuse_optimizers(len(optimizers), "fabric.setup() with")
         self._transform(module, optimizers[0], fitting=True)
         return module, optimizers, scheduler
 
@@ -148,10 +143,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         model_key, optim_key = self._keys(state)
         rest = {k: v.state_dict() if isinstance(v, _Stateful) else v
                 for k, v in state.items() if k not in (model_key, optim_key)}
-        path = os.fspath(self.broadcast(path))
-        sharded = self.zero.state_dict_type == "sharded"
-        if self.is_global_zero:
-            ckpt.clear_other_kind(path, sharded)
+        path, sharded = save_path(self, path)
         optimizer = runtime_of(self._module).optimizer
         if sharded:
             step = rest.get("step")
@@ -175,13 +167,9 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                              "with the set-up model: fabric.load(path, {'model': model, ...}).")
         model_key, optim_key = self._keys(state)
         optimizer = runtime_of(self._module).optimizer if optim_key else None
-        path = os.fspath(self.broadcast(path))
-        if os.path.isdir(path):
-            saved = ckpt.load_sharded(path, self._module, optimizer, ckpt.FABRIC_EXTRA)
-        else:
-            saved = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-            ckpt.load_full(self._module, optimizer, saved.pop(model_key),
-                           saved.pop(optim_key, None) if optim_key else None, self._names)
+        saved = load(self, path, self._module, optimizer, ckpt.FABRIC_EXTRA,
+                     lambda e: (e.pop(model_key), e.pop(optim_key, None) if optim_key else None),
+                     weights_only)
         rest = [k for k in state if k not in (model_key, optim_key)]
         _validate_keys_for_strict_loading(rest, saved.keys(), strict=strict)
         for name in rest:
@@ -205,19 +193,12 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         return model_key, optim_key
 
     def teardown(self) -> None:
-        if self._module is not None and self.zero.tensorboard:
-            zf.flush_logs(self._module)
-        self.cluster_environment.teardown()
-        self.precision.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+        tear_down(self, self._module, self.precision)
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         """Register ``zerofn_stage_1`` ... ``zerofn_stage_3_offload_nvme`` with Fabric."""
-        for name, (description, options) in REGISTERED.items():
-            strategy_registry.register(name, cls, description=f"zerofn {description}",
-                                       override=True, **options)
+        register(cls, strategy_registry)
 
 
 class _NoSync(_BackwardSyncControl):

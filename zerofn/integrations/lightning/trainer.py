@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -15,8 +14,10 @@ import zerofn as zf
 from ...runtime import is_transformed, runtime_of
 from ...state_dict import get_model_state_dict
 from . import checkpoints as ckpt
-from .options import REGISTERED, ZeroOptions, refuse
-from .precision import ZeroPrecision, zero_precision
+from .options import ZeroOptions, refuse
+from .precision import ZeroPrecision
+from .strategy import (checked_precision, load, mesh_group, refuse_optimizers, register,
+                       save_path, tear_down)
 
 
 class ZeroStrategy(DDPStrategy):
@@ -87,10 +88,7 @@ class ZeroStrategy(DDPStrategy):
     def precision_plugin(self, plugin) -> None:
         """Lightning's plugin for the precision flag, as zerofn trains it (checked here, at
         the Trainer's construction: before any process starts)."""
-        zero = zero_precision(plugin, ZeroPrecision)
-        if plugin is not None:     # (None: the default, until Lightning sets the flag's)
-            refuse(self.zero.precision_problems(zero.precision))
-        self._precision_plugin = zero
+        self._precision_plugin = checked_precision(self, plugin, ZeroPrecision)
 
     def _configure_launcher(self) -> None:
         """One process needs no launcher (and then runs in a notebook too)."""
@@ -102,8 +100,7 @@ class ZeroStrategy(DDPStrategy):
         # before the process group forms
         refuse(self.zero.trainer_problems(trainer.gradient_clip_val, self._layer_sync))
         super().setup_environment()
-        if self.zero.device_mesh is not None:
-            self._group = self.zero.mesh(self.root_device, self.world_size)
+        self._group = mesh_group(self)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -161,9 +158,7 @@ class ZeroStrategy(DDPStrategy):
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
-        if len(self.optimizers) != 1:
-            refuse([f"configure_optimizers returning {len(self.optimizers)} optimizers: "
-                    "zerofn shards a model together with its one optimizer"])
+        refuse_optimizers(len(self.optimizers), "configure_optimizers returning")
 
     def _tensorboard_dir(self, trainer) -> str | None:
         if not self.zero.tensorboard:
@@ -232,10 +227,7 @@ class ZeroStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...): zerofn writes "
                             "its checkpoints itself, not through a CheckpointIO.")
-        path = os.fspath(self.broadcast(filepath))
-        sharded = self.zero.state_dict_type == "sharded"
-        if self.is_global_zero:
-            ckpt.clear_other_kind(path, sharded)
+        path, sharded = save_path(self, filepath)
         if not sharded:
             return super().save_checkpoint(checkpoint, path)
         entries = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -248,16 +240,10 @@ class ZeroStrategy(DDPStrategy):
         module = self.lightning_module
         if not module.strict_loading:
             refuse(["strict_loading=False: zerofn loads every parameter or none"])
-        path = os.fspath(self.broadcast(checkpoint_path))
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizer = self._optimizer() if fitting else None
-        if os.path.isdir(path):
-            entries = ckpt.load_sharded(path, self.model, optimizer, ckpt.LIGHTNING_EXTRA)
-        else:
-            entries = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-            states = entries.pop("optimizer_states", None) or [None]
-            ckpt.load_full(self.model, optimizer, entries.pop("state_dict"), states[0],
-                           self._names)
+        entries = load(self, checkpoint_path, self.model, optimizer, ckpt.LIGHTNING_EXTRA,
+                       _full_states, weights_only)
         if fitting and self.zero.tensorboard:
             zf.set_log_step(self.model, entries["global_step"])
         return entries
@@ -271,16 +257,14 @@ class ZeroStrategy(DDPStrategy):
     def teardown(self) -> None:
         """The model stays sharded on its devices (no move to the CPU); zerofn's
         TensorBoard files are flushed."""
-        if is_transformed(self.model) and self.zero.tensorboard:
-            zf.flush_logs(self.model)
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+        tear_down(self, self.model, self.precision_plugin)
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         """Register ``zerofn_stage_1`` ... ``zerofn_stage_3_offload_nvme``."""
-        for name, (description, options) in REGISTERED.items():
-            strategy_registry.register(name, cls, description=f"zerofn {description}",
-                                       override=True, **options)
+        register(cls, strategy_registry)
+
+
+def _full_states(entries: dict) -> tuple:
+    """Lightning's full file: its model state and its first optimizer's, popped."""
+    return entries.pop("state_dict"), (entries.pop("optimizer_states", None) or [None])[0]

@@ -15,7 +15,7 @@ def groups_by_param(optimizer) -> dict:
 
 def adam_unit(optimizer, group_of: dict, unit: Unit, grads: dict, master, exp_avg, exp_avg_sq,
               adamw_mode: bool, lowp=None, grad_scale: float = 1.0, timing=UNTIMED,
-              options=None, torch_math: bool = False) -> list:
+              options=None, torch_math: bool = False, *, table) -> list:
     """zerofn's CPU Adam over each of the unit's parameters that has a gradient, on the
     rows of flat master and state buffers, with that parameter's group hyperparameters
     and its own step count (as torch.optim keeps them); each gradient times
@@ -24,20 +24,21 @@ def adam_unit(optimizer, group_of: dict, unit: Unit, grads: dict, master, exp_av
     keywords for state stored in fewer bits (scales, the rounding seed). ``torch_math``:
     in torch's arithmetic, not the kernel's (which differs from it in the last bit), as
     beside a whole-tensor optimizer: Muon's bf16 Newton-Schulz magnifies any difference in
-    the parameters AdamW steps (nvme.py)."""
+    the parameters AdamW steps (nvme.py). ``table``: the runtime's parameter state, whose
+    ``opt_param`` the optimizer keys each slot's group and state on (param_table.py)."""
     with timing.span("cpu_adam", "cpu_adam", unit.name):   # profiles show it against copies
         return _adam_slots(optimizer, group_of, unit, grads, master, exp_avg, exp_avg_sq,
-                           adamw_mode, lowp, grad_scale, options, torch_math)
+                           adamw_mode, lowp, grad_scale, options, torch_math, table)
 
 
 def _adam_slots(optimizer, group_of, unit, grads, master, exp_avg, exp_avg_sq, adamw_mode,
-                lowp, grad_scale, options, torch_math) -> list:
+                lowp, grad_scale, options, torch_math, table) -> list:
     written = []
     for s in unit.trainable:
-        g, group = grads.get(s), group_of.get(s.opt_param)
+        g, group = grads.get(s), group_of.get(table[s].opt_param)
         if g is None or group is None:
             continue
-        state = optimizer.state[s.opt_param]
+        state = optimizer.state[table[s].opt_param]
         # Counted where this rank holds no rows too, as torch.optim counts an empty
         # parameter's steps: every rank's count, and every checkpoint's, is the same.
         state["step"] += 1

@@ -28,6 +28,7 @@ import torch
 
 from ...optim.cpu_adam import CPUAdam
 from ..pinned import host_buffer
+from ..param_table import ParamTable
 from ..timing import UNTIMED
 from ...core.units import Unit, local_of
 
@@ -122,6 +123,7 @@ class HomeSpec:
     timing: object = UNTIMED
     param_dtypes: dict = field(default_factory=dict)
     adam: bool = True
+    table: ParamTable = field(default_factory=ParamTable)   # the runtime's (param_table.py)
 
     def grad_dtype(self, unit: Unit) -> torch.dtype:
         """What a unit's gradients land in off the device: the reduce dtype, scaled fp16
@@ -216,7 +218,7 @@ class Home(abc.ABC):
     def write_rows(self, unit: Unit, slot, rows: torch.Tensor) -> None:
         """``slot``'s master rows (of ``unit``) are ``rows``: a whole-tensor optimizer
         stepped them before ``step`` (runtime/owned.py)."""
-        slot.opt_param.copy_(rows)
+        self.table[slot].opt_param.copy_(rows)
 
     def forget_state(self) -> None:
         """Another optimizer takes the units over: the optimizer state it will see starts
@@ -270,11 +272,12 @@ class Home(abc.ABC):
         return {}
 
 
-def rows_into(unit: Unit, master: torch.Tensor) -> torch.Tensor:
+def rows_into(unit: Unit, master: torch.Tensor, table) -> torch.Tensor:
     """This rank's initial rows of ``unit`` (from its full parameters) into the flat
-    ``master``, each slot's ``opt_param`` a view of them; returns ``master``."""
+    ``master``, each slot's ``opt_param`` (in the runtime's ``table``) a view of them;
+    returns ``master``."""
     for s in unit.slots:
-        s.opt_param = s.shard_of(master).copy_(s.rows_of(local_of(s.param).detach()))
+        table[s].opt_param = s.shard_of(master).copy_(s.rows_of(local_of(s.param).detach()))
     return master
 
 

@@ -40,7 +40,7 @@ class DeviceHome(Home):
 
     def __init__(self, units, spec: HomeSpec, sharded=(), per_unit: bool = False):
         self.units, self.per_unit = list(units), per_unit
-        self.device, self.timing = spec.device, spec.timing
+        self.device, self.timing, self.table = spec.device, spec.timing, spec.table
         self.grads: dict = {}        # (the step reads the reduced rows where they lie)
         flat = {u: (u.master_dtype, u.shard_numel) for u in self.units
                 if u.slots and (u in sharded or u.compute_dtype != u.master_dtype)}
@@ -54,9 +54,9 @@ class DeviceHome(Home):
     def place_masters(self, unit: Unit, keep: bool) -> torch.Tensor | None:
         master = self.master.get(unit)
         if master is not None:
-            return rows_into(unit, master)
+            return rows_into(unit, master, self.table)
         for s in unit.slots:   # the whole parameters' own rows are the masters
-            s.opt_param = s.rows_of(local_of(s.param).detach())
+            self.table[s].opt_param = s.rows_of(local_of(s.param).detach())
         return None
 
     def masters_on_device(self, unit: Unit) -> bool:
@@ -86,15 +86,16 @@ class DeviceHome(Home):
         once, for the user's own call)."""
         slots = [s for u in units for s in u.trainable]
         for s in slots:
-            s.opt_param.grad = grads.get(s)
-        present = [s.opt_param.grad for s in slots if s.opt_param.grad is not None]
+            self.table[s].opt_param.grad = grads.get(s)
+        present = [self.table[s].opt_param.grad for s in slots
+                   if self.table[s].opt_param.grad is not None]
         if grad_scale != 1.0 and present:
             torch._foreach_mul_(present, grad_scale)
         try:
             step_without_hooks(optimizer)
         finally:
             for s in slots:
-                s.opt_param.grad = None
+                self.table[s].opt_param.grad = None
 
     def updated_rows(self, unit: Unit) -> torch.Tensor | None:
         return self.master.get(unit)
@@ -117,12 +118,12 @@ class DeviceHome(Home):
         master = torch.zeros(unit.shard_numel, dtype=unit.master_dtype, device=self.device)
         group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
         for s in unit.slots:
-            s.shard_of(master).copy_(s.opt_param)
-            s.opt_param.data = s.shard_of(master)
-            state = optimizer.state.get(s.opt_param)
+            s.shard_of(master).copy_(self.table[s].opt_param)
+            self.table[s].opt_param.data = s.shard_of(master)
+            state = optimizer.state.get(self.table[s].opt_param)
             if state:
-                optimizer.state[s.opt_param] = _on_device(state, s, self.device,
-                                                          group_of.get(s.opt_param, {}))
+                optimizer.state[self.table[s].opt_param] = _on_device(
+                    state, s, self.device, group_of.get(self.table[s].opt_param, {}))
         self.master[unit] = master
         self.units.append(unit)
 

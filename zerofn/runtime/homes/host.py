@@ -41,7 +41,7 @@ class HostHome(Home):
     def __init__(self, units: list[Unit], spec: HomeSpec, per_unit: bool = False,
                  ring: bool = False):
         grad_dtype_of = spec.grad_dtype
-        self.timing = spec.timing
+        self.timing, self.table = spec.timing, spec.table
         # per_unit: an arena for each unit (not one for all), so that ``release`` gives a
         # unit's host memory back (offload's ratio="auto" moves units to the device).
         self._groups = per_unit_groups if per_unit else by_dtype_groups
@@ -133,7 +133,7 @@ class HostHome(Home):
                     self._arenas.remove(arena)
 
     def place_masters(self, unit: Unit, keep: bool) -> torch.Tensor:
-        return rows_into(unit, self.master[unit])
+        return rows_into(unit, self.master[unit], self.table)
 
     def param_shard(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
         """ZeRO-3 parameter offload: the unit's compute shard on the host is the copy the
@@ -190,13 +190,13 @@ class HostHome(Home):
         self._steps = HostArena([1] * len(trainable), torch.float32)
         for u in units:
             for s in u.trainable:
-                before = optimizer.state.get(s.opt_param, {})
+                before = optimizer.state.get(self.table[s].opt_param, {})
                 state = {"step": self._steps.take(1).view(()),
                          "exp_avg": s.shard_of(self.exp_avg[u]),
                          "exp_avg_sq": s.shard_of(self.exp_avg_sq[u])}
                 for k, v in before.items():   # state the optimizer had (e.g. loaded) moves in
                     state[k].copy_(v)
-                optimizer.state[s.opt_param] = state
+                optimizer.state[self.table[s].opt_param] = state
 
     def forget_state(self) -> None:
         for t in (*self.exp_avg.values(), *self.exp_avg_sq.values()):
@@ -236,12 +236,12 @@ class HostHome(Home):
             g = s.shard_of(cast).copy_(grads[s])
             if grad_scale != 1.0:
                 g.mul_(grad_scale)
-            s.opt_param.grad = g
+            self.table[s].opt_param.grad = g
         try:
             step_without_hooks(optimizer)
         finally:
             for s in slots:
-                s.opt_param.grad = None
+                self.table[s].opt_param.grad = None
 
     def _step_through_ring(self, optimizer, grads: dict, after_unit, grad_scale: float,
                            copies) -> None:
@@ -289,7 +289,7 @@ class HostHome(Home):
         dtype too where given; returns the slots it wrote."""
         return adam_unit(optimizer, group_of, unit, grads, self.master[unit],
                          self.exp_avg[unit], self.exp_avg_sq[unit], self.decoupled, rows,
-                         grad_scale, self.timing, self.kernel_options)
+                         grad_scale, self.timing, self.kernel_options, table=self.table)
 
     kernel_options = None   # slot -> adam_step's keywords for the state's stored form
 

@@ -88,7 +88,7 @@ class LowpHostHome(HostHome):
         master = super().place_masters(unit, keep)
         if self.form.master_dtype != torch.float32:   # (the fp32 face stands in: the note)
             for s in unit.slots:
-                s.opt_param = stand_in(s.local_shape, torch.float32)
+                self.table[s].opt_param = stand_in(s.local_shape, torch.float32)
         return master
 
     def bind(self, optimizer) -> None:
@@ -100,16 +100,17 @@ class LowpHostHome(HostHome):
         self._steps = HostArena([1] * len(trainable), torch.float32)
         before = {}
         for s in trainable:
-            before[s] = optimizer.state.get(s.opt_param, {})
-            optimizer.state[s.opt_param] = {"step": self._steps.take(1).view(()),
-                                            "exp_avg": stand_in(s.local_shape, torch.float32),
-                                            "exp_avg_sq": stand_in(s.local_shape, torch.float32)}
+            before[s] = optimizer.state.get(self.table[s].opt_param, {})
+            optimizer.state[self.table[s].opt_param] = {
+                "step": self._steps.take(1).view(()),
+                "exp_avg": stand_in(s.local_shape, torch.float32),
+                "exp_avg_sq": stand_in(s.local_shape, torch.float32)}
         self._optimizer = optimizer
         if any(before.values()):          # state the optimizer had (e.g. loaded) moves in
             self.materialize(optimizer)
             for s, state in before.items():
                 for k, v in state.items():
-                    optimizer.state[s.opt_param][k].copy_(v)
+                    optimizer.state[self.table[s].opt_param][k].copy_(v)
             self.evict()
 
     def forget_state(self) -> None:
@@ -162,8 +163,9 @@ class LowpHostHome(HostHome):
             for s in u.slots:
                 views = [s.shard_of(f) for f in flats[u]] if flats else [None] * 3
                 if self._faced_masters:
-                    point_at(s.opt_param, views[0], s.local_shape, self._filler)
-                state = optimizer.state.get(s.opt_param) if optimizer is not None else None
+                    point_at(self.table[s].opt_param, views[0], s.local_shape, self._filler)
+                state = optimizer.state.get(self.table[s].opt_param) \
+                    if optimizer is not None else None
                 if state:
                     point_at(state["exp_avg"], views[1], s.local_shape, self._filler)
                     point_at(state["exp_avg_sq"], views[2], s.local_shape, self._filler)

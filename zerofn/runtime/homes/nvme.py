@@ -8,8 +8,8 @@ worker thread (file I/O releases the GIL). Host memory for optimizer state and p
 shards is therefore ``units_in_flight`` times the largest unit, whatever the model's size.
 
 [Note: parameter shards on NVMe] Between steps ZeRO-3's compute shards exist only in the
-file: ``unit.shard`` and the registered DTensors' local tensors point at a one-element
-stand-in. ``ParamReads`` reads each shard into the same staging ring (idle outside the
+file: the unit's compute shard (``table[unit].shard``) and the registered DTensors' local
+tensors point at a one-element stand-in. ``ParamReads`` reads each shard into the same staging ring (idle outside the
 step) just before its gather, ahead of use in the gatherer's order.
 
 [Note: compute rows in the ring] Where the compute dtype is not the masters' fp32 (mixed
@@ -58,6 +58,7 @@ class NvmeHome(Home):
         path, rank, in_flight = policy.path, spec.rank, policy.units_in_flight
         param_dtypes = {u: dt for u, dt in spec.param_dtypes.items() if u in units}
         self.timing = spec.timing     # (its I/O threads use its host clock)
+        self.table = spec.table
         self.decoupled = True         # (AdamW's, until bind finds the optimizer)
         pin = pins(device_of(units))     # what the device reads and writes is page-locked
         self.grads, self._arenas = {}, []
@@ -144,7 +145,7 @@ class NvmeHome(Home):
         master = torch.zeros(unit.shard_numel, dtype=dtype)
         for s in unit.slots:
             s.shard_of(master).copy_(s.rows_of(local_of(s.param).detach()))
-            s.opt_param = stand_in(s.local_shape, dtype)
+            self.table[s].opt_param = stand_in(s.local_shape, dtype)
         buf = self.staging[0]
         buf.zero_()
         state = self.form.views(unit, buf)
@@ -210,7 +211,7 @@ class NvmeHome(Home):
             written = adam_unit(optimizer, group_of, unit, grads, master, state.exp_avg,
                                 state.exp_avg_sq, self.decoupled, lowp=lowp,
                                 grad_scale=grad_scale, timing=self.timing, options=options,
-                                torch_math=self.torch_math)
+                                torch_math=self.torch_math, table=self.table)
             if rows is not None:       # (an fp32 compute shard: all of it)
                 cast_the_rest(rows, master, written if lowp is not None else [])
             self._refresh(unit, master if rows is None else rows, after_unit)
@@ -225,17 +226,17 @@ class NvmeHome(Home):
         own part of the staging buffer (``rows``), written back to the file with the
         state."""
         if unit in self.params:
-            unit.shard = rows
+            self.table[unit].shard = rows
         after_unit(unit, rows)
         if unit in self.params:
-            unit.shard = self.param_shard(unit, self.params[unit])
+            self.table[unit].shard = self.param_shard(unit, self.params[unit])
 
     # -- state dicts -------------------------------------------------------------------
     def write_rows(self, unit, slot, rows: torch.Tensor) -> None:
         """[Note: owned rows in the file] Into the materialized block, or held until the
         step streams ``unit`` through the ring."""
         if self.resident:
-            slot.opt_param.copy_(rows)
+            self.table[slot].opt_param.copy_(rows)
         else:
             self.pending[slot] = rows.to("cpu", copy=True)
 
@@ -248,7 +249,8 @@ class NvmeHome(Home):
         self.decoupled = decoupled_weight_decay(adam[0]) if adam else True
         self.torch_math = len(adam) < len(members_of(optimizer))
         held = {p for m in adam for g in m.param_groups for p in g["params"]}
-        self.adam_slots = {s for u in self.units for s in u.trainable if s.opt_param in held}
+        self.adam_slots = {s for u in self.units for s in u.trainable
+                           if self.table[s].opt_param in held}
         steps = HostArena([1] * len(self.adam_slots), torch.float32)   # host, not device
         self._arenas.append(steps)
         for u in self.units:
@@ -256,9 +258,9 @@ class NvmeHome(Home):
             for s in u.trainable:
                 if s not in self.adam_slots:
                     continue
-                optimizer.state[s.opt_param] = {"step": steps.take(1).view(()),
-                                                "exp_avg": torch.empty(0, dtype=face),
-                                                "exp_avg_sq": torch.empty(0, dtype=face)}
+                optimizer.state[self.table[s].opt_param] = {
+                    "step": steps.take(1).view(()), "exp_avg": torch.empty(0, dtype=face),
+                    "exp_avg_sq": torch.empty(0, dtype=face)}
         self._point(optimizer, None)
 
     def forget_state(self) -> None:
@@ -327,17 +329,18 @@ class NvmeHome(Home):
         """Point the unit's compute shard and its registered DTensors at ``flat``, or back
         at the stand-in."""
         filler = self._param_stand_in[self.params[unit]]
-        unit.shard = self.param_shard(unit, self.params[unit]) if flat is None else flat
+        self.table[unit].shard = self.param_shard(unit, self.params[unit]) \
+            if flat is None else flat
         for s in unit.slots:
-            point_at(s.sharded._local_tensor, None if flat is None else s.shard_of(flat),
-                     s.local_shape, filler)
+            point_at(self.table[s].sharded._local_tensor,
+                     None if flat is None else s.shard_of(flat), s.local_shape, filler)
 
     def _point(self, optimizer, flats) -> None:
         for u in self.units:
             for s in u.slots:
                 views = [s.shard_of(f) for f in flats[u]] if flats else [None] * 3
-                point_at(s.opt_param, views[0], s.local_shape, self._stand_in)
-                state = optimizer.state.get(s.opt_param) \
+                point_at(self.table[s].opt_param, views[0], s.local_shape, self._stand_in)
+                state = optimizer.state.get(self.table[s].opt_param) \
                     if optimizer is not None and s in self.adam_slots else None
                 if state:
                     point_at(state["exp_avg"], views[1], s.local_shape, self._stand_in)

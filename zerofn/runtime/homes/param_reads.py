@@ -35,7 +35,8 @@ class ParamReads:
         """The unit's shard on the host, valid until the next call here; ``copied()`` then
         waits for the caller's copy of it, if any, before the buffer is reused."""
         if self.store.resident or unit not in self.store.params:
-            return unit.shard    # may be newer than the file (a load); or not in the file
+            # (may be newer than the file, after a load; or not in the file)
+            return self.store.table[unit].shard
         self._settle()
         if unit not in self.held:
             if not self.free:
