@@ -9,6 +9,8 @@ does a code change that makes one print something other than what the text says.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from support.doc_blocks import all_blocks, differences, run_python, run_shell, shims
@@ -26,6 +28,10 @@ def _param(block):
     marks = [pytest.mark.multirank] if block.kind == "python" else []
     if block.slow:
         marks.append(pytest.mark.slow(reason="a whole zerofn train job or more"))
+    missing = [m for m in block.needs if importlib.util.find_spec(m) is None]
+    if missing:
+        marks.append(pytest.mark.skip(reason=f"needs {', '.join(missing)} (set-up installs it "
+                                             "with the tests' extras; offline it may not)"))
     return pytest.param(block, id=block.name, marks=marks)
 
 

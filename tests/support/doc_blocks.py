@@ -6,6 +6,7 @@ A marker is an HTML comment (invisible on GitHub) on the line before a fenced bl
     <!-- run: ranks=2 -->            the python block below runs on 2 gloo ranks (1, 2 or 4)
     <!-- run: shell -->              the bash block below runs, line by line as bash does
     <!-- run: ranks=1, slow -->      ... only with ZEROFN_SLOW=1
+    <!-- run: ranks=2, needs=torchao --> ... skipped, saying so, where torchao does not import
     <!-- run: no, REASON -->         cannot run here (CUDA, several nodes, ...): REASON says why
     <!-- output -->                  the text block below is what the run block before it
                                      prints (rank 0's stdout for python); `...` is any lines
@@ -41,6 +42,7 @@ class Block:
     code: str
     ranks: int = 1
     slow: bool = False
+    needs: list[str] = field(default_factory=list)   # modules it imports beyond set-up's core
     reason: str = ""
     lang: str = ""
     output: str | None = None       # what the text quotes, if it does
@@ -112,11 +114,13 @@ def parse(path: Path) -> list[Block]:
                     block.kind = "shell"
                 elif a == "slow":
                     block.slow = True
+                elif a.startswith("needs="):
+                    block.needs.append(a[len("needs="):])
                 elif re.fullmatch(r"ranks=[124]", a):
                     block.kind, block.ranks = "python", int(a[6:])
                 else:
                     block.problems.append(f"unknown run option {a!r} (ranks=1|2|4, shell, slow, "
-                                          "no)")
+                                          "needs=MODULE, no)")
             if block.kind == "no" and not block.problems:
                 block.problems.append("say ranks=N (python) or shell")
             want = {"python": {"python"}, "shell": {"bash", "sh", "shell", "console"}}
