@@ -156,13 +156,16 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
             checkpoints can live").
         step: names the checkpoint and is returned by ``load_checkpoint``.
         keep: after this save, keep only the newest ``keep`` checkpoints (None: all).
-        async_save: return at once and write in the background. State on the device is
-            copied to the host first; offloaded state (host, NVMe) is read as it is
-            written, and the first step that would change it waits until it has been
-            (``time/checkpoint_wait``), so the checkpoint holds the state at this call.
-            The next save or load, ``wait_for_checkpoint()`` and process exit wait for it.
+        async_save: return at once and write in the background while training goes on.
+            Each unit's masters and moments are copied out as they are written; the
+            first step that would change a unit the save has not written yet copies it
+            aside first (within ``staging_bytes``) or waits for the writer
+            (``checkpoint/waits``, ``time/checkpoint_wait``), so the checkpoint holds the
+            state at this call. The next save or load, ``wait_for_checkpoint()`` and
+            process exit wait for it.
         staging_bytes: the copies a save holds at once, at most (default: two data files,
-            512 MiB): its data files are half of it each.
+            512 MiB): its data files are half of it each, a background save's copies
+            made before a change the other half.
         **extra: ``Stateful`` objects (LR scheduler, ``StatefulDataLoader``) or plain
             values, the same on every rank; wrap per-rank ones in ``PerRank``
             (``RNGState()`` already is).
