@@ -8,7 +8,7 @@ TensorBoard and the CSV series."""
 from __future__ import annotations
 
 import os
-import time
+import threading
 
 import pytest
 import torch
@@ -25,9 +25,6 @@ from zerofn.io.checkpoint import streamed
 from zerofn.io.checkpoint.layout import step_name
 from zerofn.runtime.runtime import runtime_of
 
-DELAY_S = 0.01     # per item the writer takes: the steps after the call outrun it
-
-
 def offload(case: str, root: str) -> list:
     if case == "nvme":
         os.makedirs(os.path.join(root, "swap"), exist_ok=True)
@@ -36,15 +33,22 @@ def offload(case: str, root: str) -> list:
 
 
 class Recorded(streamed.UnitCopies):
-    """UnitCopies whose writer is slowed, each made kept in ``made``."""
+    """UnitCopies whose writer starts once the first step wants to change a unit (so the
+    step finds every unit still to write, however fast the writer), each made kept in
+    ``made``."""
     made: list = []
 
     def __init__(self, *args):
         super().__init__(*args)
+        self.arrived = threading.Event()
         Recorded.made.append(self)
 
+    def before_change(self, units):
+        self.arrived.set()
+        return super().before_change(units)
+
     def take(self, key):
-        time.sleep(DELAY_S)
+        self.arrived.wait(timeout=120)   # (a step that never came: the asserts say so)
         return super().take(key)
 
 
@@ -83,15 +87,16 @@ def save_then_step(rank, world, root, stage, case, staging, monitor=False):
     """Train 2 steps, save synchronously, save in the background and step 4 times at
     once; the checkpoints compared, and what the background save held and cost.
     ``staging``: bytes, or "bounded": room for copies of 1.1 times the rank's largest
-    unit (its masters and moments), so some units are copied and the first step waits
-    for the others."""
+    unit (its masters and moments; under NVMe beside the unit read from the file), so
+    some units are copied and the first step waits for the others."""
     transforms = offload(case, root)
     if monitor:
         transforms.append(zf.tensorboard(os.path.join(root, "tb"), every=1, csv=True))
     model, opt = build_parity(stage, "adamw", *transforms)
     rt = runtime_of(model)
     if staging == "bounded":
-        staging = 2 * int(1.1 * 12 * max(u.shard_numel for u in rt.units))
+        unit = 12 * max(u.shard_numel for u in rt.units)
+        staging = 2 * (int(1.1 * unit) + unit * (case == "nvme"))
     data = batches(6, 1, world)
     train_sharded(model, opt, data[:2], rank, world)
     zf.save_checkpoint(os.path.join(root, "sync"), model, opt, step=2)

@@ -104,7 +104,7 @@ def saved_state(rt, model, optimizer, budget: int | None = None
         reads, copies = {}, None
     else:
         msd, osd = unread_state_dict(model, optimizer)
-        copies = None if budget is None else UnitCopies(budget, lambda: UnitReader(rt))
+        copies = None if budget is None else UnitCopies(budget, UnitReader(rt))
         reads = _placeholders(rt, msd, osd, copies)
     narrowed(rt, msd, osd)
     return msd, osd, (StreamingPlanner(reads, copies) if reads else None)

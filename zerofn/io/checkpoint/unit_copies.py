@@ -16,6 +16,11 @@ until every unit not copied is written, so the copies go where they shorten it m
 Each item is written from the state at the call either way: the writer takes a copy made
 before the change, or the live state before any change (the unit cannot change while
 an item of it is neither taken nor copied, and taking and copying hold one lock).
+
+A unit out of memory (a swap file, fewer bits) is read whole, into new memory, to be
+written or copied: the writer and the copies share one reader, so one unit is read at a
+time, and its bytes are kept out of the copies' budget, so that the save's copies, its
+data file and its read stay within ``staging_bytes`` together.
 """
 from __future__ import annotations
 
@@ -47,9 +52,8 @@ class UnitCopies:
     writer (``take``) and training (``before_change``).
 
     Args:
-        budget: bytes of copies ``before_change`` may hold at once.
-        make_reader: a new ``UnitReader`` (streamed.py): one for the writer, one for the
-            copies made before a change, so neither drops the unit the other reads.
+        budget: bytes of copies ``before_change`` may hold at once, a unit read included.
+        reader: the ``UnitReader`` (streamed.py) both sides read units out of memory with.
 
     Attributes:
         held, peak: bytes of copies this save holds now (made here and not yet let go by
@@ -57,9 +61,10 @@ class UnitCopies:
         copied: units copied aside before a change.
     """
 
-    def __init__(self, budget: int, make_reader):
+    def __init__(self, budget: int, reader):
         self.budget = budget
-        self._readers = (make_reader(), make_reader())      # (writer's, before a change)
+        self._reader = reader
+        self._reading = 0                       # bytes of the largest unit read whole
         self._cond = threading.Condition()
         self._items: dict[int, Item] = {}       # placeholder id -> item, until taken
         self._left: dict = {}                   # unit -> ids of its items not taken yet
@@ -74,6 +79,8 @@ class UnitCopies:
     def add(self, key: int, item: Item) -> None:
         """Register the item placeholder ``key`` stands for, in the writer's order."""
         self._items[key] = item
+        if item.live is None:       # (read_unit: masters and two moments, in fp32)
+            self._reading = max(self._reading, 3 * 4 * item.unit.shard_numel)
         self._left.setdefault(item.unit, set()).add(key)
         self._last[item.unit] = len(self._items)
 
@@ -84,7 +91,7 @@ class UnitCopies:
             item = self._items.pop(key)
             copy = self._copies.pop(key, None)
             if copy is None:
-                copy = self._copy(item, self._readers[0])
+                copy = self._copy(item)
             else:
                 self._copied_bytes -= item.nbytes
             left = self._left[item.unit]
@@ -101,6 +108,7 @@ class UnitCopies:
             self._done = True
             self._copies.clear()
             self._copied_bytes = 0
+            self._reader.drop()
             self._cond.notify_all()
 
     @property
@@ -118,7 +126,8 @@ class UnitCopies:
                              key=self._last.__getitem__, reverse=True)   # the writer's last first
             for unit in pending:
                 while not self._safe(unit):
-                    if self._copied_bytes + self._left_bytes(unit) <= self.budget:
+                    room = self.budget - self._reading - self._copied_bytes
+                    if self._left_bytes(unit) <= room:
                         self._copy_aside(unit)
                     else:
                         waited = True
@@ -133,20 +142,19 @@ class UnitCopies:
         return sum(self._items[k].nbytes for k in self._left[unit] if k not in self._copies)
 
     def _copy_aside(self, unit) -> None:
-        reader = self._readers[1]
         for key in list(self._left[unit]):
             if key not in self._copies:
-                self._copies[key] = self._copy(self._items[key], reader)
+                self._copies[key] = self._copy(self._items[key])
                 self._copied_bytes += self._items[key].nbytes
-        reader.drop()     # (a unit read from a file for this: let it go now)
+        self._reader.drop()       # (a unit read for this goes now; the writer reads its own)
         self.copied.append(unit)
 
     # -- copies ------------------------------------------------------------------------------
-    def _copy(self, item: Item, reader) -> torch.Tensor:
+    def _copy(self, item: Item) -> torch.Tensor:
         """``item``'s values in new host memory of exactly its bytes (DCP's writer takes it
         as it is), counted in ``held`` while it lives."""
         source = item.live if item.live is not None else \
-            reader.value(item.unit, item.slot, item.role, item.dtype)
+            self._reader.value(item.unit, item.slot, item.role, item.dtype)
         copy = torch.empty(source.shape, dtype=item.dtype).copy_(source)
         nbytes = copy.numel() * copy.element_size()
         with self._count:
