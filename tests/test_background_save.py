@@ -29,6 +29,8 @@ def offload(case: str, root: str) -> list:
     if case == "nvme":
         os.makedirs(os.path.join(root, "swap"), exist_ok=True)
         return [zf.offload("nvme", path=os.path.join(root, "swap"))]
+    if case == "cpu-overlap":
+        return [zf.offload("cpu", overlap_step=True)]
     return [zf.offload("cpu")] if case == "cpu" else []
 
 
@@ -117,7 +119,8 @@ def save_then_step(rank, world, root, stage, case, staging, monitor=False):
     diffs = differing(*tables(root, ["background", "sync"])) if rank == 0 else []
     return dict(unread=unread, changed=changed, diffs=diffs, staging=staging,
                 peak=copies.peak, copied=len(copies.copied),
-                units=sum(bool(u.slots) for u in rt.units), waits=rt.checkpoint_waits()[0])
+                units=sum(bool(u.slots) for u in rt.units), waits=rt.checkpoint_waits()[0],
+                early=rt.stepper.early.stepped if rt.stepper.early is not None else 0)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -131,6 +134,15 @@ def test_background_save_holds_the_state_at_its_call(tmp_path, stage, case, worl
         assert r["copied"] >= 1                   # some units copied before a change
         assert r["waits"] == 1                    # and the first step waited for the rest
         assert r["peak"] <= r["staging"], r       # within staging_bytes
+
+
+def test_units_stepped_during_backward_copy_before_write_too(tmp_path):
+    """offload(overlap_step=True) steps each unit as its gradients land, in backward: each
+    asks for its own unit, and the checkpoint still holds the state at the call."""
+    r = run_ranks(1, save_then_step, str(tmp_path), 3, "cpu-overlap", "bounded")[0]
+    assert r["diffs"] == [] and r["changed"] > 0
+    assert r["early"] > 0                           # (units did step in backward)
+    assert r["copied"] >= 1 and r["waits"] >= 1 and r["peak"] <= r["staging"]
 
 
 def test_a_large_budget_copies_every_unit_and_never_waits(tmp_path):
