@@ -20,14 +20,15 @@ dict does.
 [Note: background saves] A background save (``async_save=True``) that copied the rank's
 whole state before returning would double the largest thing the host holds under
 offload, and one that held every step until it had written all would stall training for
-the whole write. So every unit's masters and moments are placeholders as above, wherever the unit lives (device, host, file, fewer bits), and the background
-writer copies each out of the live state (or reads it) as it writes it, holding one data
-file's copies and one unit read from a file at a time. Training goes on: the first step
-that would change a unit the writer has not finished with copies that unit's remaining
-items aside first, within the rest of ``staging_bytes``, or, where that is full, waits
-for the writer (unit_copies.py's [Note: copy-before-write per unit]); so the checkpoint
-holds the state at the call, exactly. What is not a unit's masters or moments (buffers,
-step counters, other optimizers' state, extras) is small and still copied at the call
+the whole write. So every unit's masters and moments are placeholders as above,
+wherever the unit lives (device, host, file, fewer bits), and the background writer
+copies each out of the live state (or reads it) as it writes it, holding one data file's
+copies and one unit read from a file at a time. Training goes on: the first step that
+would change a unit the writer has not finished with copies that unit's remaining items
+aside first, within the rest of ``staging_bytes``, or, where that is full, waits for the
+writer (unit_copies.py's [Note: copy-before-write per unit]); so the checkpoint holds
+the state at the call, exactly. What is not a unit's masters or moments (buffers, step
+counters, other optimizers' state, extras) is small and still copied at the call
 (staging.py).
 """
 from __future__ import annotations
@@ -132,7 +133,8 @@ def _placeholders(rt, msd: dict, osd: dict, copies: UnitCopies | None) -> dict:
             table[key] = slot.as_dtensor(stand_in(slot.local_shape, dtype), rt.mesh,
                                          rt.placements)
             if copies is None:
-                reads[id(table[key])] = functools.partial(reader.value, unit, slot, role, dtype)
+                reads[id(table[key])] = functools.partial(reader.value, unit, slot, role,
+                                                          dtype)
             else:
                 copies.add(id(table[key]), Item(unit, slot, role, dtype,
                                                 None if unread else value.to_local()))
