@@ -4,11 +4,14 @@ checkpoint holds the state at the call bit for bit (equal, tensor by tensor, to 
 synchronous save at the call), at ZeRO-1, ZeRO-3, ZeRO-3 + offload("cpu") and ZeRO-3 +
 offload("nvme"), worlds 1 and 2; the copies the save holds never exceed
 ``staging_bytes``; and the steps that waited for the writer are counted, in the runtime,
-TensorBoard and the CSV series."""
+TensorBoard, the CSV series and zerofn train's progress line."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +27,7 @@ from support.tensorboard_runs import read, scalars
 from zerofn.io.checkpoint import streamed
 from zerofn.io.checkpoint.layout import step_name
 from zerofn.runtime.runtime import runtime_of
+from zerofn.train.progress import Progress
 
 def offload(case: str, root: str) -> list:
     if case == "nvme":
@@ -169,3 +173,21 @@ def test_the_wait_shows_in_tensorboard_and_csv(tmp_path):
     assert wait_ms[2] == 0 and wait_ms[3] > 0
     with open(os.path.join(tmp_path, "tb", "checkpoint_waits.csv")) as f:
         assert [float(v) for v in f.read().splitlines()[-1].split(",")] == [6, 1]
+
+
+def progress_lines(rank, world):
+    """zerofn train's progress lines around a step that waited 830 ms for a save."""
+    job = SimpleNamespace(batch=2, cfg=SimpleNamespace(context=8), offload_ratio=1.0,
+                          log_every=1, precision="fp32")
+    progress = Progress(SimpleNamespace(steps=3), job, 0)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for step, waits in enumerate([(0, 0.0), (1, 0.83), (1, 0.83)]):
+            progress.show(step, 1.0, 1e-3, 0.5, 1 << 30, waits=waits)
+    return out.getvalue().splitlines()
+
+
+def test_the_wait_shows_in_zerofn_trains_progress_line():
+    lines = run_ranks(1, progress_lines)[0]
+    assert ["checkpoint wait" in line for line in lines] == [False, True, False]
+    assert lines[1].endswith("checkpoint wait 830 ms (1 step)")
