@@ -67,6 +67,8 @@ def peak_of(fn) -> int:
 def rank_main(rank, world, port, args, row, mode, root, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    if args.large_frees:
+        zf.return_large_frees()
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=256, width=args.width, heads=args.width // 64, ffn=4 * args.width,
                     layers=args.layers, context=64)
@@ -143,6 +145,8 @@ def main(argv=None) -> None:
     p.add_argument("--modes", default="sync,async,async-train")
     p.add_argument("--train-steps", type=int, default=3,
                    help="async-train: the steps taken right after the call")
+    p.add_argument("--large-frees", action="store_true",
+                   help="zf.return_large_frees() first, as zerofn train does on a CPU")
     p.add_argument("--dir", default=None, help="where the swap files and checkpoints go")
     args = p.parse_args(argv)
     print(f"{'row':6} {'world':>5} {'mode':11} {'step peak MiB':>14} "
