@@ -142,11 +142,15 @@ class UnitCopies:
         return sum(self._items[k].nbytes for k in self._left[unit] if k not in self._copies)
 
     def _copy_aside(self, unit) -> None:
+        read = False
         for key in list(self._left[unit]):
             if key not in self._copies:
-                self._copies[key] = self._copy(self._items[key])
-                self._copied_bytes += self._items[key].nbytes
-        self._reader.drop()       # (a unit read for this goes now; the writer reads its own)
+                item = self._items[key]
+                self._copies[key] = self._copy(item)
+                self._copied_bytes += item.nbytes
+                read = read or item.live is None
+        if read:
+            self._reader.drop()   # (the unit read for this goes now; the writer reads its own)
         self.copied.append(unit)
 
     # -- copies ------------------------------------------------------------------------------
