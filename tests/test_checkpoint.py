@@ -245,6 +245,21 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):
     run_ranks(2, load_after_crash, root)
 
 
+def load_without_pointer(rank, world, root):
+    """A first save killed after its rename into place, before it wrote ``latest``."""
+    model, opt = build_parity(1)
+    save_checkpoint(root, model, opt, step=1)
+    os.remove(f"{root}/latest")
+    fresh, fresh_opt = build_parity(1, seed=FRESH)
+    return load_checkpoint(root, fresh, fresh_opt)
+
+
+def test_a_first_save_cut_off_before_its_pointer_loads(tmp_path):
+    """(Found by the kill-async fault campaign: 1 trial of 100.) The checkpoint is complete
+    (renamed into place whole): the newest complete step loads, as ``latest`` would name."""
+    assert run_ranks(1, load_without_pointer, str(tmp_path / "ckpt")) == [{"step": 1}]
+
+
 def wrong_checkpoints(rank, world, root, scratch):
     good = f"{root}/zero2/step-00000003"
     broken = {"missing": f"{scratch}/missing", "truncated": f"{scratch}/truncated",

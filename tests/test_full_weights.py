@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
+from zerofn.io import weights
 from support.errors import expect_error
 from support.hooked import hooked_batches, hooked_model, train as train_hooked
 from support.loops import build_parity, train_sharded
@@ -111,3 +112,27 @@ def hooked_out(rank, world, root):
 def test_full_weights_take_the_names_hooks_give(tmp_path):
     """A fused projection saved in pieces comes out in its pieces, under their names."""
     assert run_ranks(2, hooked_out, str(tmp_path)) == [True, True]
+
+
+def sent_where_they_lie(rank, world):
+    """ZeRO-3's masters in one bucket: sent from their flat buffer, not packed; the
+    parity model's uneven rows (97 of the embedding, 3 of ``gain``: an empty shard at
+    world 4) come out whole all the same."""
+    model, opt = build_parity(3, "adamw")
+    train_sharded(model, opt, batches(2, 1, world), rank, world)
+    packed = []
+    plain = weights._packed
+    weights._packed = lambda *a: packed.append(1) or plain(*a)
+    try:
+        got = dict(zf.full_weights(model, bucket_bytes=1 << 30))
+    finally:
+        weights._packed = plain
+    expected = zf.get_state_dict(model, opt, full=True)[0]
+    same = list(got) == list(expected) and all(torch.equal(got[n], t)
+                                               for n, t in expected.items())
+    return same, len(packed)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero3_masters_are_sent_where_they_lie(world):
+    assert run_ranks(world, sent_where_they_lie) == [(True, 0)] * world

@@ -5,13 +5,18 @@
 A GPT of ``--layers`` blocks of width ``--width`` (``--layers 8``: 110M parameters) under
 ZeRO-3 takes two AdamW steps on each of ``--worlds`` gloo ranks (CPU), then, per rank:
 the peak resident memory (VmHWM, reset just before) of one more step, and of one
-``save_checkpoint``, synchronous or background (``async_save=True``, up to
-``wait_for_checkpoint()``). Printed per row: the save's peak above the step's, the
-largest over the ranks (one rank's state shrinks with the world, one data file does not).
+``save_checkpoint``, synchronous (``sync``) or background (``async_save=True``, up to
+``wait_for_checkpoint()``: ``async``), or a background save with ``--train-steps`` steps
+taken right after the call, before the wait (``async-train``: the steps change the state
+the save is writing, so it copies units aside before they change, or the step waits).
+Printed per row: the save's peak above the step's, the largest over the ranks (one rank's
+state shrinks with the world, one data file does not); for ``async-train`` also the
+steps after the call against as many steps alone (their time over the steps' own, in
+the same run) and the steps that waited for the save (``checkpoint_waits``).
 
 Rows: ``nvme`` ``offload("nvme")``; ``cpu`` ``offload("cpu")``; ``lowp``
 ``offload("cpu", state_dtype=torch.int8, master_dtype=torch.bfloat16)`` under bf16
-compute (``mixed_precision``).
+compute (``mixed_precision``); ``none`` ZeRO-3 without offload.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -27,6 +33,7 @@ import torch.multiprocessing as mp
 
 import zerofn as zf
 from zerofn.nanogpt import GPT, GPTConfig
+from zerofn.runtime import runtime_of
 
 MiB = 1 << 20
 
@@ -36,10 +43,12 @@ def transforms(row: str, swap: str):
         return [zf.shard_params(), zf.offload("nvme", path=swap)]
     if row == "cpu":
         return [zf.shard_params(), zf.offload("cpu")]
+    if row == "none":
+        return [zf.shard_params()]
     if row == "lowp":
         return [zf.shard_params(), zf.mixed_precision(torch.bfloat16),
                 zf.offload("cpu", state_dtype=torch.int8, master_dtype=torch.bfloat16)]
-    raise SystemExit(f"--rows: unknown row {row!r} (nvme, cpu, lowp)")
+    raise SystemExit(f"--rows: unknown row {row!r} (nvme, cpu, lowp, none)")
 
 
 def status(field: str) -> int:
@@ -58,6 +67,8 @@ def peak_of(fn) -> int:
 def rank_main(rank, world, port, args, row, mode, root, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    if args.large_frees:
+        zf.return_large_frees()
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=256, width=args.width, heads=args.width // 64, ffn=4 * args.width,
                     layers=args.layers, context=64)
@@ -75,16 +86,31 @@ def rank_main(rank, world, port, args, row, mode, root, out):
 
     step(), step()
     step_peak = peak_of(step)
+    steps_s = _timed(step, args.train_steps)      # as many steps alone, for the ratio
+    after_s = 0.0
 
     def save():
+        nonlocal after_s
         zf.save_checkpoint(os.path.join(root, "ckpt"), model, opt, step=3,
-                           async_save=mode == "async")
+                           async_save=mode != "sync")
+        if mode == "async-train":
+            after_s = _timed(step, args.train_steps)
         zf.wait_for_checkpoint()
 
     save_peak = peak_of(save)
-    out.put((rank, step_peak, save_peak))
+    # (-1 where zerofn does not count them: a checkout from before they were, for "before")
+    counted = getattr(runtime_of(model), "checkpoint_waits", None)
+    waits = counted()[0] if counted is not None else -1
+    out.put((rank, step_peak, save_peak, after_s / steps_s, waits))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _timed(step, times: int) -> float:
+    start = time.perf_counter()
+    for _ in range(times):
+        step()
+    return time.perf_counter() - start
 
 
 def _free_port() -> int:
@@ -93,8 +119,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(args, row: str, world: int, mode: str) -> tuple[int, int]:
-    """(the largest rank's save peak above its step peak, its step peak), bytes."""
+def measure(args, row: str, world: int, mode: str) -> tuple[int, int, float, int]:
+    """The largest rank's save peak above its step peak and its step peak (bytes), the
+    slowest rank's steps after the call over its steps alone, and the most waits."""
     root = tempfile.mkdtemp(prefix="bench_save_", dir=args.dir)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -104,8 +131,9 @@ def measure(args, row: str, world: int, mode: str) -> tuple[int, int]:
         results = [out.get() for _ in range(world)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    rank, step_peak, save_peak = max(results, key=lambda r: r[2] - r[1])
-    return save_peak - step_peak, step_peak
+    rank, step_peak, save_peak, _, _ = max(results, key=lambda r: r[2] - r[1])
+    return (save_peak - step_peak, step_peak, max(r[3] for r in results),
+            max(r[4] for r in results))
 
 
 def main(argv=None) -> None:
@@ -114,16 +142,22 @@ def main(argv=None) -> None:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--rows", default="nvme,lowp,cpu")
     p.add_argument("--worlds", default="1,2")
-    p.add_argument("--modes", default="sync,async")
+    p.add_argument("--modes", default="sync,async,async-train")
+    p.add_argument("--train-steps", type=int, default=3,
+                   help="async-train: the steps taken right after the call")
+    p.add_argument("--large-frees", action="store_true",
+                   help="zf.return_large_frees() first, as zerofn train does on a CPU")
     p.add_argument("--dir", default=None, help="where the swap files and checkpoints go")
     args = p.parse_args(argv)
-    print(f"{'row':6} {'world':>5} {'mode':6} {'step peak MiB':>14} {'save above step MiB':>20}")
+    print(f"{'row':6} {'world':>5} {'mode':11} {'step peak MiB':>14} "
+          f"{'save above step MiB':>20} {'steps after/alone':>18} {'waits':>5}")
     for row in args.rows.split(","):
         for world in map(int, args.worlds.split(",")):
             for mode in args.modes.split(","):
-                above, step_peak = measure(args, row, world, mode)
-                print(f"{row:6} {world:5d} {mode:6} {step_peak / MiB:14.0f} "
-                      f"{above / MiB:+20.0f}", flush=True)
+                above, step_peak, ratio, waits = measure(args, row, world, mode)
+                timing = f"{ratio:18.2f} {waits:5d}" if mode == "async-train" else ""
+                print(f"{row:6} {world:5d} {mode:11} {step_peak / MiB:14.0f} "
+                      f"{above / MiB:+20.0f} {timing}", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,10 @@ state-dict hooks give) are cut, in order, into buckets of at most ``bucket_bytes
 tensors (one larger tensor is a bucket alone); per bucket each rank packs its rows of
 every tensor into one buffer and one all-gather (a gather to one rank, with ``to=``)
 brings every rank's; each full tensor is then cut out of it as it is yielded, so beyond
-the model a rank holds one gathered bucket and the tensor being yielded. Offloaded state
+the model a rank holds one gathered bucket and the tensor being yielded. Where a bucket's
+rows already lie side by side in one buffer (ZeRO-3's flat masters in memory), that
+stretch is sent as it is, with no packing copy ([Note: sending the state where it lies]).
+Offloaded state
 out of memory (NVMe, fewer bits) is read a unit at a time (checkpoint/streamed.py). A
 tensor sharded otherwise than along dim 0 over one mesh dimension (tensor parallelism)
 is gathered by itself with ``full_tensor()``.
@@ -32,6 +35,7 @@ from ..state.state_dict import get_model_state_dict
 from .checkpoint.streamed import UnitReader
 
 BUCKET_BYTES = 256 << 20
+_SLACK = 64     # elements of padding a sent stretch may hold per entry (flat buffers align)
 
 
 def full_weights(model: nn.Module, *, bucket_bytes: int = BUCKET_BYTES,
@@ -106,6 +110,7 @@ class _Entry:
     dtype: torch.dtype
     group: object
     local: Callable[[], torch.Tensor]
+    live: bool = False      # local() is a view of the state where it lies (no read)
 
     def rows(self, world: int, rank: int) -> int:
         """Rank ``rank``'s elements of it, split as torch.chunk splits the rows."""
@@ -137,15 +142,16 @@ def _entries(rt, model) -> list[_Entry]:
             out.append(_Entry(name, b.shape, b.dtype, None, b.detach))
             continue
         unit, face = unit_of[slot], rt.master_rows(slot).dtype
-        local = functools.partial(reader.value, unit, slot, 0, face) if rt.unread(unit) \
-            else functools.partial(rt.master_rows, slot)
+        live = not rt.unread(unit)
+        local = functools.partial(rt.master_rows, slot) if live else \
+            functools.partial(reader.value, unit, slot, 0, face)
         mesh, placements = slot.layout(rt.mesh, rt.placements)
         if slot.spec is not None:       # (tensor parallelism: gathered alone)
             whole = functools.partial(_whole, slot, local, rt)
             out.append(_Entry(name, slot.global_shape, face, None, whole))
         else:
             group = mesh.get_group(list(placements).index(Shard(0)))
-            out.append(_Entry(name, slot.global_shape, face, group, local))
+            out.append(_Entry(name, slot.global_shape, face, group, local, live))
     return out
 
 
@@ -224,13 +230,9 @@ def _gather_rows(entries: list[_Entry], dtype, to) -> dict:
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     out_dtype = _out_dtype(entries[0].dtype, dtype)
     pieces = [[e.rows(world, r) for e in entries] for r in range(world)]
-    longest = max(sum(p) for p in pieces)
-    send = torch.empty(longest, dtype=out_dtype)
-    at = 0
-    for e, n in zip(entries, pieces[rank]):
-        if n:
-            send[at:at + n].copy_(e.local().reshape(-1))
-        at += n
+    send, starts = _span(entries, pieces, out_dtype) or _packed(entries, pieces, rank,
+                                                                 out_dtype)
+    longest = send.numel()
     if to == "all":
         got = torch.empty(world * longest, dtype=out_dtype)
         dist.all_gather(list(got.chunk(world)), send, group=group)
@@ -242,13 +244,47 @@ def _gather_rows(entries: list[_Entry], dtype, to) -> dict:
     else:
         dist.gather(send, None, dst=to, group=group)
         return dict.fromkeys((e.name for e in entries), None)
-    starts, out = [0] * world, {}
+    out = {}
     for i, e in enumerate(entries):
-        spans = [(r * longest + starts[r], pieces[r][i]) for r in range(world)]
-        for r in range(world):
-            starts[r] += pieces[r][i]
+        spans = [(r * longest + starts[r][i], pieces[r][i]) for r in range(world)]
         out[e.name] = functools.partial(_assemble, got, spans, e.shape)
     return out
+
+
+def _packed(entries: list[_Entry], pieces: list, rank: int, dtype: torch.dtype):
+    """This rank's rows of every entry packed into one new buffer, as long as the
+    longest rank's (cast to ``dtype``), and where each rank's rows of each entry start."""
+    starts = [[sum(p[:i]) for i in range(len(p))] for p in pieces]
+    send = torch.empty(max(sum(p) for p in pieces), dtype=dtype)
+    for e, n, at in zip(entries, pieces[rank], starts[rank]):
+        if n:
+            send[at:at + n].copy_(e.local().reshape(-1))
+    return send, starts
+
+
+def _span(entries: list[_Entry], pieces: list, dtype: torch.dtype):
+    """[Note: sending the state where it lies] Where every entry's rows are a view of one
+    buffer in ``dtype`` (ZeRO-3's flat masters of every unit, held in memory), the
+    stretch of that buffer they fill is sent as it is, with no packing copy, provided it
+    holds little else (alignment padding). Each rank lays the buffer out alike (the
+    offsets follow from the shapes and the world, as do the pieces), so every rank
+    decides alike and sends as many elements. Returns ``(send, starts)`` as ``_packed``
+    does, or None."""
+    if not all(e.live for e in entries):
+        return None
+    locals_ = [e.local() for e in entries]
+    storage = locals_[0].untyped_storage()
+    if any(t.dtype != dtype or not t.is_contiguous()
+           or t.untyped_storage().data_ptr() != storage.data_ptr() for t in locals_):
+        return None
+    widest = [max(p[i] for p in pieces) for i in range(len(entries))]
+    lo = min(t.storage_offset() for t in locals_)
+    hi = max(t.storage_offset() + n for t, n in zip(locals_, widest))
+    if hi * dtype.itemsize > storage.nbytes() or hi - lo > sum(widest) + _SLACK * len(entries):
+        return None
+    send = torch.empty(0, dtype=dtype).set_(storage, lo, (hi - lo,))
+    starts = [[t.storage_offset() - lo for t in locals_]] * len(pieces)
+    return send, starts
 
 
 def _assemble(got: torch.Tensor, spans, shape) -> torch.Tensor:

@@ -220,6 +220,7 @@ class Monitor(StepObserver):
         if stragglers is not None:
             scalars["time/step_max"], scalars["time/step_min"] = stragglers
         scalars["train/skipped_steps"] = self._skipped
+        scalars["checkpoint/waits"] = self.rt.checkpoint_waits()[0]
         if self._guarded:
             scalars["nonfinite/skipped"] = self._nonfinite
         scalars.update(comm_series(comm, calls, ms, steps, self.rt.world, self.rt.replica_world))

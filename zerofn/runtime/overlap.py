@@ -78,7 +78,7 @@ class EarlySteps:
         if any(s not in got for s in unit.trainable):
             return      # (the ranks' union decides at the step)
         grads = {s: s.shard_of(self.homes.grads[unit]) for s in unit.trainable}
-        self.ctx.saves.wait(self.ctx.timing)     # a background save reads the state first
+        self.ctx.saves.before_change([unit], self.ctx.timing)   # a background save first
         if self._new_step:
             self.timeline, self._new_step = [], False
         self.started[unit] = self.worker.submit(self._step, unit, grads,

@@ -531,10 +531,16 @@ class Runtime:
         tensors are stand-ins), for ``read_unit``."""
         return self.homes.unread(unit)
 
-    def hold_state(self, done) -> None:
-        """Change no state (the next step, a step during backward, waits) until the
-        ``threading.Event`` ``done`` is set: a background save is reading it."""
-        self.ctx.saves.add(done)
+    def hold_state(self, guard) -> None:
+        """Change no unit's state (the next step, a step during backward) before
+        ``guard.before_change`` lets it: a background save is reading it
+        (io/checkpoint/unit_copies.py)."""
+        self.ctx.saves.add(guard)
+
+    def checkpoint_waits(self) -> tuple[int, float]:
+        """``(steps, seconds)``: the steps that waited for a background save to write
+        what they change, and how long they waited, since set-up."""
+        return self.ctx.saves.waits, self.ctx.saves.waited_s
 
     def read_unit(self, unit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """An unread ``unit``'s flat (master, exp_avg, exp_avg_sq), read into new memory."""

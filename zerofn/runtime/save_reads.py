@@ -1,27 +1,47 @@
-"""Background saves that read the state as they write it: the first change to the state
-waits until they have read it all (io/checkpoint/streamed.py's [Note: background saves])."""
+"""Background saves still reading the state: before a step changes units, each save in
+flight copies them aside or waits until it has written them (io/checkpoint/unit_copies.py's
+[Note: copy-before-write per unit])."""
 from __future__ import annotations
 
 import threading
+import time
 
 
 class SaveReads:
-    """The background saves still reading this runtime's state: each an event set once its
-    rank has read (and written) every item."""
+    """The background saves reading this runtime's state, and the waits they cost.
+
+    Each save is a guard (io/checkpoint/unit_copies.py's ``UnitCopies``) with
+    ``before_change(units) -> bool``, which returns once ``units`` may change (whether
+    it waited for the writer), and ``finished``.
+
+    Attributes:
+        waits: the steps (and units stepped during backward) that waited for a save,
+            since set-up.
+        waited_s: seconds they waited, since set-up.
+    """
 
     def __init__(self):
-        self._pending: list[threading.Event] = []
+        self._pending: list = []
         self._lock = threading.Lock()
+        self.waits = 0
+        self.waited_s = 0.0
 
-    def add(self, done: threading.Event) -> None:
+    def add(self, guard) -> None:
         with self._lock:
-            self._pending.append(done)
+            self._pending.append(guard)
 
-    def wait(self, timing) -> None:
-        """Wait until every save in flight has read the state (time: ``checkpoint_wait``)."""
+    def before_change(self, units, timing) -> None:
+        """Return once every save in flight lets ``units`` change (time:
+        ``checkpoint_wait``, copies made for the save included)."""
         with self._lock:
-            pending, self._pending = self._pending, []
-        if pending:
-            with timing.span("checkpoint_wait", "checkpoint_wait"):
-                for done in pending:
-                    done.wait()
+            self._pending = [g for g in self._pending if not g.finished]
+            pending = list(self._pending)
+        if not pending:
+            return
+        start = time.perf_counter()
+        with timing.span("checkpoint_wait", "checkpoint_wait"):
+            waited = [g.before_change(units) for g in pending]
+        if any(waited):
+            self.waits += 1
+            self.waited_s += time.perf_counter() - start
+

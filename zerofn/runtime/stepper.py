@@ -60,7 +60,6 @@ class Stepper:
             self.placement = AutoPlacement(self.ctx, self.homes, optimizer)
 
     def before_step(self) -> None:
-        self.ctx.saves.wait(self.ctx.timing)    # a background save reads the state first
         skip = self.grads.settle()
         self.shards.settle_copies()   # the step rewrites host rows the last copies read
         self._stepped = not skip
@@ -68,6 +67,9 @@ class Stepper:
         # below and by its own step next, must find no gradient but those zerofn gives it.
         self.reducer.visible.unmark()
         if not skip:
+            # A background save copies aside (or first writes) what the step changes.
+            self.ctx.saves.before_change([u for u in self.ctx.units if u.slots],
+                                         self.ctx.timing)
             # Each unit's updated rows head back as soon as its home is done with it,
             # overlapping the step of the next one; a home that steps with zerofn's CPU
             # Adam unscales and clips the gradients as it reads them. Memory a home reuses

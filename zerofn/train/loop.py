@@ -66,8 +66,9 @@ def train(args, device) -> None:
             save(args, model, opt, sched, data, step + 1, job.tp)
         if progress.wants(step, end):
             mean_loss, peak = gather_stats(loss, device)
+            rt = runtime_of(model)
             progress.show(step, mean_loss, lr, None if norm is None else norm.item(), peak,
-                          runtime_of(model).step_skipped())
+                          rt.step_skipped(), rt.checkpoint_waits())
     progress.close()
     zf.flush_logs(model)
     final, _ = gather_stats(loss, device)

@@ -159,14 +159,19 @@ class Progress:
         self.first_loss = None
         self.skipped = 0
         self.unplaced = job.offload_ratio == "auto"    # printed once the step placed it
+        self.waits_seen = (0, 0.0)     # checkpoint_waits() at the last line
 
     def wants(self, step: int, end: int) -> bool:
         """Whether to report this step (reporting costs a small all-gather)."""
         return self.tty or (step + 1) % self.job.log_every == 0 or step in (self.start, end - 1)
 
     def show(self, step: int, loss: float, lr: float, norm: float | None, peak: int,
-             skipped: bool = False) -> None:
+             skipped: bool = False, waits: tuple[int, float] = (0, 0.0)) -> None:
+        """``waits``: the runtime's ``checkpoint_waits()``, shown where steps waited for
+        a background save since the last line."""
         now = time.perf_counter()
+        waited = [w - seen for w, seen in zip(waits, self.waits_seen)]
+        self.waits_seen = waits
         if self.first_loss is None:
             self.first_loss = loss
         if self.timed_from is None:
@@ -178,7 +183,9 @@ class Progress:
         line = (f"step {step + 1:>5}/{self.args.steps}  loss {loss:.4f}  lr {lr:.3e}  "
                 f"gnorm {_norm_text(norm, skipped, self.job.precision)}"
                 f"  {step_s * 1e3:,.0f} ms  {self.tokens_per_rank / step_s:,.0f} tok/s/rank  "
-                f"peak {peak / 2**20:,.0f} MiB  eta {self._eta(now, step)}")
+                f"peak {peak / 2**20:,.0f} MiB  eta {self._eta(now, step)}" +
+                (f"  checkpoint wait {waited[1] * 1e3:,.0f} ms ({waited[0]} step"
+                 f"{'s' * (waited[0] != 1)})" if waited[0] else ""))
         print(f"\r{line}", end="", flush=True) if self.tty else print(line, flush=True)
 
     def placed(self, rt, step: int) -> None:

@@ -25,7 +25,7 @@ from ...state.plain import group_of as plain_group, plain_model
 from ...state.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 from .. import fs
 from . import extras, layout, positions, verify
-from .checksums import ChecksumWriter
+from .checksums import FILE_BYTES, ChecksumWriter
 from .reader import SafePlanner, SafeReader
 from .staging import HostCopy
 from .streamed import saved_state
@@ -52,8 +52,14 @@ class AsyncCheckpointer:
         # The background save runs its collectives on a gloo twin of the group, so they
         # never interleave with training's collectives on the group itself.
         writer = ChecksumWriter(tmp, file_bytes=file_bytes, written=read)
-        response = dcp.async_save(state, storage_writer=writer, planner=planner,
-                                  process_group=self._twin(group), async_stager=self.stager)
+        try:
+            response = dcp.async_save(state, storage_writer=writer, planner=planner,
+                                      process_group=self._twin(group),
+                                      async_stager=self.stager)
+        except BaseException:
+            if read is not None:
+                read.set()      # (no step may wait for a save that never started)
+            raise
         self.pending = _chain(getattr(response, "upload_completion", response), finish, final,
                               tmp, read)
 
@@ -150,13 +156,16 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
             checkpoints can live").
         step: names the checkpoint and is returned by ``load_checkpoint``.
         keep: after this save, keep only the newest ``keep`` checkpoints (None: all).
-        async_save: return at once and write in the background. State on the device is
-            copied to the host first; offloaded state (host, NVMe) is read as it is
-            written, and the first step that would change it waits until it has been
-            (``time/checkpoint_wait``), so the checkpoint holds the state at this call.
-            The next save or load, ``wait_for_checkpoint()`` and process exit wait for it.
+        async_save: return at once and write in the background while training goes on.
+            Each unit's masters and moments are copied out as they are written; the
+            first step that would change a unit the save has not written yet copies it
+            aside first (within ``staging_bytes``) or waits for the writer
+            (``checkpoint/waits``, ``time/checkpoint_wait``), so the checkpoint holds the
+            state at this call. The next save or load, ``wait_for_checkpoint()`` and
+            process exit wait for it.
         staging_bytes: the copies a save holds at once, at most (default: two data files,
-            512 MiB): its data files are half of it each.
+            512 MiB): its data files are half of it each, a background save's copies
+            made before a change the other half.
         **extra: ``Stateful`` objects (LR scheduler, ``StatefulDataLoader``) or plain
             values, the same on every rank; wrap per-rank ones in ``PerRank``
             (``RNGState()`` already is).
@@ -171,7 +180,7 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
     group = _group(model)
     root, name = os.fspath(path), layout.step_name(step)
     tmp, final = layout.unfinished(root, name), os.path.join(root, name)
-    msd, osd, planner = _saved_state(model, optimizer, async_save)
+    msd, osd, planner = _saved_state(model, optimizer, async_save, staging_bytes)
     blobs = extras.blobs({"step": step, **extra}, dist.get_rank(group))
     blobs.update(positions.records(extra))     # where each data loader is in its epoch
     if dist.get_rank(group) == 0:
@@ -191,7 +200,7 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
             raise save_error(e, tmp) from e
         finish()
         return final
-    read = threading.Event()
+    read = threading.Event() if planner is None else planner.copies
     if planner is not None:       # (else every tensor was copied: nothing to hold)
         runtime_of(model).hold_state(read)
     background().start(state, tmp, group, finish, final, planner, read, file_bytes)
@@ -209,13 +218,19 @@ def _file_bytes(staging_bytes: int | None) -> int | None:
     return staging_bytes // 2
 
 
-def _saved_state(model, optimizer, async_save: bool):
+def _saved_state(model, optimizer, async_save: bool, staging_bytes: int | None):
     """``(model, optim)`` state dicts to save, and the planner that writes them (None:
     DCP's). A synchronous save reads offloaded state a unit at a time as it writes it
-    (streamed.py), a background save all of it off the device (the rest: staging.py)."""
+    (streamed.py); a background save copies each unit out as it writes it or before a
+    step changes it, within what of ``staging_bytes`` the writer's data file leaves
+    (unit_copies.py)."""
     if plain_model(model) is not None:
         return (*get_state_dict(model, optimizer), None)
-    return saved_state(runtime_of(model), model, optimizer, background=async_save)
+    budget = None
+    if async_save:
+        staging = 2 * FILE_BYTES if staging_bytes is None else staging_bytes
+        budget = staging - _file_bytes(staging)
+    return saved_state(runtime_of(model), model, optimizer, budget)
 
 
 def _group(model):

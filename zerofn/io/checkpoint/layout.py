@@ -120,6 +120,9 @@ def resolve(path: str) -> str:
         return path
     pointer = os.path.join(path, LATEST)
     if not fs.exists(pointer):
+        steps = complete_steps(path) if fs.isdir(path) else []
+        if steps:     # (a first save renamed into place, its pointer not yet written)
+            return os.path.join(path, steps[-1])
         if _STEP_DIR.search(path.rstrip("/")) and fs.isdir(path):
             raise ValueError(f"{path} is a checkpoint whose save did not finish (it has no "
                              f".metadata, which a save writes last): load the checkpoint "

@@ -17,19 +17,19 @@ pieces) is made from the stand-ins, which no unit read can fill: where a module 
 hooks holds parameters of an unread unit, the save reads every unit up front, as a state
 dict does.
 
-[Note: background saves] ``async_save=True`` used to copy the rank's whole state to the
-host before returning: under offload, where the state is the largest thing the host
-holds, that doubled it. Now every unit off the device is a placeholder as above, read
-(from the file, decoded, or where it lies in host memory) by the background writer as it
-writes it, so the save holds one unit and one data file's copies at a time
-(``staging_bytes``: two files). What lives on the device, and the small rest (buffers,
-step counters, extras), is still copied at the call (staging.py). For the checkpoint to
-hold the state at the call, nothing may change it before it is read: the save registers
-an event with the runtime (``hold_state``), set once this rank has written its data, and
-the first change to the state (the next step's, or a step during backward under
-``overlap_step``) waits for it, timed as ``checkpoint_wait`` (TensorBoard's
-``time/checkpoint_wait``). Forward and backward of the next step run while the save
-writes.
+[Note: background saves] A background save (``async_save=True``) that copied the rank's
+whole state before returning would double the largest thing the host holds under
+offload, and one that held every step until it had written all would stall training for
+the whole write. So every unit's masters and moments are placeholders as above,
+wherever the unit lives (device, host, file, fewer bits), and the background writer
+copies each out of the live state (or reads it) as it writes it, holding one data file's
+copies and one unit read from a file at a time. Training goes on: the first step that
+would change a unit the writer has not finished with copies that unit's remaining items
+aside first, within the rest of ``staging_bytes``, or, where that is full, waits for the
+writer (unit_copies.py's [Note: copy-before-write per unit]); so the checkpoint holds
+the state at the call, exactly. What is not a unit's masters or moments (buffers, step
+counters, other optimizers' state, extras) is small and still copied at the call
+(staging.py).
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from ...runtime.homes.base import stand_in
 from ...state.hooks import hooked_modules, within
 from ...state.state_dict import get_state_dict, unread_state_dict
 from .narrow import MOMENTS, narrowed, saved_dtype
+from .unit_copies import Item, UnitCopies
 
 ROLES = ("master", *MOMENTS)    # read_unit's order
 
@@ -64,6 +65,11 @@ class UnitReader:
                 self.flats, self.unit = self.rt.read_unit(unit), unit
             return _as(slot.shard_of(self.flats[role]), dtype)
 
+    def drop(self) -> None:
+        """Let the unit in memory go."""
+        with self.lock:
+            self.unit, self.flats = None, None
+
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.dtype != dtype else t
@@ -71,11 +77,12 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class StreamingPlanner(DefaultSavePlanner):
     """DCP's planner, reading each placeholder's item (``reads``: id(placeholder) -> a
-    function giving its tensor) as it is written."""
+    function giving its tensor) as it is written; ``copies``: a background save's
+    copy-before-write (unit_copies.py), None for a synchronous save."""
 
-    def __init__(self, reads: dict):
+    def __init__(self, reads: dict, copies: UnitCopies | None = None):
         super().__init__()
-        self.reads = reads
+        self.reads, self.copies = reads, copies
 
     def resolve_data(self, write_item):
         if write_item.type != WriteItemType.BYTE_IO:
@@ -85,46 +92,53 @@ class StreamingPlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
-def saved_state(rt, model, optimizer, background: bool = False
+def saved_state(rt, model, optimizer, budget: int | None = None
                 ) -> tuple[dict, dict, StreamingPlanner | None]:
     """The ``(model, optim)`` state dicts a save writes (offloaded bf16 state in bf16:
     narrow.py) and the planner that reads their placeholders as DCP writes them (None:
-    every tensor holds its values, DCP's own planner writes them). ``background``: every
-    unit off the device is a placeholder, the ones in memory read where they lie when
-    written ([Note: background saves])."""
+    every tensor holds its values, DCP's own planner writes them). ``budget`` (a
+    background save's): every unit's masters and moments are placeholders, copied out as
+    written or before a step changes them, within ``budget`` bytes of copies made before
+    a change ([Note: background saves], unit_copies.py)."""
     if _hooked(rt):        # (the note's last paragraph)
         msd, osd = get_state_dict(model, optimizer)
-        reads = {}
+        reads, copies = {}, None
     else:
         msd, osd = unread_state_dict(model, optimizer)
-        reads = _placeholders(rt, msd, osd, background)
+        copies = None if budget is None else UnitCopies(budget, UnitReader(rt))
+        reads = _placeholders(rt, msd, osd, copies)
     narrowed(rt, msd, osd)
-    return msd, osd, (StreamingPlanner(reads) if reads else None)
+    return msd, osd, (StreamingPlanner(reads, copies) if reads else None)
 
 
-def _placeholders(rt, msd: dict, osd: dict, background: bool) -> dict:
-    """Replace the masters and moments of each unit to read as written (unread ones; under
-    ``background`` every unit off the device) in ``msd``/``osd`` by placeholders; return
-    how each is read."""
+def _placeholders(rt, msd: dict, osd: dict, copies: UnitCopies | None) -> dict:
+    """Replace the masters and moments of each unit to read as written (unread ones; with
+    ``copies``, a background save's, every unit) in ``msd``/``osd`` by placeholders;
+    return how each is read."""
     reads, reader = {}, UnitReader(rt)
     state = osd.get("state", {})
     unit_of = {s: u for u in rt.units for s in u.slots}
     for name, slot in rt.slots_by_name().items():
         unit = unit_of[slot]
         unread = rt.unread(unit)
-        if not (unread or background and rt.home_of(unit) != "device"):
+        if not (unread or copies is not None):
             continue
         exact = rt.exact_dtypes(unit)
         for role, (table, key) in enumerate([(msd, name)] + [(state.get(name, {}), k)
                                                              for k in MOMENTS]):
             value = table.get(key)
-            if isinstance(value, DTensor):
-                dtype = saved_dtype(value.dtype, exact[min(role, 1)])
-                table[key] = slot.as_dtensor(stand_in(slot.local_shape, dtype), rt.mesh,
-                                             rt.placements)
+            if not isinstance(value, DTensor):
+                continue
+            dtype = saved_dtype(value.dtype, exact[min(role, 1)])
+            table[key] = slot.as_dtensor(stand_in(slot.local_shape, dtype), rt.mesh,
+                                         rt.placements)
+            if copies is None:
                 reads[id(table[key])] = functools.partial(reader.value, unit, slot, role,
-                                                          dtype) if unread else \
-                    functools.partial(_as, value.to_local(), dtype)
+                                                          dtype)
+            else:
+                copies.add(id(table[key]), Item(unit, slot, role, dtype,
+                                                None if unread else value.to_local()))
+                reads[id(table[key])] = functools.partial(copies.take, id(table[key]))
     return reads
 
 
