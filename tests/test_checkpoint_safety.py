@@ -228,7 +228,7 @@ def refused_by_every_path(rank, world, cases):
                                                 sched=sched, data=data, rng=zf.RNGState(),
                                                 epoch=None)
         out["zerofn train's resume", case] = error_of(
-            resume, SimpleNamespace(resume=True, save_dir=root), model, opt, sched, data)
+            resume, SimpleNamespace(resume=True, save_dir=root), model, opt, sched, data, 1)
         out["unchanged", case] = same(before, state_of(model, opt, sched))
         engine, *_ = deepspeed.initialize(model=net(5), config=engine_config())
         before = zf.get_state_dict(engine.module, engine.optimizer, full=True)

@@ -42,8 +42,8 @@ def inject(kind: str, phase: str, step: int) -> None:
         opt.register_step_post_hook(lambda *_: done.__setitem__("steps", done["steps"] + 1))
         return model, opt, sched
 
-    def faulty_save(args, model, opt, sched, data, at_step):
-        save(args, model, opt, sched, data, at_step)
+    def faulty_save(args, model, opt, sched, data, at_step, tp):
+        save(args, model, opt, sched, data, at_step, tp)
         if phase == "save" and at_step == step:
             fail()
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from zerofn.core.plan import Plan
+from zerofn.runtime.param_table import ParamTable
 from zerofn.runtime.step_grads import StepGrads
 from zerofn.runtime.timing import UNTIMED
 
@@ -32,7 +33,7 @@ def step_grads(comm, got: set, device="cpu") -> StepGrads:
     """The step's gradients over ``comm``, with the context and parts the vote reads."""
     ctx = types.SimpleNamespace(comm=comm, pool=None, units=(), device=torch.device(device),
                                 timing=UNTIMED, replicas=None, copies=None, plan=Plan(),
-                                groups=types.SimpleNamespace(model=None))
+                                groups=types.SimpleNamespace(model=None), table=ParamTable())
     return StepGrads(ctx, types.SimpleNamespace(got=got), types.SimpleNamespace(early=None),
                      None, types.SimpleNamespace(defers_scaling=False))
 
