@@ -58,39 +58,48 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale
 
 
-class Int8Gathered(torch.Tensor):
+class _Holding(torch.Tensor):
+    """A wrapper over one plain tensor (the attribute ``cls.held`` names), as float8's
+    tensors are: every op runs on that tensor, and the ops ``cls.keeps`` gives the result
+    wrapped again."""
+    held = "inner"
+
+    @staticmethod
+    def __new__(cls, values: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, values.shape, values.stride(),
+                                                   values.storage_offset(), dtype=values.dtype,
+                                                   device=values.device,
+                                                   requires_grad=values.requires_grad)
+
+    def __init__(self, values: torch.Tensor):
+        setattr(self, self.held, values)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({getattr(self, self.held)})"
+
+    def __tensor_flatten__(self):
+        return [self.held], None
+
+    @classmethod
+    def __tensor_unflatten__(cls, tensors, meta, outer_size, outer_stride):
+        return cls(tensors[cls.held])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        values = lambda t: getattr(t, cls.held)      # noqa: E731
+        out = func(*tree_map_only(cls, values, args), **tree_map_only(cls, values, kwargs or {}))
+        return tree_map_only(torch.Tensor, cls, out) if cls.keeps(func) else out
+
+
+class Int8Gathered(_Holding):
     """A weight kept in full precision (``inner``: what the optimizer steps) and gathered
     as int8 rows and their scales. Every op but the gather runs on ``inner``; the ops
     FSDP2's sharding and an optimizer's state need (chunk, view, zeros_like, copy_, ...)
     keep the subclass, as float8 training's weight wrapper does."""
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, inner.stride(),
-                                                   inner.storage_offset(), dtype=inner.dtype,
-                                                   device=inner.device,
-                                                   requires_grad=inner.requires_grad)
-
-    def __init__(self, inner: torch.Tensor):
-        self.inner = inner
-
-    def __repr__(self):
-        return f"Int8Gathered({self.inner})"
-
-    def __tensor_flatten__(self):
-        return ["inner"], None
-
-    @classmethod
-    def __tensor_unflatten__(cls, tensors, meta, outer_size, outer_stride):
-        return cls(tensors["inner"])
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        out = func(*tree_map_only(cls, lambda t: t.inner, args),
-                   **tree_map_only(cls, lambda t: t.inner, kwargs or {}))
-        if func in _KEEPS:
-            return tree_map_only(torch.Tensor, cls, out)
-        return out
+    def keeps(func) -> bool:
+        return func in _KEEPS
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """This rank's rows as int8 codes and scales, padded to the even share of
@@ -122,38 +131,13 @@ class Int8Unpadded(Int8Gathered):
         return quantize_rows(self.inner), None
 
 
-class Dequantized(torch.Tensor):
+class Dequantized(_Holding):
     """The weight ``Int8Built``'s post-hook builds: a tensor subclass over the dequantized
     values (``weight``), as float8 training's ``Float8TrainingTensor`` is one over float8
     bytes. Views stay ``Dequantized`` (a Linear's ``weight.t()``, FSDP2's ``as_strided`` and
     ``nn.Parameter``); every other op runs on the values and gives plain tensors, its
     gradient among them."""
-
-    @staticmethod
-    def __new__(cls, weight: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(cls, weight.shape, weight.stride(),
-                                                   weight.storage_offset(), dtype=weight.dtype,
-                                                   device=weight.device,
-                                                   requires_grad=weight.requires_grad)
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
-
-    def __repr__(self):
-        return f"{type(self).__name__}({self.weight})"
-
-    def __tensor_flatten__(self):
-        return ["weight"], None
-
-    @classmethod
-    def __tensor_unflatten__(cls, tensors, meta, outer_size, outer_stride):
-        return cls(tensors["weight"])
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        out = func(*tree_map_only(cls, lambda t: t.weight, args),
-                   **tree_map_only(cls, lambda t: t.weight, kwargs or {}))
-        return tree_map_only(torch.Tensor, cls, out) if cls.keeps(func) else out
+    held = "weight"
 
     @staticmethod
     def keeps(func) -> bool:
