@@ -18,6 +18,7 @@ fi
 workers=()   # set-up offline (no package index) may leave pytest-xdist out: then serial
 "$python" -c "import xdist" 2>/dev/null && workers=(-n "${ZEROFN_TEST_WORKERS:-2}" --dist loadfile)
 rc=0
-"$python" -m pytest -q "${workers[@]}" -m "not timed" || rc=$?
-"$python" -m pytest -q -m timed || rc=$?
+# One intra-op thread a process while two workers share the cores: spare threads only spin.
+OMP_NUM_THREADS=1 "$python" -m pytest -q --durations=20 "${workers[@]}" -m "not timed" || rc=$?
+"$python" -m pytest -q --durations=10 -m timed || rc=$?
 exit "$rc"

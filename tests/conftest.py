@@ -31,6 +31,19 @@ MARKERS = {
 }
 
 
+# The files whose tests take longest (minutes each on 2 cores), collected first and in this
+# order: scripts/test.sh's two workers take a file at a time in collection order, so a long
+# file collected last would run alone at the end while the other worker idles.
+LONGEST_FIRST = ("test_train.py", "test_bench_offload.py", "test_data_resume.py",
+                 "test_tutorials.py", "test_plan.py", "test_trainer.py", "test_lightning.py",
+                 "test_streamed_save.py", "test_checkpoint.py", "test_docs.py")
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))   # stable: files whole
+
+
 def pytest_configure(config):
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
