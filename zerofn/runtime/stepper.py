@@ -45,6 +45,7 @@ class Stepper:
         self.binding: OptimizerBinding | None = None
         self.placement: AutoPlacement | None = None
         self._stepped = False    # the homes stepped this step (not skipped)
+        self._changed = [u for u in ctx.units if u.slots]    # what a step changes, found once
 
     def bind(self, optimizer, slot_of: dict) -> None:
         """Step with ``optimizer`` from now on (its problems were agreed on already): its
@@ -68,8 +69,7 @@ class Stepper:
         self.reducer.visible.unmark()
         if not skip:
             # A background save copies aside (or first writes) what the step changes.
-            self.ctx.saves.before_change([u for u in self.ctx.units if u.slots],
-                                         self.ctx.timing)
+            self.ctx.saves.before_change(self._changed, self.ctx.timing)
             # Each unit's updated rows head back as soon as its home is done with it,
             # overlapping the step of the next one; a home that steps with zerofn's CPU
             # Adam unscales and clips the gradients as it reads them. Memory a home reuses
