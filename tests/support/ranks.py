@@ -41,6 +41,9 @@ def _worker(rank, world, init_method, fn, args, results):
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=90))
+        # Gloo's mesh can be whole on one rank while another still connects: a rank whose
+        # fn raises at once would exit under that connect (seen under load), so all meet.
+        dist.barrier()
         # Pickled here, by value: the queue's own pickler shares tensors through a
         # descriptor the parent fetches from this process, which may have exited by then.
         results.put((rank, None, pickle.dumps(fn(rank, world, *args))))
