@@ -276,6 +276,7 @@ FLAGS = {
     "--width": st.sampled_from(["32", "48"]), "--heads": st.sampled_from(["2", "4"]),
     "--ffn": st.sampled_from(["64"]), "--layers": st.sampled_from(["1", "2"]),
     "--context": st.sampled_from(["8", "16"]), "--save-every": st.sampled_from(["1"]),
+    "--tp": st.sampled_from(["1", "2"]),   # one rank: --tp 2 must be refused by name
 }
 SWITCHES = ("--offload-params", "--no-offload-params", "--overlap-step",
             "--activation-checkpointing", "--resume")
