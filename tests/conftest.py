@@ -32,8 +32,8 @@ MARKERS = {
 
 
 # The files whose tests take longest (minutes each on 2 cores), collected first and in this
-# order: scripts/test.sh's two workers take a file at a time in collection order, so a long
-# file collected last would run alone at the end while the other worker idles.
+# order: scripts/test.sh's workers take a file at a time in collection order, so a long
+# file collected last would run alone at the end while the other workers idle.
 LONGEST_FIRST = ("test_train.py", "test_bench_offload.py", "test_data_resume.py",
                  "test_tutorials.py", "test_plan.py", "test_trainer.py", "test_lightning.py",
                  "test_streamed_save.py", "test_checkpoint.py", "test_docs.py")
