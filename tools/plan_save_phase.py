@@ -88,8 +88,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     args.large_frees = True          # the planner's premise on a CPU
     stored = measured_from(args.source) if args.source else None
-    print("| row | world | mode | save above step measured MiB | predicted MiB |")
-    print("|---|---:|---|---:|---:|")
+    print("| row | world | mode | save above step measured MiB | predicted MiB | "
+          "predicted - measured MiB |")
+    print("|---|---:|---|---:|---:|---:|")
     for row in args.rows.split(","):
         for world in map(int, args.worlds.split(",")):
             for mode in args.modes.split(","):
@@ -97,8 +98,10 @@ def main(argv=None) -> None:
                 if stored is not None and key not in stored:
                     continue
                 got = stored[key] if stored is not None else bench.measure(args, *key)[0]
+                predicted = predicted_above(args, *key)
                 print(f"| {row} | {world} | {mode} | {got / MiB:+,.0f} | "
-                      f"{predicted_above(args, *key) / MiB:+,.0f} |", flush=True)
+                      f"{predicted / MiB:+,.0f} | {(predicted - got) / MiB:+,.0f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -313,10 +313,10 @@ def step_temporaries(c: Candidate, shape: Shape, device_is_host: bool = True) ->
     """Bytes the step allocates at its peak: the owned step's (owned.py), which runs
     first and frees them, or torch's AdamW's (none where zerofn's CPU Adam steps offloaded
     Adam; beside a whole-tensor optimizer torch's steps the host's Adam, not the swap
-    file's), in fp32: on a
-    CPU, a tensor at a time, two of its size (the denominator is the second moment's
-    square root, then that divided by the bias correction: both live at once); on a GPU,
-    one list of temporaries (the square roots, divided in place) of what it steps at once."""
+    file's), in fp32: on a CPU, a tensor at a time, two of its size (the denominator is
+    the second moment's square root, then that divided by the bias correction: both live
+    at once); on a GPU, one list of temporaries (the square roots, divided in place) of
+    what it steps at once."""
     owned = 0 if shape.owned is None else shape.owned.step_bytes(shape.rank, c.stage)
     if c.offload and not device_is_host:
         # (the owner steps on the device: its whole masters and state on the host come up)
