@@ -237,6 +237,126 @@ def test_plan_fits_its_budget_or_names_the_smallest_that_would():
     assert len(bare.fitting()) >= len(within.fitting())
 
 
+SAVED = [Candidate(stage=3, offload="cpu"), Candidate(stage=3, offload="nvme")]
+
+
+def _tied_under(c, world, root):
+    """The tied GPT set up as ``c`` sets it up (NVMe files under ``root``), the plan's
+    layout of rank 0, and a step."""
+    torch.manual_seed(0)
+    model = MODELS["tied"]()
+    with torch.device("meta"):
+        shape = memory.shape_of(MODELS["tied"](), world)
+    model, opt = c.apply(model, torch.optim.AdamW(model.parameters(), lr=1e-3), root)
+    x = torch.randint(0, CFG.vocab, (2, CFG.context))
+
+    def step():
+        opt.zero_grad()
+        model(x, x).backward()
+        opt.step()
+    return model, opt, shape, step
+STAGING = 800_000     # bytes: a data file of 400 kB, about half the tied GPT's state
+
+
+def background_save_held(rank, world, root):
+    """Per candidate: what the runtime's own background saves hold (io/checkpoint/
+    unit_copies.py's ``UnitCopies``: its budget, the peak of the copies it made, the units
+    it copied before a step changed them), one save at the default ``staging_bytes``
+    and one at ``STAGING`` with two steps right after the call, and the plan's figures."""
+    from zerofn.io.checkpoint import streamed
+    from zerofn.io.checkpoint.api import _file_bytes
+    from zerofn.io.checkpoint.checksums import ChecksumWriter
+    made, plain = [], streamed.UnitCopies
+
+    class Recorded(plain):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    streamed.UnitCopies = Recorded
+    out = []
+    try:
+        for c in SAVED:
+            model, opt, shape, step = _tied_under(c, world, root)
+            step()
+            made.clear()
+            zf.save_checkpoint(f"{root}/default-{c.offload}", model, opt, step=1,
+                               async_save=True)
+            zf.wait_for_checkpoint()
+            zf.save_checkpoint(f"{root}/small-{c.offload}", model, opt, step=2,
+                               async_save=True, staging_bytes=STAGING)
+            step(), step()
+            zf.wait_for_checkpoint()
+            default, small = made
+            out.append(dict(
+                runtime=dict(default=(ChecksumWriter(root).file_bytes, default.budget),
+                             small=(_file_bytes(STAGING), small.budget),
+                             peak=small.peak, copied=len(small.copied)),
+                plan=dict(default=memory.staging(), small=memory.staging(STAGING),
+                          held=memory.save_held(c, shape, "async", staging_bytes=STAGING),
+                          read=memory.unit_read(c, shape))))
+    finally:
+        streamed.UnitCopies = plain
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2])
+def test_background_save_phase_is_the_runtimes_bound(world, tmp_path):
+    """The plan's background save splits ``staging_bytes`` as ``save_checkpoint`` does (its
+    data files, its copies' budget: the runtime's own figures, at the default and at a
+    given size), and what the runtime's copies hold at their peak, with steps right after
+    the call copying units aside, is within the plan's save phase less the unit it reads
+    (which the copies' count leaves out)."""
+    for rank, rows in enumerate(run_ranks(world, background_save_held, str(tmp_path))):
+        for c, row in zip(SAVED, rows):
+            runtime, planned = row["runtime"], row["plan"]
+            where = (c.describe(), world, rank)
+            assert runtime["default"] == planned["default"], where
+            assert runtime["small"] == planned["small"], where
+            assert runtime["copied"] > 0, where     # (the steps found units not written)
+            assert 0 < runtime["peak"] <= planned["held"] - planned["read"], (where, row)
+
+
+READ = [Candidate(stage=3, offload="nvme"),
+        Candidate(stage=3, precision="bf16", offload="cpu", state_dtype="int8",
+                  master_dtype="bf16")]
+
+
+def unit_reads(rank, world, root):
+    """Per candidate: the largest memory the runtime's ``read_unit`` gives a unit out of
+    memory (a save reads one at a time: io/checkpoint/streamed.py), and the plan's
+    ``unit_read`` with the decode buffer it allows (one tensor's fp32 rows)."""
+    out = []
+    for c in READ:
+        model, _, shape, step = _tied_under(c, world, root)
+        step()
+        rt = runtime_of(model)
+        unread = [u for u in rt.units if u.slots and rt.unread(u)]
+        read = max(sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in rt.read_unit(u)}.values()) for u in unread)
+        out.append((len(unread), read, memory.unit_read(c, shape),
+                    4 * shape.largest_piece(c.stage, trainable=True)))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_unit_a_save_reads_is_the_runtimes(world, tmp_path):
+    """The one unit a save holds read into memory, as the plan counts it, against the
+    runtime's own ``read_unit``: a swap file's block (rounded up to its 4 KiB alignment),
+    low-precision state decoded into fp32 (and the plan's one tensor of decode buffer)."""
+    from zerofn.runtime.homes.nvme_file import BLOCK
+    for rank, rows in enumerate(run_ranks(world, unit_reads, str(tmp_path))):
+        for c, (unread, read, planned, decoding) in zip(READ, rows):
+            where = (c.describe(), world, rank, read, planned)
+            assert unread, where      # (every unit's state is out of memory between steps)
+            if c.offload == "nvme":
+                assert 0 <= read - planned < BLOCK, where
+            else:
+                assert planned - read == decoding, where
+
+
 def test_a_save_the_plan_does_not_know_is_refused():
     with pytest.raises(ValueError, match="saves='weekly': one of"):
         plan(_meta_gpt(), (torch.zeros(2, CFG.context, dtype=torch.long),) * 2, world=1,

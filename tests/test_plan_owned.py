@@ -2,7 +2,9 @@
 model-state bytes as the plan counts them (an owner's state and whole masters, Adam's
 moments for the rest) are ``zf.model_state_bytes`` byte for byte at every stage and world,
 the step's allocations what the step allocates, the owners it names are the runtime's, and
-the plan prints their balance."""
+the plan prints their balance. Under offload the owners keep their state where the
+masters' rows are: the host (NVMe's too), or the device for the units a ratio keeps there;
+low-precision offloaded state, which set-up refuses beside them, is not planned."""
 from __future__ import annotations
 
 import json
@@ -20,6 +22,7 @@ from zerofn.planner import Candidate, plan
 from zerofn.planner import memory
 from zerofn.planner.owned import owned_of
 from zerofn.planner.probe import Machine
+from zerofn.runtime.homes.nvme_file import BLOCK
 from zerofn.runtime.owned import owners
 from zerofn.runtime.runtime import runtime_of
 
@@ -35,6 +38,10 @@ STAGES = [Candidate(stage=s, precision=p) for s in (1, 2, 3) for p in ("fp32", "
 OFFLOADED = [Candidate(stage=2, offload="cpu"), Candidate(stage=3, offload="cpu"),
              Candidate(stage=3, precision="bf16", offload="cpu"),
              Candidate(stage=3, offload="cpu", params=True)]
+SWAPPED = [Candidate(stage=2, offload="nvme"), Candidate(stage=3, offload="nvme"),
+           Candidate(stage=3, offload="nvme", params=True)]
+SPLIT = [Candidate(stage=2, offload="cpu", ratio=0.5), Candidate(stage=3, offload="cpu", ratio=0.5),
+         Candidate(stage=3, offload="nvme", ratio=0.5)]
 
 
 def held_and_planned(rank, world, kind):
@@ -65,7 +72,35 @@ def offloaded_held_and_planned(rank, world, kind):
     return out
 
 
-def _trained(c, kind, rank, world):
+def swapped_held_and_planned(rank, world, kind, tmp):
+    """Per NVMe candidate: this rank's model-state bytes after two steps, the plan's, its
+    owned bytes and the swap file's units."""
+    out = []
+    for c in SWAPPED:
+        model, _, shape, _ = _trained(c, kind, rank, world, tmp)
+        # the file's alignment: each block rounded up, the padding rows; the plan's
+        # counters, which the file does not keep
+        slack = (-4 * shape.adam_tensors,
+                 len(shape.units) * BLOCK + 12 * (shape.shard - shape.local))
+        out.append((c.describe(), zf.model_state_bytes(model), memory.model_state(c, shape),
+                    shape.owned_held(c.stage), slack))
+    return out
+
+
+def split_held_and_planned(rank, world, kind, tmp):
+    """Per candidate with a ratio: the owned bytes of this rank's parameters in the units
+    the runtime keeps on the device (``units_on_device``), and the plan's by place."""
+    out = []
+    for c in SPLIT:
+        model, _, shape, _ = _trained(c, kind, rank, world, tmp)
+        kept = frozenset(s.fqn for u in runtime_of(model).units_on_device() for s in u.slots)
+        out.append((c.describe(), shape.owned.held(rank, c.stage, kept),
+                    shape.owned_held(c.stage),
+                    shape.owned_places(c.stage, c.offload, c.ratio)))
+    return out
+
+
+def _trained(c, kind, rank, world, nvme_path=None):
     """The model and optimizers as ``c`` sets them up, two steps trained, and the plan's
     layout of this rank."""
     torch.manual_seed(0)
@@ -73,7 +108,7 @@ def _trained(c, kind, rank, world):
     with torch.device("meta"):
         meta = GPT(CFG)
     shape = memory.shape_of(meta, world, rank, owned_of(meta, OPTIMIZERS[kind](meta), world))
-    model, opts = c.apply(model, OPTIMIZERS[kind](model))
+    model, opts = c.apply(model, OPTIMIZERS[kind](model), nvme_path)
     x = torch.randint(0, CFG.vocab, (2, CFG.context))
     for _ in range(2):
         _backward(model, opts, x)
@@ -138,6 +173,46 @@ def test_owned_state_under_offload_is_what_each_rank_holds(world, kind):
             assert planned["device"]["optimizer"] == 0, where
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("world", [1, 2])
+def test_owned_state_beside_a_swap_file_is_what_each_rank_holds(world, kind, tmp_path):
+    """offload("nvme") at ZeRO-2 and ZeRO-3 (parameter shards in the file too): the
+    device's parameters and gradients byte for byte; the owner's state and whole masters
+    in memory, byte for byte (the state torch makes is "cpu" on this CPU, and nothing else
+    is: Adam's is in the file); the swap file, whose blocks keep room for Adam's moments
+    on every row, owned ones too, within its alignment (each unit's block rounded up to
+    ``BLOCK`` bytes, the shard's padding rows; the plan's step counters are not in it)."""
+    for rank, rows in enumerate(run_ranks(world, swapped_held_and_planned, kind,
+                                          str(tmp_path))):
+        for described, held, planned, owned, (below, above) in rows:
+            where = (described, world, rank)
+            for role in ("params", "grads"):
+                assert held["cpu"][role] == planned["device"][role], (where, role)
+            assert held["cpu"]["optimizer"] == owned, (where, held, owned)
+            assert planned["device"]["optimizer"] == 0, where
+            assert planned["host"]["optimizer"] >= owned, where
+            file, plan_file = held["nvme"]["optimizer"], planned["nvme"]["optimizer"]
+            assert below <= file - plan_file <= above, (where, file, plan_file)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2])
+def test_owned_state_follows_the_units_a_ratio_keeps(world, tmp_path):
+    """offload(ratio=0.5): an owner keeps a parameter's state and whole masters with its
+    unit's masters, on the device for the units the runtime keeps there, else on the host:
+    the plan's split is the runtime's units' (``units_on_device``), and both places hold
+    some at one rank or more."""
+    places = []
+    for rank, rows in enumerate(run_ranks(world, split_held_and_planned, "muon",
+                                          str(tmp_path))):
+        for described, on_device, held, planned in rows:
+            where = (described, world, rank)
+            assert planned == {"device": on_device, "host": held - on_device}, where
+            places.append(planned)
+    assert any(p["device"] for p in places) and any(p["host"] for p in places)
+
+
 def _meta_model_and_optimizers(kind):
     with torch.device("meta"):
         model = GPT(CFG)
@@ -147,10 +222,12 @@ def _meta_model_and_optimizers(kind):
 def test_plan_prints_each_owners_share():
     """The plan's table names every rank's share of the update's work, from the runtime's
     own assignment (runtime/owned.py's owners over the same parameters), and its JSON each
-    parameter's owner; of offload, only what the plan models is weighed, and it says so."""
+    parameter's owner; it weighs NVMe and a ratio beside the owners, not low-precision
+    offloaded state (set-up refuses it there), and says so."""
     model, opts = _meta_model_and_optimizers("muon")
     x = torch.zeros(2, CFG.context, dtype=torch.long)
-    result = plan(model, (x, x), world=4, machine=MACHINE, on_gpu=False, optimizers=opts)
+    result = plan(model, (x, x), world=4, machine=MACHINE, on_gpu=False, optimizers=opts,
+                  precision="bf16")
     matrices = [p for g in opts[0].param_groups for p in g["params"]]
     owner, load = owners([tuple(p.shape) for p in matrices], 4)
     table = result.table()
@@ -161,10 +238,12 @@ def test_plan_prints_each_owners_share():
     assert f"the busiest {max(load) / (sum(load) / 4):.2f}x the mean" in table
     names = {p: n for n, p in model.named_parameters()}
     assert result.to_json()["owned"]["owners"] == {names[p]: o for p, o in zip(matrices, owner)}
-    assert {r.candidate.offload for r in result.rows} == {None, "cpu"}
-    assert all(r.candidate.ratio == 1.0 and r.candidate.state_dtype == "fp32"
-               for r in result.rows)
-    assert "the plan weighs offload('cpu') with every unit's fp32 state" in result.reason
+    assert {r.candidate.offload for r in result.rows} == {None, "cpu", "nvme"}
+    assert {r.candidate.ratio for r in result.rows} == {1.0, 0.5}
+    assert all(r.candidate.state_dtype == "fp32" for r in result.rows)
+    assert "does not weigh low-precision offloaded state" in result.reason
+    adam = plan(model, (x, x), world=4, machine=MACHINE, on_gpu=False, precision="bf16")
+    assert any(r.candidate.state_dtype != "fp32" for r in adam.rows)
 
 
 def test_owners_count_in_the_busiest_rank_and_the_step():

@@ -67,7 +67,8 @@ def plan_main(argv=None, prog: str = "zerofn plan") -> int:
                         f"are within the budgets (default {MARGIN}: the model's error)")
     p.add_argument("--saves", choices=("sync", "async", "none"), default="sync",
                    help="how the run saves checkpoints: its save phase's host memory "
-                        "(async: a host copy of the state first)")
+                        "(async: its copies, within save_checkpoint's default staging_bytes, "
+                        "beside the steps that follow)")
     p.add_argument("--gpu", action="store_true",
                    help="plan for a GPU, with a GPU's probe: this machine's where it has one, "
                         "else --probe (`zerofn probe` run on the GPU machine)")

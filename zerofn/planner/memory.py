@@ -26,7 +26,7 @@ The terms:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from zerofn.core.plan import HOMES, ShardingPolicy
 from zerofn.core.units import build_units
 from zerofn.io.checkpoint.checksums import FILE_BYTES
 from zerofn.runtime.grads import lends_shards as runtime_lends_shards
+from zerofn.runtime.homes.assignment import staying_units
 from zerofn.runtime.host_malloc import THRESHOLD
 
 from .activations import Activations
@@ -45,6 +46,8 @@ from .pool_replay import PoolReplay
 
 PHASES = ("forward", "backward", "step", "save")
 SAVES = (None, "sync", "async")     # how the run saves checkpoints (save_checkpoint)
+# save_checkpoint's staging_bytes when not given: two data files (io/checkpoint/api.py)
+STAGING_BYTES = 2 * FILE_BYTES
 HOMES = HOMES
 FP32 = 4
 
@@ -72,6 +75,9 @@ class Shape:
         owned: the parameters whole-tensor optimizers hold (owned.py), or None: Adam
             steps every parameter.
         tensor_owned: whether each tensor is one of them (no Adam moments or counter).
+        units: the units with parameters, as the runtime builds them (where a ``ratio``
+            keeps some on the device: ``owned_places``).
+        order: the model's parameter names in order (which units a ``ratio`` keeps).
     """
 
     world: int
@@ -87,6 +93,8 @@ class Shape:
     rank: int = 0
     owned: Owned | None = None
     tensor_owned: tuple[bool, ...] = ()
+    units: tuple = field(default=(), compare=False, repr=False)
+    order: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def params(self) -> int:
@@ -145,6 +153,28 @@ class Shape:
         """Optimizer-role bytes this rank holds for owned parameters (owned.py)."""
         return 0 if self.owned is None else self.owned.held(self.rank, stage)
 
+    def owned_places(self, stage: int, offload: str | None, ratio: float) -> dict[str, int]:
+        """``owned_held``'s bytes by place: an owner keeps a parameter's state and whole
+        masters where the home of its unit keeps the masters' rows (runtime/owned.py: on
+        the optimizer's tensor's device): the device without offload and in the units a
+        ``ratio`` keeps there (runtime/homes/assignment.py's ``staying_units``), the host
+        under offload, NVMe's too (the swap file holds the rows; the owner's tensors are
+        in memory)."""
+        held = self.owned_held(stage)
+        if offload is None or self.owned is None:
+            return {"device": held, "host": 0}
+        staying = staying_units(list(self.units), ratio, {n: i for i, n in
+                                                          enumerate(self.order)}) \
+            if ratio < 1 else []
+        on_device = self.owned.held(self.rank, stage,
+                                    frozenset(s.fqn for u in staying for s in u.slots))
+        return {"device": on_device, "host": held - on_device}
+
+    @property
+    def owned_local(self) -> int:
+        """This rank's rows of the owned tensors (elements)."""
+        return self.trainable_local - self.adam_local
+
     @property
     def reduced_shards(self) -> tuple[int, ...]:
         """The padded shards of the units that have gradients to reduce."""
@@ -197,7 +227,8 @@ def shape_of(model: nn.Module, world: int, rank: int = 0, owned: Owned | None = 
                                  model.named_parameters(remove_duplicate=False)),
                  buffers=sum(buffers.values()), root=bool(built[-1].slots),
                  root_first=_root_runs_last(model, built), rank=rank, owned=owned,
-                 tensor_owned=tuple(id(s.param) in held for s in slots))
+                 tensor_owned=tuple(id(s.param) in held for s in slots), units=tuple(units),
+                 order=tuple(n for n, _ in model.named_parameters()))
 
 
 def _root_runs_last(model: nn.Module, built) -> bool:
@@ -234,9 +265,12 @@ def model_state(c: Candidate, shape: Shape, device_is_host: bool = False
                                 torch.bfloat16 if c.master_dtype == "bf16" else torch.float32,
                                 offload=c.offload, offload_params=c.params,
                                 state_dtype=DTYPES[c.state_dtype], ratio=c.ratio)
-    # An owner keeps its state and whole masters where its masters' rows are: the host
-    # under offload("cpu"), the only offload planned beside them (search.py)
-    placed["host" if c.offload else "device"]["optimizer"] += shape.owned_held(c.stage)
+    # An owner keeps its state and whole masters where its masters' rows are
+    for place, held in shape.owned_places(c.stage, c.offload, c.ratio).items():
+        placed[place]["optimizer"] += held
+    if c.offload == "nvme":
+        # the swap file's blocks keep room for Adam's moments on every row, owned ones too
+        placed["nvme"]["optimizer"] += 2 * FP32 * shape.owned_local * c.ratio
     return {place: {role: int(placed[place][role]) for role in ("params", "grads", "optimizer")}
             for place in HOMES}
 
@@ -278,16 +312,19 @@ def pool_bytes(c: Candidate, shape: Shape, bucket_size: int = ShardingPolicy.buc
 def step_temporaries(c: Candidate, shape: Shape, device_is_host: bool = True) -> int:
     """Bytes the step allocates at its peak: the owned step's (owned.py), which runs
     first and frees them, or torch's AdamW's (none where zerofn's CPU Adam steps offloaded
-    Adam; beside a whole-tensor optimizer torch's steps it there too), in fp32: on a
-    CPU, a tensor at a time, two of its size (the denominator is the second moment's
-    square root, then that divided by the bias correction: both live at once); on a GPU,
-    one list of temporaries (the square roots, divided in place) of what it steps at once."""
+    Adam; beside a whole-tensor optimizer torch's steps the host's Adam, not the swap
+    file's), in fp32: on a CPU, a tensor at a time, two of its size (the denominator is
+    the second moment's square root, then that divided by the bias correction: both live
+    at once); on a GPU, one list of temporaries (the square roots, divided in place) of
+    what it steps at once."""
     owned = 0 if shape.owned is None else shape.owned.step_bytes(shape.rank, c.stage)
     if c.offload and not device_is_host:
-        # (the owner steps on the device: its whole masters and state come up for it)
-        owned += shape.owned_held(c.stage)
-    # (beside a whole-tensor optimizer the host's Adam is torch's, not zerofn's kernel)
-    if c.offload is not None and c.ratio == 1.0 and shape.owned is None:
+        # (the owner steps on the device: its whole masters and state on the host come up)
+        owned += shape.owned_places(c.stage, c.offload, c.ratio)["host"]
+    # (beside a whole-tensor optimizer the host's Adam is torch's, not zerofn's kernel;
+    # the swap file's is the kernel's either way)
+    if c.offload is not None and c.ratio == 1.0 and (shape.owned is None or
+                                                      c.offload == "nvme"):
         return owned
     if device_is_host:
         return max(owned, 2 * FP32 * shape.largest_piece(c.stage, trainable=True))
@@ -319,11 +356,14 @@ def state_dict_bytes(c: Candidate, shape: Shape) -> dict[str, int]:
 
 def save_copies(c: Candidate, shape: Shape, saves: str | None,
                 device_is_host: bool = True) -> int:
-    """Bytes of the state dicts a save copies to the host: a background save stages all of
-    them; a synchronous one has DCP's copies: every tensor on a GPU, and on a CPU each that
-    is a view into a larger buffer (its rows of a whole parameter past world 1, a unit's
-    flat masters under ZeRO-3 or mixed precision, offloaded state in its arena), not
-    torch's own moments or whole fp32 parameters."""
+    """Bytes of the state dicts' tensors a save copies to the host, over the whole save: a
+    background save copies every one (its writer copies each unit's items out of the live
+    state as it writes them, io/checkpoint/unit_copies.py; the rest at the call,
+    io/checkpoint/staging.py); a synchronous one has DCP's copies: every tensor on a GPU,
+    and on a CPU each that is a view into a larger buffer (its rows of a whole parameter
+    past world 1, a unit's flat masters under ZeRO-3 or mixed precision, offloaded state
+    in its arena or read a unit at a time), not torch's own moments or whole fp32
+    parameters."""
     sizes = state_dict_bytes(c, shape)
     if saves is None:
         return 0
@@ -334,34 +374,61 @@ def save_copies(c: Candidate, shape: Shape, saves: str | None,
     return (0 if whole else sizes["model"]) + (sizes["optim"] if c.offload else 0)
 
 
+def staging(staging_bytes: int = STAGING_BYTES) -> tuple[int, int]:
+    """``(data file, copies before a change)``: how ``save_checkpoint`` splits
+    ``staging_bytes`` (io/checkpoint/api.py): each data file at most half of it (DCP keeps
+    a file's copies until the file is written), a background save's copies made before a
+    step changes a unit the rest, a unit read from a file included."""
+    return staging_bytes // 2, staging_bytes - staging_bytes // 2
+
+
+def unit_read(c: Candidate, shape: Shape) -> int:
+    """Bytes of the one unit a save holds read into memory at a time (io/checkpoint/
+    streamed.py's ``UnitReader``), where the state is out of memory between steps: a unit
+    in a swap file (its block's masters and moments) or in fewer bits on the host (its
+    masters and moments decoded into one fp32 (3, shard) buffer, through one fp32 piece
+    of a slot at a time). None where every unit's state is in memory."""
+    lowp = (c.state_dtype, c.master_dtype) != ("fp32", "fp32")
+    if c.offload is None or (c.offload == "cpu" and not lowp):
+        return 0
+    decoded = 3 * FP32 * shape.largest
+    if c.offload == "nvme" and not lowp:
+        return decoded       # (the block's own fp32 views)
+    stored = shape.largest * (DTYPES[c.master_dtype].itemsize + 2 *
+                              DTYPES[c.state_dtype].itemsize) if c.offload == "nvme" else 0
+    return decoded + stored + FP32 * shape.largest_piece(c.stage, trainable=True)
+
+
 def save_held(c: Candidate, shape: Shape, saves: str | None,
-              device_is_host: bool = True) -> int:
-    """Bytes a save's copies hold at once. A synchronous save: DCP's copies of one data
-    file (io/checkpoint/checksums.py: DCP keeps a file's copies until it is written, in
-    files of ``FILE_BYTES`` at most, or one larger tensor's rows). A background save: all
-    it stages, and on a GPU one file's copies more (it stages device tensors into views
-    of one page-locked buffer, io/checkpoint/staging.py, and DCP copies each view)."""
+              device_is_host: bool = True, staging_bytes: int = STAGING_BYTES) -> int:
+    """Host bytes a save holds at once (``staging_bytes``: ``save_checkpoint``'s). A
+    synchronous save: DCP's copies of one data file (io/checkpoint/checksums.py: files of
+    half ``staging_bytes`` at most, or one larger tensor's rows alone), and one item
+    more: DCP's writer still holds the last item of a file while it copies the next
+    file's first; and the unit it reads (``unit_read``). A background save: its writer's
+    data file, item and unit read the same, and the copies it makes before the next steps
+    change units it has not written yet, within the rest of ``staging_bytes`` less the
+    unit read (unit_copies.py's [Note: copy-before-write per unit]): at most
+    ``staging_bytes`` and one item together, or a larger tensor's rows more, and never
+    more than the state it copies."""
+    if saves is None:
+        return 0
     copies = save_copies(c, shape, saves, device_is_host)
-    one_file = min(copies, max(FILE_BYTES, FP32 * shape.largest_piece(c.stage)))
+    file_bytes, budget = staging(staging_bytes)
+    item = FP32 * shape.largest_piece(c.stage)
+    one_file = min(copies, max(file_bytes, item) + item)
+    read = unit_read(c, shape)
     if saves == "sync":
-        return one_file
-    return copies + (0 if device_is_host else one_file)
+        return one_file + read
+    return one_file + min(copies - one_file, max(0, budget - read)) + read
 
 
 def save_bytes(c: Candidate, shape: Shape, saves: str | None,
                device_is_host: bool = True) -> int:
-    """Host bytes a checkpoint save holds between steps (io/checkpoint): its copies of the
-    state dicts (``save_held``), NVMe state read into memory whole (its swap file's
-    bytes), low-precision host state decoded into fp32 (4 bytes a row of masters, 8 more a
-    trainable row of moments)."""
-    if saves is None:
-        return 0
-    out = save_held(c, shape, saves, device_is_host)
-    if c.offload == "nvme":
-        out += sum(model_state(c, shape)["nvme"].values())
-    elif c.offload == "cpu" and (c.state_dtype, c.master_dtype) != ("fp32", "fp32"):
-        out += FP32 * int((shape.local + 2 * shape.trainable_local) * c.ratio)
-    return out
+    """Host bytes a checkpoint save holds on top of the state (io/checkpoint): its copies
+    and the unit it reads (``save_held``). Offloaded state, in a file or in fewer bits, is
+    read a unit at a time as DCP writes it, never the whole state at once."""
+    return save_held(c, shape, saves, device_is_host)
 
 
 @dataclass(frozen=True)
@@ -413,7 +480,11 @@ def peaks(c: Candidate, shape: Shape, acts: Activations, process: Process = Proc
         out[phase] = {"device": int(device), "host": int(host + process.base),
                       "nvme": resident["nvme"]}
     saving = save_bytes(c, shape, saves, device_is_host)
-    if device_is_host and saves is not None:
+    if saves == "async":
+        # a background save writes while the next steps run, and copies units aside as
+        # they are about to change: its bytes come on top of the steps' own
+        out["save"]["host"] = max(out[ph]["host"] for ph in PHASES if ph != "save") + saving
+    elif device_is_host and saves is not None:
         # the heap keeps what the step freed (all but the blocks glibc maps by itself),
         # and the save's copies take that memory first
         kept = max(out[ph]["host"] for ph in PHASES if ph != "save") - max(mapped.values())

@@ -97,13 +97,15 @@ class Owned:
     def of(self, rank: int) -> list[OwnedTensor]:
         return [t for t in self.tensors if t.owner == rank]
 
-    def held(self, rank: int, stage: int) -> int:
-        """Optimizer-role bytes ``rank`` holds for owned parameters between steps: under
-        DDP every rank steps every parameter whole, with its state; under ZeRO the owner
-        alone holds the state and its whole fp32 masters."""
+    def held(self, rank: int, stage: int, names: frozenset[str] | None = None) -> int:
+        """Optimizer-role bytes ``rank`` holds for owned parameters between steps (of those
+        ``names`` names, where given): under DDP every rank steps every parameter whole,
+        with its state; under ZeRO the owner alone holds the state and its whole fp32
+        masters."""
         if stage == 0:
-            return sum(t.state_bytes for t in self.tensors)
-        return sum(t.state_bytes + FP32 * t.numel for t in self.of(rank))
+            return sum(t.state_bytes for t in self.tensors if names is None or t.name in names)
+        return sum(t.state_bytes + FP32 * t.numel for t in self.of(rank)
+                   if names is None or t.name in names)
 
     def step_bytes(self, rank: int, stage: int) -> int:
         """Bytes the owned step allocates on ``rank`` at its peak: under ZeRO the whole

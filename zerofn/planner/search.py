@@ -29,8 +29,9 @@ from .probe import Machine, load_or_probe
 
 GB = 1e9
 # Predicted peaks must fit their budgets with this share to spare: the memory model's
-# largest under-prediction measured on this machine, 9.8 % in a save, rounded up
-# (docs/plan.md; tests/test_plan.py checks it against the tables there).
+# largest under-prediction measured on this machine, 5.4 % (DDP at four ranks), with room
+# for saves outside the grid's (docs/plan.md; tests/test_plan.py checks it against the
+# tables there).
 MARGIN = 0.10
 
 
@@ -178,14 +179,16 @@ def plan(model: nn.Module, example_batch, *, world: int | None = None, group=Non
             above them, are within the budgets (the memory model's error; NVMe's bytes
             are the swap files' own sizes, exact).
         saves: how the run saves checkpoints: "sync" (``save_checkpoint``), "async"
-            (``async_save=True``: a host copy of the state first) or None (it does not).
+            (``async_save=True``: copies within the default ``staging_bytes``, held
+            beside the steps that follow the call) or None (it does not).
         optimizers: the run's optimizer, or its sequence (Muon and AdamW), built over the
             model's parameters (a meta model's too); None: AdamW over every parameter.
             A whole-tensor optimizer's parameters (Muon, Adafactor, ``zf.whole_tensors``)
             are given the runtime's owners: each rank's bytes count the state and whole
-            masters it owns and the step's whole gradients (``owned``, printed with the
-            table); every other parameter is counted as Adam's. Offload is not planned
-            beside them (``notes`` says so).
+            masters it owns, where its unit's home keeps the masters' rows, and the step's
+            whole gradients (``owned``, printed with the table); every other parameter is
+            counted as Adam's. Low-precision offloaded state is not planned beside them,
+            as set-up refuses it (``notes`` says so).
 
     Raises:
         NoPlanFits: no candidate fits; names the smallest budgets that would.
@@ -252,17 +255,16 @@ _TP_NOTE = ("(Tensor parallelism: the peaks count each rank's model state and bu
 
 
 # What a plan beside a whole-tensor optimizer leaves out, in its notes and reason.
-_OWNED_NOTE = ("(Beside a whole-tensor optimizer the plan weighs offload('cpu') with every "
-               "unit's fp32 state on the host only: NVMe, a ratio and low-precision state "
-               "are not modelled there. Choose them by hand: docs/optimizers.md.)")
+_OWNED_NOTE = ("(Beside a whole-tensor optimizer the plan does not weigh low-precision "
+               "offloaded state (state_dtype, master_dtype): zerofn's CPU Adam steps that "
+               "form, and set-up refuses it beside Muon or Adafactor. docs/optimizers.md.)")
 
 
 def _owned_plans(c: Candidate) -> bool:
-    """Whether the planner models ``c`` beside a whole-tensor optimizer: without offload,
-    or offload('cpu') of every unit in fp32 (torch's Adam steps the host's masters there,
-    and the owners keep their state beside them)."""
-    return c.offload is None or (c.offload == "cpu" and c.ratio == 1.0 and
-                                 (c.state_dtype, c.master_dtype) == ("fp32", "fp32"))
+    """Whether a run can take ``c`` beside a whole-tensor optimizer: any candidate but
+    low-precision offloaded state, which set-up refuses there (runtime/homes/__init__.py's
+    ``optimizer_problems``: zerofn's CPU Adam steps the stored form, and only Adam)."""
+    return (c.state_dtype, c.master_dtype) == ("fp32", "fp32")
 
 
 def _busiest(by_rank: list[dict]) -> dict[str, dict[str, int]]:

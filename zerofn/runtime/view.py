@@ -92,6 +92,7 @@ IMPORTABLE = {
     "grads": {"lends_shards"},
     "host_malloc": {"THRESHOLD"},
     "memory": {"proc_bytes"},
+    "homes.assignment": {"staying_units"},     # the planner places owned state by unit
     "homes.base": {"stand_in"},
     "optimizer": {"SCALER_KEY"},                # where fp16's scaler rides in a state dict
     "owned": {"is_whole", "owners", "whole_params"},   # the planner owns as the runtime does
