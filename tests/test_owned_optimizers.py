@@ -119,15 +119,16 @@ def step_traffic(rank, world):
     Muon + AdamW on the same model, and the owned matrices' (rows, inner) shapes."""
     data = batches(2, 1, world)
     out = {}
-    for stage in (1, 2, 3):
-        for kind in ("adamw", "muon"):
-            _, model = make_models()
-            opts = (torch.optim.AdamW(model.parameters(), lr=1e-3),) if kind == "adamw" \
-                else OPTIMIZERS["muon"](model)
-            model, opts = zero(stage)(model, opts)
-            train_sharded(model, opts, data, rank, world)
-            out[stage, kind] = sum(v for k, v in zf.comm_stats(model).items()
-                                   if k.endswith("_bytes"))
+    for stage, kind, options in [(stage, kind, {}) for stage in (1, 2, 3)
+                                 for kind in ("adamw", "muon")] + \
+            [(3, "muon to owner", {"reduce_to_owner": True})]:
+        _, model = make_models()
+        opts = (torch.optim.AdamW(model.parameters(), lr=1e-3),) if kind == "adamw" \
+            else OPTIMIZERS["muon"](model)
+        model, opts = zero(stage, **options)(model, opts)
+        train_sharded(model, opts, data, rank, world)
+        out[stage, kind] = sum(v for k, v in zf.comm_stats(model).items()
+                               if k.endswith("_bytes"))
     _, model = make_models()
     out["owned"] = [tuple(p.shape) for p in OPTIMIZERS["muon"](model)[0].param_groups[0]["params"]]
     return out
@@ -140,7 +141,10 @@ def test_owned_traffic_is_the_formula(world):
     (padded rows) and the owner's broadcast of the whole matrix, which the unit's
     all-gather no longer carries (its padded rows, aligned in the shard): +1x the owned
     matrices' bytes, less the alignment. At ZeRO-3 the gather and the scatter of the rows
-    back: +2x the padded rows."""
+    back: +2x the padded rows. With ``reduce_to_owner`` the reduce to the owner carries the
+    padded rows the reduce-scatter no longer does (their aligned columns), and the scatter
+    back is +1x: +1x the padded rows, less the alignment (and the vote's one more fp32
+    flag: a p.grad edit the step refuses)."""
     from zerofn.core.units import aligned, chunk_rows
     for out in run_ranks(world, step_traffic, timeout=240):
         owned = out["owned"]
@@ -152,6 +156,8 @@ def test_owned_traffic_is_the_formula(world):
             extra = out[stage, "muon"] - out[stage, "adamw"]
             assert extra == whole - alignment and extra <= whole, (stage, out)
         assert out[3, "muon"] - out[3, "adamw"] == 2 * padded, out
+        extra = out[3, "muon to owner"] - out[3, "adamw"]
+        assert extra == padded - alignment + 4 and extra <= padded + 4, out
 
 
 @pytest.mark.multirank
@@ -394,3 +400,36 @@ def test_an_optimizer_the_user_marks_whole_steps_as_pytorch():
     for stage in (2, 3):
         errs = [r[0] for r in run_ranks(2, trained, stage, "normalized", 2, timeout=240)]
         assert max(errs) < TOL, (stage, errs)
+
+
+# -- shard_params(reduce_to_owner=True): runtime/to_owner.py ------------------------------
+
+def to_owner(rank, world, kind, accum, extra="none", clip=None):
+    """``trained`` at ZeRO-3 with each owned gradient reduced whole to its owner."""
+    return trained(rank, world, 3, kind, accum, extra, clip, reduce_to_owner=True)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gradients_reduced_to_their_owners_step_as_pytorch(world):
+    """Muon + AdamW (accumulation 1 and 4) and Adafactor at ZeRO-3, the owned gradients
+    reduced to their owners: the weights as plain PyTorch's, Newton-Schulz once per matrix
+    per step over all ranks."""
+    tol = 1e-6 if world == 1 else TOL
+    for accum in (1, 4):
+        check(run_ranks(world, to_owner, "muon", accum, timeout=240), world, tol=tol)
+    errs = [r[0] for r in run_ranks(world, to_owner, "adafactor", 2, timeout=240)]
+    assert max(errs) < tol, errs
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2, slow_variant(4, covered_by="[2]")])
+def test_gradients_reduced_to_their_owners_under_cpu_offload_with_clipping(world):
+    """offload("cpu"): the owners' whole gradients stay on the device, the rest land on
+    the host; one global clip reads each owned gradient once, on its owner."""
+    tol = 1e-6 if world == 1 else TOL
+    for kind, accum in (("muon", 4), ("muon", 1), ("adafactor", 2)):
+        results = run_ranks(world, to_owner, kind, accum, "cpu", 0.5, timeout=240)
+        assert max(r[0] for r in results) < tol, (kind, accum, [r[0] for r in results])
+        if kind == "muon":
+            check(results, world, tol=tol)

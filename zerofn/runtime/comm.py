@@ -229,6 +229,15 @@ class Comm:
             pieces = list(rows.unbind(0)) if rows is not None else None
             dist.scatter(t, pieces, src=self._global[src_rank], group=self.group)
 
+    def reduce(self, t: torch.Tensor, dst_rank: int, async_op: bool = False):
+        """Every rank's ``t`` summed (averaged where ``averages``) into ``dst_rank``'s:
+        counted as the whole buffer, as the reduce-scatter whose share it takes."""
+        self._count("reduce", t.numel(), t.dtype)
+        with record_function("zerofn::reduce"):
+            op = dist.ReduceOp.AVG if self.averages else dist.ReduceOp.SUM
+            return dist.reduce(t, dst=self._global[dst_rank], op=op, group=self.group,
+                               async_op=async_op)
+
     def broadcast(self, t: torch.Tensor, src_rank: int = 0) -> None:
         self._count("broadcast", t.numel(), t.dtype)
         with record_function("zerofn::broadcast"):

@@ -58,6 +58,7 @@ import torch
 from ..core.units import local_of
 from .agree import gather
 from .chain import OptimizerChain, members_of, step_without_hooks
+from .to_owner import ToOwner
 
 # Optimizers whose update of an element reads other elements of its tensor: stepped whole,
 # on one owner (the user marks others with ``zf.whole_tensors``).
@@ -117,10 +118,12 @@ class OwnedStep:
         slot_of: each tensor the optimizer's groups hold -> its slot, before binding.
         shards: the compute rows (shards.py): which units are ZeRO-3's sharded ones, and
             the step's whole writes, which their all-gathers leave out.
+        reducer: the gradients' (grads.py), told to reduce the owned rows' gradients to
+            their owners under ``shard_params(reduce_to_owner=True)`` (to_owner.py).
     """
 
-    def __init__(self, ctx, optimizer, slot_of: dict, shards):
-        self.ctx, self.comm, self.shards = ctx, ctx.comm, shards
+    def __init__(self, ctx, optimizer, slot_of: dict, shards, reducer):
+        self.ctx, self.comm, self.shards, self.reducer = ctx, ctx.comm, shards, reducer
         self.table = ctx.table
         # slots ZeRO-3 keeps as rows (their updates are scattered), fixed at set-up
         self.as_rows = {s for u in shards.sharded_units for s in u.slots}
@@ -140,6 +143,9 @@ class OwnedStep:
         # every rank: what the last steps scattered) holds the slot; else gathered.
         self.masters: dict = {}
         self.fresh: set = set()
+        if ctx.plan.sharding.reduce_to_owner and self.as_rows:
+            reducer.reduce_to_owners(ToOwner({s: o for s, o in self.owner.items()
+                                              if s in self.as_rows}, ctx.units))
 
     def mine(self) -> list:
         return [s for _, s in self.slots if self.owner[s] == self.comm.rank]
@@ -155,7 +161,9 @@ class OwnedStep:
         if not todo:
             return
         masters = self._master_rows([s for _, s in todo])
-        gathered = {s: self._gather(s, grads[s], grad_scale, masters.get(s)) for _, s in todo}
+        gathered = {s: self._on_owner(s, grads[s], grad_scale, masters.get(s))
+                    if self.reducer.to_its_owner(s) else
+                    self._gather(s, grads[s], grad_scale, masters.get(s)) for _, s in todo}
         whole = {s: w for s, w in gathered.items() if w is not None}
         for m in self.members:
             self._step_member(m, [s for mm, s in todo if mm is m and s in whole], whole)
@@ -228,6 +236,27 @@ class OwnedStep:
         master = self.masters[s].to(grad.device) if kept \
             else _whole(s, recv[:, s.chunk * s.inner:]).clone()
         return master, grad
+
+    def _on_owner(self, s, grad, grad_scale: float, master_rows):
+        """A gradient reduced whole to its owner already (to_owner.py): the masters' rows
+        are gathered to it only where it keeps no whole masters current. Returns (whole
+        masters, whole gradient) on the owner, else None."""
+        mine = self.owner[s] == self.comm.rank
+        master = self.masters[s].to(self.ctx.device) if mine and s in self.fresh else None
+        if s not in self.fresh:
+            dtype = self.table[s].opt_param.dtype
+            send = self._piece(s, master_rows, dtype)
+            if self.comm.world == 1:
+                recv = send.view(1, -1)
+            else:
+                recv = torch.empty(self.comm.world, send.numel(), dtype=dtype,
+                                   device=send.device) if mine else None
+                self.comm.gather(send, recv, self.owner[s])
+            if mine:    # (a copy: the owner keeps it)
+                master = _whole(s, recv).clone()
+        if not mine:
+            return None
+        return master, grad.mul(grad_scale) if grad_scale != 1.0 else grad
 
     def _scatter(self, s, whole) -> torch.Tensor:
         """The owner's updated whole masters, this rank's rows to each rank: this rank's
@@ -433,3 +462,22 @@ def overlap_whole(plan, optimizer) -> list[str]:
                 "optimizer (Muon, Adafactor) steps each parameter whole at step(), once every "
                 "rank's rows are reduced: leave overlap_step off."]
     return []
+
+
+def reduce_to_owner_problems(plan, optimizer, replicated: bool) -> list[str]:
+    """What ``shard_params(reduce_to_owner=True)`` cannot do beside a whole-tensor
+    optimizer (to_owner.py): each refused at set-up, on every rank."""
+    if not plan.sharding.reduce_to_owner or plan.stage < 3 or optimizer is None or \
+            not any(is_whole(m) for m in members_of(optimizer)):
+        return []
+    out = []
+    if plan.offload.device == "nvme":
+        out.append("shard_params(reduce_to_owner=True) with offload('nvme'): the swap file "
+                   "steps each unit's gradient rows, and an owned parameter's are on its "
+                   "owner only; use offload('cpu'), or drop reduce_to_owner.")
+    if replicated:
+        out.append("shard_params(reduce_to_owner=True) under HSDP (a 2-D mesh): the owned "
+                   "gradients are reduced within each shard group only, not yet averaged "
+                   "over the replicas; drop reduce_to_owner (the default gathers the "
+                   "reduced rows to the owner).")
+    return out
