@@ -23,7 +23,8 @@ from zerofn.runtime import runtime_of
 from zerofn.state.state_dict import get_model_state_dict
 from support.loops import zero
 from support.models import batches, make_models
-from support.owned import OPTIMIZERS, counted_newton_schulz, train_reference, train_sharded
+from support.owned import (OPTIMIZERS, counted_newton_schulz, step_all, train_reference,
+                           train_sharded)
 from support.ranks import run_ranks
 
 STEPS, TOL = 4, 1e-5
@@ -195,6 +196,10 @@ def refusals(rank, world):
         out["nvme"] = error_of(nvme, model, (muon, sgd))
     _, model = make_models()
     out["not a sequence"] = error_of(zero(2), model, "adamw", error=TypeError)
+    _, model = make_models()
+    with tempfile.TemporaryDirectory() as tmp:
+        nvme = zf.compose(zero(3, reduce_to_owner=True), zf.offload("nvme", path=tmp))
+        out["nvme to owner"] = error_of(nvme, model, OPTIMIZERS["muon"](model))
     return out
 
 
@@ -205,6 +210,7 @@ def test_what_owned_parameters_cannot_do_is_refused_on_every_rank():
         assert "LBFGS steps through a closure" in out["lbfgs"], out["lbfgs"]
         assert "(got Muon + SGD); use offload('cpu')" in out["nvme"], out["nvme"]
         assert "(model, (optimizer, ...))" in out["not a sequence"], out["not a sequence"]
+        assert "reduce_to_owner=True) with offload('nvme')" in out["nvme to owner"], out
 
 
 def resumed(rank, world, stage, path, resume, extra="none"):
@@ -376,18 +382,25 @@ def test_owned_state_is_counted_on_its_owner_only():
     assert alone[0] <= total <= alone[0] + 1024 and alone[0] >= 2 * matrices, (total, alone)
 
 
-def hybrid(rank, world, stage):
+def hybrid(rank, world, stage, **options):
     """HSDP on a 2 x 2 (replicate, shard) mesh: owners within each shard group, every
     replica computing its owned matrices alike."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    return trained(rank, world, stage, "muon", 2, group=mesh)
+    return trained(rank, world, stage, "muon", 2, group=mesh, **options)
+
+
+def hybrid_to_owner(rank, world):
+    """``hybrid`` at ZeRO-3, each owned gradient reduced to its owner, then averaged over
+    the replicas' owners."""
+    return hybrid(rank, world, 3, reduce_to_owner=True)
 
 
 @pytest.mark.multirank
 def test_muon_under_hybrid_sharding():
-    for stage in (2, 3):
-        results = run_ranks(4, hybrid, stage, timeout=240)
+    for stage in (2, 3, "3 to owner"):
+        results = run_ranks(4, hybrid_to_owner, timeout=240) if stage == "3 to owner" else \
+            run_ranks(4, hybrid, stage, timeout=240)
         assert max(r[0] for r in results) < TOL, (stage, [r[0] for r in results])
         # (each replica runs Newton-Schulz for its shard group's matrices: twice over all)
         assert sum(r[1] for r in results) == 2 * results[0][2]
@@ -433,3 +446,90 @@ def test_gradients_reduced_to_their_owners_under_cpu_offload_with_clipping(world
         assert max(r[0] for r in results) < tol, (kind, accum, [r[0] for r in results])
         if kind == "muon":
             check(results, world, tol=tol)
+
+
+MATRIX = "blocks.0.attn.proj.weight"     # a Muon matrix, 48 x 48
+
+
+def held_grads(rank, world, edit):
+    """p.grad of an owned matrix under ``reduce_to_owner`` after one backward, what reading
+    it does, and what the step makes of ``edit``: "replace" (rank 1 only puts another
+    tensor there) or "none" (every rank sets it to None). Returns what each rank saw and
+    how far the matrix and another parameter moved."""
+    _, model = make_models()
+    model, opts = zero(3, reduce_to_owner=True)(model, OPTIMIZERS["muon"](model))
+    [[(x, y)]] = batches(1, 1, world)
+    model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    params = dict(model.named_parameters())
+    before = {k: v.full_tensor().clone() for k, v in params.items()}
+    g = params[MATRIX].grad
+    out = {"shown": (type(g).__name__, tuple(g.shape), [str(p) for p in g.placements]),
+           "read": error_of(lambda: g.sum(), error=RuntimeError),
+           "torch clip": error_of(torch.nn.utils.clip_grad_norm_, model.parameters(), 1.0,
+                                  error=RuntimeError),
+           "other readable": bool(params["tok.weight"].grad.full_tensor().abs().sum() > 0)}
+    if edit == "replace" and rank == 1:
+        params[MATRIX].grad = params[MATRIX].detach().clone()
+    if edit == "none":
+        params[MATRIX].grad = None
+    out["step"] = error_of(step_all, opts)
+    after = {k: v.full_tensor() for k, v in params.items()}
+    out["moved"] = {k: worst(after[k] - before[k]) for k in (MATRIX, "tok.weight")}
+    return out
+
+
+@pytest.mark.multirank
+def test_a_gradient_reduced_to_its_owner_shows_no_values_and_refuses_a_replacement():
+    """Its p.grad is a Shard(0) DTensor of the matrix's shape; reading it, or torch's clip,
+    raises on every rank naming the owner; a tensor one rank puts in its place stops the
+    step on every rank; p.grad = None on every rank is honoured (the matrix stays)."""
+    for rank, out in enumerate(run_ranks(2, held_grads, "replace", timeout=120)):
+        assert out["shown"] == ("DTensor", (48, 48), ["S(0)"]), out["shown"]
+        for what, name in (("read", MATRIX), ("torch clip", "blocks.0.attn.qkv.weight")):
+            assert out[what] and f"p.grad of {name!r} holds no values" in out[what] \
+                and "reduce_to_owner" in out[what] and "reduced whole to rank " in out[what] \
+                and "zf.clip_grad_norm_" in out[what], out[what]
+        assert out["other readable"]
+        said = f"p.grad of {MATRIX!r}" if rank == 1 else "another rank's loop"
+        assert out["step"] and said in out["step"], out["step"]
+        assert out["moved"] == {MATRIX: 0.0, "tok.weight": 0.0}, out["moved"]
+    for out in run_ranks(2, held_grads, "none", timeout=120):
+        assert out["step"] is None and out["moved"][MATRIX] == 0.0, out
+        assert out["moved"]["tok.weight"] > 0, out
+
+
+def nonfinite_owned(rank, world, rule, options):
+    """Two steps at ZeRO-3 under ``on_nonfinite=rule``; in the second a nan in the last
+    rank's gradient of one Muon matrix only (a hook on the parameter). Returns each step's
+    error, whether it was skipped, and how far the weights moved."""
+    from zerofn.runtime import NonFiniteGradient
+    _, model = make_models()
+    poison = [False]
+    model.blocks[0].attn.proj.weight.register_hook(
+        lambda g: g * float("nan") if poison[0] and rank == world - 1 else g)
+    model, opts = zero(3, on_nonfinite=rule, **options)(model, OPTIMIZERS["muon"](model))
+    out = []
+    for step, [(x, y)] in enumerate(batches(2, 1, world)):
+        poison[0] = step == 1
+        model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        before = [v.full_tensor().clone() for v in model.parameters()]
+        error = error_of(step_all, opts, error=NonFiniteGradient)
+        moved = max(worst(v.full_tensor() - b) for v, b in zip(model.parameters(), before))
+        out.append((error, runtime_of(model).step_skipped(), moved))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("options", [{}, {"reduce_to_owner": True}], ids=["rows", "to owner"])
+def test_a_nan_in_one_owned_gradient_is_every_ranks_verdict(options):
+    """The non-finite guard at ZeRO-3 reads each owned gradient (gathered rows, or the
+    owner's whole): "skip" skips the step on every rank, "raise" names the matrix on every
+    rank."""
+    for steps in run_ranks(2, nonfinite_owned, "skip", options, timeout=120):
+        assert [s[:2] for s in steps] == [(None, False), (None, True)], steps
+        assert steps[0][2] > 0 and steps[1][2] == 0.0, steps
+    for steps in run_ranks(2, nonfinite_owned, "raise", options, timeout=120):
+        message = steps[1][0]
+        assert steps[0][0] is None and message is not None, steps
+        assert "step 2" in message and \
+            "the gradient of 'blocks.0.attn.proj.weight' holds nan" in message, message

@@ -241,7 +241,7 @@ def shard_params(**options) -> Transform:
             the default is +2x. Their ``p.grad`` then holds no values on any rank: reading
             or editing it raises, naming the owner; ``zf.clip_grad_norm_``, the
             non-finite guard and accumulation work as before. Not with
-            ``offload("nvme")`` or HSDP (default False).
+            ``offload("nvme")`` (default False).
     """
     return _stage_transform("shard_params", 3, SHARED_OPTIONS + PARAM_OPTIONS, options)
 

@@ -218,7 +218,9 @@ class GradReducer:
         """Each owned slot's gradient reduced whole to its owner, before the unit's
         reduce-scatter (to_owner.py's note), every rank in the same order. Each is waited
         for at once, on the current stream: gloo's rooted collectives left in flight
-        together have delivered wrong rows (comm.py's [Note: gather and scatter wait])."""
+        together have delivered wrong rows (comm.py's [Note: gather and scatter wait]).
+        Under HSDP the owner then averages it over its replicas, which own the same slots
+        (the same rank of their shard groups), so every replica group issues them alike."""
         fresh = self._fresh[unit] or self.grad_shard.get(unit) is None
         dtype, divisor = self._dtype(unit), self.ctx.divisor(unit)
         for s in unit.trainable:
@@ -230,6 +232,10 @@ class GradReducer:
                               lambda: comm.reduce(send, owner, async_op=True),
                               "reduce_wait").wait()
             if comm.rank == owner:
+                if self.replicas is not None:   # the replicas' owners: the same rank of each
+                    op = dist.ReduceOp.AVG if self.replicas.averages else dist.ReduceOp.SUM
+                    with self.timing.collective("replicate.all_reduce"):
+                        self.replicas.all_reduce(send, op)
                 self.to_owner.reduced_into(s, send, divisor, fresh)
             self.to_owner.reduced.add(s)
 

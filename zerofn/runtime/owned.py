@@ -464,20 +464,14 @@ def overlap_whole(plan, optimizer) -> list[str]:
     return []
 
 
-def reduce_to_owner_problems(plan, optimizer, replicated: bool) -> list[str]:
+def reduce_to_owner_problems(plan, optimizer) -> list[str]:
     """What ``shard_params(reduce_to_owner=True)`` cannot do beside a whole-tensor
-    optimizer (to_owner.py): each refused at set-up, on every rank."""
+    optimizer (to_owner.py): refused at set-up, on every rank."""
     if not plan.sharding.reduce_to_owner or plan.stage < 3 or optimizer is None or \
             not any(is_whole(m) for m in members_of(optimizer)):
         return []
-    out = []
     if plan.offload.device == "nvme":
-        out.append("shard_params(reduce_to_owner=True) with offload('nvme'): the swap file "
-                   "steps each unit's gradient rows, and an owned parameter's are on its "
-                   "owner only; use offload('cpu'), or drop reduce_to_owner.")
-    if replicated:
-        out.append("shard_params(reduce_to_owner=True) under HSDP (a 2-D mesh): the owned "
-                   "gradients are reduced within each shard group only, not yet averaged "
-                   "over the replicas; drop reduce_to_owner (the default gathers the "
-                   "reduced rows to the owner).")
-    return out
+        return ["shard_params(reduce_to_owner=True) with offload('nvme'): the swap file "
+                "steps each unit's gradient rows, and an owned parameter's gradient is on "
+                "its owner only; use offload('cpu'), or drop reduce_to_owner."]
+    return []

@@ -223,7 +223,7 @@ class Runtime:
         """What stops ``optimizer`` stepping this model (checked on every rank)."""
         problems = check_optimizer(optimizer, self.param_index)
         problems += overlap_problems(self.plan, optimizer) + overlap_whole(self.plan, optimizer)
-        problems += reduce_to_owner_problems(self.plan, optimizer, self.replica_world > 1)
+        problems += reduce_to_owner_problems(self.plan, optimizer)
         nvme = any(self.homes.home_of(u) == "nvme" for u in self.units if u.slots)
         problems += optimizer_problems(self.plan.offload, optimizer, nvme)
         old = self.optimizer
@@ -282,7 +282,7 @@ class Runtime:
             problems += kind.preflight(plan, self.device, dist.get_rank(self.group),
                                        dist.get_world_size(self.group))
         problems += overlap_problems(plan, optimizer) + overlap_whole(plan, optimizer)
-        problems += reduce_to_owner_problems(plan, optimizer, self.replica_world > 1)
+        problems += reduce_to_owner_problems(plan, optimizer)
         problems += subclass_problems(plan, units, self.mesh, self.replica_world > 1)
         problems += auto_problems(plan.offload, self.device, self.replica_world > 1)
         order = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
