@@ -213,7 +213,7 @@ def test_what_owned_parameters_cannot_do_is_refused_on_every_rank():
         assert "reduce_to_owner=True) with offload('nvme')" in out["nvme to owner"], out
 
 
-def resumed(rank, world, stage, path, resume, extra="none"):
+def resumed(rank, world, stage, path, resume, extra="none", **options):
     """The first two of four steps saved by ``save_checkpoint`` in the background, or
     (``resume``) the last two after ``load_checkpoint``, returning the weights' distance
     from plain PyTorch's four steps. The global batch is the same at every world size.
@@ -223,7 +223,7 @@ def resumed(rank, world, stage, path, resume, extra="none"):
     swap = os.path.join(path, "swap")
     os.makedirs(swap, exist_ok=True)
     with counted_newton_schulz(fp32=True):
-        model, opts = zf.compose(zero(stage), *EXTRAS[extra](swap))(
+        model, opts = zf.compose(zero(stage, **options), *EXTRAS[extra](swap))(
             model, OPTIMIZERS["muon"](model))
         if not resume:
             train_sharded(model, opts, data[:2], rank, world)
@@ -247,6 +247,19 @@ def test_a_checkpoint_from_two_ranks_resumes_at_one_and_four_at_other_stages(tmp
     for world, stage in ((1, 1), (4, 2)):
         errs = run_ranks(world, resumed, stage, str(tmp_path), True, timeout=240)
         assert max(errs) < TOL, (world, stage, errs)
+
+
+def resumed_to_owner(rank, world, path, resume):
+    return resumed(rank, world, 3, path, resume, reduce_to_owner=True)
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_with_gradients_reduced_to_owners_resumes_at_another_world_size(tmp_path):
+    """ZeRO-3 with reduce_to_owner at two ranks, resumed at four: the first step after the
+    load gathers the masters' rows to the new owners beside the reduced gradients."""
+    run_ranks(2, resumed_to_owner, str(tmp_path), False, timeout=240)
+    errs = run_ranks(4, resumed_to_owner, str(tmp_path), True, timeout=240)
+    assert max(errs) < TOL, errs
 
 
 @pytest.mark.multirank
