@@ -7,7 +7,8 @@ the whole. Each parameter such an optimizer holds is given one owner rank of the
 group, balanced by the update's cost (``cost``: Newton-Schulz's flops for Muon, else the
 element count), as Megatron's layer-wise distributed optimizer and torchtitan's FlexShard
 ``Owned`` layout do. At the step every rank sends the owner its rows of the parameter's
-reduced gradient (one gather per parameter); the owner runs the user's own optimizer on
+reduced gradient (one gather per parameter; under ZeRO-3's ``reduce_to_owner`` backward
+reduced it whole to the owner already); the owner runs the user's own optimizer on
 the whole tensor, keeping its whole masters from one step to the next, and sends the
 update back. Where every rank computes on whole parameters (ZeRO-1/2, and ZeRO-3's
 persistent unit) the owner broadcasts the updated whole masters: each rank writes its
@@ -37,16 +38,16 @@ before.
 [Note: owned traffic] Per step over ZeRO's own for the same parameters, as
 ``zf.comm_stats`` counts full buffers (docs/optimizers.md): at ZeRO-1/2 the gradient's
 gather (+1x) and the broadcast (+1x) less the all-gather's share it replaces (-1x): +1x
-the owned parameters' bytes. At ZeRO-3 the gather and the scatter: +2x. The owner needs
-the sum of every rank's whole gradient, and with each rank's reduced rows kept for
-``p.grad`` that is the reduce-scatter (ZeRO's own) and a gather (+1x); the update must
+the owned parameters' bytes. At ZeRO-3, by default, the gather and the scatter: +2x. The
+owner needs the sum of every rank's whole gradient, and with each rank's reduced rows kept
+for ``p.grad`` that is the reduce-scatter (ZeRO's own) and a gather (+1x); the update must
 then reach the rows every rank keeps, and no collective of ZeRO-3's step carries them for
-a scatter to replace (each rank writes its own shard; the next forward gathers). So +1x
-there needs one of: the gradient reaching the owner by a reduce in place of the unit's
-reduce-scatter (the other ranks' ``p.grad`` rows scattered from the owner when read; the
-clip and the non-finite verdict taking the owner's whole gradient), or the next forward's
-and backward's all-gathers of the matrix replaced by the owner's broadcasts (the other
-ranks' rows, which the parameter's DTensor shows, stale until then). The owner's whole
+a scatter to replace (each rank writes its own shard; the next forward gathers). With
+``shard_params(reduce_to_owner=True)`` the gradient reaches the owner by a reduce in place
+of its share of the unit's reduce-scatter (+0: to_owner.py's [Note: gradients reduced to
+their owner]), which ``_on_owner`` takes whole, and the scatter is the +1x; the price is
+``p.grad``, which then holds no values on any rank (reading it raises). It is an option,
+not the default, for that reason: the default keeps ``p.grad`` exact. The owner's whole
 masters cost it memory: its owned parameters' elements, in the masters' dtype.
 """
 from __future__ import annotations
