@@ -356,10 +356,13 @@ def test_transforms_applied_one_at_a_time_keep_muons_momentum():
 def test_muon_under_bf16_mixed_precision_stays_near_fp32_pytorch():
     """bf16 compute, fp32 reduction and masters: the owned matrices' gradients reach the
     owner in the masters' dtype and their updated rows go back to bf16 compute shards. A
-    gross-error bound (bf16 compute against an fp32 run, compare.py's TOL_BF16_VS_FP32)."""
+    gross-error bound (bf16 compute against an fp32 run, compare.py's TOL_BF16_VS_FP32).
+    ZeRO-3 with reduce_to_owner too: the owner's whole gradient cast to the masters'."""
     from support.compare import TOL_BF16_VS_FP32
-    for stage in (2, 3):
-        results = run_ranks(2, trained, stage, "muon", 2, "bf16", timeout=240)
+    for stage in (2, 3, "3 to owner"):
+        results = run_ranks(2, to_owner, "muon", 2, "bf16", timeout=240) \
+            if stage == "3 to owner" else run_ranks(2, trained, stage, "muon", 2, "bf16",
+                                                    timeout=240)
         errs = [r[0] for r in results]
         assert max(errs) < TOL_BF16_VS_FP32, (stage, errs)
         assert sum(r[1] for r in results) == results[0][2]

@@ -94,7 +94,7 @@ class GradReducer:
         # to_owner.py's [Note: gradients reduced to their owner]: None, or the owned slots'
         # layout, from a reduction that starts afresh on (``pending`` until then).
         self.to_owner: ToOwner | None = None
-        self._pending: ToOwner | None = None
+        self._pending: tuple | None = None      # (the layout, or None,) to come
         # [Note: the reduce stream], for the reductions during backward (at the step there
         # is no compute to overlap).
         device = ctx.device
@@ -110,13 +110,22 @@ class GradReducer:
         self.visible.remove_hooks()
 
     # -- packing and reducing ------------------------------------------------------------
-    def reduce_to_owners(self, to_owner: ToOwner) -> None:
-        """Owned gradients go to their owners (to_owner.py's note) from the first reduction
-        of a step on: now, where no unit holds gradients yet, else after ``zero_grad``."""
+    def reduce_to_owners(self, to_owner: ToOwner | None) -> None:
+        """Owned gradients go to their owners (to_owner.py's note), or (None) none, from
+        the first reduction of a step on: now, where no unit holds gradients yet, else
+        after ``zero_grad``. The same on every rank (an optimizer's binding)."""
         if all(self._fresh.values()):
-            self.to_owner = to_owner
-        else:
-            self._pending = to_owner
+            self.to_owner, self._pending = to_owner, None
+            return
+        held = self.to_owner.reduced if self.to_owner is not None else set()
+        if held and (to_owner is None or to_owner.owner != self.to_owner.owner):
+            raise ValueError(
+                "zerofn: another optimizer takes over after a backward that reduced "
+                f"{len(held)} owned gradients whole to the ranks that stepped them "
+                "(shard_params(reduce_to_owner=True)), and it would step them elsewhere or "
+                "on rows no rank keeps; call zero_grad() before the first step of the new "
+                "optimizer, and run backward again.")
+        self._pending = (to_owner,)
 
     def to_its_owner(self, slot: ParamSlot) -> bool:
         """Whether ``slot``'s gradient since ``zero_grad`` was reduced to its owner."""
@@ -445,7 +454,7 @@ class GradReducer:
         if self.to_owner is not None:
             self.to_owner.clear()
         if self._pending is not None:
-            self.to_owner, self._pending = self._pending, None
+            (self.to_owner,), self._pending = self._pending, None
         for unit in self.ctx.units:
             self._fresh[unit] = True
             if lent and self.grad_shard.get(unit) is not None:

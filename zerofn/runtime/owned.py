@@ -144,9 +144,9 @@ class OwnedStep:
         # every rank: what the last steps scattered) holds the slot; else gathered.
         self.masters: dict = {}
         self.fresh: set = set()
-        if ctx.plan.sharding.reduce_to_owner and self.as_rows:
-            reducer.reduce_to_owners(ToOwner({s: o for s, o in self.owner.items()
-                                              if s in self.as_rows}, ctx.units))
+        rows_owner = {s: o for s, o in self.owner.items() if s in self.as_rows}
+        reducer.reduce_to_owners(ToOwner(rows_owner, ctx.units) if rows_owner and
+                                 ctx.plan.sharding.reduce_to_owner else None)
 
     def mine(self) -> list:
         return [s for _, s in self.slots if self.owner[s] == self.comm.rank]
