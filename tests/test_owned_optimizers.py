@@ -549,3 +549,29 @@ def test_a_nan_in_one_owned_gradient_is_every_ranks_verdict(options):
         assert steps[0][0] is None and message is not None, steps
         assert "step 2" in message and \
             "the gradient of 'blocks.0.attn.proj.weight' holds nan" in message, message
+
+
+def clip_norms(rank, world, extra, options):
+    """The global gradient norm ``zf.clip_grad_norm_`` returns at ZeRO-3 after two
+    accumulated micro-batches, and plain PyTorch's on the same global batch."""
+    ref, model = make_models()
+    [micro] = batches(1, 2, world)
+    for x, y in micro:
+        (ref(x, y) / len(micro)).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    model, opts = zf.compose(zero(3, **options), *EXTRAS[extra](None))(
+        model, OPTIMIZERS["muon"](model))
+    for x, y in micro:
+        (model(x.chunk(world)[rank], y.chunk(world)[rank]) / len(micro)).backward()
+    return float(zf.clip_grad_norm_(model, 1.0)), float(expected)
+
+
+@pytest.mark.multirank
+def test_the_global_norm_counts_each_gradient_reduced_to_its_owner_once():
+    """Muon and AdamW's updates hardly move with the clip's coefficient, so the norm is
+    checked itself: each owned gradient's whole norm from its owner, once, beside the rows
+    of the rest (on the host under offload("cpu"))."""
+    for extra in ("none", "cpu"):
+        for got, expected in run_ranks(2, clip_norms, extra, {"reduce_to_owner": True},
+                                       timeout=120):
+            assert abs(got - expected) <= 1e-5 * expected, (extra, got, expected)

@@ -3,6 +3,7 @@ of this machine, against peers measured in the same run:
 
 - ``parity``: weights after ``--steps`` steps against single-process PyTorch on the same
   global batches, at ZeRO-1/2/3, ZeRO-3 + offload("cpu") and ZeRO-2 + offload("nvme"),
+  and ZeRO-3 with ``reduce_to_owner`` (alone and + offload("cpu")),
   against DDP's own distance in the same harness over three bucket layouts (Muon's
   Newton-Schulz runs in bf16, so the reduction order shows);
 - ``traffic``: ``zf.comm_stats`` per step against ZeRO's own for AdamW over every
@@ -134,10 +135,13 @@ def parity(cfg, args, rank, world) -> list:
         ddp = [distance(ddp_weights(cfg, batches, rank, world, mb), ref) if world > 1 else 0.0
                for mb in DDP_BUCKETS]
         with tempfile.TemporaryDirectory(prefix="bench_muon_swap") as swap:
-            for name, stage, where in (("ZeRO-1", 1, None), ("ZeRO-2", 2, None),
-                                       ("ZeRO-3", 3, None), ("ZeRO-3 + cpu", 3, "cpu"),
-                                       ("ZeRO-2 + nvme", 2, swap)):
-                model, opts = transformed(cfg, "muon", stage, where)
+            to_owner = {"reduce_to_owner": True}
+            for name, stage, where, options in (
+                    ("ZeRO-1", 1, None, {}), ("ZeRO-2", 2, None, {}), ("ZeRO-3", 3, None, {}),
+                    ("ZeRO-3 + cpu", 3, "cpu", {}), ("ZeRO-2 + nvme", 2, swap, {}),
+                    ("ZeRO-3 to owner", 3, None, to_owner),
+                    ("ZeRO-3 to own+cpu", 3, "cpu", to_owner)):
+                model, opts = transformed(cfg, "muon", stage, where, **options)
                 train(model, opts, batches, rank, world)
                 rows.append((world, accum, name, distance(full_weights(model), ref), ddp))
     return rows
@@ -261,7 +265,7 @@ def report(mode: str, rows: list) -> None:
               "zerofn/max(DDP)")
         for world, accum, name, err, ddp in rows:
             ratio = f"{err / max(ddp):.2f}" if max(ddp) else "-"
-            print(f"{world:5d} {accum:5d} {name:15s} {err:17.2e}  {min(ddp):.2e}-{max(ddp):.2e}"
+            print(f"{world:5d} {accum:5d} {name:17s} {err:17.2e}  {min(ddp):.2e}-{max(ddp):.2e}"
                   f"  {ratio}")
     elif mode == "traffic":
         print("world stage           AdamW-bytes  Muon+AdamW-bytes  extra/owned-matrix-bytes  "
