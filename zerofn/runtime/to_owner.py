@@ -15,11 +15,13 @@ each backward's sum into its whole gradient (accumulation), and the step reads t
 The other ranks then hold none of the gradient's rows, and the owner's rows alone are not
 what ``p.grad`` means. So ``p.grad`` of such a parameter is a ``Shard(0)`` DTensor with
 the parameter's shape whose local tensor holds no values (``HeldByOwner``): any read or
-in-place edit raises on every rank that makes it, naming the owner, before any collective
-could pair with another rank's. ``p.grad = None`` is honoured (this rank gave it no
-gradient: the ranks' union decides); a tensor put in its place is refused at the step,
-on every rank, by the step's vote (visible.py's ``fold``). ``zf.clip_grad_norm_`` and the
+in-place edit raises where it is made, naming the owner, rather than show rows no rank
+has. ``p.grad = None`` is honoured (this rank gave it no gradient: the ranks' union
+decides); a tensor put in its place is refused at the step, on every rank, by one more
+flag in the step's vote (visible.py's ``fold``). ``zf.clip_grad_norm_`` and the
 non-finite verdict read the owner's whole gradient, each parameter once (step_grads.py).
+Under HSDP the owner then averages its sum over the replicas' owners of the same
+parameter (the same rank of each shard group).
 """
 from __future__ import annotations
 
