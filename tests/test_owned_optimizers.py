@@ -446,7 +446,12 @@ def test_gradients_reduced_to_their_owners_step_as_pytorch(world):
     per step over all ranks."""
     tol = 1e-6 if world == 1 else TOL
     for accum in (1, 4):
-        check(run_ranks(world, to_owner, "muon", accum, timeout=240), world, tol=tol)
+        results = run_ranks(world, to_owner, "muon", accum, timeout=240)
+        check(results, world, tol=tol)
+    # The owner sums the ranks' gradients in the reduce-scatter's order (comm.py's
+    # ``reduce``): the weights are the default's to the last bit, not only near PyTorch's.
+    rows = run_ranks(world, trained, 3, "muon", 4, timeout=240)
+    assert [r[0] for r in results] == [r[0] for r in rows], (results, rows)
     errs = [r[0] for r in run_ranks(world, to_owner, "adafactor", 2, timeout=240)]
     assert max(errs) < tol, errs
 
