@@ -23,7 +23,8 @@ from zerofn.runtime import runtime_of
 from zerofn.state.state_dict import get_model_state_dict
 from support.loops import zero
 from support.models import batches, make_models
-from support.owned import OPTIMIZERS, counted_newton_schulz, train_reference, train_sharded
+from support.owned import (OPTIMIZERS, counted_newton_schulz, step_all, train_reference,
+                           train_sharded)
 from support.ranks import run_ranks
 
 STEPS, TOL = 4, 1e-5
@@ -119,15 +120,16 @@ def step_traffic(rank, world):
     Muon + AdamW on the same model, and the owned matrices' (rows, inner) shapes."""
     data = batches(2, 1, world)
     out = {}
-    for stage in (1, 2, 3):
-        for kind in ("adamw", "muon"):
-            _, model = make_models()
-            opts = (torch.optim.AdamW(model.parameters(), lr=1e-3),) if kind == "adamw" \
-                else OPTIMIZERS["muon"](model)
-            model, opts = zero(stage)(model, opts)
-            train_sharded(model, opts, data, rank, world)
-            out[stage, kind] = sum(v for k, v in zf.comm_stats(model).items()
-                                   if k.endswith("_bytes"))
+    for stage, kind, options in [(stage, kind, {}) for stage in (1, 2, 3)
+                                 for kind in ("adamw", "muon")] + \
+            [(3, "muon to owner", {"reduce_to_owner": True})]:
+        _, model = make_models()
+        opts = (torch.optim.AdamW(model.parameters(), lr=1e-3),) if kind == "adamw" \
+            else OPTIMIZERS["muon"](model)
+        model, opts = zero(stage, **options)(model, opts)
+        train_sharded(model, opts, data, rank, world)
+        out[stage, kind] = sum(v for k, v in zf.comm_stats(model).items()
+                               if k.endswith("_bytes"))
     _, model = make_models()
     out["owned"] = [tuple(p.shape) for p in OPTIMIZERS["muon"](model)[0].param_groups[0]["params"]]
     return out
@@ -140,7 +142,10 @@ def test_owned_traffic_is_the_formula(world):
     (padded rows) and the owner's broadcast of the whole matrix, which the unit's
     all-gather no longer carries (its padded rows, aligned in the shard): +1x the owned
     matrices' bytes, less the alignment. At ZeRO-3 the gather and the scatter of the rows
-    back: +2x the padded rows."""
+    back: +2x the padded rows. With ``reduce_to_owner`` the reduce to the owner carries the
+    padded rows the reduce-scatter no longer does (their aligned columns), and the scatter
+    back is +1x: +1x the padded rows, less the alignment (and the vote's one more fp32
+    flag: a p.grad edit the step refuses)."""
     from zerofn.core.units import aligned, chunk_rows
     for out in run_ranks(world, step_traffic, timeout=240):
         owned = out["owned"]
@@ -152,6 +157,8 @@ def test_owned_traffic_is_the_formula(world):
             extra = out[stage, "muon"] - out[stage, "adamw"]
             assert extra == whole - alignment and extra <= whole, (stage, out)
         assert out[3, "muon"] - out[3, "adamw"] == 2 * padded, out
+        extra = out[3, "muon to owner"] - out[3, "adamw"]
+        assert extra == padded - alignment + 4 and extra <= padded + 4, out
 
 
 @pytest.mark.multirank
@@ -189,6 +196,10 @@ def refusals(rank, world):
         out["nvme"] = error_of(nvme, model, (muon, sgd))
     _, model = make_models()
     out["not a sequence"] = error_of(zero(2), model, "adamw", error=TypeError)
+    _, model = make_models()
+    with tempfile.TemporaryDirectory() as tmp:
+        nvme = zf.compose(zero(3, reduce_to_owner=True), zf.offload("nvme", path=tmp))
+        out["nvme to owner"] = error_of(nvme, model, OPTIMIZERS["muon"](model))
     return out
 
 
@@ -199,9 +210,10 @@ def test_what_owned_parameters_cannot_do_is_refused_on_every_rank():
         assert "LBFGS steps through a closure" in out["lbfgs"], out["lbfgs"]
         assert "(got Muon + SGD); use offload('cpu')" in out["nvme"], out["nvme"]
         assert "(model, (optimizer, ...))" in out["not a sequence"], out["not a sequence"]
+        assert "reduce_to_owner=True) with offload('nvme')" in out["nvme to owner"], out
 
 
-def resumed(rank, world, stage, path, resume, extra="none"):
+def resumed(rank, world, stage, path, resume, extra="none", **options):
     """The first two of four steps saved by ``save_checkpoint`` in the background, or
     (``resume``) the last two after ``load_checkpoint``, returning the weights' distance
     from plain PyTorch's four steps. The global batch is the same at every world size.
@@ -211,7 +223,7 @@ def resumed(rank, world, stage, path, resume, extra="none"):
     swap = os.path.join(path, "swap")
     os.makedirs(swap, exist_ok=True)
     with counted_newton_schulz(fp32=True):
-        model, opts = zf.compose(zero(stage), *EXTRAS[extra](swap))(
+        model, opts = zf.compose(zero(stage, **options), *EXTRAS[extra](swap))(
             model, OPTIMIZERS["muon"](model))
         if not resume:
             train_sharded(model, opts, data[:2], rank, world)
@@ -235,6 +247,19 @@ def test_a_checkpoint_from_two_ranks_resumes_at_one_and_four_at_other_stages(tmp
     for world, stage in ((1, 1), (4, 2)):
         errs = run_ranks(world, resumed, stage, str(tmp_path), True, timeout=240)
         assert max(errs) < TOL, (world, stage, errs)
+
+
+def resumed_to_owner(rank, world, path, resume):
+    return resumed(rank, world, 3, path, resume, reduce_to_owner=True)
+
+
+@pytest.mark.multirank
+def test_a_checkpoint_with_gradients_reduced_to_owners_resumes_at_another_world_size(tmp_path):
+    """ZeRO-3 with reduce_to_owner at two ranks, resumed at four: the first step after the
+    load gathers the masters' rows to the new owners beside the reduced gradients."""
+    run_ranks(2, resumed_to_owner, str(tmp_path), False, timeout=240)
+    errs = run_ranks(4, resumed_to_owner, str(tmp_path), True, timeout=240)
+    assert max(errs) < TOL, errs
 
 
 @pytest.mark.multirank
@@ -331,10 +356,13 @@ def test_transforms_applied_one_at_a_time_keep_muons_momentum():
 def test_muon_under_bf16_mixed_precision_stays_near_fp32_pytorch():
     """bf16 compute, fp32 reduction and masters: the owned matrices' gradients reach the
     owner in the masters' dtype and their updated rows go back to bf16 compute shards. A
-    gross-error bound (bf16 compute against an fp32 run, compare.py's TOL_BF16_VS_FP32)."""
+    gross-error bound (bf16 compute against an fp32 run, compare.py's TOL_BF16_VS_FP32).
+    ZeRO-3 with reduce_to_owner too: the owner's whole gradient cast to the masters'."""
     from support.compare import TOL_BF16_VS_FP32
-    for stage in (2, 3):
-        results = run_ranks(2, trained, stage, "muon", 2, "bf16", timeout=240)
+    for stage in (2, 3, "3 to owner"):
+        results = run_ranks(2, to_owner, "muon", 2, "bf16", timeout=240) \
+            if stage == "3 to owner" else run_ranks(2, trained, stage, "muon", 2, "bf16",
+                                                    timeout=240)
         errs = [r[0] for r in results]
         assert max(errs) < TOL_BF16_VS_FP32, (stage, errs)
         assert sum(r[1] for r in results) == results[0][2]
@@ -370,18 +398,25 @@ def test_owned_state_is_counted_on_its_owner_only():
     assert alone[0] <= total <= alone[0] + 1024 and alone[0] >= 2 * matrices, (total, alone)
 
 
-def hybrid(rank, world, stage):
+def hybrid(rank, world, stage, **options):
     """HSDP on a 2 x 2 (replicate, shard) mesh: owners within each shard group, every
     replica computing its owned matrices alike."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    return trained(rank, world, stage, "muon", 2, group=mesh)
+    return trained(rank, world, stage, "muon", 2, group=mesh, **options)
+
+
+def hybrid_to_owner(rank, world):
+    """``hybrid`` at ZeRO-3, each owned gradient reduced to its owner, then averaged over
+    the replicas' owners."""
+    return hybrid(rank, world, 3, reduce_to_owner=True)
 
 
 @pytest.mark.multirank
 def test_muon_under_hybrid_sharding():
-    for stage in (2, 3):
-        results = run_ranks(4, hybrid, stage, timeout=240)
+    for stage in (2, 3, "3 to owner"):
+        results = run_ranks(4, hybrid_to_owner, timeout=240) if stage == "3 to owner" else \
+            run_ranks(4, hybrid, stage, timeout=240)
         assert max(r[0] for r in results) < TOL, (stage, [r[0] for r in results])
         # (each replica runs Newton-Schulz for its shard group's matrices: twice over all)
         assert sum(r[1] for r in results) == 2 * results[0][2]
@@ -394,3 +429,154 @@ def test_an_optimizer_the_user_marks_whole_steps_as_pytorch():
     for stage in (2, 3):
         errs = [r[0] for r in run_ranks(2, trained, stage, "normalized", 2, timeout=240)]
         assert max(errs) < TOL, (stage, errs)
+
+
+# -- shard_params(reduce_to_owner=True): runtime/to_owner.py ------------------------------
+
+def to_owner(rank, world, kind, accum, extra="none", clip=None):
+    """``trained`` at ZeRO-3 with each owned gradient reduced whole to its owner."""
+    return trained(rank, world, 3, kind, accum, extra, clip, reduce_to_owner=True)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gradients_reduced_to_their_owners_step_as_pytorch(world):
+    """Muon + AdamW (accumulation 1 and 4) and Adafactor at ZeRO-3, the owned gradients
+    reduced to their owners: the weights as plain PyTorch's, Newton-Schulz once per matrix
+    per step over all ranks."""
+    tol = 1e-6 if world == 1 else TOL
+    for accum in (1, 4):
+        results = run_ranks(world, to_owner, "muon", accum, timeout=240)
+        check(results, world, tol=tol)
+    # The owner sums the ranks' gradients in the reduce-scatter's order (comm.py's
+    # ``reduce``): the weights are the default's to the last bit, not only near PyTorch's.
+    rows = run_ranks(world, trained, 3, "muon", 4, timeout=240)
+    assert [r[0] for r in results] == [r[0] for r in rows], (results, rows)
+    errs = [r[0] for r in run_ranks(world, to_owner, "adafactor", 2, timeout=240)]
+    assert max(errs) < tol, errs
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [1, 2, slow_variant(4, covered_by="[2]")])
+def test_gradients_reduced_to_their_owners_under_cpu_offload_with_clipping(world):
+    """offload("cpu"): the owners' whole gradients stay on the device, the rest land on
+    the host; one global clip reads each owned gradient once, on its owner."""
+    tol = 1e-6 if world == 1 else TOL
+    for kind, accum in (("muon", 4), ("muon", 1), ("adafactor", 2)):
+        results = run_ranks(world, to_owner, kind, accum, "cpu", 0.5, timeout=240)
+        assert max(r[0] for r in results) < tol, (kind, accum, [r[0] for r in results])
+        if kind == "muon":
+            check(results, world, tol=tol)
+
+
+MATRIX = "blocks.0.attn.proj.weight"     # a Muon matrix, 48 x 48
+
+
+def held_grads(rank, world, edit):
+    """p.grad of an owned matrix under ``reduce_to_owner`` after one backward, what reading
+    it does, and what the step makes of ``edit``: "replace" (rank 1 only puts another
+    tensor there) or "none" (every rank sets it to None). Returns what each rank saw and
+    how far the matrix and another parameter moved."""
+    _, model = make_models()
+    model, opts = zero(3, reduce_to_owner=True)(model, OPTIMIZERS["muon"](model))
+    [[(x, y)]] = batches(1, 1, world)
+    model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    params = dict(model.named_parameters())
+    before = {k: v.full_tensor().clone() for k, v in params.items()}
+    g = params[MATRIX].grad
+    out = {"shown": (type(g).__name__, tuple(g.shape), [str(p) for p in g.placements]),
+           "read": error_of(lambda: g.sum(), error=RuntimeError),
+           "torch clip": error_of(torch.nn.utils.clip_grad_norm_, model.parameters(), 1.0,
+                                  error=RuntimeError),
+           "other readable": bool(params["tok.weight"].grad.full_tensor().abs().sum() > 0)}
+    if edit == "replace" and rank == 1:
+        params[MATRIX].grad = params[MATRIX].detach().clone()
+    if edit == "none":
+        params[MATRIX].grad = None
+    out["step"] = error_of(step_all, opts)
+    after = {k: v.full_tensor() for k, v in params.items()}
+    out["moved"] = {k: worst(after[k] - before[k]) for k in (MATRIX, "tok.weight")}
+    return out
+
+
+@pytest.mark.multirank
+def test_a_gradient_reduced_to_its_owner_shows_no_values_and_refuses_a_replacement():
+    """Its p.grad is a Shard(0) DTensor of the matrix's shape; reading it, or torch's clip,
+    raises on every rank naming the owner; a tensor one rank puts in its place stops the
+    step on every rank; p.grad = None on every rank is honoured (the matrix stays)."""
+    for rank, out in enumerate(run_ranks(2, held_grads, "replace", timeout=120)):
+        assert out["shown"] == ("DTensor", (48, 48), ["S(0)"]), out["shown"]
+        for what, name in (("read", MATRIX), ("torch clip", "blocks.0.attn.qkv.weight")):
+            assert out[what] and f"p.grad of {name!r} holds no values" in out[what] \
+                and "reduce_to_owner" in out[what] and "reduced whole to rank " in out[what] \
+                and "zf.clip_grad_norm_" in out[what], out[what]
+        assert out["other readable"]
+        said = f"p.grad of {MATRIX!r}" if rank == 1 else "another rank's loop"
+        assert out["step"] and said in out["step"], out["step"]
+        assert out["moved"] == {MATRIX: 0.0, "tok.weight": 0.0}, out["moved"]
+    for out in run_ranks(2, held_grads, "none", timeout=120):
+        assert out["step"] is None and out["moved"][MATRIX] == 0.0, out
+        assert out["moved"]["tok.weight"] > 0, out
+
+
+def nonfinite_owned(rank, world, rule, options):
+    """Two steps at ZeRO-3 under ``on_nonfinite=rule``; in the second a nan in the last
+    rank's gradient of one Muon matrix only (a hook on the parameter). Returns each step's
+    error, whether it was skipped, and how far the weights moved."""
+    from zerofn.runtime import NonFiniteGradient
+    _, model = make_models()
+    poison = [False]
+    model.blocks[0].attn.proj.weight.register_hook(
+        lambda g: g * float("nan") if poison[0] and rank == world - 1 else g)
+    model, opts = zero(3, on_nonfinite=rule, **options)(model, OPTIMIZERS["muon"](model))
+    out = []
+    for step, [(x, y)] in enumerate(batches(2, 1, world)):
+        poison[0] = step == 1
+        model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        before = [v.full_tensor().clone() for v in model.parameters()]
+        error = error_of(step_all, opts, error=NonFiniteGradient)
+        moved = max(worst(v.full_tensor() - b) for v, b in zip(model.parameters(), before))
+        out.append((error, runtime_of(model).step_skipped(), moved))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("options", [{}, {"reduce_to_owner": True}], ids=["rows", "to owner"])
+def test_a_nan_in_one_owned_gradient_is_every_ranks_verdict(options):
+    """The non-finite guard at ZeRO-3 reads each owned gradient (gathered rows, or the
+    owner's whole): "skip" skips the step on every rank, "raise" names the matrix on every
+    rank."""
+    for steps in run_ranks(2, nonfinite_owned, "skip", options, timeout=120):
+        assert [s[:2] for s in steps] == [(None, False), (None, True)], steps
+        assert steps[0][2] > 0 and steps[1][2] == 0.0, steps
+    for steps in run_ranks(2, nonfinite_owned, "raise", options, timeout=120):
+        message = steps[1][0]
+        assert steps[0][0] is None and message is not None, steps
+        assert "step 2" in message and \
+            "the gradient of 'blocks.0.attn.proj.weight' holds nan" in message, message
+
+
+def clip_norms(rank, world, extra, options):
+    """The global gradient norm ``zf.clip_grad_norm_`` returns at ZeRO-3 after two
+    accumulated micro-batches, and plain PyTorch's on the same global batch."""
+    ref, model = make_models()
+    [micro] = batches(1, 2, world)
+    for x, y in micro:
+        (ref(x, y) / len(micro)).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    model, opts = zf.compose(zero(3, **options), *EXTRAS[extra](None))(
+        model, OPTIMIZERS["muon"](model))
+    for x, y in micro:
+        (model(x.chunk(world)[rank], y.chunk(world)[rank]) / len(micro)).backward()
+    return float(zf.clip_grad_norm_(model, 1.0)), float(expected)
+
+
+@pytest.mark.multirank
+def test_the_global_norm_counts_each_gradient_reduced_to_its_owner_once():
+    """Muon and AdamW's updates hardly move with the clip's coefficient, so the norm is
+    checked itself: each owned gradient's whole norm from its owner, once, beside the rows
+    of the rest (on the host under offload("cpu"))."""
+    for extra in ("none", "cpu"):
+        for got, expected in run_ranks(2, clip_norms, extra, {"reduce_to_owner": True},
+                                       timeout=120):
+            assert abs(got - expected) <= 1e-5 * expected, (extra, got, expected)

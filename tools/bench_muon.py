@@ -3,11 +3,13 @@ of this machine, against peers measured in the same run:
 
 - ``parity``: weights after ``--steps`` steps against single-process PyTorch on the same
   global batches, at ZeRO-1/2/3, ZeRO-3 + offload("cpu") and ZeRO-2 + offload("nvme"),
+  and ZeRO-3 with ``reduce_to_owner`` (alone and + offload("cpu")),
   against DDP's own distance in the same harness over three bucket layouts (Muon's
   Newton-Schulz runs in bf16, so the reduction order shows);
 - ``traffic``: ``zf.comm_stats`` per step against ZeRO's own for AdamW over every
   parameter of the same model, the difference in units of the owned matrices' bytes, and
-  the largest rank's share of the Newton-Schulz work over the mean;
+  the largest rank's share of the Newton-Schulz work over the mean (each stage, and ZeRO-3
+  with ``shard_params(reduce_to_owner=True)``, "ZeRO-3 to owner", as ``time`` too);
 - ``time``: the optimizer step (Muon's and AdamW's ``step()`` together, median of the
   steps after the first two) against FSDP2 running the same optimizers on its Shard(0)
   DTensors, and against zerofn's step with AdamW alone;
@@ -38,6 +40,10 @@ from zerofn.runtime import runtime_of
 
 STAGES = {1: ("shard_optimizer",), 2: ("shard_optimizer", "shard_grads"),
           3: ("shard_optimizer", "shard_grads", "shard_params")}
+# What traffic and time compare: each stage, and ZeRO-3 with the owned gradients reduced
+# to their owners (shard_params(reduce_to_owner=True): +1x where the default is +2x).
+CONFIGS = [(f"ZeRO-{s}", s, {}) for s in STAGES] + \
+    [("ZeRO-3 to owner", 3, {"reduce_to_owner": True})]
 ROWS = 8          # global batch rows, the same at every world size
 
 
@@ -80,15 +86,16 @@ def train(model, opts, batches, rank, world, timer=None, sync=lambda: None) -> N
             o.zero_grad()
 
 
-def transformed(cfg, kind: str, stage: int, where: str | None = None):
+def transformed(cfg, kind: str, stage: int, where: str | None = None, **options):
     """``where``: "cpu" offloads to the host; any other string is the directory of an
-    offload("nvme") swap file."""
+    offload("nvme") swap file. ``options`` go to the stage's own transform."""
     torch.manual_seed(0)
     model = GPT(cfg)
     extra = () if where is None else (zf.offload("cpu"),) if where == "cpu" \
         else (zf.offload("nvme", path=where),)
-    return zf.compose(*(getattr(zf, n)() for n in STAGES[stage]), *extra)(
-        model, optimizers(model, kind))
+    *first, last = STAGES[stage]
+    return zf.compose(*(getattr(zf, n)() for n in first), getattr(zf, last)(**options),
+                      *extra)(model, optimizers(model, kind))
 
 
 def full_weights(model) -> dict:
@@ -128,10 +135,13 @@ def parity(cfg, args, rank, world) -> list:
         ddp = [distance(ddp_weights(cfg, batches, rank, world, mb), ref) if world > 1 else 0.0
                for mb in DDP_BUCKETS]
         with tempfile.TemporaryDirectory(prefix="bench_muon_swap") as swap:
-            for name, stage, where in (("ZeRO-1", 1, None), ("ZeRO-2", 2, None),
-                                       ("ZeRO-3", 3, None), ("ZeRO-3 + cpu", 3, "cpu"),
-                                       ("ZeRO-2 + nvme", 2, swap)):
-                model, opts = transformed(cfg, "muon", stage, where)
+            to_owner = {"reduce_to_owner": True}
+            for name, stage, where, options in (
+                    ("ZeRO-1", 1, None, {}), ("ZeRO-2", 2, None, {}), ("ZeRO-3", 3, None, {}),
+                    ("ZeRO-3 + cpu", 3, "cpu", {}), ("ZeRO-2 + nvme", 2, swap, {}),
+                    ("ZeRO-3 to owner", 3, None, to_owner),
+                    ("ZeRO-3 to own+cpu", 3, "cpu", to_owner)):
+                model, opts = transformed(cfg, "muon", stage, where, **options)
                 train(model, opts, batches, rank, world)
                 rows.append((world, accum, name, distance(full_weights(model), ref), ddp))
     return rows
@@ -143,15 +153,15 @@ def traffic(cfg, args, rank, world) -> list:
     owned = sum(p.numel() * p.element_size() for n, p in GPT(cfg).named_parameters()
                 if n.startswith("blocks.") and p.ndim == 2)
     rows = []
-    for stage in STAGES:
+    for name, stage, options in CONFIGS:
         counted = {}
         for kind in ("adamw", "muon"):
-            model, opts = transformed(cfg, kind, stage)
+            model, opts = transformed(cfg, kind, stage, **options)
             train(model, opts, batches, rank, world)
             stats = zf.comm_stats(model)
             counted[kind] = sum(v for k, v in stats.items() if k.endswith("_bytes"))
         load = runtime_of(model).owned_load()      # (the Muon run's: each rank's share)
-        rows.append((world, f"ZeRO-{stage}", counted["adamw"], counted["muon"], owned,
+        rows.append((world, name, counted["adamw"], counted["muon"], owned,
                      max(load) * len(load) / sum(load)))
     return rows
 
@@ -171,14 +181,14 @@ def fsdp2_step_times(cfg, batches, rank, world) -> list:
 def step_times(cfg, args, rank, world) -> list:
     batches = data(cfg, args.steps, 1)
     rows = []
-    for stage in STAGES:
+    for name, stage, options in CONFIGS:
         times = {}
         for kind in ("muon", "adamw"):
-            model, opts = transformed(cfg, kind, stage)
+            model, opts = transformed(cfg, kind, stage, **options)
             timer: list = []
             train(model, opts, batches, rank, world, timer)
             times[kind] = statistics.median(timer[2:])
-        rows.append((world, f"ZeRO-{stage}", times["muon"], times["adamw"]))
+        rows.append((world, name, times["muon"], times["adamw"]))
     fsdp2 = statistics.median(fsdp2_step_times(cfg, batches, rank, world)[2:])
     return [row + (fsdp2,) for row in rows]
 
@@ -255,19 +265,19 @@ def report(mode: str, rows: list) -> None:
               "zerofn/max(DDP)")
         for world, accum, name, err, ddp in rows:
             ratio = f"{err / max(ddp):.2f}" if max(ddp) else "-"
-            print(f"{world:5d} {accum:5d} {name:15s} {err:17.2e}  {min(ddp):.2e}-{max(ddp):.2e}"
+            print(f"{world:5d} {accum:5d} {name:17s} {err:17.2e}  {min(ddp):.2e}-{max(ddp):.2e}"
                   f"  {ratio}")
     elif mode == "traffic":
-        print("world stage   AdamW-bytes  Muon+AdamW-bytes  extra/owned-matrix-bytes  "
+        print("world stage           AdamW-bytes  Muon+AdamW-bytes  extra/owned-matrix-bytes  "
               "Newton-Schulz-share max/mean")
         for world, name, adamw, muon, owned, share in rows:
-            print(f"{world:5d} {name:7s} {adamw:11d} {muon:17d}  {(muon - adamw) / owned:24.2f}"
+            print(f"{world:5d} {name:15s} {adamw:11d} {muon:17d}  {(muon - adamw) / owned:24.2f}"
                   f"  {share:.2f}")
     else:
-        print("world stage   Muon-step(s) AdamW-step(s) FSDP2-Muon-step(s)  FSDP2/zerofn  "
+        print("world stage           Muon-step(s) AdamW-step(s) FSDP2-Muon-step(s)  FSDP2/zerofn  "
               "Muon/AdamW")
         for world, name, muon, adamw, fsdp2 in rows:
-            print(f"{world:5d} {name:7s} {muon:12.4f} {adamw:13.4f} {fsdp2:18.4f}  "
+            print(f"{world:5d} {name:15s} {muon:12.4f} {adamw:13.4f} {fsdp2:18.4f}  "
                   f"{fsdp2 / muon:12.1f}  {muon / adamw:10.1f}")
 
 

@@ -120,6 +120,7 @@ TAKES = {
               "None, a list of submodules or their names, or a whole number from 1 up"),
     "init": (lambda v: v is None or callable(v), "None or a function of a module"),
     "prefetch": _whole(0), "reshard_after_forward": _BOOL, "persist_below": _whole(0),
+    "reduce_to_owner": _BOOL,
     "cast_forward_inputs": _BOOL, "loss_scale": _positive(none=True),
     "initial_scale_power": _whole(0, 64), "loss_scale_window": _whole(1),
     "hysteresis": _whole(1), "consecutive_hysteresis": _BOOL, "min_loss_scale": _positive(),
@@ -233,6 +234,14 @@ def shard_params(**options) -> Transform:
         persist_below: parameters with fewer elements stay whole on every rank (like
             DeepSpeed's ``stage3_param_persistence_threshold``): no gather in forward or
             backward, their optimizer state still sharded (default 0: none).
+        reduce_to_owner: a whole-tensor optimizer's parameters (Muon's matrices,
+            Adafactor's: docs/optimizers.md) have their gradient reduced whole to the rank
+            that steps them, in place of their share of the reduce-scatter, and only the
+            updated rows come back: +1x their bytes per step over AdamW's traffic, where
+            the default is +2x. Their ``p.grad`` then holds no values on any rank: reading
+            or editing it raises, naming the owner; ``zf.clip_grad_norm_``, the
+            non-finite guard and accumulation work as before. Not with
+            ``offload("nvme")`` (default False).
     """
     return _stage_transform("shard_params", 3, SHARED_OPTIONS + PARAM_OPTIONS, options)
 

@@ -34,7 +34,8 @@ def step_grads(comm, got: set, device="cpu") -> StepGrads:
     ctx = types.SimpleNamespace(comm=comm, pool=None, units=(), device=torch.device(device),
                                 timing=UNTIMED, replicas=None, copies=None, plan=Plan(),
                                 groups=types.SimpleNamespace(model=None), table=ParamTable())
-    return StepGrads(ctx, types.SimpleNamespace(got=got), types.SimpleNamespace(early=None),
+    return StepGrads(ctx, types.SimpleNamespace(got=got, to_owner=None),
+                     types.SimpleNamespace(early=None),
                      None, types.SimpleNamespace(defers_scaling=False))
 
 

@@ -28,6 +28,7 @@ class ShardingPolicy:
     prefetch: int = 1                  # ZeRO-3: units gathered ahead
     reshard_after_forward: bool = True
     persist_below: int = 0             # ZeRO-3: parameters kept whole below this size
+    reduce_to_owner: bool = False      # ZeRO-3: owned gradients reduced to their owner
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ POLICIES = {"sharding": ShardingPolicy, "precision": PrecisionPolicy,
 SHARED_OPTIONS = ("group", "groups", "units", "bucket_size", "sync_module_states", "init",
                   "timeout", "stall_warning", "on_nonfinite")
 NONFINITE_RULES = ("skip", "raise", "ignore")
-PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below")
+PARAM_OPTIONS = ("prefetch", "reshard_after_forward", "persist_below", "reduce_to_owner")
 OFFLOAD_OPTIONS = ("offload", "offload_path", "offload_params", "units_in_flight", "state_dtype",
                    "master_dtype", "offload_seed", "offload_ratio", "overlap_step",
                    "device_budget", "host_budget", "offload_placement")

@@ -229,6 +229,31 @@ class Comm:
             pieces = list(rows.unbind(0)) if rows is not None else None
             dist.scatter(t, pieces, src=self._global[src_rank], group=self.group)
 
+    def reduce(self, t: torch.Tensor, dst_rank: int, async_op: bool = False):
+        """Every rank's ``t`` summed (averaged where ``averages``) into ``dst_rank``'s:
+        counted as the whole buffer, as the reduce-scatter whose share it takes. On gloo
+        one all-to-all brings ``dst_rank`` every rank's ``t`` (the bytes the reduce-scatter
+        moved for these columns), which it sums chunk by chunk (``t`` holds ``world``) in
+        the reduce-scatter's order, each chunk's own rank first: the sum is bit for bit the
+        rows the reduce-scatter would have given each rank (gloo's own reduce adds in
+        another order, which Muon's bf16 Newton-Schulz magnifies)."""
+        self._count("reduce", t.numel(), t.dtype)
+        with record_function("zerofn::reduce"):
+            if not self._in_place:
+                op = dist.ReduceOp.AVG if self.averages else dist.ReduceOp.SUM
+                return dist.reduce(t, dst=self._global[dst_rank], op=op, group=self.group,
+                                   async_op=async_op)
+            if self.world == 1:
+                return self._finish(async_op, [])
+            mine = self.rank == dst_rank
+            recv = torch.empty(self.world * t.numel() if mine else 0, dtype=t.dtype,
+                               device=t.device)
+            sends = [t.numel() if r == dst_rank else 0 for r in range(self.world)]
+            work = dist.all_to_all_single(recv, t, [t.numel() if mine else 0] * self.world,
+                                          sends, group=self.group, async_op=True)
+            return self._finish(async_op, [work],
+                                then=lambda: _sum_chunks(recv, self.world, t) if mine else None)
+
     def broadcast(self, t: torch.Tensor, src_rank: int = 0) -> None:
         self._count("broadcast", t.numel(), t.dtype)
         with record_function("zerofn::broadcast"):
@@ -248,6 +273,15 @@ class Comm:
     def end_step(self) -> None:
         self.last_step = self.step_counts
         self.step_counts = Counter()
+
+
+def _sum_chunks(recv: torch.Tensor, world: int, out: torch.Tensor) -> None:
+    """Each rank's tensor (``recv``'s rows), chunk ``c`` of their sum into ``out``'s chunk
+    ``c`` as ``_sum_rows`` adds rank ``c``'s rows of a reduce-scatter."""
+    pieces = recv.view(world, world, -1)
+    chunks = out.view(world, -1)
+    for c in range(world):
+        _sum_rows(pieces[:, c], c, chunks[c])
 
 
 def _sum_rows(rows: torch.Tensor, mine: int, out: torch.Tensor) -> None:

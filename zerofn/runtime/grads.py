@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .backward import BackwardTracker
+from .to_owner import ToOwner
 from ..core.units import ParamSlot, Unit, scatter_to_ranks
 
 
@@ -88,7 +89,12 @@ class GradReducer:
         self._fresh = {u: True for u in ctx.units}  # next reduction overwrites, not adds
         self._send: dict[Unit, torch.Tensor] = {}
         self._packed: dict[Unit, set] = {}      # slots whose gradient is in the send buffer
+        self._spread_fresh: dict[Unit, bool] = {}   # a compact reduction's: copy, not add
         self._to_average = None                 # [Note: HSDP's average] (unit, work, ...)
+        # to_owner.py's [Note: gradients reduced to their owner]: None, or the owned slots'
+        # layout, from a reduction that starts afresh on (``pending`` until then).
+        self.to_owner: ToOwner | None = None
+        self._pending: tuple | None = None      # (the layout, or None,) to come
         # [Note: the reduce stream], for the reductions during backward (at the step there
         # is no compute to overlap).
         device = ctx.device
@@ -104,6 +110,39 @@ class GradReducer:
         self.visible.remove_hooks()
 
     # -- packing and reducing ------------------------------------------------------------
+    def reduce_to_owners(self, to_owner: ToOwner | None) -> None:
+        """Owned gradients go to their owners (to_owner.py's note), or (None) none, from
+        the first reduction of a step on: now, where no unit holds gradients yet, else
+        after ``zero_grad``. The same on every rank (an optimizer's binding)."""
+        if all(self._fresh.values()):
+            self.to_owner, self._pending = to_owner, None
+            return
+        held = self.to_owner.reduced if self.to_owner is not None else set()
+        if held and (to_owner is None or to_owner.owner != self.to_owner.owner):
+            raise ValueError(
+                "zerofn: another optimizer takes over after a backward that reduced "
+                f"{len(held)} owned gradients whole to the ranks that stepped them "
+                "(shard_params(reduce_to_owner=True)), and it would step them elsewhere or "
+                "on rows no rank keeps; call zero_grad() before the first step of the new "
+                "optimizer, and run backward again.")
+        self._pending = (to_owner,)
+
+    def to_its_owner(self, slot: ParamSlot) -> bool:
+        """Whether ``slot``'s gradient since ``zero_grad`` was reduced to its owner."""
+        return self.to_owner is not None and slot in self.to_owner.reduced
+
+    def _width(self, unit: Unit) -> int:
+        """Columns per rank of the unit's send buffer: its shard's, but for owned slots
+        reduced to their owners."""
+        if self.to_owner is None:
+            return unit.shard_numel
+        return self.to_owner.width.get(unit, unit.shard_numel)
+
+    def _cols(self, unit: Unit, slot: ParamSlot) -> slice:
+        if self.to_owner is None or unit not in self.to_owner.width:
+            return slot.cols
+        return self.to_owner.cols(slot)
+
     def has_send_buffer(self, unit: Unit) -> bool:
         return unit in self._send
 
@@ -117,17 +156,21 @@ class GradReducer:
                 # fill, not only once their reduction starts. (Packing at the step
                 # overlaps the previous unit's reduction instead.)
                 comm = self.comm_of(unit)
-                full = comm.world * unit.shard_numel
+                full = comm.world * self._width(unit)
                 comm.make_room((full + comm.scratch_numel(full)) * self._dtype(unit).itemsize)
-            send = self.pool.take(self.comm_of(unit).world * unit.shard_numel, self._dtype(unit),
-                                  unit.device)
+            send = self.pool.take(self.comm_of(unit).world * self._width(unit),
+                                  self._dtype(unit), unit.device)
             self._send[unit] = send
             self._packed[unit] = set()
         return send
 
     def _pack_grad(self, unit: Unit, slot: ParamSlot, grad: torch.Tensor) -> None:
-        send = self._send_buffer(unit).view(self.comm_of(unit).world, unit.shard_numel)
-        scatter_to_ranks(_local_grad(slot, grad), send[:, slot.cols])
+        world = self.comm_of(unit).world
+        if self.to_owner is not None and slot in self.to_owner.owner:
+            self.to_owner.pack(slot, _local_grad(slot, grad), self._dtype(unit), world)
+            return
+        send = self._send_buffer(unit).view(world, self._width(unit))
+        scatter_to_ranks(_local_grad(slot, grad), send[:, self._cols(unit, slot)])
         self._packed[unit].add(slot)
 
     def pack(self, unit: Unit, slot: ParamSlot) -> None:
@@ -139,12 +182,15 @@ class GradReducer:
     def reduce(self, unit: Unit) -> None:
         """Reduce-scatter the unit's packed gradients (zeros for those it has none of) into
         its shard, on the reduce stream during backward (the note)."""
-        send = self._send_buffer(unit)
         comm = self.comm_of(unit)
-        ranks = send.view(comm.world, unit.shard_numel)
+        if self.to_owner is not None and unit in self.to_owner.width:
+            self._reduce_to_owners(unit, comm)
+        send = self._send_buffer(unit)
+        ranks = send.view(comm.world, self._width(unit))
+        owned = self.to_owner.owner if self.to_owner is not None else {}
         for s in unit.trainable:
-            if s not in self._packed[unit]:
-                ranks[:, s.cols].zero_()
+            if s not in self._packed[unit] and s not in owned:
+                ranks[:, self._cols(unit, s)].zero_()
         del self._send[unit], self._packed[unit]
         out = self._reduction_target(unit)
         stream = self._reduce_stream()
@@ -177,6 +223,31 @@ class GradReducer:
                 ready = self.stream.record_event()
             comm.enqueue(None, nbytes, functools.partial(self._give, buffers + spent, ready))
 
+    def _reduce_to_owners(self, unit: Unit, comm) -> None:
+        """Each owned slot's gradient reduced whole to its owner, before the unit's
+        reduce-scatter (to_owner.py's note), every rank in the same order. Each is waited
+        for at once, on the current stream: gloo's rooted collectives left in flight
+        together have delivered wrong rows (comm.py's [Note: gather and scatter wait]).
+        Under HSDP the owner then averages it over its replicas, which own the same slots
+        (the same rank of their shard groups), so every replica group issues them alike."""
+        fresh = self._fresh[unit] or self.grad_shard.get(unit) is None
+        dtype, divisor = self._dtype(unit), self.ctx.divisor(unit)
+        for s in unit.trainable:
+            owner = self.to_owner.owner.get(s)
+            if owner is None:
+                continue
+            send = self.to_owner.send_of(s, dtype, comm.world, unit.device)
+            self.timing.issue("reduce", "reduce", unit.name,
+                              lambda: comm.reduce(send, owner, async_op=True),
+                              "reduce_wait").wait()
+            if comm.rank == owner:
+                if self.replicas is not None:   # the replicas' owners: the same rank of each
+                    op = dist.ReduceOp.AVG if self.replicas.averages else dist.ReduceOp.SUM
+                    with self.timing.collective("replicate.all_reduce"):
+                        self.replicas.all_reduce(send, op)
+                self.to_owner.reduced_into(s, send, divisor, fresh)
+            self.to_owner.reduced.add(s)
+
     def _average(self) -> None:
         """HSDP: wait for the last unit's reduce-scatter and start its all-reduce over the
         replicas ([Note: HSDP's average]); the step's reads of it wait in the queue."""
@@ -204,6 +275,13 @@ class GradReducer:
         shard = self.grad_shard.get(unit)
         fresh = self._fresh[unit] or shard is None
         self._fresh[unit] = False
+        if self.to_owner is not None and unit in self.to_owner.width:
+            # to_owner.py's note: the kept columns, compact, spread out once reduced
+            if shard is None:
+                self.grad_shard[unit] = self._new_shard(unit)
+            self._spread_fresh[unit] = fresh
+            return self.pool.take(self._width(unit), self._dtype(unit), unit.device,
+                                  self._reduce_stream())
         if not fresh:
             return self.pool.take(unit.shard_numel, self._dtype(unit), unit.device,
                                   self._reduce_stream())
@@ -261,7 +339,13 @@ class GradReducer:
             out.div_(divisor)
         target = self.grad_shard[unit]
         spent = []
-        if out is not target:
+        if self.to_owner is not None and unit in self.to_owner.width:
+            fresh = self._spread_fresh.pop(unit)
+            if not fresh and self.landing.crosses:
+                self.ctx.copies.before_device_write(unit)
+            self.to_owner.spread(unit, out, target, fresh)
+            spent.append(out)
+        elif out is not target:
             if self.landing.crosses:    # a copy of the shard to its home may still read it
                 self.ctx.copies.before_device_write(unit)
             target.add_(out)
@@ -280,7 +364,9 @@ class GradReducer:
             self.unreduced = False
             if self.stage == 1:
                 self._free_whole_grads()
-            self.visible.show(self.grad_shard, self.union())   # visible.py's [Note:
+            held = {s: self.to_owner.owner[s] for s in self.to_owner.reduced} \
+                if self.to_owner is not None else {}
+            self.visible.show(self.grad_shard, self.union(), held)   # visible.py's [Note:
             # gradients as a loop sees them]
 
     def union(self) -> set[ParamSlot] | None:
@@ -333,6 +419,9 @@ class GradReducer:
         """The reduced gradient of this rank's rows of ``slot``, once ``sync`` has run."""
         if not self.has_grads(unit) or not slot.requires_grad:
             return None
+        if self.to_its_owner(slot):
+            return self.to_owner.grad(slot, self.to_owner.owner[slot] == self.comm_of(unit).rank,
+                                      self._dtype(unit), unit.device)
         return slot.shard_of(self.grad_shard[unit])
 
     def _free_whole_grads(self) -> None:
@@ -349,6 +438,8 @@ class GradReducer:
             for s in unit.trainable:
                 if s in slots:
                     self.got.discard(s)
+                    if self.to_owner is not None:
+                        self.to_owner.forget([s])
                     if shard is not None:
                         s.shard_of(shard).zero_()
 
@@ -360,6 +451,10 @@ class GradReducer:
         self.visible.withdraw(keep_edits=False)
         self.visible.unwatch()
         self.got.clear()
+        if self.to_owner is not None:
+            self.to_owner.clear()
+        if self._pending is not None:
+            (self.to_owner,), self._pending = self._pending, None
         for unit in self.ctx.units:
             self._fresh[unit] = True
             if lent and self.grad_shard.get(unit) is not None:

@@ -7,7 +7,8 @@ the whole. Each parameter such an optimizer holds is given one owner rank of the
 group, balanced by the update's cost (``cost``: Newton-Schulz's flops for Muon, else the
 element count), as Megatron's layer-wise distributed optimizer and torchtitan's FlexShard
 ``Owned`` layout do. At the step every rank sends the owner its rows of the parameter's
-reduced gradient (one gather per parameter); the owner runs the user's own optimizer on
+reduced gradient (one gather per parameter; under ZeRO-3's ``reduce_to_owner`` backward
+reduced it whole to the owner already); the owner runs the user's own optimizer on
 the whole tensor, keeping its whole masters from one step to the next, and sends the
 update back. Where every rank computes on whole parameters (ZeRO-1/2, and ZeRO-3's
 persistent unit) the owner broadcasts the updated whole masters: each rank writes its
@@ -37,16 +38,16 @@ before.
 [Note: owned traffic] Per step over ZeRO's own for the same parameters, as
 ``zf.comm_stats`` counts full buffers (docs/optimizers.md): at ZeRO-1/2 the gradient's
 gather (+1x) and the broadcast (+1x) less the all-gather's share it replaces (-1x): +1x
-the owned parameters' bytes. At ZeRO-3 the gather and the scatter: +2x. The owner needs
-the sum of every rank's whole gradient, and with each rank's reduced rows kept for
-``p.grad`` that is the reduce-scatter (ZeRO's own) and a gather (+1x); the update must
+the owned parameters' bytes. At ZeRO-3, by default, the gather and the scatter: +2x. The
+owner needs the sum of every rank's whole gradient, and with each rank's reduced rows kept
+for ``p.grad`` that is the reduce-scatter (ZeRO's own) and a gather (+1x); the update must
 then reach the rows every rank keeps, and no collective of ZeRO-3's step carries them for
-a scatter to replace (each rank writes its own shard; the next forward gathers). So +1x
-there needs one of: the gradient reaching the owner by a reduce in place of the unit's
-reduce-scatter (the other ranks' ``p.grad`` rows scattered from the owner when read; the
-clip and the non-finite verdict taking the owner's whole gradient), or the next forward's
-and backward's all-gathers of the matrix replaced by the owner's broadcasts (the other
-ranks' rows, which the parameter's DTensor shows, stale until then). The owner's whole
+a scatter to replace (each rank writes its own shard; the next forward gathers). With
+``shard_params(reduce_to_owner=True)`` the gradient reaches the owner by a reduce in place
+of its share of the unit's reduce-scatter (+0: to_owner.py's [Note: gradients reduced to
+their owner]), which ``_on_owner`` takes whole, and the scatter is the +1x; the price is
+``p.grad``, which then holds no values on any rank (reading it raises). It is an option,
+not the default, for that reason: the default keeps ``p.grad`` exact. The owner's whole
 masters cost it memory: its owned parameters' elements, in the masters' dtype.
 """
 from __future__ import annotations
@@ -58,6 +59,7 @@ import torch
 from ..core.units import local_of
 from .agree import gather
 from .chain import OptimizerChain, members_of, step_without_hooks
+from .to_owner import ToOwner
 
 # Optimizers whose update of an element reads other elements of its tensor: stepped whole,
 # on one owner (the user marks others with ``zf.whole_tensors``).
@@ -117,10 +119,12 @@ class OwnedStep:
         slot_of: each tensor the optimizer's groups hold -> its slot, before binding.
         shards: the compute rows (shards.py): which units are ZeRO-3's sharded ones, and
             the step's whole writes, which their all-gathers leave out.
+        reducer: the gradients' (grads.py), told to reduce the owned rows' gradients to
+            their owners under ``shard_params(reduce_to_owner=True)`` (to_owner.py).
     """
 
-    def __init__(self, ctx, optimizer, slot_of: dict, shards):
-        self.ctx, self.comm, self.shards = ctx, ctx.comm, shards
+    def __init__(self, ctx, optimizer, slot_of: dict, shards, reducer):
+        self.ctx, self.comm, self.shards, self.reducer = ctx, ctx.comm, shards, reducer
         self.table = ctx.table
         # slots ZeRO-3 keeps as rows (their updates are scattered), fixed at set-up
         self.as_rows = {s for u in shards.sharded_units for s in u.slots}
@@ -140,6 +144,9 @@ class OwnedStep:
         # every rank: what the last steps scattered) holds the slot; else gathered.
         self.masters: dict = {}
         self.fresh: set = set()
+        rows_owner = {s: o for s, o in self.owner.items() if s in self.as_rows}
+        reducer.reduce_to_owners(ToOwner(rows_owner, ctx.units) if rows_owner and
+                                 ctx.plan.sharding.reduce_to_owner else None)
 
     def mine(self) -> list:
         return [s for _, s in self.slots if self.owner[s] == self.comm.rank]
@@ -155,7 +162,9 @@ class OwnedStep:
         if not todo:
             return
         masters = self._master_rows([s for _, s in todo])
-        gathered = {s: self._gather(s, grads[s], grad_scale, masters.get(s)) for _, s in todo}
+        gathered = {s: self._on_owner(s, grads[s], grad_scale, masters.get(s))
+                    if self.reducer.to_its_owner(s) else
+                    self._gather(s, grads[s], grad_scale, masters.get(s)) for _, s in todo}
         whole = {s: w for s, w in gathered.items() if w is not None}
         for m in self.members:
             self._step_member(m, [s for mm, s in todo if mm is m and s in whole], whole)
@@ -228,6 +237,27 @@ class OwnedStep:
         master = self.masters[s].to(grad.device) if kept \
             else _whole(s, recv[:, s.chunk * s.inner:]).clone()
         return master, grad
+
+    def _on_owner(self, s, grad, grad_scale: float, master_rows):
+        """A gradient reduced whole to its owner already (to_owner.py): the masters' rows
+        are gathered to it only where it keeps no whole masters current. Returns (whole
+        masters, whole gradient) on the owner, else None."""
+        mine = self.owner[s] == self.comm.rank
+        master = self.masters[s].to(self.ctx.device) if mine and s in self.fresh else None
+        if s not in self.fresh:
+            dtype = self.table[s].opt_param.dtype
+            send = self._piece(s, master_rows, dtype)
+            if self.comm.world == 1:
+                recv = send.view(1, -1)
+            else:
+                recv = torch.empty(self.comm.world, send.numel(), dtype=dtype,
+                                   device=send.device) if mine else None
+                self.comm.gather(send, recv, self.owner[s])
+            if mine:    # (a copy: the owner keeps it)
+                master = _whole(s, recv).clone()
+        if not mine:
+            return None
+        return master, grad.mul(grad_scale) if grad_scale != 1.0 else grad
 
     def _scatter(self, s, whole) -> torch.Tensor:
         """The owner's updated whole masters, this rank's rows to each rank: this rank's
@@ -432,4 +462,17 @@ def overlap_whole(plan, optimizer) -> list[str]:
         return ["offload(overlap_step=True) steps units during backward, and a whole-tensor "
                 "optimizer (Muon, Adafactor) steps each parameter whole at step(), once every "
                 "rank's rows are reduced: leave overlap_step off."]
+    return []
+
+
+def reduce_to_owner_problems(plan, optimizer) -> list[str]:
+    """What ``shard_params(reduce_to_owner=True)`` cannot do beside a whole-tensor
+    optimizer (to_owner.py): refused at set-up, on every rank."""
+    if not plan.sharding.reduce_to_owner or plan.stage < 3 or optimizer is None or \
+            not any(is_whole(m) for m in members_of(optimizer)):
+        return []
+    if plan.offload.device == "nvme":
+        return ["shard_params(reduce_to_owner=True) with offload('nvme'): the swap file "
+                "steps each unit's gradient rows, and an owned parameter's gradient is on "
+                "its owner only; use offload('cpu'), or drop reduce_to_owner."]
     return []

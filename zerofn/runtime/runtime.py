@@ -42,7 +42,7 @@ from .homes import (HomeSpec, auto_problems, cpu_adam_steps, make_homes, offload
                       optimizer_problems)
 from .chain import OptimizerChain, members_of
 from .optimizer import check_optimizer, signature
-from .owned import overlap_whole
+from .owned import overlap_whole, reduce_to_owner_problems
 from .param_table import ParamTable
 from .params import ParamGatherer
 from .pool import BufferPool
@@ -223,6 +223,7 @@ class Runtime:
         """What stops ``optimizer`` stepping this model (checked on every rank)."""
         problems = check_optimizer(optimizer, self.param_index)
         problems += overlap_problems(self.plan, optimizer) + overlap_whole(self.plan, optimizer)
+        problems += reduce_to_owner_problems(self.plan, optimizer)
         nvme = any(self.homes.home_of(u) == "nvme" for u in self.units if u.slots)
         problems += optimizer_problems(self.plan.offload, optimizer, nvme)
         old = self.optimizer
@@ -281,6 +282,7 @@ class Runtime:
             problems += kind.preflight(plan, self.device, dist.get_rank(self.group),
                                        dist.get_world_size(self.group))
         problems += overlap_problems(plan, optimizer) + overlap_whole(plan, optimizer)
+        problems += reduce_to_owner_problems(plan, optimizer)
         problems += subclass_problems(plan, units, self.mesh, self.replica_world > 1)
         problems += auto_problems(plan.offload, self.device, self.replica_world > 1)
         order = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}

@@ -148,6 +148,13 @@ class StepGrads:
         changed, dropped = self.reducer.visible.fold()
         self.reducer.got -= dropped
         self._refused = None
+        held = self.reducer.visible.refused
+        if held is not None:     # to_owner.py's [Note: gradients reduced to their owner]
+            self._refused = (
+                f"the loop put another tensor in p.grad of {held!r}, whose gradient "
+                "shard_params(reduce_to_owner=True) reduced whole to its owner: no rank "
+                "keeps rows of it for the tensor to replace", "drop reduce_to_owner to "
+                "replace such a gradient (p.grad = None is honoured)")
         for unit in self.units:
             if unit not in changed or unit not in self.landing.streamed:
                 continue
@@ -155,7 +162,8 @@ class StepGrads:
                 self._refused = self._refused or (
                     f"the loop changed p.grad of {unit.trainable[0].fqn!r} (unit "
                     f"'{unit.name}') after backward, and offload(overlap_step=True) had "
-                    "already stepped that unit on the host during backward")
+                    "already stepped that unit on the host during backward",
+                    "change gradients only with overlap_step off (or not at all)")
                 continue
             self.copies.host_wait(unit)      # (the first copy is done with the rows)
             self.landing.streamed.discard(unit)     # _prepare_unit copies them again
@@ -174,6 +182,9 @@ class StepGrads:
         landing = self.homes.grads.get(unit)
         for s in unit.slots:
             g = self.reducer.grad_of(unit, s)
+            if g is not None and self.reducer.to_its_owner(s):    # whole on its owner
+                self.grads[s] = self._in_master_dtype(s, g, scaled)
+                continue
             if g is not None and landing is not None:     # its home's buffer
                 if unit not in self.landing.streamed:
                     self.copies.to_host(unit, s.shard_of(landing), g)
@@ -189,6 +200,14 @@ class StepGrads:
                 g = s.shard_of(dest)
             self.grads[s] = g     # (else the device's rows: a home's step copies them down)
         return dest if landing is not None else None
+
+    def _in_master_dtype(self, s, g: torch.Tensor, scaled: bool) -> torch.Tensor:
+        """An owner's whole gradient (to_owner.py) as the step reads it: in the masters'
+        dtype, a copy where the overflow check unscales it in place."""
+        dtype = self.table[s].opt_param.dtype
+        if g.dtype != dtype or scaled and not self.deferred:
+            return g.to(dtype, copy=True)
+        return g
 
     def _found_inf(self) -> torch.Tensor:
         """1 where any gradient is inf or nan, else 0 (a tensor: no sync here). Unscales the
@@ -237,8 +256,9 @@ class StepGrads:
         self.phase = GradsPhase.VOTED
         had = [s in self.reducer.got for s in self._trainable]
         found = self._found
-        # (only overlap_step's early steps can refuse an edit: only they carry the verdict)
-        refused = None if self.early is None else \
+        # (only overlap_step's early steps and gradients reduced to their owners can refuse
+        # an edit: only they carry the verdict)
+        refused = None if self.early is None and self.reducer.to_owner is None else \
             torch.full((), float(self._refused is not None), device=self.device)
         alone = rider is None and self.comm.world == 1 and self.replicas is None \
             and self.model_parallel is None
@@ -305,11 +325,11 @@ class StepGrads:
     def _raise_refusal(self, any_rank: bool) -> None:
         """Every rank raises where any rank's loop made an edit it cannot honour."""
         if any_rank:
-            what = self._refused or "another rank's loop changed p.grad after backward of a " \
-                "unit offload(overlap_step=True) had already stepped on the host"
+            what, remedy = self._refused or (
+                "another rank's loop changed a p.grad whose change the step cannot take",
+                "see that rank's error")
             raise ValueError(f"zerofn: {what}; the step would not use the change, so it "
-                             "stops here. Change gradients only with overlap_step off (or "
-                             "not at all).")
+                             f"stops here on every rank: {remedy}.")
 
     def _drop_ungot(self, votes) -> None:
         for s, got in zip(self._trainable, votes):

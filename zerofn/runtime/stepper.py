@@ -50,7 +50,7 @@ class Stepper:
     def bind(self, optimizer, slot_of: dict) -> None:
         """Step with ``optimizer`` from now on (its problems were agreed on already): its
         groups hold the shards first, then the homes give it their state."""
-        self.owned = OwnedStep(self.ctx, optimizer, slot_of, self.shards)
+        self.owned = OwnedStep(self.ctx, optimizer, slot_of, self.shards, self.reducer)
         self.binding = OptimizerBinding(optimizer, slot_of, self, self.ctx,
                                         {s for _, s in self.owned.slots})
         self.owned.adopt_state()    # (state the optimizer had is cut to rows, as every rank's)
@@ -77,7 +77,10 @@ class Stepper:
             # Whole-tensor optimizers first (owned.py): their masters' rows are updated
             # before the homes send each unit's rows on; the homes step the rest.
             self.owned.step(self.grads.grads, self.grads.grad_scale)
-            self.homes.step(self.owned.elementwise, self.grads.grads, self.shards.refresh_unit,
+            # (without the gradients reduced whole to owners: no rows of theirs to step)
+            rows = {s: g for s, g in self.grads.grads.items()
+                    if not self.reducer.to_its_owner(s)}
+            self.homes.step(self.owned.elementwise, rows, self.shards.refresh_unit,
                             self.grads.grad_scale, self.ctx.copies, self.early)
             self.shards.await_shards()
 

@@ -63,6 +63,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core.units import ParamSlot, Unit, local_of
 from ..optim import kernels
+from .to_owner import HeldByOwner
 
 FINGERPRINT_CHUNK = 1 << 16     # elements torch's fingerprint hashes at once on a CPU (x64 on a GPU)
 
@@ -92,6 +93,7 @@ class VisibleGrads:
         self._markers: dict[ParamSlot, tuple[torch.Tensor, int]] = {}
         self._cleared: set[ParamSlot] = set()   # marked slots the loop's zero_grad reached
         self._made: dict[ParamSlot, torch.Tensor] = {}   # each slot's marker, made once
+        self.refused: str | None = None   # a held gradient the loop replaced (to_owner.py)
         mine = weakref.ref(self)
         # [Note: gradients as a loop sees them]: autograd accumulates into whole parameters.
         self._hooks = [s.param.register_hook(functools.partial(_before_accumulation, mine, s))
@@ -106,11 +108,13 @@ class VisibleGrads:
         """Backward copied ``unit``'s reduced rows elsewhere: the step must learn of edits."""
         self._watched.add(unit)
 
-    def show(self, shards: dict, union: set[ParamSlot] | None = None) -> None:
+    def show(self, shards: dict, union: set[ParamSlot] | None = None,
+             held: dict | None = None) -> None:
         """After a reducing backward: each unit's reduced rows (``shards``: unit to flat
         shard, or None) on its parameters' ``.grad``; None on those outside ``union`` (the
         slots some rank gave a gradient, where known: grads.py's [Note: a gradient no rank
-        gave])."""
+        gave]). ``held``: slot -> the owner its gradient was reduced to, which shows no
+        values (to_owner.py's [Note: gradients reduced to their owner])."""
         self.withdraw()
         self._shards = shards
         for unit in self.units:
@@ -127,7 +131,10 @@ class VisibleGrads:
             for s in unit.trainable:
                 if union is not None and s not in union:
                     continue
-                grad = s.as_dtensor(s.shard_of(rows), self.mesh, self.placements)
+                local = s.shard_of(rows)
+                if held and s in held:
+                    local = HeldByOwner(local, s.fqn, held[s])
+                grad = s.as_dtensor(local, self.mesh, self.placements)
                 self.param_of(s).grad = grad
                 self.shown[s] = grad
                 self._markers[s] = (self._marker(s), 0)
@@ -146,6 +153,9 @@ class VisibleGrads:
                 now, shown = self.param_of(s).grad, self.shown[s]
                 if now is None:
                     dropped.add(s)
+                elif now is not shown and isinstance(shown._local_tensor, HeldByOwner):
+                    self.refused = self.refused or s.fqn     # (no rows here to take it)
+                    self.param_of(s).grad = shown
                 elif now is not shown:      # replaced: its values become the rows
                     s.shard_of(rows).copy_(_rows_of(s, now))
                     self.param_of(s).grad = shown
@@ -212,7 +222,9 @@ class VisibleGrads:
         """Take the views off the parameters (the next backward, ``zero_grad``, teardown),
         the loop's edits folded into the rows first unless they are dropped anyway."""
         if keep_edits:
-            self.fold()
+            self.fold()     # (a refusal stays until the step raises it, or zero_grad)
+        else:
+            self.refused = None
         for s in self.shown:
             self.param_of(s).grad = None
         self.unmark()
