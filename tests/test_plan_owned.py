@@ -307,3 +307,145 @@ def test_auto_plans_the_owners_of_its_optimizers(capsys):
     assert len(result.owned.tensors) == len(opts[0].param_groups[0]["params"])
     err = capsys.readouterr().err
     assert "zerofn plan: chosen: DDP" in err and "  rank 0: 100.0% of the work" in err
+
+
+# -- ZeRO-3 with shard_params(reduce_to_owner=True): runtime/to_owner.py ----------------
+TO_OWNER = [Candidate(stage=3, precision=p, to_owner=True) for p in ("fp32", "bf16")]
+
+
+def to_owner_held_and_planned(rank, world, kind):
+    """Per ``reduce_to_owner`` candidate (applied by the plan's own ``Candidate.apply``):
+    this rank's model-state bytes after two steps and the plan's; the bytes of the whole
+    gradients the runtime holds for this rank as their owner after a backward and the
+    plan's; the bytes the step allocates at their peak and the plan's."""
+    out = []
+    for c in TO_OWNER:
+        model, opts, shape, x = _trained(c, kind, rank, world)
+        rt = runtime_of(model)
+        assert rt.plan.sharding.reduce_to_owner and rt.reducer.to_owner is not None
+        held = zf.model_state_bytes(model)["cpu"]
+        _backward(model, opts, x)
+        whole = sum(t.nbytes for t in rt.reducer.to_owner.whole.values())
+        cb = torch.bfloat16.itemsize if c.precision == "bf16" else 4
+        with Allocations() as step:
+            _step(opts)
+        out.append((c.describe(), held, memory.model_state(c, shape)["device"],
+                    whole, shape.to_owner_bytes(cb)["step"], step.peak,
+                    (memory.step_temporaries(c, shape),
+                     max(4 * t.padded(world) for t in shape.owned.tensors))))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_reduce_to_owner_state_and_step_are_what_each_rank_holds(world, kind):
+    """ZeRO-3 with ``reduce_to_owner``, fp32 and bf16 compute, on every rank: the model
+    state byte for byte (the gradient shards keep the owned columns, zeroed, as the
+    default's do); the whole gradients each owner holds from backward to the step, in
+    the gradients' dtype, the runtime's own byte for byte; and the step's allocations
+    the plan's figure (no gather: only the cast to fp32 where the gradients are bf16),
+    or up to one whole tensor more that a collective lets go of late."""
+    for rank, rows in enumerate(run_ranks(world, to_owner_held_and_planned, kind)):
+        for described, held, planned, whole, planned_whole, peak, (planned_peak, late) in rows:
+            where = (described, world, rank)
+            assert "reduce to owner" in described
+            for role in ("params", "grads", "optimizer"):
+                assert held[role] == planned[role], (where, role, held[role], planned[role])
+            assert whole == planned_whole, (where, whole, planned_whole)
+            assert planned_peak <= peak - VERDICT <= planned_peak + late, \
+                (where, peak, planned_peak, late)
+
+
+def owned_traffic_counted(rank, world, kind):
+    """Bytes ``zf.comm_stats`` counts for the second step of ZeRO-3 with AdamW over every
+    parameter, and with the whole-tensor optimizers by default and with
+    ``reduce_to_owner``, each set up by ``Candidate.apply``."""
+    out = {}
+    for name, c, opts_of in (("adamw", Candidate(stage=3), _adamw),
+                             ("rows", Candidate(stage=3), OPTIMIZERS[kind]),
+                             ("to owner", Candidate(stage=3, to_owner=True), OPTIMIZERS[kind])):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        model, opts = c.apply(model, opts_of(model))
+        x = torch.randint(0, CFG.vocab, (2, CFG.context))
+        for _ in range(2):
+            _backward(model, opts, x)
+            _step(opts)
+        out[name] = sum(v for k, v in zf.comm_stats(model).items() if k.endswith("_bytes"))
+    return out
+
+
+def _adamw(model):
+    return (torch.optim.AdamW(model.parameters()),)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_owned_traffic_is_what_the_runtime_counts(kind):
+    """The plan's owned traffic (``step_time.owned_traffic``) over AdamW's is what
+    ``zf.comm_stats`` counts at worlds 2 and 4: +2x the owned bytes by default, +1x with
+    ``reduce_to_owner`` (and the vote's one more flag)."""
+    from zerofn.planner.step_time import owned_traffic
+    with torch.device("meta"):
+        meta = GPT(CFG)
+    for world in (2, 4):
+        owned = owned_of(meta, OPTIMIZERS[kind](meta), world)
+        whole = 4 * sum(t.numel for t in owned.tensors)
+        for rank, out in enumerate(run_ranks(world, owned_traffic_counted, kind)):
+            rows = owned_traffic(Candidate(stage=3), owned, 4)
+            to_owner = owned_traffic(Candidate(stage=3, to_owner=True), owned, 4)
+            assert out["rows"] - out["adamw"] == rows, (world, rank, out, rows)
+            assert out["to owner"] - out["adamw"] == to_owner, (world, rank, out, to_owner)
+            assert rows == 2 * whole and whole < to_owner <= whole + 4, (world, rows, to_owner)
+
+
+def auto_chooses_reduce_to_owner(rank, world):
+    """``zf.auto`` with ZeRO-3 and ``reduce_to_owner`` its one candidate: the choice, whether
+    the runtime it set up reduces the owned gradients to their owners, and what it
+    printed."""
+    import contextlib
+    import io
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opts = OPTIMIZERS["muon"](model)
+    x = torch.zeros(2, CFG.context, dtype=torch.long)
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        model, got, result = zf.auto(model, opts, (x, x), world=world, machine=MACHINE,
+                                     only=[Candidate(stage=3, to_owner=True)],
+                                     host_budget=1e12)
+    assert got is opts
+    return result.choice.to_json(), runtime_of(model).reducer.to_owner is not None, \
+        printed.getvalue()
+
+
+def test_plan_weighs_reduce_to_owner_and_auto_applies_it():
+    """Beside owned parameters the plan weighs ZeRO-3 with ``reduce_to_owner`` (not with
+    NVMe, which the runtime refuses), its collectives' time less the default's by the
+    owned bytes it does not carry where one micro-batch makes the step (each more adds a
+    reduce per owned parameter: its latency), and names it in the table; without them it weighs none. A
+    choice of it is what ``zf.auto`` applies (the runtime reduces to the owners) and
+    prints."""
+    model, opts = _meta_model_and_optimizers("muon")
+    x = torch.zeros(2, CFG.context, dtype=torch.long)
+    result = plan(model, (x, x), world=2, machine=MACHINE, on_gpu=False, optimizers=opts)
+    owner_rows = [r for r in result.rows if r.candidate.to_owner]
+    assert owner_rows and {(r.candidate.stage, r.candidate.offload) for r in owner_rows} == \
+        {(3, None), (3, "cpu")}
+    rows = {r.candidate: r for r in result.rows}
+    for r in owner_rows:
+        default = rows[Candidate(**dict(r.candidate.to_json(), to_owner=False))]
+        if r.candidate.accum == 1:
+            assert r.seconds["comm"] < default.seconds["comm"], r.candidate
+        assert r.peak["host"] != default.peak["host"]
+    assert "reduce to owner" in result.table(None)
+    assert not any(r.candidate.to_owner for r in plan(model, (x, x), world=2, machine=MACHINE,
+                                                      on_gpu=False).rows)
+    chosen, reduces, printed = run_ranks(1, auto_chooses_reduce_to_owner)[0]
+    assert chosen == Candidate(stage=3, to_owner=True).to_json() and reduces
+    assert "zerofn plan: chosen: ZeRO-3, fp32, reduce to owner" in printed
+    chosen = Candidate(stage=3, to_owner=True)
+    assert Candidate.from_json(json.loads(json.dumps(chosen.to_json()))) == chosen
+    assert Candidate(stage=3, offload="nvme", to_owner=True).problems(2)
+    assert Candidate(stage=2, to_owner=True).problems(2)

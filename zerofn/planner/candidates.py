@@ -43,6 +43,8 @@ class Candidate:
         micro_batch: sequences per micro-batch on each rank.
         accum: micro-batches per optimizer step: under DDP and ZeRO-1 all but the last
             under ``no_sync``; ZeRO-2 and ZeRO-3 reduce each (``PlanResult.micro_batches``).
+        to_owner: ZeRO-3's ``shard_params(reduce_to_owner=True)``: a whole-tensor
+            optimizer's gradients reduced whole to their owners (not with NVMe).
     """
 
     stage: int
@@ -55,6 +57,7 @@ class Candidate:
     checkpoint: bool = False
     micro_batch: int = 1
     accum: int = 1
+    to_owner: bool = False
 
     def problems(self, world: int) -> list[str]:
         """Why zerofn cannot run this candidate (its own set-up refuses the same)."""
@@ -71,6 +74,8 @@ class Candidate:
             out.append("low-precision offloaded state needs mixed precision (fp32 masters)")
         if self.params and self.ratio != 1.0:
             out.append("params=True offloads every unit's shard: ratio 1")
+        if self.to_owner and (self.stage != 3 or self.offload == "nvme"):
+            out.append("reduce_to_owner is ZeRO-3's (shard_params), not with offload('nvme')")
         if min(self.micro_batch, self.accum) < 1:
             out.append("micro_batch and accum are at least 1")
         return out
@@ -82,6 +87,8 @@ class Candidate:
             path=nvme_path if self.offload == "nvme" else None,
             state_dtype=DTYPES[self.state_dtype], master_dtype=DTYPES[self.master_dtype])
         return Config(self.stage, sharding={} if init is None else {"init": init},
+                      params={"reduce_to_owner": True} if self.to_owner and self.stage == 3
+                      else {},
                       precision=None if self.precision == "fp32" else
                       {"param_dtype": DTYPES[self.precision]}, offload=offload)
 
@@ -120,6 +127,8 @@ class Candidate:
             if (self.state_dtype, self.master_dtype) != ("fp32", "fp32"):
                 off += f" ({self.master_dtype} masters, {self.state_dtype} moments)"
             parts.append(off)
+        if self.to_owner:
+            parts.append("reduce to owner")
         if self.checkpoint:
             parts.append("checkpointing")
         parts.append(f"{self.micro_batch}x{self.accum}")

@@ -170,6 +170,20 @@ class Shape:
                                     frozenset(s.fqn for u in staying for s in u.slots))
         return {"device": on_device, "host": held - on_device}
 
+    def to_owner_bytes(self, itemsize: int) -> dict[str, int]:
+        """Under ``reduce_to_owner`` (runtime/to_owner.py), bytes a phase holds on top of
+        the model state, by phase: this rank's whole gradients as their owner, from
+        backward to the step (``zf.model_state_bytes`` does not count them: it reads the
+        state after ``zero_grad``), and in backward a unit's owned gradients packed for
+        their reduce, each padded whole, on every rank (the largest unit's)."""
+        if self.owned is None:
+            return {}
+        held = self.owned.to_owner_grads(self.rank, itemsize)
+        names = self.owned.names
+        sends = max((sum(itemsize * self.world * s.chunk * s.inner for s in u.slots
+                         if s.fqn in names) for u in self.units), default=0)
+        return {"backward": held + sends, "step": held}
+
     @property
     def owned_local(self) -> int:
         """This rank's rows of the owned tensors (elements)."""
@@ -317,7 +331,8 @@ def step_temporaries(c: Candidate, shape: Shape, device_is_host: bool = True) ->
     the second moment's square root, then that divided by the bias correction: both live
     at once); on a GPU, one list of temporaries (the square roots, divided in place) of
     what it steps at once."""
-    owned = 0 if shape.owned is None else shape.owned.step_bytes(shape.rank, c.stage)
+    owned = 0 if shape.owned is None else shape.owned.step_bytes(
+        shape.rank, c.stage, c.to_owner, DTYPES[c.precision].itemsize)
     if c.offload and not device_is_host:
         # (the owner steps on the device: its whole masters and state on the host come up)
         owned += shape.owned_places(c.stage, c.offload, c.ratio)["host"]
@@ -456,6 +471,9 @@ def peaks(c: Candidate, shape: Shape, acts: Activations, process: Process = Proc
     pool, pool_heap = pool_bytes(c, shape, gloo=device_is_host)
     extra = activations_of(c, acts)
     extra["step"] = step_temporaries(c, shape, device_is_host)
+    if c.to_owner and c.stage == 3:
+        for phase, held in shape.to_owner_bytes(DTYPES[c.precision].itemsize).items():
+            extra[phase] += held
     out = {}
     # With the threshold fixed on a CPU (zf.return_large_frees(), as zerofn train runs)
     # glibc maps every block of THRESHOLD bytes or more by

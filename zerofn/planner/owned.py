@@ -24,6 +24,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from zerofn.core.units import aligned
 from zerofn.runtime.chain import step_without_hooks
 from zerofn.runtime.owned import is_whole, owners, whole_params
 
@@ -67,6 +68,12 @@ class OwnedTensor:
         rows = self.shape[0] if self.shape else 1
         return world * -(-rows // world) * (self.numel // max(rows, 1))
 
+    def columns(self, world: int) -> int:
+        """Elements of its columns in its unit's rank-major buffers: each rank's rows padded
+        to ``chunk`` rows and aligned as the shard aligns each slot (units.py)."""
+        rows = self.shape[0] if self.shape else 1
+        return world * aligned(-(-rows // world) * (self.numel // max(rows, 1)))
+
     def rows_of(self, world: int, rank: int) -> int:
         """Rows ``rank`` holds under ``torch.chunk``'s split (units.py's layout)."""
         rows = self.shape[0] if self.shape else 1
@@ -107,21 +114,31 @@ class Owned:
         return sum(t.state_bytes + FP32 * t.numel for t in self.of(rank)
                    if names is None or t.name in names)
 
-    def step_bytes(self, rank: int, stage: int) -> int:
+    def step_bytes(self, rank: int, stage: int, to_owner: bool = False,
+                   grad_itemsize: int = FP32) -> int:
         """Bytes the owned step allocates on ``rank`` at its peak: under ZeRO the whole
         gradients of its parameters, gathered before any owner steps and held through the
-        step, then the largest of its optimizer's own work buffers and of one whole
-        tensor on its way back (the padded copy an owner scatters, or a broadcast's
-        receive buffer on the other ranks at ZeRO-1/2); under DDP the work buffers.
-        (Gloo's worker thread sometimes holds a collective's buffer a little past its
-        return: up to one whole tensor more, not counted.)"""
+        step (``to_owner``: reduced to it in backward already, ``to_owner_grads``, and
+        cast to the masters' fp32 here where they are in fewer bits), then the largest of
+        its optimizer's own work buffers and of one whole tensor on its way back (the
+        padded copy an owner scatters, or a broadcast's receive buffer on the other ranks
+        at ZeRO-1/2); under DDP the work buffers. (Gloo's worker thread sometimes holds
+        a collective's buffer a little past its return: up to one whole tensor more, not
+        counted.)"""
         if stage == 0:
             return self.work_all
         mine, work = self.of(rank), self.work[rank]
-        gathered = sum(FP32 * t.padded(self.world) for t in mine)
+        gathered = sum(FP32 * t.padded(self.world) for t in mine) if not to_owner else \
+            sum(FP32 * t.numel for t in mine) if grad_itemsize != FP32 else 0
         back = [FP32 * t.padded(self.world) for t in mine] if stage == 3 else \
             [FP32 * t.numel for t in self.tensors if t.owner != rank]
         return gathered + max([work] + back)
+
+    def to_owner_grads(self, rank: int, itemsize: int) -> int:
+        """Bytes of the whole gradients ``rank`` holds as their owner from backward to the
+        step under ``reduce_to_owner`` (runtime/to_owner.py): each its reduce's buffer,
+        padded to ``chunk`` rows a rank, in the gradients' dtype (``itemsize``)."""
+        return sum(itemsize * t.padded(self.world) for t in self.of(rank))
 
     def spread(self, rank: int) -> int:
         """Bytes of owned state a state dict shows on ``rank``: each state tensor of the

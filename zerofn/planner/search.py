@@ -124,8 +124,10 @@ class NoPlanFits(ValueError):
 
 
 def candidates(batch: int, precision: str = "fp32", nvme: bool = True,
-               checkpointing: bool = True) -> list[Candidate]:
-    """Every configuration the plan weighs for ``batch`` sequences per rank per step."""
+               checkpointing: bool = True, to_owner: bool = False) -> list[Candidate]:
+    """Every configuration the plan weighs for ``batch`` sequences per rank per step;
+    ``to_owner``: ZeRO-3's with ``reduce_to_owner`` too, where a whole-tensor optimizer
+    owns parameters (the runtime refuses it with NVMe)."""
     offloads = [None, "cpu"] + ["nvme"] * nvme
     splits = [(m, batch // m) for m in _divisors(batch)][-3:]
     out = []
@@ -136,9 +138,10 @@ def candidates(batch: int, precision: str = "fp32", nvme: bool = True,
             [dict(ratio=1.0), dict(ratio=0.5)] + [dict(params=True)] * (stage == 3)
         stored = [dict()] if off is None or precision == "fp32" else \
             [dict(), dict(state_dtype="bf16")]
-        for home, st in itertools.product(homes, stored):
+        owners = (False, True) if to_owner and stage == 3 and off != "nvme" else (False,)
+        for home, st, own in itertools.product(homes, stored, owners):
             c = Candidate(stage=stage, precision=precision, offload=off, checkpoint=ck,
-                          micro_batch=mb, accum=acc, **home, **st)
+                          micro_batch=mb, accum=acc, to_owner=own, **home, **st)
             if not c.problems(2) and not (stage == 0 and precision != "fp32"):
                 out.append(c)
     return out
@@ -187,8 +190,11 @@ def plan(model: nn.Module, example_batch, *, world: int | None = None, group=Non
             are given the runtime's owners: each rank's bytes count the state and whole
             masters it owns, where its unit's home keeps the masters' rows, and the step's
             whole gradients (``owned``, printed with the table); every other parameter is
-            counted as Adam's. Low-precision offloaded state is not planned beside them,
-            as set-up refuses it (``notes`` says so).
+            counted as Adam's. ZeRO-3 is weighed with ``shard_params(reduce_to_owner=True)``
+            beside it (not with NVMe, which the runtime refuses there): the owners hold
+            their whole gradients from backward to the step, and the traffic is +1x the
+            owned bytes, not +2x. Low-precision offloaded state is not planned beside
+            them, as set-up refuses it (``notes`` says so).
 
     Raises:
         NoPlanFits: no candidate fits; names the smallest budgets that would.
@@ -208,7 +214,7 @@ def plan(model: nn.Module, example_batch, *, world: int | None = None, group=Non
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     precision = precision or ("bf16" if on_gpu else "fp32")
     machine = machine or load_or_probe()
-    pool = only or candidates(batch, precision, nvme)
+    pool = only or candidates(batch, precision, nvme, to_owner=owned is not None)
     notes = [] if split is None else [_TP_NOTE]
     if owned is not None and any(not _owned_plans(c) for c in pool):
         pool = [c for c in pool if _owned_plans(c)]

@@ -21,7 +21,8 @@ reads and the probe's rates (probe.py):
   optimizer's matmuls (Muon's Newton-Schulz, counted on its own step: owned.py) at the
   probed matmul rate of their dtype, the busiest owner's under ZeRO, all of them under
   DDP, and under ZeRO its traffic (docs/optimizers.md's: the gather to the owner and the
-  update back, less the all-gather's share the broadcast replaces at ZeRO-1/2);
+  update back, less the all-gather's share the broadcast replaces at ZeRO-1/2; the
+  update back alone under ZeRO-3's ``reduce_to_owner``);
 - **copies**: offload's gradients down and rows up (pinned H2D/D2H on a GPU, memory
   bandwidth on a CPU); NVMe's state read and written once per step at the probed disk
   rates;
@@ -39,7 +40,8 @@ import math
 from dataclasses import dataclass
 
 from .candidates import DTYPES, Candidate
-from .memory import Shape
+from .memory import FP32, Shape
+from .owned import Owned
 from .probe import Machine
 
 
@@ -126,16 +128,38 @@ def _comm(c: Candidate, shape: Shape, m: Machine, cb: int) -> float:
 
 
 def _owned_comm(c: Candidate, shape: Shape, cb: int, bw: float, latency: float) -> float:
-    """The owned parameters' traffic over ZeRO's own: each gathered to its owner and sent
-    back in fp32 (two calls), at ZeRO-1/2 less its share of the all-gather in the compute
-    dtype, which the broadcast replaces."""
+    """The owned parameters' traffic over ZeRO's own (``owned_traffic``), each collective
+    (n-1)/n of its buffer: two calls per parameter (the gather to its owner, the update
+    back), or under ZeRO-3's ``reduce_to_owner`` the reduce each micro-batch and the
+    scatter."""
     owned = shape.owned
     if owned is None:
         return 0.0
     n = shape.world
-    elements = sum(t.numel for t in owned.tensors)
-    per = 2 * 4 - (cb if c.stage in (1, 2) else 0)
-    return (n - 1) / n * per * elements / bw + 2 * len(owned.tensors) * latency
+    calls = 1 + c.accum if c.to_owner and c.stage == 3 else 2
+    return (n - 1) / n * owned_traffic(c, owned, cb) / bw + calls * len(owned.tensors) * latency
+
+
+def owned_traffic(c: Candidate, owned: Owned, cb: int) -> int:
+    """Bytes a step's collectives carry for the owned parameters over ZeRO's own for the
+    same model under AdamW, each collective's full buffer as ``zf.comm_stats`` counts it
+    (runtime/owned.py's [Note: owned traffic]; tests/test_owned_optimizers.py checks the
+    runtime against the same): the gradient's gather to the owner (its padded rows, fp32)
+    and at ZeRO-1/2 the owner's broadcast of the whole (fp32) in place of its aligned
+    columns of the all-gather (compute dtype): +1x; at ZeRO-3 the gather and the scatter
+    of the rows back: +2x; with ``reduce_to_owner`` the reduce to the owner (its padded
+    rows) in place of its aligned columns of the reduce-scatter (both the compute dtype),
+    and the scatter: +1x, and one more flag in the step's vote."""
+    if c.stage == 0:
+        return 0
+    n = owned.world
+    padded = sum(t.padded(n) for t in owned.tensors)
+    columns = sum(t.columns(n) for t in owned.tensors)
+    if c.stage in (1, 2):
+        return FP32 * padded + FP32 * sum(t.numel for t in owned.tensors) - cb * columns
+    if c.to_owner:
+        return cb * padded - cb * columns + FP32 * padded + FP32
+    return 2 * FP32 * padded
 
 
 def _step(c: Candidate, shape: Shape, m: Machine, on_gpu: bool) -> float:
