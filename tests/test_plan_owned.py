@@ -37,7 +37,9 @@ MACHINE = Machine(device="a stand-in", matmul={"fp32": 1e11, "bf16": 2e11}, memo
 STAGES = [Candidate(stage=s, precision=p) for s in (1, 2, 3) for p in ("fp32", "bf16")]
 OFFLOADED = [Candidate(stage=2, offload="cpu"), Candidate(stage=3, offload="cpu"),
              Candidate(stage=3, precision="bf16", offload="cpu"),
-             Candidate(stage=3, offload="cpu", params=True)]
+             Candidate(stage=3, offload="cpu", params=True),
+             Candidate(stage=3, offload="cpu", to_owner=True),
+             Candidate(stage=3, precision="bf16", offload="cpu", to_owner=True)]
 SWAPPED = [Candidate(stage=2, offload="nvme"), Candidate(stage=3, offload="nvme"),
            Candidate(stage=3, offload="nvme", params=True)]
 SPLIT = [Candidate(stage=2, offload="cpu", ratio=0.5), Candidate(stage=3, offload="cpu", ratio=0.5),
@@ -156,7 +158,7 @@ def test_owned_model_state_is_what_each_rank_holds(world, kind):
 @pytest.mark.parametrize("world", [1, 2])
 def test_owned_state_under_offload_is_what_each_rank_holds(world, kind):
     """offload("cpu") at ZeRO-2 and ZeRO-3 (fp32 and bf16 compute, parameter shards on the
-    host too): the device's parameters and gradients byte for byte, and the host's
+    host too, ZeRO-3 with ``reduce_to_owner`` too): the device's parameters and gradients byte for byte, and the host's
     optimizer state: the masters' rows, the owner's state and whole masters, which it
     keeps beside them, and torch's Adam state for the rest (beside a whole-tensor
     optimizer the host's Adam is torch's). On this CPU the state torch makes is not in
@@ -283,7 +285,8 @@ def test_plan_refuses_an_elementwise_optimizer_it_does_not_count():
 
 
 def test_zerofn_plan_optimizer_muon_prints_the_balance(capsys, tmp_path):
-    """``zerofn plan --optimizer muon`` prints the owners' balance with the table."""
+    """``zerofn plan --optimizer muon`` prints the owners' balance with the table, and
+    weighs ZeRO-3 with ``reduce_to_owner`` among its rows."""
     machine = tmp_path / "probe.json"
     machine.write_text(json.dumps(MACHINE.to_json()))
     assert cli.main(["plan", "width=48,layers=2,heads=2,ffn=100,vocab=101,context=16",
@@ -291,6 +294,10 @@ def test_zerofn_plan_optimizer_muon_prints_the_balance(capsys, tmp_path):
                      "--optimizer", "muon"]) == 0
     out = capsys.readouterr().out
     assert "owned (Muon): 8 parameters" in out
+    assert cli.main(["plan", "width=48,layers=2,heads=2,ffn=100,vocab=101,context=16",
+                     "--batch", "2", "--world", "2", "--probe", str(machine),
+                     "--optimizer", "muon", "--all"]) == 0
+    assert "ZeRO-3, fp32, reduce to owner, 1x2" in capsys.readouterr().out
     assert "rank 0: 50.0% of the work" in out and "rank 1: 50.0% of the work" in out
 
 
@@ -384,20 +391,21 @@ def _adamw(model):
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 def test_owned_traffic_is_what_the_runtime_counts(kind):
     """The plan's owned traffic (``step_time.owned_traffic``) over AdamW's is what
-    ``zf.comm_stats`` counts at worlds 2 and 4: +2x the owned bytes by default, +1x with
-    ``reduce_to_owner`` (and the vote's one more flag)."""
+    ``zf.comm_stats`` counts at worlds 2 and 4: +2x the owned bytes (their padded rows)
+    by default, +1x with ``reduce_to_owner`` (less the alignment, and the vote's one more
+    flag)."""
     from zerofn.planner.step_time import owned_traffic
     with torch.device("meta"):
         meta = GPT(CFG)
     for world in (2, 4):
         owned = owned_of(meta, OPTIMIZERS[kind](meta), world)
-        whole = 4 * sum(t.numel for t in owned.tensors)
+        padded = 4 * sum(t.padded(world) for t in owned.tensors)
         for rank, out in enumerate(run_ranks(world, owned_traffic_counted, kind)):
             rows = owned_traffic(Candidate(stage=3), owned, 4)
             to_owner = owned_traffic(Candidate(stage=3, to_owner=True), owned, 4)
             assert out["rows"] - out["adamw"] == rows, (world, rank, out, rows)
             assert out["to owner"] - out["adamw"] == to_owner, (world, rank, out, to_owner)
-            assert rows == 2 * whole and whole < to_owner <= whole + 4, (world, rows, to_owner)
+            assert rows == 2 * padded and to_owner <= padded + 4, (world, rows, to_owner)
 
 
 def auto_chooses_reduce_to_owner(rank, world):
@@ -446,6 +454,8 @@ def test_plan_weighs_reduce_to_owner_and_auto_applies_it():
     assert chosen == Candidate(stage=3, to_owner=True).to_json() and reduces
     assert "zerofn plan: chosen: ZeRO-3, fp32, reduce to owner" in printed
     chosen = Candidate(stage=3, to_owner=True)
+    assert chosen.config().plan().sharding.reduce_to_owner
+    assert not Candidate(stage=3).config().plan().sharding.reduce_to_owner
     assert Candidate.from_json(json.loads(json.dumps(chosen.to_json()))) == chosen
     assert Candidate(stage=3, offload="nvme", to_owner=True).problems(2)
     assert Candidate(stage=2, to_owner=True).problems(2)
