@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import zerofn as zf
 from support.compare import full_state, max_error
+from support.held_saves import HeldUntilAStep
 from support.loops import build_parity, train_sharded
 from support.models import batches
 from support.ranks import run_ranks
@@ -36,26 +36,6 @@ def offload(case: str, root: str) -> list:
     if case == "cpu-overlap":
         return [zf.offload("cpu", overlap_step=True)]
     return [zf.offload("cpu")] if case == "cpu" else []
-
-
-class Recorded(streamed.UnitCopies):
-    """UnitCopies whose writer starts once the first step wants to change a unit (so the
-    step finds every unit still to write, however fast the writer), each made kept in
-    ``made``."""
-    made: list = []
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.arrived = threading.Event()
-        Recorded.made.append(self)
-
-    def before_change(self, units):
-        self.arrived.set()
-        return super().before_change(units)
-
-    def take(self, key):
-        self.arrived.wait(timeout=120)   # (a step that never came: the asserts say so)
-        return super().take(key)
 
 
 def tables(root: str, names) -> list[dict]:
@@ -107,7 +87,7 @@ def save_then_step(rank, world, root, stage, case, staging, monitor=False):
     train_sharded(model, opt, data[:2], rank, world)
     zf.save_checkpoint(os.path.join(root, "sync"), model, opt, step=2)
     unread = all(rt.unread(u) for u in rt.units if u.slots)
-    streamed.UnitCopies, plain = Recorded, streamed.UnitCopies
+    streamed.UnitCopies, plain = HeldUntilAStep, streamed.UnitCopies
     try:
         zf.save_checkpoint(os.path.join(root, "background"), model, opt, step=2,
                            async_save=True, staging_bytes=staging)
@@ -115,7 +95,7 @@ def save_then_step(rank, world, root, stage, case, staging, monitor=False):
         zf.wait_for_checkpoint()
     finally:
         streamed.UnitCopies = plain
-    copies = Recorded.made[-1]
+    copies = HeldUntilAStep.made[-1]
     fresh, fresh_opt = build_parity(stage, "adamw", *offload(case, root + "-fresh"))
     zf.load_checkpoint(os.path.join(root, "sync"), fresh, fresh_opt)
     changed = max_error(full_state(model, opt), full_state(fresh, fresh_opt))

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import zerofn as zf
+from support.held_saves import HeldUntilAStep
 from support.ranks import run_ranks
 from zerofn import cli
 from zerofn.nanogpt import GPT, GPTConfig
@@ -283,11 +284,14 @@ def background_save_held(rank, world, root):
             zf.save_checkpoint(f"{root}/default-{c.offload}", model, opt, step=1,
                                async_save=True)
             zf.wait_for_checkpoint()
+            # (its writer waits for the first step, so the steps find units to copy aside)
+            streamed.UnitCopies = HeldUntilAStep
             zf.save_checkpoint(f"{root}/small-{c.offload}", model, opt, step=2,
                                async_save=True, staging_bytes=STAGING)
             step(), step()
             zf.wait_for_checkpoint()
-            default, small = made
+            streamed.UnitCopies = Recorded
+            [default], small = made, HeldUntilAStep.made[-1]
             out.append(dict(
                 runtime=dict(default=(ChecksumWriter(root).file_bytes, default.budget),
                              small=(_file_bytes(STAGING), small.budget),
