@@ -164,7 +164,8 @@ class UnitCopies:
         with self._count:
             self.held += nbytes
             self.peak = max(self.peak, self.held)
-        weakref.finalize(copy, self._let_go, nbytes)
+        # (the storage's life, not this tensor object's: the writer detaches its own)
+        weakref.finalize(copy.untyped_storage(), self._let_go, nbytes)
         return copy
 
     def _let_go(self, nbytes: int) -> None:
