@@ -43,7 +43,7 @@ also keeps a reference to every tensor of a file until the file is closed (a dic
 needs only for safetensors), so a save held one whole file's copies, half of
 ``staging_bytes``, beside what it reads and what a background save copies aside: under
 low-precision offload, steps running beside a background save peaked 80 MiB over two data
-files (docs/checkpoints.md). ``ChecksumWriter`` writes each file with a loop of its own
+files (docs/checkpoints.md, "One tensor's copy at a time"). ``ChecksumWriter`` writes each file with a loop of its own
 that takes an item, writes it and lets it go before it takes the next, so a save holds
 one item's copy at a time; the files, and every byte in them, are DCP's.
 """

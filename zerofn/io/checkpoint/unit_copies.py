@@ -7,10 +7,10 @@ reads it from a file, decoded) as it writes it. Training goes on meanwhile. Befo
 changes a unit (the runtime asks ``before_change``; save_reads.py), each item of that
 unit the writer has not taken yet is copied aside, within the budget: the half of
 ``staging_bytes`` a data file's size leaves (the writer itself holds one item's copy at
-a time: checksums.py's [Note: one item at a time]). Where the budget is full, the step waits until the writer has taken
-the unit's items, or taken copies made earlier and so freed room: the one wait a
-background save costs training, counted (save_reads.py) and timed as
-``checkpoint_wait``. Units the writer reaches last are copied first: the wait lasts
+a time: checksums.py's [Note: one item at a time]). Where the budget is full, the step
+waits until the writer has taken the unit's items, or taken copies made earlier and so
+freed room: the one wait a background save costs training, counted (save_reads.py) and
+timed as ``checkpoint_wait``. Units the writer reaches last are copied first: the wait lasts
 until every unit not copied is written, so the copies go where they shorten it most.
 
 Each item is written from the state at the call either way: the writer takes a copy made

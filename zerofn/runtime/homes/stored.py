@@ -131,7 +131,7 @@ class StoredForm:
         for s in unit.trainable:
             if s.local_numel:
                 for which in (0, 1):
-                    self._decode_into(s, st, which, s.shard_of(flat[1 + which]).reshape(-1))
+                    self._decode_into(s, st, which, s.shard_of(flat[1 + which]).view(-1))
 
     def encode(self, unit, st: UnitState, flat: torch.Tensor, masters: bool) -> None:
         """The stored form of ``flat`` (3, shard), as ``decode`` left it or a load wrote it."""
@@ -146,7 +146,7 @@ class StoredForm:
         """``slot``'s moment ``which`` in fp32 into ``out`` (flat), ``_SLICE`` elements at
         a time: decoding a whole slot at once took 16 bytes an element of scratch (int64
         codes, the spread scales, the product), which glibc's heap kept after a save's
-        read (docs/checkpoints.md, "Background saves under training")."""
+        read (docs/checkpoints.md, "One tensor's copy at a time")."""
         if slot in st.fp32:
             out.copy_(st.fp32[slot][which].reshape(-1))
             return
