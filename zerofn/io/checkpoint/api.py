@@ -164,8 +164,8 @@ def save_checkpoint(path, model: nn.Module, optimizer: torch.optim.Optimizer, *,
             state at this call. The next save or load, ``wait_for_checkpoint()`` and
             process exit wait for it.
         staging_bytes: the copies a save holds at once, at most (default: two data files,
-            512 MiB): its data files are half of it each, a background save's copies
-            made before a change the other half.
+            512 MiB): its data files are half of it each (written one item at a time), a
+            background save's copies made before a change the other half.
         **extra: ``Stateful`` objects (LR scheduler, ``StatefulDataLoader``) or plain
             values, the same on every rank; wrap per-rank ones in ``PerRank``
             (``RNGState()`` already is).
@@ -222,7 +222,7 @@ def _saved_state(model, optimizer, async_save: bool, staging_bytes: int | None):
     """``(model, optim)`` state dicts to save, and the planner that writes them (None:
     DCP's). A synchronous save reads offloaded state a unit at a time as it writes it
     (streamed.py); a background save copies each unit out as it writes it or before a
-    step changes it, within what of ``staging_bytes`` the writer's data file leaves
+    step changes it, within the half of ``staging_bytes`` a data file's size leaves
     (unit_copies.py)."""
     if plain_model(model) is not None:
         return (*get_state_dict(model, optimizer), None)

@@ -36,23 +36,34 @@ flat masters, offloaded state in its arena: most of zerofn's state) or that live
 GPU. With one file per rank, as DCP writes by default, a synchronous save held a second
 copy of the rank's whole state. ``ChecksumWriter`` splits each rank's items into files of
 at most ``file_bytes`` (a rank's piece of a tensor larger than that gets a file of its
-own), so a save holds one file's copies at a time. Readers, DCP's and FSDP2's alike, find
-every item's file in ``.metadata``.
+own). Readers, DCP's and FSDP2's alike, find every item's file in ``.metadata``.
+
+[Note: one item at a time] DCP's own file loop (torch 2.13's ``_write_files_from_queue``)
+also keeps a reference to every tensor of a file until the file is closed (a dict it
+needs only for safetensors), so a save held one whole file's copies, half of
+``staging_bytes``, beside what it reads and what a background save copies aside: under
+low-precision offload, steps running beside a background save peaked 80 MiB over two data
+files (docs/checkpoints.md, "One tensor's copy at a time"). ``ChecksumWriter`` writes each file with a loop of its own
+that takes an item, writes it and lets it go before it takes the next, so a save holds
+one item's copy at a time; the files, and every byte in them, are DCP's.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
 import queue
+import threading
 import zlib
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
+from torch.distributed.checkpoint.filesystem import (DEFAULT_SUFFIX, FileSystem,
+                                                     SerializationFormat, _write_item)
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.futures import Future
 
@@ -180,7 +191,7 @@ class ChecksumWriter(FileSystemWriter):
 
     def _write_files(self, plan, planner) -> Future:
         """DCP's ``write_data`` with the rank's items in bounded files (``thread_count``
-        threads take them in turn, each holding the copies of the file it writes)."""
+        threads take them in turn)."""
         if not self.single_file_per_rank:          # a file per item: bounded already
             return super().write_data(plan, planner)
         files: queue.Queue = queue.Queue()
@@ -188,6 +199,60 @@ class ChecksumWriter(FileSystemWriter):
             name = f"{plan.storage_data.prefix}{n}{DEFAULT_SUFFIX}"
             files.put((self.fs.concat_path(self.path, name), name, items))
         return self._write_data(planner, files)
+
+    def _write_data(self, planner, files: queue.Queue) -> Future:
+        """DCP's, in ``thread_count`` threads taking files in turn, each file written one
+        item at a time ([Note: one item at a time])."""
+        if self.serialization_format != SerializationFormat.TORCH_SAVE:
+            return super()._write_data(planner, files)     # (safetensors needs a whole file)
+        results: queue.Queue = queue.Queue()
+        errors: list[BaseException] = []
+
+        def drain() -> None:
+            try:
+                while not errors:
+                    try:
+                        path, name, items = files.get_nowait()
+                    except queue.Empty:
+                        return
+                    results.put(self._write_file(planner, path, name, items))
+            except BaseException as e:  # raised below, in the calling thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=drain) for _ in range(1, self.thread_count)]
+        for t in threads:
+            t.start()
+        drain()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        done: Future = Future()
+        done.set_result([r for _ in range(results.qsize()) for r in results.get_nowait()])
+        return done
+
+    def _write_file(self, planner, path, name: str, items: list[WriteItem]) -> list:
+        """Write ``items`` to the data file ``path``: byte items first, then each tensor,
+        taken from the planner, written, and let go before the next is taken."""
+        results = []
+        with self.fs.create_stream(path, "wb") as stream:
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    results.append(self._write_one(stream, planner.resolve_data(item), item,
+                                                   name))
+            for item in items:
+                if item.type != WriteItemType.BYTE_IO:
+                    results.append(self._write_one(stream, _own(planner.resolve_data(item)),
+                                                   item, name))
+            if self.sync_files:
+                try:
+                    os.fsync(stream.fileno())
+                except (AttributeError, io.UnsupportedOperation):
+                    os.sync()
+        return results
+
+    def _write_one(self, stream, data, item: WriteItem, name: str):
+        return _write_item(self.transforms, stream, data, item, name, self.serialization_format)
 
     def finish(self, metadata, results) -> None:
         files, plain = {}, []
@@ -203,6 +268,13 @@ class ChecksumWriter(FileSystemWriter):
         files[METADATA] = {"size": size, "crc32": crc}
         write_sums(root, files)
         self.fs.publish_metadata()       # at a URL, what makes the checkpoint visible
+
+
+def _own(tensor):
+    """``tensor`` on the host in memory of exactly its bytes, as DCP's loader makes it (a
+    view into a larger buffer is copied: torch.save would write the whole buffer)."""
+    tensor = tensor.detach().cpu()
+    return tensor.clone() if tensor.untyped_storage().size() != tensor.nbytes else tensor
 
 
 def bounded_files(items: list[WriteItem], file_bytes: int) -> list[list[WriteItem]]:

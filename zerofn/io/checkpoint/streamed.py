@@ -22,8 +22,8 @@ whole state before returning would double the largest thing the host holds under
 offload, and one that held every step until it had written all would stall training for
 the whole write. So every unit's masters and moments are placeholders as above,
 wherever the unit lives (device, host, file, fewer bits), and the background writer
-copies each out of the live state (or reads it) as it writes it, holding one data file's
-copies and one unit read from a file at a time. Training goes on: the first step that
+copies each out of the live state (or reads it) as it writes it, holding one item's copy
+and one unit read from a file at a time. Training goes on: the first step that
 would change a unit the writer has not finished with copies that unit's remaining items
 aside first, within the rest of ``staging_bytes``, or, where that is full, waits for the
 writer (unit_copies.py's [Note: copy-before-write per unit]); so the checkpoint holds

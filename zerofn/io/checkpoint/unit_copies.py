@@ -5,12 +5,12 @@ of the units' masters and moments at its call: every one of them is a placeholde
 (streamed.py), and the background writer copies each item out of the live state (or
 reads it from a file, decoded) as it writes it. Training goes on meanwhile. Before a step
 changes a unit (the runtime asks ``before_change``; save_reads.py), each item of that
-unit the writer has not taken yet is copied aside, within the budget: the copies the
-writer holds (one data file, ``staging_bytes / 2``) and these together stay within
-``staging_bytes``. Where the budget is full, the step waits until the writer has taken
-the unit's items, or taken copies made earlier and so freed room: the one wait a
-background save costs training, counted (save_reads.py) and timed as
-``checkpoint_wait``. Units the writer reaches last are copied first: the wait lasts
+unit the writer has not taken yet is copied aside, within the budget: the half of
+``staging_bytes`` a data file's size leaves (the writer itself holds one item's copy at
+a time: checksums.py's [Note: one item at a time]). Where the budget is full, the step
+waits until the writer has taken the unit's items, or taken copies made earlier and so
+freed room: the one wait a background save costs training, counted (save_reads.py) and
+timed as ``checkpoint_wait``. Units the writer reaches last are copied first: the wait lasts
 until every unit not copied is written, so the copies go where they shorten it most.
 
 Each item is written from the state at the call either way: the writer takes a copy made
@@ -19,8 +19,8 @@ an item of it is neither taken nor copied, and taking and copying hold one lock)
 
 A unit out of memory (a swap file, fewer bits) is read whole, into new memory, to be
 written or copied: the writer and the copies share one reader, so one unit is read at a
-time, and its bytes are kept out of the copies' budget, so that the save's copies, its
-data file and its read stay within ``staging_bytes`` together.
+time, and its bytes are kept out of the copies' budget, so that the copies aside and the
+read stay within that half together, and the save within it and one item.
 """
 from __future__ import annotations
 
@@ -56,8 +56,9 @@ class UnitCopies:
         reader: the ``UnitReader`` (streamed.py) both sides read units out of memory with.
 
     Attributes:
-        held, peak: bytes of copies this save holds now (made here and not yet let go by
-            the writer) and at most so far; what ``staging_bytes`` bounds.
+        held, peak: bytes of copies this save holds now (made here, their storage not yet
+            let go by the writer) and at most so far: at most ``budget`` and the one item
+            the writer is writing.
         copied: units copied aside before a change.
     """
 
@@ -164,7 +165,8 @@ class UnitCopies:
         with self._count:
             self.held += nbytes
             self.peak = max(self.peak, self.held)
-        weakref.finalize(copy, self._let_go, nbytes)
+        # (the storage's life, not this tensor object's: the writer detaches its own)
+        weakref.finalize(copy.untyped_storage(), self._let_go, nbytes)
         return copy
 
     def _let_go(self, nbytes: int) -> None:

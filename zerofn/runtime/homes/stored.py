@@ -20,6 +20,7 @@ import torch
 from ...optim import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise, signed_code
 from ...optim.lowp import moment_dtype
 
+_SLICE = 1024 * QUANT_BLOCK     # elements decoded at a time (a whole number of blocks)
 
 
 @dataclass
@@ -130,7 +131,7 @@ class StoredForm:
         for s in unit.trainable:
             if s.local_numel:
                 for which in (0, 1):
-                    s.shard_of(flat[1 + which]).copy_(self._decoded(s, st, which))
+                    self._decode_into(s, st, which, s.shard_of(flat[1 + which]).view(-1))
 
     def encode(self, unit, st: UnitState, flat: torch.Tensor, masters: bool) -> None:
         """The stored form of ``flat`` (3, shard), as ``decode`` left it or a load wrote it."""
@@ -141,14 +142,23 @@ class StoredForm:
                 for which in (0, 1):
                     self._encode(s, st, which, s.shard_of(flat[1 + which]).reshape(-1))
 
-    def _decoded(self, slot, st: UnitState, which: int) -> torch.Tensor:
+    def _decode_into(self, slot, st: UnitState, which: int, out: torch.Tensor) -> None:
+        """``slot``'s moment ``which`` in fp32 into ``out`` (flat), ``_SLICE`` elements at
+        a time: decoding a whole slot at once took 16 bytes an element of scratch (int64
+        codes, the spread scales, the product), which glibc's heap kept after a save's
+        read (docs/checkpoints.md, "One tensor's copy at a time")."""
         if slot in st.fp32:
-            return st.fp32[slot][which].view(slot.local_shape)
+            out.copy_(st.fp32[slot][which].reshape(-1))
+            return
         stored = slot.shard_of((st.exp_avg, st.exp_avg_sq)[which]).reshape(-1)
-        if slot not in st.scales:
-            return stored.float().view(slot.local_shape)
-        return dequantize_blockwise(stored, st.scales[slot][which],
-                                    signed=which == 0).view(slot.local_shape)
+        for start in range(0, stored.numel(), _SLICE):
+            end = min(start + _SLICE, stored.numel())
+            if slot not in st.scales:          # (bf16: copy_ widens exactly)
+                out[start:end].copy_(stored[start:end])
+                continue
+            scales = st.scales[slot][which][start // QUANT_BLOCK:-(-end // QUANT_BLOCK)]
+            out[start:end].copy_(dequantize_blockwise(stored[start:end], scales,
+                                                      signed=which == 0))
 
     def _encode(self, slot, st: UnitState, which: int, value: torch.Tensor) -> None:
         if slot in st.fp32:
