@@ -298,7 +298,9 @@ def background_save_held(rank, world, root):
                              peak=small.peak, copied=len(small.copied)),
                 plan=dict(default=memory.staging(), small=memory.staging(STAGING),
                           held=memory.save_held(c, shape, "async", staging_bytes=STAGING),
-                          read=memory.unit_read(c, shape))))
+                          read=memory.unit_read(c, shape),
+                          unit=3 * memory.FP32 * shape.largest,
+                          item=memory.FP32 * shape.largest_piece(c.stage))))
     finally:
         streamed.UnitCopies = plain
     return out
@@ -311,7 +313,8 @@ def test_background_save_phase_is_the_runtimes_bound(world, tmp_path):
     data files, its copies' budget: the runtime's own figures, at the default and at a
     given size), and what the runtime's copies hold at their peak, with steps right after
     the call copying units aside, is within the plan's save phase less the unit it reads
-    (which the copies' count leaves out)."""
+    (which the copies' count leaves out), and fills it to within one unit's items and the
+    writer's one: the first step copies units aside until the next would not fit."""
     for rank, rows in enumerate(run_ranks(world, background_save_held, str(tmp_path))):
         for c, row in zip(SAVED, rows):
             runtime, planned = row["runtime"], row["plan"]
@@ -319,7 +322,9 @@ def test_background_save_phase_is_the_runtimes_bound(world, tmp_path):
             assert runtime["default"] == planned["default"], where
             assert runtime["small"] == planned["small"], where
             assert runtime["copied"] > 0, where     # (the steps found units not written)
-            assert 0 < runtime["peak"] <= planned["held"] - planned["read"], (where, row)
+            bound = planned["held"] - planned["read"]
+            assert 0 < runtime["peak"] <= bound, (where, row)
+            assert bound - runtime["peak"] <= planned["unit"] + planned["item"], (where, row)
 
 
 READ = [Candidate(stage=3, offload="nvme"),

@@ -391,9 +391,10 @@ def save_copies(c: Candidate, shape: Shape, saves: str | None,
 
 def staging(staging_bytes: int = STAGING_BYTES) -> tuple[int, int]:
     """``(data file, copies before a change)``: how ``save_checkpoint`` splits
-    ``staging_bytes`` (io/checkpoint/api.py): each data file at most half of it (DCP keeps
-    a file's copies until the file is written), a background save's copies made before a
-    step changes a unit the rest, a unit read from a file included."""
+    ``staging_bytes`` (io/checkpoint/api.py): each data file at most half of it (its
+    writer holds one tensor's copy at a time, so the file's size bounds the file, not
+    what the save holds), a background save's copies made before a step changes a unit
+    the rest, a unit read from a file included."""
     return staging_bytes // 2, staging_bytes - staging_bytes // 2
 
 
@@ -416,26 +417,30 @@ def unit_read(c: Candidate, shape: Shape) -> int:
 
 def save_held(c: Candidate, shape: Shape, saves: str | None,
               device_is_host: bool = True, staging_bytes: int = STAGING_BYTES) -> int:
-    """Host bytes a save holds at once (``staging_bytes``: ``save_checkpoint``'s). A
-    synchronous save: DCP's copies of one data file (io/checkpoint/checksums.py: files of
-    half ``staging_bytes`` at most, or one larger tensor's rows alone), and one item
-    more: DCP's writer still holds the last item of a file while it copies the next
-    file's first; and the unit it reads (``unit_read``). A background save: its writer's
-    data file, item and unit read the same, and the copies it makes before the next steps
-    change units it has not written yet, within the rest of ``staging_bytes`` less the
-    unit read (unit_copies.py's [Note: copy-before-write per unit]): at most
-    ``staging_bytes`` and one item together, or a larger tensor's rows more, and never
-    more than the state it copies."""
+    """Host bytes a save holds at once (``staging_bytes``: ``save_checkpoint``'s). Its
+    writer copies one tensor at a time and lets it go once written (io/checkpoint/
+    checksums.py's [Note: one item at a time]), whatever the data file's size: the
+    largest tensor the rank writes (fp32 rows, the largest saved dtype but for bf16
+    masters and moments), where the save copies any; and the unit it reads
+    (``unit_read``). A synchronous save holds those two. A background save also the
+    copies it makes before the next steps change units it has not written yet, within
+    the half of ``staging_bytes`` a data file leaves, less the decoded unit the runtime
+    reserves for the read (unit_copies.py's [Note: copy-before-write per unit]), and
+    never more than the state it copies; a bf16 tensor read from fewer bits is cast on
+    its way into that copy, one more of it."""
     if saves is None:
         return 0
     copies = save_copies(c, shape, saves, device_is_host)
-    file_bytes, budget = staging(staging_bytes)
-    item = FP32 * shape.largest_piece(c.stage)
-    one_file = min(copies, max(file_bytes, item) + item)
     read = unit_read(c, shape)
+    item = min(copies, FP32 * shape.largest_piece(c.stage))
     if saves == "sync":
-        return one_file + read
-    return one_file + min(copies - one_file, max(0, budget - read)) + read
+        return read + item
+    _, budget = staging(staging_bytes)
+    reserved = 3 * FP32 * shape.largest if read else 0     # (UnitCopies' _reading)
+    aside = min(copies - item, max(0, budget - reserved))
+    cast = DTYPES["bf16"].itemsize * shape.largest_piece(c.stage, trainable=True) \
+        if read and "bf16" in (c.master_dtype, c.state_dtype) else 0
+    return read + item + aside + cast
 
 
 def save_bytes(c: Candidate, shape: Shape, saves: str | None,
