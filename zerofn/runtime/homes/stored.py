@@ -143,19 +143,19 @@ class StoredForm:
                     self._encode(s, st, which, s.shard_of(flat[1 + which]).reshape(-1))
 
     def _decode_into(self, slot, st: UnitState, which: int, out: torch.Tensor) -> None:
-        """``slot``'s moment ``which`` in fp32 into ``out`` (flat), ``_SLICE`` elements at
-        a time: decoding a whole slot at once took 16 bytes an element of scratch (int64
+        """``slot``'s moment ``which`` in fp32 into ``out`` (flat), int8 codes ``_SLICE``
+        elements at a time: decoding a whole slot at once took 16 bytes an element of scratch (int64
         codes, the spread scales, the product), which glibc's heap kept after a save's
         read (docs/checkpoints.md, "One tensor's copy at a time")."""
         if slot in st.fp32:
             out.copy_(st.fp32[slot][which].reshape(-1))
             return
         stored = slot.shard_of((st.exp_avg, st.exp_avg_sq)[which]).reshape(-1)
+        if slot not in st.scales:          # (bf16: copy_ widens exactly, with no scratch)
+            out.copy_(stored)
+            return
         for start in range(0, stored.numel(), _SLICE):
             end = min(start + _SLICE, stored.numel())
-            if slot not in st.scales:          # (bf16: copy_ widens exactly)
-                out[start:end].copy_(stored[start:end])
-                continue
             scales = st.scales[slot][which][start // QUANT_BLOCK:-(-end // QUANT_BLOCK)]
             out[start:end].copy_(dequantize_blockwise(stored[start:end], scales,
                                                       signed=which == 0))
