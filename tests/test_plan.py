@@ -555,7 +555,7 @@ def test_plan_accuracy_runs_grid_points():
 @pytest.mark.multirank
 def test_zerofn_train_plan_auto_trains_the_choice(tmp_path):
     """``zerofn train --plan auto`` on two ranks: the plan's choice, printed with its
-    reason, trains; flags the plan chooses itself are refused."""
+    reason, trains; flags the plan chooses itself are refused before any rank starts."""
     machine = tmp_path / "probe.json"
     machine.write_text(json.dumps(MACHINE.to_json()))
     flags = ["--model", "tiny", "--context", "32", "--batch", "4", "--steps", "2",
@@ -568,10 +568,11 @@ def test_zerofn_train_plan_auto_trains_the_choice(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("zerofn plan: chosen: ZeRO-") == 1, done.stdout
     assert "final loss" in done.stdout or "step 2" in done.stdout, done.stdout[-2000:]
-    refused = subprocess.run(cmd + flags + ["--stage", "2"], capture_output=True, text=True,
-                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert refused.returncode != 0
-    assert "--plan auto chooses --stage itself" in refused.stdout + refused.stderr
+    # refused by the launcher, before any rank starts (exit 2, as argparse's refusals)
+    refused = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "2", *flags,
+                              "--stage", "2"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "--plan auto chooses --stage itself" in refused.stderr
 
 
 # -- docs/plan.md's figures against its tables -----------------------------------------
