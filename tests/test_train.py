@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import zerofn as zf
+from support import slow_variant
 from support.ranks import run_ranks
 from support.tensorboard_runs import read, scalars, text
 from zerofn import cli, train
@@ -67,6 +68,18 @@ def assert_learns(out: str, steps: int) -> dict:
     final = re.search(rf"^final loss (\S+) after {steps} steps \(ZeRO-\d, 2 ranks", out, re.M)
     assert final and final.group(1) == logged[steps][0], out
     return logged
+
+
+RESUMED = ["--stage", "2", "--grad-accum", "2", "--activation-checkpointing"]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """(save dir, output) of the ZeRO-2 job of RESUMED run through its 8 steps under
+    --resume, saving at its end: the reference of the interrupted and resumed runs, of the
+    compiled job, and of the tensor-parallel ones (one launch serving the three)."""
+    root = tmp_path_factory.mktemp("whole")
+    return root, run_job(*RESUMED, "--save-dir", str(root), "--resume", steps=8)
 
 
 CONFIG = {
@@ -180,13 +193,14 @@ def test_the_host_step_during_backward_from_the_command_line():
 
 
 @pytest.mark.multirank
-def test_compiled_job_prints_the_uncompiled_curve():
+def test_compiled_job_prints_the_uncompiled_curve(whole):
     """--compile BACKEND: torch.compile over the sharded model (aot_eager here: inductor's
-    kernels round differently), the same losses, rates and norms step for step."""
-    compiled = run_job("--compile", "aot_eager", "--log-every", "1", steps=4)
-    assert "activation checkpointing off, torch.compile (aot_eager)" in compiled, compiled
-    assert sorted(curve(compiled)) == [1, 2, 3, 4], compiled
-    assert curve(compiled) == curve(run_job("--log-every", "1", steps=4))
+    kernels round differently), under accumulation and activation checkpointing: the same
+    losses, rates and norms step for step as the uncompiled job of the same flags."""
+    compiled = run_job(*RESUMED, "--compile", "aot_eager", steps=8)
+    assert "activation checkpointing on, torch.compile (aot_eager)" in compiled, compiled
+    assert sorted(curve(compiled)) == list(range(1, 9)), compiled
+    assert curve(compiled) == curve(whole[1])
 
 
 @pytest.mark.multirank
@@ -205,14 +219,10 @@ def test_nvme_offload_with_fp16_loss_scaling_on_cpu(tmp_path):
     assert losses[-1] < losses[0] - 0.5, out
 
 
-RESUMED = ["--stage", "2", "--grad-accum", "2", "--activation-checkpointing"]
-
-
 @pytest.mark.multirank
-def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, capsys):
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
+def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(whole, tmp_path, capsys):
+    (whole, out_whole), parts = whole, tmp_path / "parts"
     # --resume on an empty save dir starts afresh (load_checkpoint returns None).
-    out_whole = run_job(*RESUMED, "--save-dir", str(whole), "--resume", steps=8)
     assert f"no checkpoint in {whole} yet: starting at step 0" in out_whole, out_whole
     assert "(2 x 2 on each of 2 ranks)" in out_whole and "ZeRO-2" in out_whole
     assert "activation checkpointing on" in out_whole
@@ -252,33 +262,46 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, caps
     assert f"the checkpoint in {parts} is at step 10: nothing left to train" in again.stdout
 
 
+# --tp 2 on 2 ranks (data parallel 1, ZeRO-1) and on 4 (data parallel 2, ZeRO-3 with the
+# optimizer state on the host and 2 accumulated micro-batches): the 4-rank job runs the
+# same command-line path with data parallelism beside it, so it runs every time.
+TP_JOBS = {     # flags, ranks, what the job says of its layout
+    "dp1": (["--tp", "2", "--stage", "1"], 2, ["tensor parallel 2 x data parallel 1",
+                                               "ZeRO-1"]),
+    "dp2": (["--tp", "2", "--grad-accum", "2", "--offload", "cpu"], 4,
+            ["tensor parallel 2 x data parallel 2", "(2 x 2 on each of 2 data-parallel ranks)",
+             "offload cpu"]),
+}
+
+
 @pytest.mark.multirank
-def test_tensor_parallel_job_follows_the_unsplit_curve(tmp_path):
-    """--tp 2: the GPT split over two tensor-parallel ranks, ZeRO over the rest; on 2 ranks
-    (dp 1, ZeRO-1) and on 4 (dp 2, ZeRO-3 with the optimizer state on the host and 2
-    accumulated micro-batches) its losses and norms are those of one rank without
-    tensor parallelism, at the same global batch. The tensor-parallel tests hold zerofn + TP
-    to FSDP2 + TP within 1e-6, both summing in TP's order; against no TP at all the
-    row-parallel layers sum their partial products in another order (fp32 rounding, about
-    1e-7 of a value), far below the printed 4 decimals of the loss and 3 of the norm: so
-    within one unit of the last printed digit. Its checkpoint keeps the q/k/v rows in
-    --tp 2's head groups, and a --tp 1 resume of it is refused."""
-    unsplit = curve(run_job(steps=6, nproc=1))
+@pytest.mark.parametrize("grid", [
+    slow_variant("dp1", covered_by="test_train.py::test_tensor_parallel_job_follows_the_"
+                                   "unsplit_curve[dp2] (the same --tp 2 job and its "
+                                   "checkpoint, beside data parallelism)"), "dp2"])
+def test_tensor_parallel_job_follows_the_unsplit_curve(grid, whole, tmp_path):
+    """--tp 2: the GPT split over two tensor-parallel ranks, ZeRO over the rest (TP_JOBS);
+    its losses and norms are those of the job without tensor parallelism (``whole``: 2
+    data-parallel ranks, ZeRO-2, 2 accumulated micro-batches), at the same global batch.
+    The tensor-parallel tests hold zerofn + TP to FSDP2 + TP within 1e-6, both summing in
+    TP's order; against no TP at all the row-parallel layers sum their partial products in
+    another order (fp32 rounding, about 1e-7 of a value), far below the printed 4 decimals
+    of the loss and 3 of the norm: so within one unit of the last printed digit. Its
+    checkpoint keeps the q/k/v rows in --tp 2's head groups, and a --tp 1 resume of it is
+    refused."""
+    flags, nproc, said = TP_JOBS[grid]
+    unsplit = curve(whole[1])
     ckpt = tmp_path / "tp2"
-    two = run_job("--tp", "2", "--stage", "1", "--save-dir", str(ckpt), steps=6)
-    four = run_job("--tp", "2", "--grad-accum", "2", "--offload", "cpu", steps=6, nproc=4)
-    assert "tensor parallel 2 x data parallel 1" in two and "ZeRO-1" in two, two
-    assert "(2 x 2 on each of 2 data-parallel ranks)" in four, four
-    assert "tensor parallel 2 x data parallel 2" in four and "offload cpu" in four, four
-    for out in (two, four):
-        split = curve(out)
-        assert sorted(split) == sorted(unsplit) == list(range(1, 7)), out
-        for step, (loss, lr, gnorm) in split.items():
-            assert abs(float(loss) - float(unsplit[step][0])) < 1.5e-4, (step, out)
-            assert abs(float(gnorm) - float(unsplit[step][2])) < 1.5e-3, (step, out)
-            assert lr == unsplit[step][1], (step, out)
+    out = run_job(*flags, "--save-dir", str(ckpt), steps=8, nproc=nproc)
+    assert all(words in out for words in said), out
+    split = curve(out)
+    assert sorted(split) == sorted(unsplit) == list(range(1, 9)), out
+    for step, (loss, lr, gnorm) in split.items():
+        assert abs(float(loss) - float(unsplit[step][0])) < 1.5e-4, (step, out)
+        assert abs(float(gnorm) - float(unsplit[step][2])) < 1.5e-3, (step, out)
+        assert lr == unsplit[step][1], (step, out)
     resumed = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "1", *TINY,
-                              "--steps", "8", "--save-dir", str(ckpt), "--resume"],
+                              "--steps", "10", "--save-dir", str(ckpt), "--resume"],
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode != 0, resumed.stdout
     assert "error: the checkpoint was saved by a --tp 2 run, whose fused q/k/v rows lie in 2 " \
@@ -298,7 +321,9 @@ def checkpoint_before_tp(rank, world, root):
 
 @pytest.mark.multirank
 def test_a_checkpoint_from_before_tp_resumes_in_the_usual_order(tmp_path):
-    root = str(tmp_path)
+    """--tp 2 refuses it; --tp 1 resumes it in the usual order, and its --tensorboard
+    series go on from the checkpoint's step."""
+    root, logs = str(tmp_path / "ckpt"), tmp_path / "tb"
     run_ranks(1, checkpoint_before_tp, root)
     refused = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "2", "--tp",
                               "2", *TINY, "--steps", "4", "--save-dir", root, "--resume"],
@@ -306,8 +331,17 @@ def test_a_checkpoint_from_before_tp_resumes_in_the_usual_order(tmp_path):
     assert refused.returncode != 0, refused.stdout
     assert f"error: the checkpoint in {root} was saved without --tp (its q/k/v rows in the " \
            "usual order); resume it with --tp 1." in refused.stderr, refused.stderr
-    out = run_job("--save-dir", root, "--resume", steps=4, nproc=1)
+    out = run_job("--save-dir", root, "--resume", "--log-every", "2", "--tensorboard",
+                  str(logs), steps=4, nproc=1)
     assert f"resumed from {root} at step 2" in out and sorted(curve(out)) == [3, 4], out
+    # The resumed run's series go on from its step: each step's loss as printed (one
+    # rank: its own loss is the mean), the step time on --log-every's steps only.
+    acc = read(str(logs))
+    loss = scalars(acc, "train/loss")
+    assert sorted(loss) == [3, 4], loss
+    for step, (printed, _, _) in curve(out).items():
+        assert loss[step] == pytest.approx(float(printed), abs=1e-4), (step, out)
+    assert set(scalars(acc, "time/step")) == {4}
 
 
 # -- settings that cannot run: the same error on every rank --------------------------------
