@@ -7,7 +7,15 @@ under torchrun on a tiny model. Few jobs, each exercising several flags at once:
 - ZeRO-2 with gradient accumulation and activation checkpointing, interrupted by
   ``--stop-at`` and resumed, against the same run uninterrupted: the same losses and the
   same final weights, bit for bit (compared through ``zerofn consolidate``); then resumed
-  on one rank, and started again once finished.
+  on one rank, and started again once finished. That uninterrupted run is also the
+  compiled job's reference and the tensor-parallel jobs';
+- ZeRO-2 with the host's optimizer state placed by ``--offload-ratio auto``, logging to
+  TensorBoard: also the reference of the host step during backward.
+
+A launch costs seconds whatever its steps (the launcher and each rank import torch and
+zerofn), so a run one test makes serves the others (module-scoped fixtures), and a job
+that ends before its first step (a refusal, a finished run started again) runs as the
+job's own ``train`` on ``run_ranks``'s ranks.
 
 Settings that cannot run are refused on every rank before any collective (cheaper to
 check through ``resolve`` on spawned ranks than through torchrun). ``load_checkpoint`` on
@@ -150,14 +158,25 @@ def test_a_share_of_the_state_on_the_device_from_the_command_line():
         assert opt[0] == opt[1], (place, est, measured)
 
 
+HOST_STEP = ["--stage", "2", "--offload", "cpu", "--clip", "0", "--grad-accum", "2"]
+
+
+@pytest.fixture(scope="module")
+def auto_placed(tmp_path_factory):
+    """(TensorBoard directory, output) of HOST_STEP's job under --offload-ratio auto: the
+    auto placement test's job, and the host step test's reference (it steps after
+    backward). (On the CPU the budget is in bytes; this one holds every unit, so after step 1
+    only the step counters stay on the host.)"""
+    logs = tmp_path_factory.mktemp("auto") / "tb"
+    return logs, run_job(*HOST_STEP, "--offload-ratio", "auto", "--device-budget",
+                         str(10**13), "--tensorboard", str(logs))
+
+
 @pytest.mark.multirank
-def test_auto_placement_is_printed_and_logged(tmp_path):
+def test_auto_placement_is_printed_and_logged(auto_placed):
     """--offload-ratio auto: after step 1 rank 0 prints the placement and its reason, and
-    TensorBoard gets the reason as text and the placement as scalars. (On the CPU the budget
-    is in bytes; this one holds every unit, so only the step counters stay on the host.)"""
-    logs = tmp_path / "tb"
-    out = run_job("--offload", "cpu", "--offload-ratio", "auto", "--device-budget",
-                  str(10**13), "--tensorboard", str(logs), steps=3)
+    TensorBoard gets the reason as text and the placement as scalars."""
+    logs, out = auto_placed
     assert "offload cpu, ratio auto (placed after the first step, within a device budget " \
            "of 9,313.23 GiB), 3 units" in out, out
     placed = re.search(r"^placement after step 1: (ratio auto: first step's device peak "
@@ -179,14 +198,16 @@ def test_auto_placement_is_printed_and_logged(tmp_path):
 
 
 @pytest.mark.multirank
-def test_the_host_step_during_backward_from_the_command_line():
+def test_the_host_step_during_backward_from_the_command_line(auto_placed):
     """--overlap-step accumulates under no_sync and steps the host's units in backward:
     the same curve as the job that reduces every micro-batch and steps after backward
-    (sums of the same gradients in another order: equal to the printed digits or one)."""
-    flags = ["--stage", "2", "--offload", "cpu", "--clip", "0", "--grad-accum", "2"]
-    overlapped = run_job(*flags, "--overlap-step")
+    (``auto_placed``: its optimizer state on the host for step 1, on the device after it;
+    sums of the same gradients in another order and AdamW on either side: equal to the
+    printed digits or one)."""
+    overlapped = run_job(*HOST_STEP, "--overlap-step")
     assert "offload cpu, host step during backward" in overlapped, overlapped
-    after = curve(run_job(*flags))
+    after = curve(auto_placed[1])
+    assert sorted(after) == sorted(curve(overlapped)) == list(range(1, 13)), overlapped
     for step, (loss, lr, gnorm) in curve(overlapped).items():
         assert gnorm == "-" and lr == after[step][1]
         assert abs(float(loss) - float(after[step][0])) <= 2e-4, (step, loss, after[step])
@@ -250,16 +271,17 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(whole, tmp_pat
     assert a.keys() == GPT(PRESETS["tiny"]).state_dict().keys()
     # One rank goes on from the two ranks' checkpoint (the data position and the schedule
     # too; per-rank generator states cannot move, and this job draws from none).
-    out = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "1", *TINY,
-                          *RESUMED, "--steps", "10", "--save-dir", str(parts), "--resume"],
+    on_one = [*TINY, *RESUMED, "--steps", "10", "--save-dir", str(parts), "--resume"]
+    out = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "1", *on_one],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "random generator states are not restored" in out.stdout, out.stdout
     assert sorted(curve(out.stdout)) == [9, 10] and "1 rank on gloo" in out.stdout, out.stdout
-    # Started again once finished (a job scheduler's retry): nothing to do, and says so.
-    again = subprocess.run(out.args, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and not curve(again.stdout), again.stdout + again.stderr
-    assert f"the checkpoint in {parts} is at step 10: nothing left to train" in again.stdout
+    # Started again once finished (a job scheduler's retry): nothing to do, and says so;
+    # the job's own run on a rank, returning as a finished run does (exit status 0).
+    again, error = run_ranks(1, job_on_ranks, on_one)[0]
+    assert error is None and not curve(again), (again, error)
+    assert f"the checkpoint in {parts} is at step 10: nothing left to train" in again
 
 
 # --tp 2 on 2 ranks (data parallel 1, ZeRO-1) and on 4 (data parallel 2, ZeRO-3 with the
@@ -308,6 +330,22 @@ def test_tensor_parallel_job_follows_the_unsplit_curve(grid, whole, tmp_path):
            "head groups (now --tp 1); resume it with --tp 2." in resumed.stderr, resumed.stderr
 
 
+def job_on_ranks(rank, world, argv):
+    """(what this rank printed, the error it raised for the user or None) of zerofn
+    train's run on ``run_ranks``'s process group: for the jobs that end before their first
+    step, where a launch would cost seconds and show nothing more."""
+    import contextlib
+    import io
+    from zerofn.train.loop import train as train_job
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        try:
+            train_job(train.parse_args(argv), torch.device("cpu"))
+        except ValueError as e:
+            return printed.getvalue(), str(e)
+    return printed.getvalue(), None
+
+
 def checkpoint_before_tp(rank, world, root):
     """A checkpoint as the job saved it before --tp existed: without its q/k/v order."""
     from zerofn.data import load_corpus, split
@@ -325,12 +363,12 @@ def test_a_checkpoint_from_before_tp_resumes_in_the_usual_order(tmp_path):
     series go on from the checkpoint's step."""
     root, logs = str(tmp_path / "ckpt"), tmp_path / "tb"
     run_ranks(1, checkpoint_before_tp, root)
-    refused = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "2", "--tp",
-                              "2", *TINY, "--steps", "4", "--save-dir", root, "--resume"],
-                             capture_output=True, text=True, timeout=300)
-    assert refused.returncode != 0, refused.stdout
-    assert f"error: the checkpoint in {root} was saved without --tp (its q/k/v rows in the " \
-           "usual order); resume it with --tp 1." in refused.stderr, refused.stderr
+    # The refusal on each rank (how the job says a refusal and exits: the --tp 1 resume of a
+    # --tp 2 checkpoint in test_tensor_parallel_job_follows_the_unsplit_curve).
+    argv = ["--tp", "2", *TINY, "--steps", "4", "--save-dir", root, "--resume"]
+    for printed, error in run_ranks(2, job_on_ranks, argv):
+        assert error == f"the checkpoint in {root} was saved without --tp (its q/k/v rows in " \
+            "the usual order); resume it with --tp 1.", (printed, error)
     out = run_job("--save-dir", root, "--resume", "--log-every", "2", "--tensorboard",
                   str(logs), steps=4, nproc=1)
     assert f"resumed from {root} at step 2" in out and sorted(curve(out)) == [3, 4], out
