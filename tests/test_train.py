@@ -2,7 +2,8 @@
 under torchrun on a tiny model. Few jobs, each exercising several flags at once:
 
 - a DeepSpeed config (ZeRO-3, bf16, optimizer and parameters offloaded to the host, its
-  optimizer and scheduler) with flags overriding it;
+  optimizer and scheduler) with flags overriding it and ``--offload-ratio 0.5`` keeping a
+  share of the optimizer state on the device;
 - ZeRO-1 with NVMe offload and fp16 loss scaling on the CPU;
 - ZeRO-2 with gradient accumulation and activation checkpointing, interrupted by
   ``--stop-at`` and resumed, against the same run uninterrupted: the same losses and the
@@ -14,8 +15,9 @@ under torchrun on a tiny model. Few jobs, each exercising several flags at once:
 
 A launch costs seconds whatever its steps (the launcher and each rank import torch and
 zerofn), so a run one test makes serves the others (module-scoped fixtures), and a job
-that ends before its first step (a refusal, a finished run started again) runs as the
-job's own ``train`` on ``run_ranks``'s ranks.
+that ends before its first step (the before-tp refusal, a finished run started again) runs
+as the job's own ``train`` on ``run_ranks``'s ranks; one refusal still launches (a --tp 1
+resume of a --tp 2 checkpoint), to show how the job says it and exits.
 
 Settings that cannot run are refused on every rank before any collective (cheaper to
 check through ``resolve`` on spawned ranks than through torchrun). ``load_checkpoint`` on
@@ -103,12 +105,20 @@ CONFIG = {
 }
 
 
+@pytest.fixture(scope="module")
+def config_job(tmp_path_factory):
+    """The output of a job under CONFIG with flags over it: the config test's job, and with
+    its --offload-ratio 0.5 the ratio test's."""
+    config = tmp_path_factory.mktemp("config") / "ds_config.json"
+    config.write_text(json.dumps(CONFIG))
+    return run_job("--config", str(config), "--clip", "0.7", "--lr", "0.003",
+                   "--offload-ratio", "0.5")
+
+
 @pytest.mark.deepspeed
 @pytest.mark.multirank
-def test_config_file_with_offload_and_bf16_and_flags_over_it(tmp_path):
-    config = tmp_path / "ds_config.json"
-    config.write_text(json.dumps(CONFIG))
-    out = run_job("--config", str(config), "--clip", "0.7", "--lr", "0.003")
+def test_config_file_with_offload_and_bf16_and_flags_over_it(config_job):
+    out = config_job
     assert "plan: ZeRO-3, bf16 compute, fp32 masters, offload cpu (params too)" in out, out
     # The config's batch rule; the flag's clip and lr over the config's; its scheduler.
     assert "8 sequences of 32 bytes per step (2 x 2 on each of 2 ranks); clip 0.7; " \
@@ -123,7 +133,8 @@ def test_config_file_with_offload_and_bf16_and_flags_over_it(tmp_path):
         sched.step()
     assert [logged[s][1] for s in sorted(logged)] == want, out
     measured = re.search(r"^model state per rank, measured.*$", out, re.M).group(0)
-    # Parameter shards, masters and Adam state on the host; only gradients on the device.
+    # Parameter shards, masters and Adam state on the host; on the device gradients and
+    # the Adam state that --offload-ratio keeps there, no parameters.
     host = re.search(r"host (\S+) MiB \(params (\S+) MiB, grads (\S+) MiB, optimizer (\S+)",
                      measured)
     assert host and min(float(v) for v in host.groups()) > 0, measured
@@ -144,10 +155,11 @@ def test_low_precision_host_state_from_the_command_line():
 
 
 @pytest.mark.multirank
-def test_a_share_of_the_state_on_the_device_from_the_command_line():
-    out = run_job("--stage", "3", "--offload", "cpu", "--offload-ratio", "0.5")
-    assert re.search(r"offload cpu, ratio 0.5 \(0\.\d\d in whole units\): \d of \d units "
-                     r"keep their state on the device \(<root>", out), out
+def test_a_share_of_the_state_on_the_device_from_the_command_line(config_job):
+    """--offload-ratio 0.5 (over the config's ZeRO-3, parameters offloaded too)."""
+    out = config_job
+    assert re.search(r"offload cpu \(params too\), ratio 0.5 \(0\.\d\d in whole units\): \d "
+                     r"of \d units keep their state on the device \(<root>", out), out
     assert_learns(out, 12)
     # The estimate follows the placement: the same optimizer bytes on each side.
     est, measured = (re.search(rf"^model state per rank, {w}.*$", out, re.M).group(0)
