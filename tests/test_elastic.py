@@ -34,6 +34,11 @@ def _compare(tmp_path, out: str, got: dict) -> int:
     return int(resumed.group(1))
 
 
+@pytest.mark.slow(reason="covered in every run by test_elastic.py::"
+                  "test_a_restart_with_a_fresh_store_per_attempt (the same kill in forward, "
+                  "restarted, the same losses) and test_elastic.py::"
+                  "test_a_save_cut_off_leaves_the_last_complete_checkpoint (a kill restarted "
+                  "through the launcher's shared store)")
 def test_a_killed_rank_restarts_and_the_losses_go_on(tmp_path):
     out, got = _restarted(tmp_path, "kill:forward:5:1")
     assert _compare(tmp_path, out, got) in (2, 4)

@@ -255,6 +255,10 @@ def test_deepspeed_monitoring_sections_become_tensorboard():
 
 
 # -- the main job ------------------------------------------------------------------------------
+@pytest.mark.slow(reason="covered in every run by test_train.py::"
+                  "test_a_checkpoint_from_before_tp_resumes_in_the_usual_order (a zerofn train "
+                  "job with --tensorboard: its loss as printed, its step time on --log-every's "
+                  "steps)")
 @pytest.mark.multirank
 def test_train_job_logs_its_loss(tmp_path):
     logs = tmp_path / "tb"

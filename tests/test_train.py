@@ -2,12 +2,22 @@
 under torchrun on a tiny model. Few jobs, each exercising several flags at once:
 
 - a DeepSpeed config (ZeRO-3, bf16, optimizer and parameters offloaded to the host, its
-  optimizer and scheduler) with flags overriding it;
+  optimizer and scheduler) with flags overriding it and ``--offload-ratio 0.5`` keeping a
+  share of the optimizer state on the device;
 - ZeRO-1 with NVMe offload and fp16 loss scaling on the CPU;
 - ZeRO-2 with gradient accumulation and activation checkpointing, interrupted by
   ``--stop-at`` and resumed, against the same run uninterrupted: the same losses and the
   same final weights, bit for bit (compared through ``zerofn consolidate``); then resumed
-  on one rank, and started again once finished.
+  on one rank, and started again once finished. That uninterrupted run is also the
+  compiled job's reference and the tensor-parallel jobs';
+- ZeRO-2 with the host's optimizer state placed by ``--offload-ratio auto``, logging to
+  TensorBoard: also the reference of the host step during backward.
+
+A launch costs seconds whatever its steps (the launcher and each rank import torch and
+zerofn), so a run one test makes serves the others (module-scoped fixtures), and a job
+that ends before its first step (the before-tp refusal, a finished run started again) runs
+as the job's own ``train`` on ``run_ranks``'s ranks; one refusal still launches (a --tp 1
+resume of a --tp 2 checkpoint), to show how the job says it and exits.
 
 Settings that cannot run are refused on every rank before any collective (cheaper to
 check through ``resolve`` on spawned ranks than through torchrun). ``load_checkpoint`` on
@@ -26,6 +36,7 @@ import pytest
 import torch
 
 import zerofn as zf
+from support import slow_variant
 from support.ranks import run_ranks
 from support.tensorboard_runs import read, scalars, text
 from zerofn import cli, train
@@ -69,6 +80,18 @@ def assert_learns(out: str, steps: int) -> dict:
     return logged
 
 
+RESUMED = ["--stage", "2", "--grad-accum", "2", "--activation-checkpointing"]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """(save dir, output) of the ZeRO-2 job of RESUMED run through its 8 steps under
+    --resume, saving at its end: the reference of the interrupted and resumed runs, of the
+    compiled job, and of the tensor-parallel ones (one launch serving the three)."""
+    root = tmp_path_factory.mktemp("whole")
+    return root, run_job(*RESUMED, "--save-dir", str(root), "--resume", steps=8)
+
+
 CONFIG = {
     "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,   # accumulation 2 at 2 ranks
     "gradient_clipping": 0.5,
@@ -82,12 +105,20 @@ CONFIG = {
 }
 
 
+@pytest.fixture(scope="module")
+def config_job(tmp_path_factory):
+    """The output of a job under CONFIG with flags over it: the config test's job, and with
+    its --offload-ratio 0.5 the ratio test's."""
+    config = tmp_path_factory.mktemp("config") / "ds_config.json"
+    config.write_text(json.dumps(CONFIG))
+    return run_job("--config", str(config), "--clip", "0.7", "--lr", "0.003",
+                   "--offload-ratio", "0.5")
+
+
 @pytest.mark.deepspeed
 @pytest.mark.multirank
-def test_config_file_with_offload_and_bf16_and_flags_over_it(tmp_path):
-    config = tmp_path / "ds_config.json"
-    config.write_text(json.dumps(CONFIG))
-    out = run_job("--config", str(config), "--clip", "0.7", "--lr", "0.003")
+def test_config_file_with_offload_and_bf16_and_flags_over_it(config_job):
+    out = config_job
     assert "plan: ZeRO-3, bf16 compute, fp32 masters, offload cpu (params too)" in out, out
     # The config's batch rule; the flag's clip and lr over the config's; its scheduler.
     assert "8 sequences of 32 bytes per step (2 x 2 on each of 2 ranks); clip 0.7; " \
@@ -102,7 +133,8 @@ def test_config_file_with_offload_and_bf16_and_flags_over_it(tmp_path):
         sched.step()
     assert [logged[s][1] for s in sorted(logged)] == want, out
     measured = re.search(r"^model state per rank, measured.*$", out, re.M).group(0)
-    # Parameter shards, masters and Adam state on the host; only gradients on the device.
+    # Parameter shards, masters and Adam state on the host; on the device gradients and
+    # the Adam state that --offload-ratio keeps there, no parameters.
     host = re.search(r"host (\S+) MiB \(params (\S+) MiB, grads (\S+) MiB, optimizer (\S+)",
                      measured)
     assert host and min(float(v) for v in host.groups()) > 0, measured
@@ -123,10 +155,11 @@ def test_low_precision_host_state_from_the_command_line():
 
 
 @pytest.mark.multirank
-def test_a_share_of_the_state_on_the_device_from_the_command_line():
-    out = run_job("--stage", "3", "--offload", "cpu", "--offload-ratio", "0.5")
-    assert re.search(r"offload cpu, ratio 0.5 \(0\.\d\d in whole units\): \d of \d units "
-                     r"keep their state on the device \(<root>", out), out
+def test_a_share_of_the_state_on_the_device_from_the_command_line(config_job):
+    """--offload-ratio 0.5 (over the config's ZeRO-3, parameters offloaded too)."""
+    out = config_job
+    assert re.search(r"offload cpu \(params too\), ratio 0.5 \(0\.\d\d in whole units\): \d "
+                     r"of \d units keep their state on the device \(<root>", out), out
     assert_learns(out, 12)
     # The estimate follows the placement: the same optimizer bytes on each side.
     est, measured = (re.search(rf"^model state per rank, {w}.*$", out, re.M).group(0)
@@ -137,14 +170,25 @@ def test_a_share_of_the_state_on_the_device_from_the_command_line():
         assert opt[0] == opt[1], (place, est, measured)
 
 
+HOST_STEP = ["--stage", "2", "--offload", "cpu", "--clip", "0", "--grad-accum", "2"]
+
+
+@pytest.fixture(scope="module")
+def auto_placed(tmp_path_factory):
+    """(TensorBoard directory, output) of HOST_STEP's job under --offload-ratio auto: the
+    auto placement test's job, and the host step test's reference (it steps after
+    backward). (On the CPU the budget is in bytes; this one holds every unit, so after step 1
+    only the step counters stay on the host.)"""
+    logs = tmp_path_factory.mktemp("auto") / "tb"
+    return logs, run_job(*HOST_STEP, "--offload-ratio", "auto", "--device-budget",
+                         str(10**13), "--tensorboard", str(logs))
+
+
 @pytest.mark.multirank
-def test_auto_placement_is_printed_and_logged(tmp_path):
+def test_auto_placement_is_printed_and_logged(auto_placed):
     """--offload-ratio auto: after step 1 rank 0 prints the placement and its reason, and
-    TensorBoard gets the reason as text and the placement as scalars. (On the CPU the budget
-    is in bytes; this one holds every unit, so only the step counters stay on the host.)"""
-    logs = tmp_path / "tb"
-    out = run_job("--offload", "cpu", "--offload-ratio", "auto", "--device-budget",
-                  str(10**13), "--tensorboard", str(logs), steps=3)
+    TensorBoard gets the reason as text and the placement as scalars."""
+    logs, out = auto_placed
     assert "offload cpu, ratio auto (placed after the first step, within a device budget " \
            "of 9,313.23 GiB), 3 units" in out, out
     placed = re.search(r"^placement after step 1: (ratio auto: first step's device peak "
@@ -166,27 +210,30 @@ def test_auto_placement_is_printed_and_logged(tmp_path):
 
 
 @pytest.mark.multirank
-def test_the_host_step_during_backward_from_the_command_line():
+def test_the_host_step_during_backward_from_the_command_line(auto_placed):
     """--overlap-step accumulates under no_sync and steps the host's units in backward:
     the same curve as the job that reduces every micro-batch and steps after backward
-    (sums of the same gradients in another order: equal to the printed digits or one)."""
-    flags = ["--stage", "2", "--offload", "cpu", "--clip", "0", "--grad-accum", "2"]
-    overlapped = run_job(*flags, "--overlap-step")
+    (``auto_placed``: its optimizer state on the host for step 1, on the device after it;
+    sums of the same gradients in another order and AdamW on either side: equal to the
+    printed digits or one)."""
+    overlapped = run_job(*HOST_STEP, "--overlap-step")
     assert "offload cpu, host step during backward" in overlapped, overlapped
-    after = curve(run_job(*flags))
+    after = curve(auto_placed[1])
+    assert sorted(after) == sorted(curve(overlapped)) == list(range(1, 13)), overlapped
     for step, (loss, lr, gnorm) in curve(overlapped).items():
         assert gnorm == "-" and lr == after[step][1]
         assert abs(float(loss) - float(after[step][0])) <= 2e-4, (step, loss, after[step])
 
 
 @pytest.mark.multirank
-def test_compiled_job_prints_the_uncompiled_curve():
+def test_compiled_job_prints_the_uncompiled_curve(whole):
     """--compile BACKEND: torch.compile over the sharded model (aot_eager here: inductor's
-    kernels round differently), the same losses, rates and norms step for step."""
-    compiled = run_job("--compile", "aot_eager", "--log-every", "1", steps=4)
-    assert "activation checkpointing off, torch.compile (aot_eager)" in compiled, compiled
-    assert sorted(curve(compiled)) == [1, 2, 3, 4], compiled
-    assert curve(compiled) == curve(run_job("--log-every", "1", steps=4))
+    kernels round differently), under accumulation and activation checkpointing: the same
+    losses, rates and norms step for step as the uncompiled job of the same flags."""
+    compiled = run_job(*RESUMED, "--compile", "aot_eager", steps=8)
+    assert "activation checkpointing on, torch.compile (aot_eager)" in compiled, compiled
+    assert sorted(curve(compiled)) == list(range(1, 9)), compiled
+    assert curve(compiled) == curve(whole[1])
 
 
 @pytest.mark.multirank
@@ -205,14 +252,10 @@ def test_nvme_offload_with_fp16_loss_scaling_on_cpu(tmp_path):
     assert losses[-1] < losses[0] - 0.5, out
 
 
-RESUMED = ["--stage", "2", "--grad-accum", "2", "--activation-checkpointing"]
-
-
 @pytest.mark.multirank
-def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, capsys):
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
+def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(whole, tmp_path, capsys):
+    (whole, out_whole), parts = whole, tmp_path / "parts"
     # --resume on an empty save dir starts afresh (load_checkpoint returns None).
-    out_whole = run_job(*RESUMED, "--save-dir", str(whole), "--resume", steps=8)
     assert f"no checkpoint in {whole} yet: starting at step 0" in out_whole, out_whole
     assert "(2 x 2 on each of 2 ranks)" in out_whole and "ZeRO-2" in out_whole
     assert "activation checkpointing on" in out_whole
@@ -240,49 +283,79 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(tmp_path, caps
     assert a.keys() == GPT(PRESETS["tiny"]).state_dict().keys()
     # One rank goes on from the two ranks' checkpoint (the data position and the schedule
     # too; per-rank generator states cannot move, and this job draws from none).
-    out = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "1", *TINY,
-                          *RESUMED, "--steps", "10", "--save-dir", str(parts), "--resume"],
+    on_one = [*TINY, *RESUMED, "--steps", "10", "--save-dir", str(parts), "--resume"]
+    out = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "1", *on_one],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "random generator states are not restored" in out.stdout, out.stdout
     assert sorted(curve(out.stdout)) == [9, 10] and "1 rank on gloo" in out.stdout, out.stdout
-    # Started again once finished (a job scheduler's retry): nothing to do, and says so.
-    again = subprocess.run(out.args, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and not curve(again.stdout), again.stdout + again.stderr
-    assert f"the checkpoint in {parts} is at step 10: nothing left to train" in again.stdout
+    # Started again once finished (a job scheduler's retry): nothing to do, and says so;
+    # the job's own run on a rank, returning as a finished run does (exit status 0).
+    again, error = run_ranks(1, job_on_ranks, on_one)[0]
+    assert error is None and not curve(again), (again, error)
+    assert f"the checkpoint in {parts} is at step 10: nothing left to train" in again
+
+
+# --tp 2 on 2 ranks (data parallel 1, ZeRO-1) and on 4 (data parallel 2, ZeRO-3 with the
+# optimizer state on the host and 2 accumulated micro-batches): the 4-rank job runs the
+# same command-line path with data parallelism beside it, so it runs every time.
+TP_JOBS = {     # flags, ranks, what the job says of its layout
+    "dp1": (["--tp", "2", "--stage", "1"], 2, ["tensor parallel 2 x data parallel 1",
+                                               "ZeRO-1"]),
+    "dp2": (["--tp", "2", "--grad-accum", "2", "--offload", "cpu"], 4,
+            ["tensor parallel 2 x data parallel 2", "(2 x 2 on each of 2 data-parallel ranks)",
+             "offload cpu"]),
+}
 
 
 @pytest.mark.multirank
-def test_tensor_parallel_job_follows_the_unsplit_curve(tmp_path):
-    """--tp 2: the GPT split over two tensor-parallel ranks, ZeRO over the rest; on 2 ranks
-    (dp 1, ZeRO-1) and on 4 (dp 2, ZeRO-3 with the optimizer state on the host and 2
-    accumulated micro-batches) its losses and norms are those of one rank without
-    tensor parallelism, at the same global batch. The tensor-parallel tests hold zerofn + TP
-    to FSDP2 + TP within 1e-6, both summing in TP's order; against no TP at all the
-    row-parallel layers sum their partial products in another order (fp32 rounding, about
-    1e-7 of a value), far below the printed 4 decimals of the loss and 3 of the norm: so
-    within one unit of the last printed digit. Its checkpoint keeps the q/k/v rows in
-    --tp 2's head groups, and a --tp 1 resume of it is refused."""
-    unsplit = curve(run_job(steps=6, nproc=1))
+@pytest.mark.parametrize("grid", [
+    slow_variant("dp1", covered_by="test_train.py::test_tensor_parallel_job_follows_the_"
+                                   "unsplit_curve[dp2] (the same --tp 2 job and its "
+                                   "checkpoint, beside data parallelism)"), "dp2"])
+def test_tensor_parallel_job_follows_the_unsplit_curve(grid, whole, tmp_path):
+    """--tp 2: the GPT split over two tensor-parallel ranks, ZeRO over the rest (TP_JOBS);
+    its losses and norms are those of the job without tensor parallelism (``whole``: 2
+    data-parallel ranks, ZeRO-2, 2 accumulated micro-batches), at the same global batch.
+    The tensor-parallel tests hold zerofn + TP to FSDP2 + TP within 1e-6, both summing in
+    TP's order; against no TP at all the row-parallel layers sum their partial products in
+    another order (fp32 rounding, about 1e-7 of a value), far below the printed 4 decimals
+    of the loss and 3 of the norm: so within one unit of the last printed digit. Its
+    checkpoint keeps the q/k/v rows in --tp 2's head groups, and a --tp 1 resume of it is
+    refused."""
+    flags, nproc, said = TP_JOBS[grid]
+    unsplit = curve(whole[1])
     ckpt = tmp_path / "tp2"
-    two = run_job("--tp", "2", "--stage", "1", "--save-dir", str(ckpt), steps=6)
-    four = run_job("--tp", "2", "--grad-accum", "2", "--offload", "cpu", steps=6, nproc=4)
-    assert "tensor parallel 2 x data parallel 1" in two and "ZeRO-1" in two, two
-    assert "(2 x 2 on each of 2 data-parallel ranks)" in four, four
-    assert "tensor parallel 2 x data parallel 2" in four and "offload cpu" in four, four
-    for out in (two, four):
-        split = curve(out)
-        assert sorted(split) == sorted(unsplit) == list(range(1, 7)), out
-        for step, (loss, lr, gnorm) in split.items():
-            assert abs(float(loss) - float(unsplit[step][0])) < 1.5e-4, (step, out)
-            assert abs(float(gnorm) - float(unsplit[step][2])) < 1.5e-3, (step, out)
-            assert lr == unsplit[step][1], (step, out)
+    out = run_job(*flags, "--save-dir", str(ckpt), steps=8, nproc=nproc)
+    assert all(words in out for words in said), out
+    split = curve(out)
+    assert sorted(split) == sorted(unsplit) == list(range(1, 9)), out
+    for step, (loss, lr, gnorm) in split.items():
+        assert abs(float(loss) - float(unsplit[step][0])) < 1.5e-4, (step, out)
+        assert abs(float(gnorm) - float(unsplit[step][2])) < 1.5e-3, (step, out)
+        assert lr == unsplit[step][1], (step, out)
     resumed = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "1", *TINY,
-                              "--steps", "8", "--save-dir", str(ckpt), "--resume"],
+                              "--steps", "10", "--save-dir", str(ckpt), "--resume"],
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode != 0, resumed.stdout
     assert "error: the checkpoint was saved by a --tp 2 run, whose fused q/k/v rows lie in 2 " \
            "head groups (now --tp 1); resume it with --tp 2." in resumed.stderr, resumed.stderr
+
+
+def job_on_ranks(rank, world, argv):
+    """(what this rank printed, the error it raised for the user or None) of zerofn
+    train's run on ``run_ranks``'s process group: for the jobs that end before their first
+    step, where a launch would cost seconds and show nothing more."""
+    import contextlib
+    import io
+    from zerofn.train.loop import train as train_job
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        try:
+            train_job(train.parse_args(argv), torch.device("cpu"))
+        except ValueError as e:
+            return printed.getvalue(), str(e)
+    return printed.getvalue(), None
 
 
 def checkpoint_before_tp(rank, world, root):
@@ -298,16 +371,27 @@ def checkpoint_before_tp(rank, world, root):
 
 @pytest.mark.multirank
 def test_a_checkpoint_from_before_tp_resumes_in_the_usual_order(tmp_path):
-    root = str(tmp_path)
+    """--tp 2 refuses it; --tp 1 resumes it in the usual order, and its --tensorboard
+    series go on from the checkpoint's step."""
+    root, logs = str(tmp_path / "ckpt"), tmp_path / "tb"
     run_ranks(1, checkpoint_before_tp, root)
-    refused = subprocess.run([sys.executable, "-m", "zerofn", "train", "--nproc", "2", "--tp",
-                              "2", *TINY, "--steps", "4", "--save-dir", root, "--resume"],
-                             capture_output=True, text=True, timeout=300)
-    assert refused.returncode != 0, refused.stdout
-    assert f"error: the checkpoint in {root} was saved without --tp (its q/k/v rows in the " \
-           "usual order); resume it with --tp 1." in refused.stderr, refused.stderr
-    out = run_job("--save-dir", root, "--resume", steps=4, nproc=1)
+    # The refusal on each rank (how the job says a refusal and exits: the --tp 1 resume of a
+    # --tp 2 checkpoint in test_tensor_parallel_job_follows_the_unsplit_curve).
+    argv = ["--tp", "2", *TINY, "--steps", "4", "--save-dir", root, "--resume"]
+    for printed, error in run_ranks(2, job_on_ranks, argv):
+        assert error == f"the checkpoint in {root} was saved without --tp (its q/k/v rows in " \
+            "the usual order); resume it with --tp 1.", (printed, error)
+    out = run_job("--save-dir", root, "--resume", "--log-every", "2", "--tensorboard",
+                  str(logs), steps=4, nproc=1)
     assert f"resumed from {root} at step 2" in out and sorted(curve(out)) == [3, 4], out
+    # The resumed run's series go on from its step: each step's loss as printed (one
+    # rank: its own loss is the mean), the step time on --log-every's steps only.
+    acc = read(str(logs))
+    loss = scalars(acc, "train/loss")
+    assert sorted(loss) == [3, 4], loss
+    for step, (printed, _, _) in curve(out).items():
+        assert loss[step] == pytest.approx(float(printed), abs=1e-4), (step, out)
+    assert set(scalars(acc, "time/step")) == {4}
 
 
 # -- settings that cannot run: the same error on every rank --------------------------------

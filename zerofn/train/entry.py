@@ -31,7 +31,8 @@ def main(argv=None) -> None:
 @record   # a rank's uncaught error reaches torchrun's failure summary
 def run(args: argparse.Namespace, argv: list[str]) -> None:
     if not under_launcher():
-        launch(argv, args.nproc)
+        launch(argv, args.nproc)    # torchrun, in this process, until the ranks end
+        return
     if args.nproc is not None and args.nproc != int(os.environ.get("LOCAL_WORLD_SIZE", args.nproc)):
         raise SystemExit(f"--nproc {args.nproc}, but the launcher started "
                          f"{os.environ['LOCAL_WORLD_SIZE']} ranks here; drop --nproc.")

@@ -38,15 +38,20 @@ def check_before_launch(args) -> None:
 
 
 def launch(argv: list[str], nproc: int | None) -> None:
-    """Replace this process by ``torch.distributed.run`` starting the job on ``nproc``
-    ranks (its own free port, so several jobs can share a machine)."""
+    """Run ``torch.distributed.run`` in this process, starting the job on ``nproc`` ranks
+    (its own free port, so several jobs can share a machine); returns once they ended
+    well, else raises torchrun's ChildFailedError (its report of the failed rank).
+
+    As ``python -m torch.distributed.run`` would, less a second interpreter importing torch
+    again: the caller's ``@record`` is torchrun's own ``main``'s, and its agent forwards
+    SIGTERM and SIGINT to the ranks from this process's main thread."""
+    from torch.distributed import run as torchrun   # (here: the ranks never launch)
     n = ranks_to_start(nproc)
     if n < 1:
         raise SystemExit(f"--nproc {n}: start at least one rank.")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(n), "-m", "zerofn.train", *without_nproc(argv)]
     sys.stdout.flush()
-    os.execv(sys.executable, cmd)
+    torchrun.run(torchrun.parse_args(["--standalone", "--nproc-per-node", str(n), "-m",
+                                      "zerofn.train", *without_nproc(argv)]))
 
 
 def without_nproc(argv: list[str]) -> list[str]:
