@@ -20,6 +20,7 @@ from support.compare import full_state, max_error
 from support.errors import error_of
 from support.loops import STAGES
 from support.ranks import run_ranks
+from support.shared_runs import SharedRuns
 from support.subclass import Wrapped
 from support.tp_models import TPModel, make_tp_model, mesh_clip, parallelize, tp_batches
 from zerofn.optim.lowp import MIN_8BIT_NUMEL
@@ -311,14 +312,26 @@ def zerofn_tp_of(model, stage: int, mesh):
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
+def built_both_ways(rank, world):
+    """``built_on_meta`` at ZeRO-2 and ZeRO-3, eager and on meta, one after another on the
+    same ranks."""
+    return {(stage, meta): built_on_meta(rank, world, stage, meta)
+            for stage in (2, 3) for meta in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return SharedRuns()
+
+
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_model_built_on_meta_is_initialized_as_the_eager_one_piece_by_piece(stage):
+def test_a_model_built_on_meta_is_initialized_as_the_eager_one_piece_by_piece(stage, runs):
     """The same weights; and the same bytes held: a tensor-parallel parameter's whole,
     initialized first, is not kept once its piece is taken (at ZeRO-1/2 too, where the
-    plain parameters beside it stay in the unit's materialized buffer)."""
-    (eager, eager_held), (meta, meta_held) = (run_ranks(4, built_on_meta, stage, on_meta,
-                                                        timeout=300)[0]
-                                              for on_meta in (False, True))
+    plain parameters beside it stay in the unit's materialized buffer). (Both stages from
+    one run of the ranks.)"""
+    built = runs(4, built_both_ways, timeout=300)[0]
+    (eager, eager_held), (meta, meta_held) = built[stage, False], built[stage, True]
     assert eager.keys() == meta.keys()
     assert all(torch.equal(eager[k], meta[k]) for k in eager)
     assert meta_held == eager_held, (meta_held, eager_held)
