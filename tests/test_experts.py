@@ -18,6 +18,7 @@ from support.loops import zero
 from support.moe_models import (PATTERN, expert_parallel, expert_parallel_meta, moe_batches,
                                 moe_mesh, own_part, reference)
 from support.ranks import run_ranks
+from support.shared_runs import SharedRuns
 
 pytestmark = pytest.mark.multirank
 
@@ -86,15 +87,23 @@ def steps(n: int, dp: int) -> list:
     return [micro[i:i + ACCUM] for i in range(0, len(micro), ACCUM)]
 
 
-def _parity(rank, world, stage, kind, offload, tmp):
+def _every_parity(rank, world, tmp):
+    """``_parity`` of every config, one after another on the same ranks, each optimizer's
+    reference trained once."""
     mesh = moe_mesh()
     data = steps(STEPS, mesh["dp"].size())
+    refs = {kind: train_reference(kind, data) for kind in LR}
+    return {name: _parity(mesh, data, refs[kind], stage, kind, offload, tmp)
+            for name, (stage, kind, offload) in CONFIGS.items()}
+
+
+def _parity(mesh, data, reference_run, stage, kind, offload, tmp):
     extra = {None: [], "cpu": [zf.offload("cpu")], "nvme": [zf.offload("nvme", path=tmp)]}
     model, opt = experts_zerofn(mesh, stage, kind, extra[offload])
     norms = train_ranks(model, opt, data, mesh)
     stats = zf.comm_stats(model)     # the experts' own group's collectives, apart
     assert stats[f"{PATTERN}.reduce_scatter"] > 0 and stats["reduce_scatter"] > 0, stats
-    ref, ref_opt, ref_norms = train_reference(kind, data)
+    ref, ref_opt, ref_norms = reference_run
     full, _ = zf.get_state_dict(model, opt, full=True)
     mine = own_part(ref.state_dict(), model)
     assert full.keys() == mine.keys()
@@ -119,16 +128,27 @@ CONFIGS = {"zero1-adamw": (1, "adamw", None), "zero2-adamw": (2, "adamw", None),
            "zero3-offload-nvme-adamw": (3, "adamw", "nvme")}
 
 
+@pytest.fixture(scope="module")
+def runs():
+    return SharedRuns()
+
+
+@pytest.fixture(scope="module")
+def nvme_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("swap"))
+
+
 @pytest.mark.parametrize("config", CONFIGS)
-def test_experts_train_as_one_process(config, tmp_path):
+def test_experts_train_as_one_process(config, runs, nvme_dir):
     """Weights within 1e-6 of one process holding every expert after 4 clipped steps of 2
     accumulated micro-batches (the
     global norm the same to 1e-6: every expert row counted once across ep x edp, the
     experts' gradients averaged over the global batch), and each rank holds exactly
     1/(ep x edp) of the experts' optimizer state (SGD's momentum, Adam's moments), its
     DTensors on the expert-data-parallel mesh; without offload ``zf.model_state_bytes``
-    counts a quarter of the whole model's, with this rank's step counters."""
-    out = run_ranks(4, _parity, *CONFIGS[config], str(tmp_path))
+    counts a quarter of the whole model's, with this rank's step counters. (Every config
+    from one run of the ranks: ``_every_parity``.)"""
+    out = [by_config[config] for by_config in runs(4, _every_parity, nvme_dir)]
     for rank, (err, norm_err, extra_bytes, mine, total, meshes) in enumerate(out):
         assert err <= TOL and norm_err <= TOL, (rank, err, norm_err)
         assert extra_bytes in (0, None), (rank, extra_bytes)
@@ -138,8 +158,14 @@ def test_experts_train_as_one_process(config, tmp_path):
                     "expert state bytes (rank, all)": [o[3:5] for o in out]}})
 
 
-def _refusal(rank, world, case):
+def _every_refusal(rank, world):
+    """Each case's refusal, one after another on the same ranks (each refused before any
+    collective, so the next case finds every rank where it started)."""
     mesh = moe_mesh()
+    return {case: _refusal(mesh, case) for case in REFUSALS}
+
+
+def _refusal(mesh, case):
     groups = {PATTERN: mesh["edp"]}
     group = mesh["dp"]
     if case == "no module":
@@ -184,10 +210,10 @@ REFUSALS = {"no module": "matches no module",
 
 
 @pytest.mark.parametrize("case", REFUSALS)
-def test_refusals(case):
+def test_refusals(case, runs):
     """Each refused on every rank, before any collective (a rank that went on would leave
-    the others waiting)."""
-    said = run_ranks(4, _refusal, case)
+    the others waiting). (Every case from one run of the ranks: ``_every_refusal``.)"""
+    said = [by_case[case] for by_case in runs(4, _every_refusal)]
     assert all(s is not None and REFUSALS[case] in s for s in said), said
 
 

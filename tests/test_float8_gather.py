@@ -23,6 +23,7 @@ import zerofn as zf
 from support.compare import TOL, worst
 from support.errors import error_of
 from support.ranks import run_ranks
+from support.shared_runs import SharedRuns
 from support.subclass import computed_with
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
 
@@ -143,10 +144,11 @@ def plain_run(rank: int, world: int) -> dict:
     return out
 
 
-def runs(rank: int, world: int, variant: str) -> tuple[dict, dict, dict | None]:
-    """zerofn's run, FSDP2's, and on one rank plain PyTorch's."""
-    plain = plain_run(0, 1) if world == 1 else None
-    return zerofn_run(rank, world, variant), fsdp2_run(rank, world, variant), plain
+def runs(rank: int, world: int, variants: tuple) -> dict:
+    """Per variant, one after another on the same ranks (each rank imports torchao once):
+    zerofn's run, FSDP2's, and on one rank plain PyTorch's."""
+    return {variant: (zerofn_run(rank, world, variant), fsdp2_run(rank, world, variant),
+                      plain_run(0, 1) if world == 1 else None) for variant in variants}
 
 
 def float8_bytes(world: int) -> int:
@@ -156,12 +158,22 @@ def float8_bytes(world: int) -> int:
     return 2 * world * sum(-(-(r // world) * c // 16) * 16 for r, c in shapes)
 
 
-@pytest.mark.parametrize("world,variant", [(1, "fp32"), (2, "fp32"), (2, "bf16"),
-                                           (2, "offload")])
-def test_float8_weights_gather_in_float8_and_train_as_under_fsdp2(world, variant):
+GATHERS = [(1, "fp32"), (2, "fp32"), (2, "bf16"), (2, "offload")]
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return SharedRuns()
+
+
+@pytest.mark.parametrize("world,variant", GATHERS)
+def test_float8_weights_gather_in_float8_and_train_as_under_fsdp2(world, variant, shared):
     """Against FSDP2 with the same conversion; on one rank against plain PyTorch too (the
-    weight cast by the forward: the same float8 values as the gather's)."""
-    for ours, fsdp2, plain in run_ranks(world, runs, variant, timeout=300):
+    weight cast by the forward: the same float8 values as the gather's). (Every variant of
+    a world from one run of its ranks.)"""
+    variants = tuple(v for w, v in GATHERS if w == world)
+    for by_variant in shared(world, runs, variants, timeout=300):
+        ours, fsdp2, plain = by_variant[variant]
         # Sharded as FSDP2 shards it: the float8 wrapper over this rank's rows.
         assert ours["shard"] == ("WeightWithDynamicFloat8CastTensor",
                                  (SIZES[1] // world, SIZES[0]))

@@ -18,6 +18,7 @@ from support.errors import error_of
 from support.loops import train_reference, zero
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
+from support.shared_runs import SharedRuns
 
 STEPS, ACCUM, CLIP = 4, 2, 0.05
 
@@ -49,20 +50,16 @@ def torch_loop(model, opt, data, rank, world, sched=None, nan_at=None):
 
 
 
-def both_orders(rank, world, stage, extra):
+def both_orders(rank, world, stage, extra, data, ref):
     """Final state of the FSDP2 order and of the documented order, and the former's
-    distance from plain PyTorch on the global batch (fp32 configurations)."""
-    data = batches(STEPS, ACCUM, world)
-    ref, model = make_models()
+    distance from ``ref`` (plain PyTorch on the global batch and its optimizer; fp32
+    configurations)."""
+    _, model = make_models()
     model = zf.compose(zero(stage), *EXTRAS[extra]())(model)
     opt = make_optimizer("adamw", model.parameters())      # after the transform
     torch_loop(model, opt, data, rank, world)
     after = full_state(model, opt)
-    errs = None
-    if extra != "bf16 int8":
-        ref_opt = make_optimizer("adamw", ref.parameters())
-        train_reference(ref, ref_opt, data, CLIP)
-        errs = max_errors(ref, ref_opt, model, opt)
+    errs = None if extra == "bf16 int8" else max_errors(*ref, model, opt)
     _, model = make_models()
     model, opt = zf.compose(zero(stage), *EXTRAS[extra]())(
         model, make_optimizer("adamw", model.parameters()))
@@ -70,13 +67,31 @@ def both_orders(rank, world, stage, extra):
     return after, full_state(model, opt), errs
 
 
+def every_order(rank, world):
+    """``both_orders`` at every stage and extra, one after another on the same ranks,
+    against one reference."""
+    data = batches(STEPS, ACCUM, world)
+    ref, _ = make_models()
+    ref_opt = make_optimizer("adamw", ref.parameters())
+    train_reference(ref, ref_opt, data, CLIP)
+    return {(stage, extra): both_orders(rank, world, stage, extra, data, (ref, ref_opt))
+            for stage in (1, 2, 3) for extra in EXTRAS}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return SharedRuns()
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("extra", list(EXTRAS))
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_an_optimizer_built_after_the_transform_trains_as_the_one_given_to_it(
-        stage, extra, world):
-    for after, before, errs in run_ranks(world, both_orders, stage, extra, timeout=300):
+        stage, extra, world, runs):
+    """(Every case of a world from one run of its ranks: ``every_order``.)"""
+    for by_case in runs(world, every_order, timeout=300):
+        after, before, errs = by_case[stage, extra]
         assert_same_state(after, before)
         if errs is not None:
             assert max(errs) < TOL, errs

@@ -26,6 +26,7 @@ from support.models import batches, make_models
 from support.owned import (OPTIMIZERS, counted_newton_schulz, step_all, train_reference,
                            train_sharded)
 from support.ranks import run_ranks
+from support.shared_runs import SharedRuns
 
 STEPS, TOL = 4, 1e-5
 
@@ -42,22 +43,49 @@ def trained(rank, world, stage, kind, accum, extra="none", clip=None, path=None,
     """The largest difference of the full weights from plain PyTorch's after ``STEPS``
     steps, this rank's Newton-Schulz calls, and its owned matrices' cost."""
     data = batches(STEPS, accum, world)
-    ref, model = make_models()
+    want, reference = _reference(kind, accum, world, clip)
+    _, model = make_models()
     with counted_newton_schulz(fp32=True) as calls:
-        ref_opts = OPTIMIZERS[kind](ref)
-        if clip:
-            _clip_reference(ref, ref_opts, data, clip)
-        else:
-            train_reference(ref, ref_opts, data)
-        reference = len(calls)
-        calls.clear()
         model, opts = zf.compose(zero(stage, **options), *EXTRAS[extra](path))(
             model, OPTIMIZERS[kind](model))
         train_sharded(model, opts, data, rank, world, clip=clip)
     full = get_model_state_dict(model, full=True)
-    err = max(worst(full[k].float() - v.float()) for k, v in ref.state_dict().items())
+    err = max(worst(full[k].float() - v.float()) for k, v in want.items())
     owned = runtime_of(model).owned_load()
     return err, len(calls), reference, owned
+
+
+# Plain PyTorch's runs in this rank's process, by (kind, accum, world, clip): the cases a
+# test runs one after another on the same ranks share them.
+_REFERENCES: dict = {}
+
+
+def _reference(kind, accum, world, clip):
+    """Plain PyTorch's weights after ``STEPS`` steps on the global batches, and its
+    Newton-Schulz calls."""
+    key = (kind, accum, world, clip)
+    if key not in _REFERENCES:
+        data = batches(STEPS, accum, world)
+        ref, _ = make_models()
+        with counted_newton_schulz(fp32=True) as calls:
+            ref_opts = OPTIMIZERS[kind](ref)
+            if clip:
+                _clip_reference(ref, ref_opts, data, clip)
+            else:
+                train_reference(ref, ref_opts, data)
+        _REFERENCES[key] = (ref.state_dict(), len(calls))
+    return _REFERENCES[key]
+
+
+def cases(rank, world, fn, *each):
+    """``fn(rank, world, *args, **dict(options))`` for each (args, options) of ``each``, one
+    after another on the same ranks (``options``: (name, value) pairs)."""
+    return [fn(rank, world, *args, **dict(options)) for args, options in each]
+
+
+def run_cases(world, fn, *each):
+    """``cases`` on ``world`` ranks: per case, every rank's result."""
+    return list(zip(*run_ranks(world, cases, fn, *each, timeout=240)))
 
 
 def _clip_reference(ref, opts, data, clip):
@@ -86,21 +114,32 @@ def check(results, world, tol=TOL):
 FOUR = "test_muon_and_adamw_step_as_pytorch_at_every_stage[3-4]"
 
 
+@pytest.fixture(scope="module")
+def runs():
+    return SharedRuns()
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("stage, world", [
     (stage, world) if world < 4 or stage == 3 else
     slow_variant(stage, world, covered_by=f"[{stage}-2] and [3-4]")
     for world in (1, 2, 4) for stage in (1, 2, 3)])
-def test_muon_and_adamw_step_as_pytorch_at_every_stage(stage, world):
-    check(run_ranks(world, trained, stage, "muon", 2, timeout=240), world,
-          tol=1e-6 if world == 1 else TOL)
+def test_muon_and_adamw_step_as_pytorch_at_every_stage(stage, world, runs):
+    """(Every stage of a world from one run of its ranks, but at four, where the stages but
+    ZeRO-3 are slow variants.)"""
+    stages = (1, 2, 3) if world < 4 else (stage,)
+    results = runs(world, cases, trained, *(((s, "muon", 2), ()) for s in stages),
+                   timeout=240)
+    check([r[stages.index(stage)] for r in results], world, tol=1e-6 if world == 1 else TOL)
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2, slow_variant(4, covered_by=f"[2] and {FOUR}")])
 def test_adafactor_steps_as_pytorch_at_every_stage(world):
-    for stage in (1, 2, 3):
-        errs = [r[0] for r in run_ranks(world, trained, stage, "adafactor", 2, timeout=240)]
+    stages = (1, 2, 3)
+    for stage, results in zip(stages, run_cases(world, trained,
+                                                *(((s, "adafactor", 2), ()) for s in stages))):
+        errs = [r[0] for r in results]
         assert max(errs) < (1e-6 if world == 1 else TOL), (stage, errs)
 
 
@@ -110,8 +149,8 @@ def test_muon_under_cpu_offload_with_clipping_and_accumulation(world):
     """ZeRO-3 and ZeRO-2 with offload("cpu"): the owned matrices' masters on the host,
     gathered to their owner and scattered back; one global clip across both optimizers;
     accumulation 1 and 4."""
-    for stage, accum in ((3, 4), (2, 1)):
-        results = run_ranks(world, trained, stage, "muon", accum, "cpu", 0.5, timeout=240)
+    for results in run_cases(world, trained, *(((stage, "muon", accum, "cpu", 0.5), ())
+                                               for stage, accum in ((3, 4), (2, 1)))):
         check(results, world)
 
 
@@ -168,12 +207,11 @@ def test_muon_under_nvme_offload_with_accumulation(world, tmp_path):
     AdamW's parameters stream through the swap file (CPU Adam), the owned matrices keep
     their masters' rows there too, their momentum on the owner; accumulation 1 and 4, a
     global clip at 4. Adafactor alone: no parameter left to CPU Adam."""
-    for stage, extra, kind, accum, clip in ((2, "nvme", "muon", 1, None),
-                                            (2, "nvme", "muon", 4, 0.5),
-                                            (3, "nvme params", "muon", 4, 0.5),
-                                            (2, "nvme", "adafactor", 2, None)):
-        results = run_ranks(world, trained, stage, kind, accum, extra, clip, str(tmp_path),
-                            timeout=240)
+    configs = ((2, "nvme", "muon", 1, None), (2, "nvme", "muon", 4, 0.5),
+               (3, "nvme params", "muon", 4, 0.5), (2, "nvme", "adafactor", 2, None))
+    ran = run_cases(world, trained, *(((stage, kind, accum, extra, clip, str(tmp_path)), ())
+                                      for stage, extra, kind, accum, clip in configs))
+    for (stage, extra, kind, accum, clip), results in zip(configs, ran):
         errs = [r[0] for r in results]
         assert max(errs) < (1e-6 if world == 1 else TOL), (stage, extra, kind, errs)
         if kind == "muon":
@@ -359,10 +397,10 @@ def test_muon_under_bf16_mixed_precision_stays_near_fp32_pytorch():
     gross-error bound (bf16 compute against an fp32 run, compare.py's TOL_BF16_VS_FP32).
     ZeRO-3 with reduce_to_owner too: the owner's whole gradient cast to the masters'."""
     from support.compare import TOL_BF16_VS_FP32
-    for stage in (2, 3, "3 to owner"):
-        results = run_ranks(2, to_owner, "muon", 2, "bf16", timeout=240) \
-            if stage == "3 to owner" else run_ranks(2, trained, stage, "muon", 2, "bf16",
-                                                    timeout=240)
+    stages = (2, 3, "3 to owner")
+    for stage, results in zip(stages, run_cases(
+            2, trained, ((2, "muon", 2, "bf16"), ()), ((3, "muon", 2, "bf16"), ()),
+            ((3, "muon", 2, "bf16"), (("reduce_to_owner", True),)))):
         errs = [r[0] for r in results]
         assert max(errs) < TOL_BF16_VS_FP32, (stage, errs)
         assert sum(r[1] for r in results) == results[0][2]
@@ -406,17 +444,13 @@ def hybrid(rank, world, stage, **options):
     return trained(rank, world, stage, "muon", 2, group=mesh, **options)
 
 
-def hybrid_to_owner(rank, world):
-    """``hybrid`` at ZeRO-3, each owned gradient reduced to its owner, then averaged over
-    the replicas' owners."""
-    return hybrid(rank, world, 3, reduce_to_owner=True)
-
-
 @pytest.mark.multirank
 def test_muon_under_hybrid_sharding():
-    for stage in (2, 3, "3 to owner"):
-        results = run_ranks(4, hybrid_to_owner, timeout=240) if stage == "3 to owner" else \
-            run_ranks(4, hybrid, stage, timeout=240)
+    """ZeRO-2, ZeRO-3, and ZeRO-3 with each owned gradient reduced to its owner, then
+    averaged over the replicas' owners."""
+    stages = (2, 3, "3 to owner")
+    for stage, results in zip(stages, run_cases(4, hybrid, ((2,), ()), ((3,), ()),
+                                                ((3,), (("reduce_to_owner", True),)))):
         assert max(r[0] for r in results) < TOL, (stage, [r[0] for r in results])
         # (each replica runs Newton-Schulz for its shard group's matrices: twice over all)
         assert sum(r[1] for r in results) == 2 * results[0][2]
@@ -426,8 +460,9 @@ def test_muon_under_hybrid_sharding():
 def test_an_optimizer_the_user_marks_whole_steps_as_pytorch():
     """zf.whole_tensors(opt): an optimizer torch does not ship, whose update reads its
     tensor's norm, stepped whole on owners at ZeRO-2 and ZeRO-3."""
-    for stage in (2, 3):
-        errs = [r[0] for r in run_ranks(2, trained, stage, "normalized", 2, timeout=240)]
+    for stage, results in zip((2, 3), run_cases(2, trained, ((2, "normalized", 2), ()),
+                                                ((3, "normalized", 2), ()))):
+        errs = [r[0] for r in results]
         assert max(errs) < TOL, (stage, errs)
 
 
@@ -445,14 +480,16 @@ def test_gradients_reduced_to_their_owners_step_as_pytorch(world):
     reduced to their owners: the weights as plain PyTorch's, Newton-Schulz once per matrix
     per step over all ranks."""
     tol = 1e-6 if world == 1 else TOL
-    for accum in (1, 4):
-        results = run_ranks(world, to_owner, "muon", accum, timeout=240)
+    accum1, accum4, rows, adafactor = run_cases(
+        world, trained, ((3, "muon", 1), (("reduce_to_owner", True),)),
+        ((3, "muon", 4), (("reduce_to_owner", True),)), ((3, "muon", 4), ()),
+        ((3, "adafactor", 2), (("reduce_to_owner", True),)))
+    for results in (accum1, accum4):
         check(results, world, tol=tol)
     # The owner sums the ranks' gradients in the reduce-scatter's order (comm.py's
     # ``reduce``): the weights are the default's to the last bit, not only near PyTorch's.
-    rows = run_ranks(world, trained, 3, "muon", 4, timeout=240)
-    assert [r[0] for r in results] == [r[0] for r in rows], (results, rows)
-    errs = [r[0] for r in run_ranks(world, to_owner, "adafactor", 2, timeout=240)]
+    assert [r[0] for r in accum4] == [r[0] for r in rows], (accum4, rows)
+    errs = [r[0] for r in adafactor]
     assert max(errs) < tol, errs
 
 
@@ -462,8 +499,9 @@ def test_gradients_reduced_to_their_owners_under_cpu_offload_with_clipping(world
     """offload("cpu"): the owners' whole gradients stay on the device, the rest land on
     the host; one global clip reads each owned gradient once, on its owner."""
     tol = 1e-6 if world == 1 else TOL
-    for kind, accum in (("muon", 4), ("muon", 1), ("adafactor", 2)):
-        results = run_ranks(world, to_owner, kind, accum, "cpu", 0.5, timeout=240)
+    configs = (("muon", 4), ("muon", 1), ("adafactor", 2))
+    ran = run_cases(world, to_owner, *(((kind, accum, "cpu", 0.5), ()) for kind, accum in configs))
+    for (kind, accum), results in zip(configs, ran):
         assert max(r[0] for r in results) < tol, (kind, accum, [r[0] for r in results])
         if kind == "muon":
             check(results, world, tol=tol)
@@ -546,10 +584,12 @@ def test_a_nan_in_one_owned_gradient_is_every_ranks_verdict(options):
     """The non-finite guard at ZeRO-3 reads each owned gradient (gathered rows, or the
     owner's whole): "skip" skips the step on every rank, "raise" names the matrix on every
     rank."""
-    for steps in run_ranks(2, nonfinite_owned, "skip", options, timeout=120):
+    skipped, raised = run_cases(2, nonfinite_owned, (("skip", options), ()),
+                                (("raise", options), ()))
+    for steps in skipped:
         assert [s[:2] for s in steps] == [(None, False), (None, True)], steps
         assert steps[0][2] > 0 and steps[1][2] == 0.0, steps
-    for steps in run_ranks(2, nonfinite_owned, "raise", options, timeout=120):
+    for steps in raised:
         message = steps[1][0]
         assert steps[0][0] is None and message is not None, steps
         assert "step 2" in message and \
@@ -576,7 +616,8 @@ def test_the_global_norm_counts_each_gradient_reduced_to_its_owner_once():
     """Muon and AdamW's updates hardly move with the clip's coefficient, so the norm is
     checked itself: each owned gradient's whole norm from its owner, once, beside the rows
     of the rest (on the host under offload("cpu"))."""
-    for extra in ("none", "cpu"):
-        for got, expected in run_ranks(2, clip_norms, extra, {"reduce_to_owner": True},
-                                       timeout=120):
+    extras = ("none", "cpu")
+    for extra, results in zip(extras, run_cases(2, clip_norms, *(((e, {"reduce_to_owner": True}),
+                                                                  ()) for e in extras))):
+        for got, expected in results:
             assert abs(got - expected) <= 1e-5 * expected, (extra, got, expected)

@@ -19,6 +19,7 @@ import zerofn as zf
 from support.compare import TOL
 from support.errors import error_of
 from support.ranks import run_ranks
+from support.shared_runs import SharedRuns
 from support.subclass import (HOOK_CALLS, Int8Built, Int8Contagious, Int8Flat, Int8Gathered,
                               Int8Unpadded, PreHookOnly, computed_with, quantize_rows)
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
@@ -179,7 +180,10 @@ OFFLOADS = {None: lambda path: (), "state": lambda path: (zf.offload("cpu"),),
             "nvme": lambda path: (zf.offload("nvme", path=path, params=True),)}
 
 
-def against_reference(rank, world, offload=None, path=None, kind=Int8Gathered):
+def against_reference(rank, world, offload, path, kind, references: dict):
+    """zerofn's training, and (``references``, filled here on a kind's first case) the
+    reference's: FSDP2 at two ranks, plain PyTorch rounding as the gather does at one, and
+    plain PyTorch without the rounding."""
     model, opt = zerofn_model(0, *OFFLOADS[offload](path), kind=kind)
     shard = model[0].weight
     out = {"shard": (type(shard).__name__, type(shard.to_local()).__name__,
@@ -190,6 +194,13 @@ def against_reference(rank, world, offload=None, path=None, kind=Int8Gathered):
     handle.remove()
     out["stats"] = dict(zf.comm_stats(model))
     out["zerofn_w"] = full_weights(model, opt, fsdp2=False)
+    if kind not in references:
+        references[kind] = _reference(rank, world, kind)
+    return {**out, **references[kind]}
+
+
+def _reference(rank, world, kind):
+    out = {}
     if world > 1:
         fmodel, fopt = fsdp2_model(world, kind=kind)
         out["ref"] = train(fmodel, fopt, rank, world)
@@ -210,18 +221,40 @@ def against_reference(rank, world, offload=None, path=None, kind=Int8Gathered):
     return out
 
 
-@pytest.mark.parametrize("world,offload,kind", [
-    (1, None, Int8Gathered), (2, None, Int8Gathered), (2, "state", Int8Gathered),
-    (2, "params", Int8Gathered), (2, "nvme", Int8Gathered),
-    (1, None, Int8Built), (2, None, Int8Built), (2, "params", Int8Built)])
-def test_zero3_gathers_through_the_hooks_as_fsdp2_does(world, offload, kind, tmp_path):
+def every_against_reference(rank, world, path, cases):
+    """``against_reference`` for each (offload, kind) of ``cases``, one after another on
+    the same ranks, the references of a kind trained once."""
+    references: dict = {}
+    return {(offload, kind): against_reference(rank, world, offload, path, kind, references)
+            for offload, kind in cases}
+
+
+GATHERS = [(1, None, Int8Gathered), (2, None, Int8Gathered), (2, "state", Int8Gathered),
+           (2, "params", Int8Gathered), (2, "nvme", Int8Gathered),
+           (1, None, Int8Built), (2, None, Int8Built), (2, "params", Int8Built)]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return SharedRuns()
+
+
+@pytest.fixture(scope="module")
+def nvme_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("swap"))
+
+
+@pytest.mark.parametrize("world,offload,kind", GATHERS)
+def test_zero3_gathers_through_the_hooks_as_fsdp2_does(world, offload, kind, runs, nvme_dir):
     """Two ranks against FSDP2 on the same subclass model, also offloaded (the pre-hook
     then runs on the host rows, and its outputs are what goes to the device); one rank
     against plain PyTorch rounding its weights as the gather does. ``Int8Built``'s
     post-hook builds a tensor subclass, as float8 training's does: the module computes
-    with it and its gradient is reduced like any other."""
-    for out in run_ranks(world, against_reference, offload, str(tmp_path), kind,
-                         timeout=300):
+    with it and its gradient is reduced like any other. (Every case of a world from one
+    run of its ranks: ``every_against_reference``.)"""
+    cases = tuple((o, k) for w, o, k in GATHERS if w == world)
+    for by_case in runs(world, every_against_reference, nvme_dir, cases, timeout=300):
+        out = by_case[offload, kind]
         # The registered shard is the subclass over this rank's rows, as FSDP2's is.
         assert out["shard"] == ("DTensor", kind.__name__, (2 * WIDTH // world, WIDTH))
         # The forward computes with what the post-hook built; a subclass, autograd keeps

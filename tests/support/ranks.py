@@ -20,7 +20,9 @@ import torch.multiprocessing as mp
 # that outlives a fork: numpy's OpenBLAS pool stops itself at fork). A fork keeps the
 # server's environment, some of it (MALLOC_*) read only at start, so when os.environ has
 # changed (a test's monkeypatch, torch setting TORCHINDUCTOR_CACHE_DIR) the server restarts.
-PRELOAD = ["torch", "torch.distributed", "zerofn", "pytest", "support.models"]
+# torch._dynamo too: the first DTensor a rank makes (DTensor.from_local is wrapped by
+# torch._disable_dynamo) imports it, ~1 s of CPU in every rank of every call otherwise.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zerofn", "pytest", "support.models"]
 
 
 def context():
