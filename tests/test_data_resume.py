@@ -5,6 +5,7 @@ DistributedSampler; what cannot be placed over the new world is refused on every
 from __future__ import annotations
 
 import collections
+import functools
 import multiprocessing
 
 import pytest
@@ -54,7 +55,9 @@ def make_loader(kind: str, seed: int = SEED, rows: int = ROWS, sampler_class=Non
         sampler = (sampler_class or StatefulDistributedSampler)(data, shuffle=True, seed=seed)
     if kind == "torchdata-workers":
         allow_workers()
-        options = {"num_workers": 2, **options}
+        # fork, as a rank torchrun starts on Linux does by default: these ranks come from a
+        # forkserver, whose default would start a fresh server importing torch per worker
+        options = {"num_workers": 2, "multiprocessing_context": "fork", **options}
     return StatefulDataLoader(data, batch_size=BATCH, sampler=sampler, **options), sampler
 
 
@@ -113,6 +116,16 @@ def straight(rank, world, kind):
     return rows_of(loader)
 
 
+def resume_and_straight(rank, world, root, kind):
+    """``resume`` and ``straight`` in one launch: (its rest, its next epoch, the whole)."""
+    return (*resume(rank, world, root, kind), straight(rank, world, kind))
+
+
+def each(rank, world, calls):
+    """Several rank functions in one launch: [fn(rank, world, *args) for fn, *args in calls]."""
+    return [fn(rank, world, *args) for fn, *args in calls]
+
+
 def epoch_rows(world: int, epoch: int) -> list[list[int]]:
     """Each rank's rows of a whole epoch at ``world``, as DistributedSampler deals them."""
     out = []
@@ -127,12 +140,19 @@ def counted(*parts) -> collections.Counter:
     return collections.Counter(i for part in parts for rows in part for i in rows)
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def saved(request, tmp_path_factory):
-    """A world-2 checkpoint 3 batches into epoch EPOCH (24 of its 240 rows read), and the
-    rows each rank read."""
-    root = str(tmp_path_factory.mktemp(request.param) / "ckpt")
-    return request.param, root, run_ranks(2, save_part, root, request.param, 3)
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory):
+    """Each kind's world-2 checkpoint 3 batches into epoch EPOCH (24 of its 240 rows read),
+    all saved in one launch: {kind: (its root, the rows each rank read)}."""
+    top = tmp_path_factory.mktemp("saves")
+    roots = {kind: str(top / kind) for kind in KINDS}
+    read = run_ranks(2, each, [(save_part, roots[kind], kind, 3) for kind in KINDS])
+    return {kind: (roots[kind], [rows[i] for rows in read]) for i, kind in enumerate(KINDS)}
+
+
+def per_kind(kinds, ranks) -> dict:
+    """each()'s per-rank lists of results, one a kind, as {kind: [rank 0's, rank 1's, ...]}."""
+    return {kind: [results[i] for results in ranks] for i, kind in enumerate(kinds)}
 
 
 # Workers (processes of their own, each rank's) are slow on a small machine: one world.
@@ -140,10 +160,22 @@ MOVES = [(kind, world) for kind in KINDS for world in (1, 3, 4)
          if kind != "torchdata-workers" or world == 3]
 
 
-@pytest.mark.parametrize("saved, world", MOVES, indirect=["saved"])
-def test_resume_at_another_world_reads_every_row_once(saved, world):
-    kind, root, before = saved
-    after = run_ranks(world, resume, root, kind)
+@pytest.fixture(scope="module")
+def moved(saves):
+    """moved(world): {kind: each rank's (rest of the epoch, next epoch)}, every kind of MOVES
+    resumed at ``world`` in one launch, once a world however many tests ask for it."""
+    @functools.cache
+    def launch(world):
+        kinds = [kind for kind, w in MOVES if w == world]
+        return per_kind(kinds, run_ranks(world, each, [(resume, saves[kind][0], kind)
+                                                        for kind in kinds]))
+    return launch
+
+
+@pytest.mark.parametrize("kind, world", MOVES)
+def test_resume_at_another_world_reads_every_row_once(saves, moved, kind, world):
+    before = saves[kind][1]
+    after = moved(world)[kind]
     rest = [rows for rows, _ in after]
     assert sum(map(len, before)) == 24
     assert counted(before, rest) == {i: 1 for i in range(ROWS)}      # each row once
@@ -151,45 +183,83 @@ def test_resume_at_another_world_reads_every_row_once(saved, world):
     assert [nxt for _, nxt in after] == epoch_rows(world, EPOCH + 1)   # then as ever
 
 
-def test_resume_at_the_same_world_goes_on_as_if_never_stopped(saved):
-    kind, root, before = saved
-    after = run_ranks(2, resume, root, kind)
-    whole = run_ranks(2, straight, kind)
-    assert [b + rows for b, (rows, _) in zip(before, after)] == whole
-    assert [nxt for _, nxt in after] == epoch_rows(2, EPOCH + 1)
+@pytest.fixture(scope="module")
+def resumed_at_2(saves):
+    """{kind: each rank's (rest, next epoch, the epoch read straight)}: every kind resumed
+    at its own world, and read without a stop, in one launch."""
+    return per_kind(KINDS, run_ranks(2, each, [(resume_and_straight, saves[kind][0], kind)
+                                               for kind in KINDS]))
 
 
-@pytest.mark.parametrize("kind", ["torchdata", "torch"])
-def test_a_resumed_epoch_resumes_again_elsewhere(kind, tmp_path):
+@pytest.mark.parametrize("kind", KINDS)
+def test_resume_at_the_same_world_goes_on_as_if_never_stopped(saves, resumed_at_2, kind):
+    before, after = saves[kind][1], resumed_at_2[kind]
+    assert [b + rows for b, (rows, _, _) in zip(before, after)] == [w for _, _, w in after]
+    assert [nxt for _, nxt, _ in after] == epoch_rows(2, EPOCH + 1)
+
+
+TWO_KINDS = ["torchdata", "torch"]
+
+
+@pytest.fixture(scope="module")
+def again_elsewhere(saves, tmp_path_factory):
+    """{kind: (rows read at 3, rows read at 4)}: saves' world-2 checkpoints resumed at 3,
+    two batches read and saved again, then resumed at 4 (a launch a world, both kinds)."""
+    top = tmp_path_factory.mktemp("again")
+    second = {kind: str(top / kind) for kind in TWO_KINDS}
+    middle = run_ranks(3, each, [(resume, saves[kind][0], kind, 2, second[kind])
+                                 for kind in TWO_KINDS])
+    last = run_ranks(4, each, [(resume, second[kind], kind) for kind in TWO_KINDS])
+    middle, last = per_kind(TWO_KINDS, middle), per_kind(TWO_KINDS, last)
+    return {kind: ([rows for rows, _ in middle[kind]], [rows for rows, _ in last[kind]])
+            for kind in TWO_KINDS}
+
+
+@pytest.mark.parametrize("kind", TWO_KINDS)
+def test_a_resumed_epoch_resumes_again_elsewhere(kind, saves, again_elsewhere):
     """2 -> 3 (two batches read, saved) -> 4: still every row once."""
-    first, second = str(tmp_path / "a"), str(tmp_path / "b")
-    before = run_ranks(2, save_part, first, kind, 3)
-    middle = [rows for rows, _ in run_ranks(3, resume, first, kind, 2, second)]
-    last = [rows for rows, _ in run_ranks(4, resume, second, kind)]
+    middle, last = again_elsewhere[kind]
     assert sum(map(len, middle)) == 24
-    assert counted(before, middle, last) == {i: 1 for i in range(ROWS)}
+    assert counted(saves[kind][1], middle, last) == {i: 1 for i in range(ROWS)}
 
 
-@pytest.mark.parametrize("kind", ["torchdata", "torch"])
-def test_an_uneven_rest_is_padded_as_the_sampler_pads(kind, tmp_path):
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    """{kind: (rows read at 2, rows read at 3)}: 5 batches read at world 2 and saved, the
+    rest read at 3 (a launch a world, both kinds)."""
+    top = tmp_path_factory.mktemp("uneven")
+    root = {kind: str(top / kind) for kind in TWO_KINDS}
+    before = run_ranks(2, each, [(save_part, root[kind], kind, 5) for kind in TWO_KINDS])
+    rest = run_ranks(3, each, [(resume, root[kind], kind) for kind in TWO_KINDS])
+    before, rest = per_kind(TWO_KINDS, before), per_kind(TWO_KINDS, rest)
+    return {kind: (before[kind], [rows for rows, _ in rest[kind]]) for kind in TWO_KINDS}
+
+
+@pytest.mark.parametrize("kind", TWO_KINDS)
+def test_an_uneven_rest_is_padded_as_the_sampler_pads(kind, uneven):
     """40 rows read at world 2, 200 left for 3 ranks: one row of the epoch's start is read
     again, as DistributedSampler pads an epoch that does not divide."""
-    root = str(tmp_path / "ckpt")
-    before = run_ranks(2, save_part, root, kind, 5)
-    rest = [rows for rows, _ in run_ranks(3, resume, root, kind)]
+    before, rest = uneven[kind]
     first = epoch_rows(1, EPOCH)[0][0]
     assert counted(before, rest) == {i: 2 if i == first else 1 for i in range(ROWS)}
     assert [len(rows) for rows in rest] == [67, 67, 67]
 
 
 def test_a_loader_of_another_kind_takes_up_the_place(tmp_path):
-    """Saved from a StatefulDataLoader, resumed by a ResumableLoader, and the other way."""
-    for saver, loader in (("torchdata", "torch"), ("torch", "torchdata")):
-        for world in (2, 3):
-            root = str(tmp_path / f"{saver}-{world}")
-            before = run_ranks(2, save_part, root, saver, 3)
-            rest = [rows for rows, _ in run_ranks(world, resume, root, loader)]
-            assert counted(before, rest) == {i: 1 for i in range(ROWS)}
+    """Saved from a StatefulDataLoader, resumed by a ResumableLoader, and the other way, at
+    worlds 2 and 3 (each world's saves in one launch, its loads in another)."""
+    cases = [(saver, loader, world) for saver, loader in (("torchdata", "torch"),
+                                                          ("torch", "torchdata"))
+             for world in (2, 3)]
+    root = {case: str(tmp_path / "-".join(map(str, case))) for case in cases}
+    before = run_ranks(2, each, [(save_part, root[c], c[0], 3) for c in cases])
+    for world in (2, 3):
+        mine = [i for i, case in enumerate(cases) if case[2] == world]
+        after = run_ranks(world, each, [(resume, root[cases[i]], cases[i][1]) for i in mine])
+        for i, rests in zip(mine, zip(*after)):
+            rest = [rows for rows, _ in rests]
+            once = {row: 1 for row in range(ROWS)}
+            assert counted([b[i] for b in before], rest) == once, cases[i]
 
 
 def save_at_epoch_end(rank, world, root, kind, inside):
@@ -207,14 +277,15 @@ def save_at_epoch_end(rank, world, root, kind, inside):
 
 
 def test_an_epoch_read_to_its_end_resumes_at_the_next(tmp_path):
-    for kind in ("torchdata", "torch"):
-        for inside in (True, False):
-            root = str(tmp_path / f"{kind}-{inside}")
-            run_ranks(2, save_at_epoch_end, root, kind, inside)
-            after = run_ranks(3, resume, root, kind)
-            # inside: the saved epoch's pass reads nothing more; then the next, as ever
-            assert [rest for rest, _ in after] == ([[]] * 3 if inside else
-                                                   epoch_rows(3, EPOCH + 1))
+    """Each kind, saved inside and after the loop at world 2 (one launch), resumed at 3 (one)."""
+    cases = [(kind, inside) for kind in ("torchdata", "torch") for inside in (True, False)]
+    root = {case: str(tmp_path / f"{case[0]}-{case[1]}") for case in cases}
+    run_ranks(2, each, [(save_at_epoch_end, root[c], *c) for c in cases])
+    after = run_ranks(3, each, [(resume, root[c], c[0]) for c in cases])
+    for (kind, inside), resumed in zip(cases, zip(*after)):
+        # inside: the saved epoch's pass reads nothing more; then the next, as ever
+        assert [rest for rest, _ in resumed] == ([[]] * 3 if inside else
+                                                 epoch_rows(3, EPOCH + 1)), (kind, inside)
 
 
 # -- refusals: on every rank, before anything is loaded ---------------------------------

@@ -208,9 +208,22 @@ def grads_as_seen(rank, world, stage):
     return kinds, frozen, aliased, shape, placements, cleared
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_p_grad_is_a_shard_view_of_the_reduced_rows_as_fsdp2_shows_it(stage):
-    for kinds, frozen, aliased, shape, placements, cleared in run_ranks(2, grads_as_seen, stage):
+STAGES = [1, 2, 3]
+
+
+def each_stage(rank, world, fn, *args):
+    """{stage: fn(rank, world, stage, *args)} for every stage of STAGES, in one launch."""
+    return {stage: fn(rank, world, stage, *args) for stage in STAGES}
+
+
+@pytest.fixture(scope="module")
+def seen_grads():
+    return run_ranks(2, each_stage, grads_as_seen)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_p_grad_is_a_shard_view_of_the_reduced_rows_as_fsdp2_shows_it(seen_grads, stage):
+    for kinds, frozen, aliased, shape, placements, cleared in (r[stage] for r in seen_grads):
         assert kinds == {DTensor.__name__}
         assert frozen == [None]
         assert aliased and shape and placements == ["Shard(dim=0)"] and cleared
@@ -243,9 +256,14 @@ def torch_clip_against_zerofn(rank, world, stage, accum):
                                                             for k in tw)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_torchs_clip_returns_zerofns_norm_and_clips_the_same(stage):
-    for norm_err, weight_err in run_ranks(2, torch_clip_against_zerofn, stage, 2):
+@pytest.fixture(scope="module")
+def clipped():
+    return run_ranks(2, each_stage, torch_clip_against_zerofn, 2)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_torchs_clip_returns_zerofns_norm_and_clips_the_same(clipped, stage):
+    for norm_err, weight_err in (r[stage] for r in clipped):
         assert norm_err < 1e-6 and weight_err < TOL, (norm_err, weight_err)
 
 

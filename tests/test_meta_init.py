@@ -203,15 +203,26 @@ def _raising_init(m):
     net_init(m)
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("no init for custom", "parameter 'scale' was not (fully) initialized"),
-    ("buffer left", "buffer 'freq' was left uninitialized"),
-    ("raising init", "broken init"),
-    ("seeds differ", "random generators differ"),
-])
+MISSES = {"no init for custom": "parameter 'scale' was not (fully) initialized",
+          "buffer left": "buffer 'freq' was left uninitialized",
+          "raising init": "broken init",
+          "seeds differ": "random generators differ"}
+
+
+def every_failure(rank, world):
+    """failures() of every case of MISSES in one launch, in turn."""
+    return {case: failures(rank, world, case) for case in MISSES}
+
+
+@pytest.fixture(scope="module")
+def failed():
+    return run_ranks(2, every_failure)
+
+
+@pytest.mark.parametrize("case, expected", MISSES.items())
 @pytest.mark.multirank
-def test_what_init_misses_is_an_error_on_every_rank(case, expected):
-    for result in run_ranks(2, failures, case):
+def test_what_init_misses_is_an_error_on_every_rank(failed, case, expected):
+    for result in (rank[case] for rank in failed):
         assert result is not None, f"{case}: no error"
         message, still_meta, transformed = result
         assert expected in message, message
@@ -256,12 +267,25 @@ def hf_meta_vs_eager(rank, world, kind):
     return diff, buffers, logits_equal
 
 
+HF_KINDS = ["llama", "gpt2"]
+
+
+def hf_every_kind(rank, world):
+    return {kind: hf_meta_vs_eager(rank, world, kind) for kind in HF_KINDS}
+
+
+@pytest.fixture(scope="module")
+def hf_results():
+    """Every kind of HF_KINDS compared in one launch (transformers imported once)."""
+    pytest.importorskip("transformers")
+    return run_ranks(2, hf_every_kind)
+
+
 @pytest.mark.hf
 @pytest.mark.multirank
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_hugging_face_meta_init_with_init_weights(kind):
-    pytest.importorskip("transformers")
-    for diff, buffers, logits_equal in run_ranks(2, hf_meta_vs_eager, kind):
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_hugging_face_meta_init_with_init_weights(hf_results, kind):
+    for diff, buffers, logits_equal in (rank[kind] for rank in hf_results):
         assert not diff, f"parameters differ from eager + _init_weights: {diff}"
         assert not buffers, f"buffers (rotary inv_freq) differ: {buffers}"
         assert logits_equal

@@ -162,22 +162,40 @@ def _resume(rank, world, path, how, state):
     return {k: v.float() for k, v in {**msd, **moments}.items()}, disk
 
 
-@pytest.mark.parametrize("state", [torch.int8, torch.bfloat16])
-def test_a_resumed_run_is_the_run_bit_for_bit_and_reshards(state, tmp_path):
+def _resumes(rank, world, root, runs):
+    """``_resume`` for each (how, state) of ``runs`` in one launch, a folder a state."""
+    return [_resume(rank, world, f"{root}/{str(state)[6:]}", how, state) for how, state in runs]
+
+
+RESUMED = [torch.int8, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """{state: rank 0's runs}: "through" and "save" at world 2 (one launch for both states),
+    then the checkpoint loaded at world 2 (one) and at world 1 (one)."""
+    root = str(tmp_path_factory.mktemp("resumed"))
+    first = run_ranks(2, _resumes, root, [(how, state) for state in RESUMED
+                                          for how in ("through", "save")])[0]
+    loads = [("load", state) for state in RESUMED]
+    at_2, at_1 = (run_ranks(world, _resumes, root, loads)[0] for world in (2, 1))
+    return {state: dict(through=first[2 * i][0], disk=first[2 * i + 1][1],
+                        resumed=at_2[i][0], one=at_1[i][0]) for i, state in enumerate(RESUMED)}
+
+
+@pytest.mark.parametrize("state", RESUMED)
+def test_a_resumed_run_is_the_run_bit_for_bit_and_reshards(state, resumed):
     """The checkpoint holds bf16 masters and bf16 moments in bf16, 8-bit ones in fp32 (the
     codes times their scales); loading encodes them back to the very codes and bf16
     values, and the rounding streams follow the step: bit for bit at the same world."""
-    path = str(tmp_path / "ckpt")
-    through, _ = run_ranks(2, _resume, path, "through", state)[0]
-    _, disk = run_ranks(2, _resume, path, "save", state)[0]
+    through, disk = resumed[state]["through"], resumed[state]["disk"]
     moments = torch.bfloat16 if state == torch.bfloat16 else torch.float32
     assert disk["model.tok.weight"] == disk["model.pos.weight"] == torch.bfloat16   # masters
     assert disk["optim.state.tok.weight.exp_avg"] == moments, disk
     assert disk["optim.state.tok.weight.exp_avg_sq"] == moments, disk
     assert disk["model.temperature"] == torch.float32                   # (a buffer)
-    resumed, _ = run_ranks(2, _resume, path, "load", state)[0]
-    assert all(torch.equal(through[k], resumed[k]) for k in through)
-    one, _ = run_ranks(1, _resume, path, "load", state)[0]
+    assert all(torch.equal(through[k], resumed[state]["resumed"][k]) for k in through)
+    one = resumed[state]["one"]
     # (world 1 draws other rounding streams than world 2's shards: equal to bf16's ulp)
     assert max((through[k] - one[k]).abs().max().item() for k in msd_keys(through)) < 2e-2
 

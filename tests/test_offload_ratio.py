@@ -4,6 +4,8 @@ offload; which units stay; host memory falling with the ratio; checkpoints that 
 between ratios and world sizes."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -23,28 +25,40 @@ CONFIGS = [(1, "adamw", {}), (2, "adamw", {}), (3, "adamw", {}), (3, "adamw", {"
            (3, "adamw", {"nvme": True, "params": True})]
 
 
-def ratio_runs(rank, world, path, ratio):
-    """Each config with ``ratio``, accumulating 2 micro-batches and clipping, against
-    plain single-process PyTorch on the same global batches."""
+RATIOS = [1.0, 0.5, 0.0]
+
+
+def ratio_runs(rank, world, path):
+    """{ratio: each config's distance} for each ratio of RATIOS, accumulating 2
+    micro-batches and clipping, against plain single-process PyTorch on the same global
+    batches (trained once a config: the reference has no ratio)."""
     data = batches(4, 2, world)
-    out = []
+    out = {ratio: [] for ratio in RATIOS}
     for stage, kind, opts in CONFIGS:
         ref, _ = make_models()
         ref_opt = make_optimizer(kind, ref.parameters())
         train_reference(ref, ref_opt, data, clip=0.05)
-        split = build_offloaded(stage, kind, dict(opts, path=path, ratio=ratio))
-        train_sharded(*split, data, rank, world, clip=0.05)
-        out.append(max(max_errors(ref, ref_opt, *split)))
+        for ratio in RATIOS:
+            split = build_offloaded(stage, kind, dict(opts, path=path, ratio=ratio))
+            train_sharded(*split, data, rank, world, clip=0.05)
+            out[ratio].append(max(max_errors(ref, ref_opt, *split)))
     return out
+
+
+@pytest.fixture(scope="module")
+def shares(tmp_path_factory):
+    """shares(world): every rank's ratio_runs, one launch a world however many tests ask."""
+    return functools.cache(lambda world: run_ranks(
+        world, ratio_runs, str(tmp_path_factory.mktemp(f"ratios{world}")), timeout=400))
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("ratio", [1.0, 0.5, 0.0])
-def test_every_share_on_the_device_matches_plain_pytorch(ratio, world, tmp_path):
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_every_share_on_the_device_matches_plain_pytorch(ratio, world, shares):
     """(The device's share steps in torch's arithmetic, the host's in the C++ kernel.)"""
-    for errors in run_ranks(world, ratio_runs, str(tmp_path), ratio, timeout=400):
-        for config, err in zip(CONFIGS, errors):
+    for errors in shares(world):
+        for config, err in zip(CONFIGS, errors[ratio]):
             assert err < 1e-5, (config, err)
 
 
@@ -68,11 +82,15 @@ def test_the_units_first_in_parameter_order_stay_up_to_the_share():
         assert set(host) | set(device) == set(units) and not set(host) & set(device)
 
 
-def host_bytes(rank, world, path, ratio, nvme):
-    model, opt = build_offloaded(2, "adamw", dict(path=path, ratio=ratio, nvme=nvme))
-    train_sharded(model, opt, batches(1, 1, world), rank, world)
-    placed = zf.model_state_bytes(model)
-    return {where: roles["optimizer"] for where, roles in placed.items()}
+def host_bytes(rank, world, path, nvme):
+    """For each ratio of RATIOS, the optimizer state's bytes by where they are placed."""
+    seen = []
+    for ratio in RATIOS:
+        model, opt = build_offloaded(2, "adamw", dict(path=path, ratio=ratio, nvme=nvme))
+        train_sharded(model, opt, batches(1, 1, world), rank, world)
+        placed = zf.model_state_bytes(model)
+        seen.append({where: roles["optimizer"] for where, roles in placed.items()})
+    return seen
 
 
 @pytest.mark.multirank
@@ -80,10 +98,15 @@ def host_bytes(rank, world, path, ratio, nvme):
 def test_host_memory_falls_with_the_ratio(nvme, tmp_path):
     """The host's arenas (or the swap file) hold only the host's share; the device holds
     the rest, and the total stays."""
-    seen = [run_ranks(2, host_bytes, str(tmp_path), r, nvme)[0] for r in (1.0, 0.5, 0.0)]
+    seen = run_ranks(2, host_bytes, str(tmp_path), nvme)[0]      # at ratios 1, 0.5, 0
     off = "nvme" if nvme else "host"
     assert seen[0][off] > seen[1][off] > seen[2].get(off, 0)
     assert seen[0].get("cpu", 0) < seen[1]["cpu"] < seen[2]["cpu"]      # the CPU device
+
+
+def loads_between_ratios(rank, world, path, ratios):
+    """checkpoint_between_ratios loading at each of ``ratios`` in turn, in one launch."""
+    return [checkpoint_between_ratios(rank, world, path, ratio, "load") for ratio in ratios]
 
 
 def checkpoint_between_ratios(rank, world, path, ratio, how):
@@ -102,9 +125,10 @@ def checkpoint_between_ratios(rank, world, path, ratio, how):
 def test_a_checkpoint_saved_at_one_ratio_loads_at_another_and_another_world(tmp_path):
     path = str(tmp_path / "ckpt")
     saved = run_ranks(2, checkpoint_between_ratios, path, 0.3, "save")[0]
-    for world, ratio in ((2, 1.0), (1, 0.0), (1, 0.7)):
-        loaded = run_ranks(world, checkpoint_between_ratios, path, ratio, "load")[0]
-        assert max(state_errors(saved, loaded)) < 1e-5, (world, ratio)
+    for world, ratios in ((2, [1.0]), (1, [0.0, 0.7])):
+        for ratio, loaded in zip(ratios, run_ranks(world, loads_between_ratios, path,
+                                                   ratios)[0]):
+            assert max(state_errors(saved, loaded)) < 1e-5, (world, ratio)
 
 
 def test_the_ratio_is_checked_where_it_is_given():
