@@ -26,6 +26,23 @@ CONFIGS = [(1, "adamw", {}), (2, "adamw", {}), (3, "adamw", {}), (3, "adamw", {"
            (3, "adamw", {"nvme": True, "units_in_flight": 1})]
 
 
+def world_2_runs(rank, world, path):
+    """The two-rank runs of the single-case tests below, in one launch."""
+    return {"vs pytorch": offload_vs_pytorch(rank, world),
+            "state homes": where_state_lives(rank, world, path),
+            "state dicts": offload_state_dicts(rank, world, path),
+            "bf16": bf16_offload_runs(rank, world, path),
+            "state locals": state_locals_runs(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def at_world_2(tmp_path_factory) -> dict:
+    """world_2_runs' results, each a list over the two ranks."""
+    path = str(tmp_path_factory.mktemp("offload"))
+    per_rank = run_ranks(2, world_2_runs, path, timeout=400)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
 def offload_runs(rank, world, path):
     out = []
     data = batches(5, 1, world)
@@ -70,8 +87,8 @@ def offload_vs_pytorch(rank, world):
 
 
 @pytest.mark.multirank
-def test_offload_matches_plain_pytorch():
-    for p_err, s_err in run_ranks(2, offload_vs_pytorch):
+def test_offload_matches_plain_pytorch(at_world_2):
+    for p_err, s_err in at_world_2["vs pytorch"]:
         assert p_err < 1e-5 and s_err < 1e-5
 
 
@@ -131,8 +148,8 @@ def where_state_lives(rank, world, path):
 
 
 @pytest.mark.multirank
-def test_device_holds_no_optimizer_state_under_offload(tmp_path):
-    for by_config in run_ranks(2, where_state_lives, str(tmp_path)):
+def test_device_holds_no_optimizer_state_under_offload(at_world_2):
+    for by_config in at_world_2["state homes"]:
         for (stage, opts), mem in by_config.items():
             assert mem["cpu"]["optimizer"] == 0, (stage, mem)
             assert mem["host"]["optimizer"] > 0, (stage, mem)
@@ -239,8 +256,8 @@ def offload_state_dicts(rank, world, path):
 
 
 @pytest.mark.multirank
-def test_state_dicts_move_between_offload_modes(tmp_path):
-    for errs in run_ranks(2, offload_state_dicts, str(tmp_path)):
+def test_state_dicts_move_between_offload_modes(at_world_2):
+    for errs in at_world_2["state dicts"]:
         assert errs[0] < 1e-6 and errs[1] < 1e-6, errs
 
 
@@ -264,8 +281,8 @@ def bf16_offload_runs(rank, world, path):
 
 
 @pytest.mark.multirank
-def test_bf16_offload_follows_bf16_without_offload(tmp_path):
-    for by_stage in run_ranks(2, bf16_offload_runs, str(tmp_path)):
+def test_bf16_offload_follows_bf16_without_offload(at_world_2):
+    for by_stage in at_world_2["bf16"]:
         for config, err in by_stage.items():
             assert err < 1e-6, (config, err)
 
@@ -280,10 +297,10 @@ def state_locals_runs(rank, world):
 
 
 @pytest.mark.multirank
-def test_sharded_state_dicts_under_offload_are_views_of_the_host_arenas():
+def test_sharded_state_dicts_under_offload_are_views_of_the_host_arenas(at_world_2):
     """Sharded state dicts hand out the host rows themselves (DCP saves and loads through
     them): no copy, and on a GPU no copy to the device (tests/test_cuda.py)."""
-    for by_config in run_ranks(2, state_locals_runs):
+    for by_config in at_world_2["state locals"]:
         for name, locals_ in by_config.items():
             optim = {k: v for k, v in locals_.items() if k.startswith("optim.")}
             assert optim and all(v == ("cpu", True) for v in optim.values()), (name, optim)
