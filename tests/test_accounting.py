@@ -1,6 +1,8 @@
 """Model-state bytes equal docs/design.md's fp32 formulas; traffic is 2Ψ (ZeRO-1/2) or 3Ψ (ZeRO-3)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +15,28 @@ from support.models import make_models, make_optimizer
 from support.ranks import run_ranks
 
 pytestmark = pytest.mark.multirank
+
+# What each world's one launch runs for the tests below, in this order: traffic_at last,
+# as it wraps torch.distributed's collectives for the rest of the process.
+RUNS_AT = {1: ["memory", "ledgers"], 2: ["memory", "ledgers", "frozen", "pool", "traffic"],
+           4: ["memory", "ledgers", "traffic"]}
+
+
+def runs_at(rank, world, names):
+    runs = {"memory": memory_at, "ledgers": ledgers_at, "frozen": zero3_frozen_traffic,
+            "pool": zero3_pool_and_send_order, "traffic": traffic_at}
+    return {name: runs[name](rank, world) for name in names}
+
+
+@pytest.fixture(scope="module")
+def accounted():
+    """``accounted(world, name)``: that run's results, a list over the ranks, from one
+    launch a world (RUNS_AT), made when a test first asks for it."""
+    @functools.cache
+    def at(world):
+        per_rank = run_ranks(world, runs_at, RUNS_AT[world], timeout=400)
+        return {name: [r[name] for r in per_rank] for name in RUNS_AT[world]}
+    return lambda world, name: at(world)[name]
 
 
 def memory_at(rank, world):
@@ -31,11 +55,11 @@ def memory_of_stage(rank, world, stage):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_model_state_bytes_match_formulas(world):
+def test_model_state_bytes_match_formulas(accounted, world):
     """fp32 AdamW after a step: params 4Ψ | 4Ψ/N, grads 4Ψ/N (ZeRO-1's whole gradients
     live only until its backward ends: the reduced rows are what is left), Adam state
     8Ψ/N, per rank."""
-    for rank, by_stage in enumerate(run_ranks(world, memory_at)):
+    for rank, by_stage in enumerate(accounted(world, "memory")):
         for stage, (psi, pad, n, got) in by_stage.items():
             shard = 4 * psi / world
             want = {1: (4 * psi, shard, 2 * shard), 2: (4 * psi, shard, 2 * shard),
@@ -77,11 +101,11 @@ def _ledger(model):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_model_state_bytes_agree_with_the_pools_ledger(world):
+def test_model_state_bytes_agree_with_the_pools_ledger(accounted, world):
     """Gradient shards lent by the pool count once, as grads (their own bytes, not their
     buffer's), and the pool's other bytes as buffers: byte for byte, at every stage, with
     and without offload, while a step's gradients are held and after zero_grad."""
-    for rank, ledgers in enumerate(run_ranks(world, ledgers_at)):
+    for rank, ledgers in enumerate(accounted(world, "ledgers")):
         for config, seen in ledgers.items():
             for when, (grads, buffers, shard_bytes, pool_rest) in zip(("held", "cleared"), seen):
                 assert (grads, buffers) == (shard_bytes, pool_rest), (world, rank, config, when)
@@ -144,8 +168,8 @@ def traffic_at(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_traffic_per_step(world):
-    for by_stage in run_ranks(world, traffic_at):
+def test_traffic_per_step(accounted, world):
+    for by_stage in accounted(world, "traffic"):
         for stage, (psi, pad, stats, seen) in by_stage.items():
             gathers = 2 if stage == 3 else 1
             assert psi <= stats["reduce_scatter"] <= psi + pad
@@ -174,12 +198,12 @@ def zero3_frozen_traffic(rank, world):
     return zf.comm_stats(model)["all_gather"], [world * u.shard_numel for u in units if u.slots]
 
 
-def test_zero3_gathers_a_unit_with_frozen_weights_once_in_backward():
+def test_zero3_gathers_a_unit_with_frozen_weights_once_in_backward(accounted):
     """Backward frees a unit whose last gradient has come while its frozen weights still
     have its input's gradient to make only once that is made: each unit is gathered once
     in forward and once in backward (freed at its last gradient, it was gathered again and
     held to backward's end)."""
-    for gathered, units in run_ranks(2, zero3_frozen_traffic):
+    for gathered, units in accounted(2, "frozen"):
         assert gathered == 2 * sum(units), (gathered, units)
 
 
@@ -207,15 +231,16 @@ def zero3_pool_and_send_order(rank, world):
         opt.step()
         opt.zero_grad()
         pool_bytes.append(runtime_of(model).ctx.pool.nbytes())
+    GradReducer._send_buffer, GradReducer.reduce = take, reduce     # (the launch goes on)
     return pool_bytes, events
 
 
-def test_zero3_pool_stops_growing_and_late_units_take_buffers_late():
+def test_zero3_pool_stops_growing_and_late_units_take_buffers_late(accounted):
     """After the first steps the pool allocates nothing more. The root unit's first
     gradients (its final norm) arrive at the start of backward and its last (the tied
     embedding) at the end: its send buffer is taken only once enough of them are there,
     after every block was reduced, not held through the whole backward."""
-    for pool_bytes, events in run_ranks(2, zero3_pool_and_send_order):
+    for pool_bytes, events in accounted(2, "pool"):
         assert pool_bytes[1:] == pool_bytes[2:] + pool_bytes[-1:], pool_bytes
         first_root_send = events.index(("send", "<root>"))
         blocks_reduced = [e for e in events if e[0] == "reduce" and e[1] != "<root>"]

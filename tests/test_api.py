@@ -19,6 +19,24 @@ from support.ranks import run_ranks
 from zerofn.core.units import default_unit_modules
 
 
+def world_2_runs(rank, world, root):
+    """The runs of the two-rank tests below that return what they saw, in one launch:
+    step_and_gather_order first, in processes no other run has stepped in."""
+    order = {("order", stage): step_and_gather_order(rank, world, stage) for stage in (1, 2)}
+    return {**order, "one at a time": one_at_a_time(rank, world),
+            "full params": full_params_only_while_running(rank, world),
+            "aligned": misaligned(rank, world, root),
+            "sequential": sequential_vs_compose(rank, world, root),
+            "graphs": forward_graphs_are_freed(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def at_world_2(tmp_path_factory) -> dict:
+    """world_2_runs' results, each a list over the two ranks."""
+    per_rank = run_ranks(2, world_2_runs, str(tmp_path_factory.mktemp("api")), timeout=400)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
 def one_at_a_time(rank, world):
     """Applying transforms one by one (in any order) equals compose, and keeps the objects."""
     results = []
@@ -39,8 +57,8 @@ def one_at_a_time(rank, world):
 
 
 @pytest.mark.multirank
-def test_transforms_compose_one_at_a_time():
-    for errs in run_ranks(2, one_at_a_time):
+def test_transforms_compose_one_at_a_time(at_world_2):
+    for errs in at_world_2["one at a time"]:
         for p_err, s_err in errs:
             assert p_err < 1e-5 and s_err < 1e-5
 
@@ -130,8 +148,8 @@ def full_params_only_while_running(rank, world):
 
 
 @pytest.mark.multirank
-def test_zero3_full_params_exist_only_while_unit_runs():
-    run_ranks(2, full_params_only_while_running)
+def test_zero3_full_params_exist_only_while_unit_runs(at_world_2):
+    assert at_world_2["full params"] == [True, True]   # (its checks raise in the ranks)
 
 
 def misaligned(rank, world, path):
@@ -165,8 +183,8 @@ def misaligned(rank, world, path):
 
 
 @pytest.mark.multirank
-def test_zero3_parameters_and_shards_are_16_byte_aligned(tmp_path):
-    for rank_result in run_ranks(2, misaligned, str(tmp_path)):
+def test_zero3_parameters_and_shards_are_16_byte_aligned(at_world_2):
+    for rank_result in at_world_2["aligned"]:
         for precision, offload, bad, seen in rank_result:
             assert seen >= 10 and bad == [], (precision, offload, bad)
 
@@ -194,8 +212,8 @@ def sequential_vs_compose(rank, world, root):
 
 
 @pytest.mark.multirank
-def test_precision_and_offload_compose_one_at_a_time(tmp_path):
-    assert run_ranks(2, sequential_vs_compose, str(tmp_path)) == [0.0, 0.0]
+def test_precision_and_offload_compose_one_at_a_time(at_world_2):
+    assert at_world_2["sequential"] == [0.0, 0.0]
 
 
 def step_and_gather_order(rank, world, stage):
@@ -208,22 +226,25 @@ def step_and_gather_order(rank, world, stage):
     gather, inner = Comm.all_gather, device_home.step_without_hooks
     Comm.all_gather = lambda self, *a, **k: events.append("gather") or gather(self, *a, **k)
     device_home.step_without_hooks = lambda opt: events.append("unit step") or inner(opt)
-    model, opt = build_parity(stage)
-    opt.register_step_pre_hook(lambda *_: events.append("step"))
-    (x, y), = batches(1, 1, world)[0]
-    model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-    events.clear()
-    opt.step()
+    try:
+        model, opt = build_parity(stage)
+        opt.register_step_pre_hook(lambda *_: events.append("step"))
+        (x, y), = batches(1, 1, world)[0]
+        model(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        events.clear()
+        opt.step()
+    finally:    # (the launch goes on)
+        Comm.all_gather, device_home.step_without_hooks = gather, inner
     return events
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero12_gather_each_unit_while_the_next_steps(stage):
+def test_zero12_gather_each_unit_while_the_next_steps(at_world_2, stage):
     """ZeRO-1/2 step the optimizer one unit at a time and launch that unit's all-gather
     right after, so it overlaps the next unit's step (parity tests show the result is
     the same step)."""
-    events = run_ranks(2, step_and_gather_order, stage)[0]
+    events = at_world_2["order", stage][0]
     # one inner step and one gather per unit (several units), then the user's own step
     # hook, once: it runs after zerofn's, and the step finds nothing left to do
     assert len(events) > 5 and events[-1] == "step"
@@ -271,11 +292,11 @@ def forward_graphs_are_freed(rank, world):
 
 
 @pytest.mark.multirank
-def test_a_forward_backward_never_reaches_frees_its_graph_under_zero3():
+def test_a_forward_backward_never_reaches_frees_its_graph_under_zero3(at_world_2):
     """A saved-tensor hook that kept the tensors as given made each such forward's graph a
     cycle through C++: never freed, and, counted as a forward whose backward was still to
     come, it kept the units from completing when their backward was done."""
-    for alive in run_ranks(2, forward_graphs_are_freed):
+    for alive in at_world_2["graphs"]:
         assert alive == [False] * 3, alive
 
 

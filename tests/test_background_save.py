@@ -9,6 +9,7 @@ and zerofn train's progress line."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 from types import SimpleNamespace
@@ -109,10 +110,37 @@ def save_then_step(rank, world, root, stage, case, staging, monitor=False):
                 early=rt.stepper.early.stepped if rt.stepper.early is not None else 0)
 
 
+HOLDS = [(1, "none"), (3, "none"), (3, "cpu"), (3, "nvme")]
+# save_then_step's (stage, case, staging, monitor) at each world: every test's, so that one
+# launch a world serves them all
+CASES = {1: [(stage, case, "bounded", False) for stage, case in HOLDS] + [
+             (3, "cpu-overlap", "bounded", False), (3, "nvme", 64 << 20, False),
+             (3, "cpu", "bounded", True)],
+         2: [(stage, case, "bounded", False) for stage, case in HOLDS] + [(3, "cpu", 2, False)]}
+
+
+def saves_then_steps(rank, world, root, cases):
+    return [save_then_step(rank, world, os.path.join(root, str(i)), *case)
+            for i, case in enumerate(cases)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``saved(world, *case)``: that case's results (a list over the ranks) and its
+    directory, from one launch a world, made when a test first asks for it."""
+    @functools.cache
+    def at(world):
+        root = str(tmp_path_factory.mktemp(f"world{world}"))
+        per_rank = run_ranks(world, saves_then_steps, root, CASES[world], timeout=400)
+        return {case: ([r[i] for r in per_rank], os.path.join(root, str(i)))
+                for i, case in enumerate(CASES[world])}
+    return lambda world, *case: at(world)[case]
+
+
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("stage,case", [(1, "none"), (3, "none"), (3, "cpu"), (3, "nvme")])
-def test_background_save_holds_the_state_at_its_call(tmp_path, stage, case, world):
-    results = run_ranks(world, save_then_step, str(tmp_path), stage, case, "bounded")
+@pytest.mark.parametrize("stage,case", HOLDS)
+def test_background_save_holds_the_state_at_its_call(saved, stage, case, world):
+    results, _ = saved(world, stage, case, "bounded", False)
     assert results[0]["diffs"] == []              # bit for bit the synchronous save's
     for r in results:
         assert r["changed"] > 0                   # the steps changed what it was writing
@@ -124,38 +152,38 @@ def test_background_save_holds_the_state_at_its_call(tmp_path, stage, case, worl
         assert r["peak"] <= r["aside"] + r["largest"], r
 
 
-def test_units_stepped_during_backward_copy_before_write_too(tmp_path):
+def test_units_stepped_during_backward_copy_before_write_too(saved):
     """offload(overlap_step=True) steps each unit as its gradients land, in backward: each
     asks for its own unit, and the checkpoint still holds the state at the call."""
-    r = run_ranks(1, save_then_step, str(tmp_path), 3, "cpu-overlap", "bounded")[0]
+    r = saved(1, 3, "cpu-overlap", "bounded", False)[0][0]
     assert r["diffs"] == [] and r["changed"] > 0
     assert r["early"] > 0                           # (units did step in backward)
     assert r["copied"] >= 1 and r["waits"] >= 1 and r["peak"] <= r["aside"] + r["largest"]
 
 
-def test_a_large_budget_copies_every_unit_and_never_waits(tmp_path):
-    r = run_ranks(1, save_then_step, str(tmp_path), 3, "nvme", 64 << 20)[0]
+def test_a_large_budget_copies_every_unit_and_never_waits(saved):
+    r = saved(1, 3, "nvme", 64 << 20, False)[0][0]
     assert r["diffs"] == [] and r["changed"] > 0
     assert (r["copied"], r["waits"]) == (r["units"], 0)
 
 
-def test_no_budget_waits_for_every_unit(tmp_path):
+def test_no_budget_waits_for_every_unit(saved):
     """staging_bytes=2 leaves no room for copies: the first step waits until the writer
     has written all it changes."""
-    r = run_ranks(2, save_then_step, str(tmp_path), 3, "cpu", 2)[0]
+    r = saved(2, 3, "cpu", 2, False)[0][0]
     assert r["diffs"] == [] and r["changed"] > 0
     assert (r["copied"], r["waits"]) == (0, 1)
 
 
-def test_the_wait_shows_in_tensorboard_and_csv(tmp_path):
-    r = run_ranks(1, save_then_step, str(tmp_path), 3, "cpu", "bounded", True)[0]
+def test_the_wait_shows_in_tensorboard_and_csv(saved):
+    (r,), root = saved(1, 3, "cpu", "bounded", True)
     assert r["waits"] == 1
-    acc = read(os.path.join(tmp_path, "tb"))
+    acc = read(os.path.join(root, "tb"))
     waits = scalars(acc, "checkpoint/waits")
     assert (waits[2], waits[3], waits[6]) == (0, 1, 1)   # the first step after the call
     wait_ms = scalars(acc, "time/checkpoint_wait")
     assert wait_ms[2] == 0 and wait_ms[3] > 0
-    with open(os.path.join(tmp_path, "tb", "checkpoint_waits.csv")) as f:
+    with open(os.path.join(root, "tb", "checkpoint_waits.csv")) as f:
         assert [float(v) for v in f.read().splitlines()[-1].split(",")] == [6, 1]
 
 

@@ -6,6 +6,7 @@ a save that fails mid-write leaves nothing visible, the previous checkpoint whol
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -156,22 +157,49 @@ def checked_and_safe(rank, world, url, options):
     return True
 
 
-@pytest.mark.parametrize("stage", sorted(STAGES))
-def test_memory_url_holds_the_local_bytes_and_loads_back(stage, tmp_path):
-    assert run_ranks(1, round_trip, stage, str(tmp_path / "local"), f"memory://{stage}/ckpt",
-                     None) == [True]
+# The stages round-tripped at each world: memory:// URLs at world 1, file:// at world 2
+ROUND_TRIPS = {1: sorted(STAGES), 2: ["zero1", "zero3_cpu_offload"]}
 
 
-@pytest.mark.parametrize("stage", ["zero1", "zero3_cpu_offload"])
-def test_file_url_at_world_2_holds_the_local_bytes_and_loads_back(stage, tmp_path):
-    assert run_ranks(2, round_trip, stage, str(tmp_path / "local"),
-                     f"file://{tmp_path}/url", None) == [True, True]
+def url_of(world: int, root: str, name: str) -> str:
+    return f"memory://{name}" if world == 1 else f"file://{root}/{name}"
+
+
+def url_runs(rank, world, root):
+    """The checks, then each round trip of ROUND_TRIPS at this world: ``{name: True}`` for
+    each (a failed check raises, failing the launch)."""
+    out = {"checks": checked_and_safe(rank, world, url_of(world, root, "checks"), None)}
+    for stage in ROUND_TRIPS[world]:   # (after the checks: round_trip sets FILE_BYTES)
+        out[stage] = round_trip(rank, world, stage, os.path.join(root, stage, "local"),
+                                url_of(world, root, f"{stage}/ckpt"), None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def at_url(tmp_path_factory):
+    """``at_url(world)``: url_runs' results on each rank, from one launch a world, made when
+    a test first asks for it."""
+    @functools.cache
+    def launched(world):
+        root = str(tmp_path_factory.mktemp(f"urls{world}"))
+        return run_ranks(world, url_runs, root, timeout=400)
+    return launched
+
+
+@pytest.mark.parametrize("stage", ROUND_TRIPS[1])
+def test_memory_url_holds_the_local_bytes_and_loads_back(at_url, stage):
+    assert [r[stage] for r in at_url(1)] == [True]
+
+
+@pytest.mark.parametrize("stage", ROUND_TRIPS[2])
+def test_file_url_at_world_2_holds_the_local_bytes_and_loads_back(at_url, stage):
+    assert [r[stage] for r in at_url(2)] == [True, True]
 
 
 @pytest.mark.parametrize("url", ["memory://checks", "file://{tmp}/checks"])
-def test_checksums_and_safe_reader_at_a_url(url, tmp_path):
+def test_checksums_and_safe_reader_at_a_url(at_url, url):
     world = 1 if url.startswith("memory") else 2
-    assert run_ranks(world, checked_and_safe, url.format(tmp=tmp_path), None) == [True] * world
+    assert [r["checks"] for r in at_url(world)] == [True] * world
 
 
 # -- a local S3 server, where one is installed ---------------------------------------------

@@ -190,36 +190,49 @@ SAVE_VIEWS = textwrap.dedent("""
     from zerofn.runtime.memory import proc_bytes
     arena = torch.randn(32 << 20)                  # 128 MiB, saved as 32 views of 4 MiB
     views = {f"t{i}": arena[i << 20:(i + 1) << 20] for i in range(32)}
-    with open("/proc/self/clear_refs", "w") as f:  # the peak so far: forgotten
-        f.write("5")
-    before = proc_bytes("VmHWM")
-    with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as plain:
-        dcp.save(views, storage_writer=ChecksumWriter(d, file_bytes=int(sys.argv[1])),
-                 no_dist=True)
-        extra = (proc_bytes("VmHWM") - before) >> 20
-        files = sum(name.endswith(".distcp") for name in os.listdir(d))
-        back = {k: torch.empty_like(v) for k, v in views.items()}
-        dcp.load(back, checkpoint_id=d, no_dist=True)
+    with tempfile.TemporaryDirectory() as plain:
         dcp.save(views, storage_writer=FileSystemWriter(plain), no_dist=True)  # DCP's own
-        with open(f"{d}/__0_0.distcp", "rb") as a, open(f"{plain}/__0_0.distcp", "rb") as b:
-            identical = a.read() == b.read()
-    same = all(torch.equal(back[k], v) for k, v in views.items())
-    print(files, same, extra, identical)
+        with open(f"{plain}/__0_0.distcp", "rb") as f:
+            dcps = f.read()
+    for file_bytes in map(int, sys.argv[1:]):
+        with open("/proc/self/clear_refs", "w") as f:  # the peak so far: forgotten
+            f.write("5")
+        before = proc_bytes("VmHWM")
+        with tempfile.TemporaryDirectory() as d:
+            dcp.save(views, storage_writer=ChecksumWriter(d, file_bytes=file_bytes),
+                     no_dist=True)
+            extra = (proc_bytes("VmHWM") - before) >> 20
+            files = sum(name.endswith(".distcp") for name in os.listdir(d))
+            back = {k: torch.empty_like(v) for k, v in views.items()}
+            dcp.load(back, checkpoint_id=d, no_dist=True)
+            with open(f"{d}/__0_0.distcp", "rb") as f:
+                identical = f.read() == dcps
+        same = all(torch.equal(back[k], v) for k, v in views.items())
+        print(files, same, extra, identical)
 """)
+FILE_MIB = [16, 1024]
+
+
+@pytest.fixture(scope="module")
+def saves_of_views() -> dict[int, list[str]]:
+    """SAVE_VIEWS's line for each file size of FILE_MIB, from one fresh process: DCP's own
+    writer saves first, then each size's peak is measured from the peak reset."""
+    # glibc's mmap threshold fixed below the views' 4 MiB, as zerofn's runtime fixes it:
+    # each copy is mapped and unmapped by itself, and the peak counts what is held
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    out = subprocess.run([sys.executable, "-c", SAVE_VIEWS, *(str(m << 20) for m in FILE_MIB)],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    return dict(zip(FILE_MIB, (line.split() for line in out.splitlines())))
 
 
 @pytest.mark.parametrize("file_mib, files", [(16, 8), (1024, 1)])
-def test_a_save_holds_one_items_copy_at_a_time(file_mib, files):
+def test_a_save_holds_one_items_copy_at_a_time(saves_of_views, file_mib, files):
     """DCP copies each view it writes; its own writer kept every copy until its file was
     done (a file's worth: all 128 MiB in one file). ChecksumWriter lets each go once
     written, so a save's extra peak is one 4 MiB view's copy, whatever the file size
     (checksums.py's [Note: one item at a time]), and one file holds the bytes DCP's own
-    writer writes. Measured in a fresh process, whose peak the save alone can raise."""
-    # glibc's mmap threshold fixed below the views' 4 MiB, as zerofn's runtime fixes it:
-    # each copy is mapped and unmapped by itself, and the peak counts what is held
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    out = subprocess.run([sys.executable, "-c", SAVE_VIEWS, str(file_mib << 20)], env=env,
-                         capture_output=True, text=True, check=True).stdout.split()
+    writer writes. Measured in a fresh process, its peak reset before each save."""
+    out = saves_of_views[file_mib]
     written, same, extra_mib = int(out[0]), out[1] == "True", int(out[2])
     assert (written, same) == (files, True), out
     # one 4 MiB copy beside DCP's own planning and pickling (17 MiB measured at either

@@ -59,16 +59,33 @@ def stream_out(rank, world, root, stage, kind, to):
     return same, len(calls), buckets_of(expected, bucket)
 
 
+# (stage, offload, to): every stage and offload to all ranks, and ZeRO-3 on NVMe to rank 1
+CASES = [(stage, kind, "all") for stage in (1, 2, 3) for kind in OFFLOADS] + [(3, "nvme", 1)]
+
+
+def streams_out(rank, world, root, cases):
+    return [stream_out(rank, world, os.path.join(root, str(i)), *case)
+            for i, case in enumerate(cases)]
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory) -> dict:
+    """Every case of CASES from one launch of two ranks: its results, a list over ranks."""
+    root = str(tmp_path_factory.mktemp("full_weights"))
+    per_rank = run_ranks(2, streams_out, root, CASES, timeout=400)
+    return {case: [r[i] for r in per_rank] for i, case in enumerate(CASES)}
+
+
 @pytest.mark.parametrize("kind", OFFLOADS)
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_full_weights_equal_the_full_state_dict(tmp_path, stage, kind):
-    for same, calls, buckets in run_ranks(2, stream_out, str(tmp_path), stage, kind, "all"):
+def test_full_weights_equal_the_full_state_dict(streamed, stage, kind):
+    for same, calls, buckets in streamed[stage, kind, "all"]:
         assert same
         assert calls == buckets > 3       # one gather per bucket
 
 
-def test_full_weights_to_one_rank(tmp_path):
-    results = run_ranks(2, stream_out, str(tmp_path), 3, "nvme", 1)
+def test_full_weights_to_one_rank(streamed):
+    results = streamed[3, "nvme", 1]
     assert [r[0] for r in results] == [True, True]     # rank 0 got nothing, rank 1 all
     assert results[0][1] == results[0][2]
 

@@ -1,4 +1,6 @@
-"""Hugging Face transformers models in a plain loop: every stage, world 1 and 2, fp32 and bf16.
+"""Hugging Face transformers models in a plain loop: every stage, fp32 and bf16, at world 2
+(world 1 too under ZEROFN_SLOW=1: a rank alone runs the same code whatever the model, and
+test_parity.py checks it at world 1 in every run); a model built in bf16 at world 1 and 2.
 
 Three tiny configs with awkward sizes (support/hf_models.py): a Llama with grouped-query
 attention (2 key/value heads for 6 query heads), tied embeddings, left padding and
@@ -12,12 +14,15 @@ parameters and all-gather, fp32 reduction, fp32 masters), and loosely with fp32.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import zerofn as zf
 from support.compare import TOL, TOL_BF16_VS_FP32
 from support.loops import zero
+from support import SLOW, slow_variant
 from support.ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -62,10 +67,26 @@ def every_config(rank, world):
     return out
 
 
+def named_runs(rank, world, names):
+    runs = {"every config": every_config, "bf16 model": bf16_checkpoint_runs}
+    return {name: runs[name](rank, world) for name in names}
+
+
+@functools.cache
+def runs_at(world: int) -> dict[str, list]:
+    """The tests' runs at ``world`` from one launch (each rank imports transformers once):
+    each one's results, a list over the ranks. At world 1 every config only under
+    ZEROFN_SLOW=1, as its test runs."""
+    names = ["bf16 model"] + ["every config"] * (world > 1 or SLOW)
+    per_rank = run_ranks(world, named_runs, names, timeout=600)
+    return {name: [r[name] for r in per_rank] for name in names}
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [slow_variant(1, covered_by=(
+    "[2] and test_parity.py::test_parity_matrix[1]")), 2])
 def test_hf_models_follow_plain_pytorch(world):
-    for rank, results in enumerate(run_ranks(world, every_config, timeout=400)):
+    for rank, results in enumerate(runs_at(world)["every config"]):
         for (name, stage, bf16), (vs_fp32, vs_fsdp2) in results.items():
             where = f"world {world} rank {rank} {name} stage {stage} {'bf16' if bf16 else 'fp32'}"
             if bf16:
@@ -127,7 +148,7 @@ def bf16_checkpoint_runs(rank, world):
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_bf16_model_under_mixed_precision_keeps_fp32_masters_and_trains_as_fsdp2(world):
-    results = run_ranks(world, bf16_checkpoint_runs, timeout=300)
+    results = runs_at(world)["bf16 model"]
     for config in results[0]:     # the optimizer's bytes a parameter, summed over the ranks
         per_param = sum(r[config][3] for r in results)
         assert 12 <= per_param < 12.5, (config, per_param)    # masters + 2 moments, fp32

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -95,13 +96,19 @@ def fsdp2_reads_three_homes(rank, world, ckpt):
     return saved, fsdp2_full(fmodel, fopt)
 
 
+def saved_and_read_by_fsdp2(rank, world, path):
+    """The three-home run saved, then its checkpoint read by FSDP2, in one launch."""
+    saved, after, ckpt = checkpoint_of_three_homes(rank, world, path, "save")
+    dist.barrier()      # (published)
+    return saved, after, fsdp2_reads_three_homes(rank, world, ckpt)
+
+
 def test_a_three_home_checkpoint_loads_with_every_unit_on_the_host_and_in_fsdp2(tmp_path):
     path = str(tmp_path)
-    (saved, after, ckpt), _ = run_ranks(2, checkpoint_of_three_homes, path, "save")
+    (saved, after, (theirs, fsdp2_after)), _ = run_ranks(2, saved_and_read_by_fsdp2, path)
     [(loaded, on_host, _)] = run_ranks(1, checkpoint_of_three_homes, path, "load")
     assert_same_state(saved, loaded)
     assert max_error(after, on_host) < TOL
-    (theirs, fsdp2_after), _ = run_ranks(2, fsdp2_reads_three_homes, ckpt)
     assert_same_state(saved, theirs)
     assert max_error(after, fsdp2_after) < TOL
 
@@ -124,13 +131,18 @@ def plain_step(rank, world):
     return zf.get_state_dict(model, opt, full=True)
 
 
+def three_steps(rank, world, path):
+    """The step with units in three homes, with every unit on the host, and plain."""
+    return (one_step(rank, world, path, THREE), one_step(rank, world, path, None)[1],
+            plain_step(rank, world))
+
+
 def test_int8_state_on_the_offloaded_units_steps_as_with_every_unit_offloaded(tmp_path):
     """One step from the same start: a host or NVMe unit's rows and moments equal those of
     the run with every unit's int8 state on the host, bit for bit (the same kernel over
     the same blocks and rounding streams); a device unit's equal plain fp32 AdamW's."""
-    [(homes, (msd, osd))] = run_ranks(1, one_step, str(tmp_path), THREE)
-    [(_, (all_msd, all_osd))] = run_ranks(1, one_step, str(tmp_path), None)
-    [(plain_msd, plain_osd)] = run_ranks(1, plain_step)
+    [((homes, (msd, osd)), (all_msd, all_osd), (plain_msd, plain_osd))] = \
+        run_ranks(1, three_steps, str(tmp_path))
     for name in msd:
         unit = "<root>" if not name.startswith("blocks.") else ".".join(name.split(".")[:2])
         ref_m, ref_o = (plain_msd, plain_osd) if homes[unit] == "device" else (all_msd, all_osd)
@@ -200,19 +212,34 @@ def refused_budget(rank, world, path):
         "nvme", path=path, ratio="auto", host_budget=1000, device_budget=10**9))(*_plain()))
 
 
-def test_a_host_budget_below_the_swap_files_needs_names_the_least_that_works(tmp_path):
-    for error in run_ranks(2, refused_budget, str(tmp_path)):
+# (placement, what its refusal says)
+REFUSED = [({"blocks.0": "gpu"}, "must be one of"), ({"blocks.9": "device"}, "names no unit"),
+           ({"blocks.1": "nvme"}, "give path="), ("blocks.0", "takes a dict")]
+
+
+def refusals(rank, world, path):
+    """The budget's refusal, then each of REFUSED's placements': every one is refused on
+    both ranks before any collective, or the ranks would hang at the next."""
+    return [refused_budget(rank, world, path)] + [refused_placement(rank, world, placement)
+                                                  for placement, _ in REFUSED]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> list[list[str]]:
+    """refusals' messages from one launch of two ranks: each a list over the ranks."""
+    per_rank = run_ranks(2, refusals, str(tmp_path_factory.mktemp("refused")), timeout=120)
+    return [list(messages) for messages in zip(*per_rank)]
+
+
+def test_a_host_budget_below_the_swap_files_needs_names_the_least_that_works(refused):
+    for error in refused[0]:
         assert "host_budget=1000" in error and "give host_budget at least" in error, error
 
 
-@pytest.mark.parametrize("placement,fragment", [
-    ({"blocks.0": "gpu"}, "must be one of"),
-    ({"blocks.9": "device"}, "names no unit"),
-    ({"blocks.1": "nvme"}, "give path="),
-    ("blocks.0", "takes a dict"),
-])
-def test_a_placement_that_cannot_be_made_is_refused_before_any_collective(placement, fragment):
-    errors = run_ranks(2, refused_placement, placement)
+@pytest.mark.parametrize("placement,fragment", REFUSED)
+def test_a_placement_that_cannot_be_made_is_refused_before_any_collective(
+        refused, placement, fragment):
+    errors = refused[1 + REFUSED.index((placement, fragment))]
     assert all(fragment in e for e in errors), errors
 
 

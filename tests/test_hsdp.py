@@ -74,12 +74,15 @@ def expected_traffic(model, stage: int, accum: int, no_sync: bool) -> dict:
 
 def parity(rank, world, mesh, root):
     """Each config against single-process PyTorch: (param error, state error, traffic)."""
-    out = []
+    out, refs = [], {}      # one reference per (accumulation, clip), shared by configs
     for stage, accum, opts, extra, train_opts in PARITY:
-        ref, _ = make_models()
-        ref_opt = make_optimizer("adamw", ref.parameters())
         data = batches(STEPS, accum, world)
-        train_reference(ref, ref_opt, data, train_opts.get("clip"))
+        key = accum, train_opts.get("clip")
+        if key not in refs:
+            ref, _ = make_models()
+            refs[key] = ref, make_optimizer("adamw", ref.parameters())
+            train_reference(*refs[key], data, key[1])
+        ref, ref_opt = refs[key]
         model, opt = build(stage, mesh, opts, extra, root)
         train_sharded(model, opt, data, rank, world, **train_opts)
         msd, osd = zf.get_state_dict(model, opt, full=True)

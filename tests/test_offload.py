@@ -16,6 +16,7 @@ from support.errors import error_of
 from support.loops import build_parity, step_once, train_reference, train_sharded
 from support.models import batches, make_models, make_optimizer
 from support.offload import build_offloaded, sharded_state_locals
+from support import slow_variant
 from support.ranks import run_ranks
 from zerofn.runtime.runtime import runtime_of
 
@@ -25,27 +26,47 @@ CONFIGS = [(1, "adamw", {}), (2, "adamw", {}), (3, "adamw", {}), (3, "adamw", {"
            (3, "adamw", {"nvme": True, "units_in_flight": 1})]
 
 
+def world_2_runs(rank, world, path):
+    """The two-rank runs of the single-case tests below, in one launch."""
+    return {"vs pytorch": offload_vs_pytorch(rank, world),
+            "state homes": where_state_lives(rank, world, path),
+            "state dicts": offload_state_dicts(rank, world, path),
+            "bf16": bf16_offload_runs(rank, world, path),
+            "state locals": state_locals_runs(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def at_world_2(tmp_path_factory) -> dict:
+    """world_2_runs' results, each a list over the two ranks."""
+    path = str(tmp_path_factory.mktemp("offload"))
+    per_rank = run_ranks(2, world_2_runs, path, timeout=400)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
 def offload_runs(rank, world, path):
     out = []
     data = batches(5, 1, world)
+    plains = {}     # the run without offload, trained once per (stage, optimizer)
     for stage, kind, opts in CONFIGS:
         opts = dict(opts, path=path)
-        ref, _ = make_models()
-        ref_opt = make_optimizer(kind, ref.parameters())
-        train_reference(ref, ref_opt, data)
-        plain, plain_opt = build_offloaded(stage, kind)
+        if (stage, kind) not in plains:
+            plain, plain_opt = build_offloaded(stage, kind)
+            train_sharded(plain, plain_opt, data, rank, world, clip=0.05)
+            plains[stage, kind] = (zf.get_state_dict(plain, plain_opt, full=True),
+                                   plain_opt.state_dict()["param_groups"])
+        a, groups = plains[stage, kind]
         off, off_opt = build_offloaded(stage, kind, opts)
-        train_sharded(plain, plain_opt, data, rank, world, clip=0.05)
         train_sharded(off, off_opt, data, rank, world, clip=0.05)
-        a = zf.get_state_dict(plain, plain_opt, full=True)
         b = zf.get_state_dict(off, off_opt, full=True)
-        same_groups = off_opt.state_dict()["param_groups"] == plain_opt.state_dict()["param_groups"]
-        out.append((max(state_errors(a, b)), same_groups))
+        out.append((max(state_errors(a, b)), off_opt.state_dict()["param_groups"] == groups))
     return out
 
 
+# World 1's offloaded runs against the same runs without offload: test_offload_copies.py's
+# deferred copies at world 1 train every stage, host and NVMe, against them in every run.
 @pytest.mark.multirank
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [slow_variant(1, covered_by=(
+    "[2] and test_offload_copies.py::test_deferred_copies_train_like_synchronous_ones[1]")), 2])
 def test_offload_matches_the_run_without_it(world, tmp_path):
     """cpu and nvme, every stage: equal to the run without offload (CPU Adam vs torch)."""
     for rank_out in run_ranks(world, offload_runs, str(tmp_path), timeout=400):
@@ -66,8 +87,8 @@ def offload_vs_pytorch(rank, world):
 
 
 @pytest.mark.multirank
-def test_offload_matches_plain_pytorch():
-    for p_err, s_err in run_ranks(2, offload_vs_pytorch):
+def test_offload_matches_plain_pytorch(at_world_2):
+    for p_err, s_err in at_world_2["vs pytorch"]:
         assert p_err < 1e-5 and s_err < 1e-5
 
 
@@ -127,8 +148,8 @@ def where_state_lives(rank, world, path):
 
 
 @pytest.mark.multirank
-def test_device_holds_no_optimizer_state_under_offload(tmp_path):
-    for by_config in run_ranks(2, where_state_lives, str(tmp_path)):
+def test_device_holds_no_optimizer_state_under_offload(at_world_2):
+    for by_config in at_world_2["state homes"]:
         for (stage, opts), mem in by_config.items():
             assert mem["cpu"]["optimizer"] == 0, (stage, mem)
             assert mem["host"]["optimizer"] > 0, (stage, mem)
@@ -235,8 +256,8 @@ def offload_state_dicts(rank, world, path):
 
 
 @pytest.mark.multirank
-def test_state_dicts_move_between_offload_modes(tmp_path):
-    for errs in run_ranks(2, offload_state_dicts, str(tmp_path)):
+def test_state_dicts_move_between_offload_modes(at_world_2):
+    for errs in at_world_2["state dicts"]:
         assert errs[0] < 1e-6 and errs[1] < 1e-6, errs
 
 
@@ -260,8 +281,8 @@ def bf16_offload_runs(rank, world, path):
 
 
 @pytest.mark.multirank
-def test_bf16_offload_follows_bf16_without_offload(tmp_path):
-    for by_stage in run_ranks(2, bf16_offload_runs, str(tmp_path)):
+def test_bf16_offload_follows_bf16_without_offload(at_world_2):
+    for by_stage in at_world_2["bf16"]:
         for config, err in by_stage.items():
             assert err < 1e-6, (config, err)
 
@@ -276,10 +297,10 @@ def state_locals_runs(rank, world):
 
 
 @pytest.mark.multirank
-def test_sharded_state_dicts_under_offload_are_views_of_the_host_arenas():
+def test_sharded_state_dicts_under_offload_are_views_of_the_host_arenas(at_world_2):
     """Sharded state dicts hand out the host rows themselves (DCP saves and loads through
     them): no copy, and on a GPU no copy to the device (tests/test_cuda.py)."""
-    for by_config in run_ranks(2, state_locals_runs):
+    for by_config in at_world_2["state locals"]:
         for name, locals_ in by_config.items():
             optim = {k: v for k, v in locals_.items() if k.startswith("optim.")}
             assert optim and all(v == ("cpu", True) for v in optim.values()), (name, optim)

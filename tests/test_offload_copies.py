@@ -9,6 +9,7 @@ and training then differs from the same run with synchronous copies.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import defaultdict
 
 import pytest
@@ -122,25 +123,53 @@ def train(stage, kind, offload, dtype, data, rank, world, copies=CopyStreams, gr
 
 def deferred_runs(rank, world, path, configs):
     data = batches(STEPS, ACCUM, world)
+    plain = {}      # the run without offload, trained once per (stage, optimizer)
     out = []
     for stage, kind, opts, dtype in configs:
         opts = dict(opts, path=path)
-        plain, _ = train(stage, kind, None, dtype, data, rank, world)
         synced, _ = train(stage, kind, opts, dtype, data, rank, world)
         deferred, rt = train(stage, kind, opts, dtype, data, rank, world, DeferredCopies)
         copies = rt.ctx.copies
-        out.append({"vs_plain": max(state_errors(plain, deferred)),
-                    "vs_synced": max(state_errors(synced, deferred)), "performed": copies.performed,
-                    "most_pending": copies.most_pending, "left": copies.pending(),
-                    "stale": copies.stale})
+        r = {"vs_synced": max(state_errors(synced, deferred)), "performed": copies.performed,
+             "most_pending": copies.most_pending, "left": copies.pending(),
+             "stale": copies.stale}
+        if dtype is None:   # only fp32 is held to the run without offload
+            if (stage, kind) not in plain:
+                plain[stage, kind] = train(stage, kind, None, None, data, rank, world)[0]
+            r["vs_plain"] = max(state_errors(plain[stage, kind], deferred))
+        out.append(r)
     return out
 
 
+def cpu_runs(rank, world, path):
+    """The CPU tests' runs at this world, in one launch: at world 1 the deferred copies,
+    the missing waits and the rewrite; at world 2 the deferred copies, the ring, and last
+    the run that forbids pinning (it replaces torch's factories for the rest of it)."""
+    if world == 1:
+        return {"deferred": deferred_runs(rank, world, path, CONFIGS),
+                "missing": missing_wait_runs(rank, world, path),
+                "rewrite": rewrite_runs(rank, world, path)}
+    return {"deferred": deferred_runs(rank, world, path, CONFIGS),
+            "ring": ring_runs(rank, world, path), "unpinned": unpinned_runs(rank, world, path)}
+
+
+@pytest.fixture(scope="module")
+def on_cpu(tmp_path_factory):
+    """``on_cpu(world)``: cpu_runs' results, each a list over the ranks, from one launch a
+    world, made when a test first asks for it."""
+    @functools.cache
+    def launched(world):
+        path = str(tmp_path_factory.mktemp(f"copies{world}"))
+        per_rank = run_ranks(world, cpu_runs, path, timeout=500)
+        return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+    return launched
+
+
 @pytest.mark.parametrize("world", [1, 2])
-def test_deferred_copies_train_like_synchronous_ones(world, tmp_path):
+def test_deferred_copies_train_like_synchronous_ones(world, on_cpu):
     """Every stage, cpu offload (params=True too), bf16, fp16 loss scaling, NVMe, a torch
     optimizer on the host; accumulation over 3 micro-batches and clipping."""
-    for rank_out in run_ranks(world, deferred_runs, str(tmp_path), CONFIGS, timeout=400):
+    for rank_out in on_cpu(world)["deferred"]:
         for config, r in zip(CONFIGS, rank_out):
             assert r["vs_synced"] == 0, (config, r)
             if config[3] is None:   # the fp32 run without offload: torch's Adam vs CPU Adam
@@ -173,9 +202,9 @@ def missing_wait_runs(rank, world, path):
     return out
 
 
-def test_a_missing_wait_shows(tmp_path):
+def test_a_missing_wait_shows(on_cpu):
     """The double has teeth: without any one of the waits, training differs."""
-    for case, err in zip(MISSING, run_ranks(1, missing_wait_runs, str(tmp_path))[0]):
+    for case, err in zip(MISSING, on_cpu(1)["missing"][0]):
         assert not err < 1e-4, case   # nan too: a buffer the copy never filled
 
 
@@ -186,12 +215,12 @@ def rewrite_runs(rank, world, path):
     return rt.ctx.copies.stale
 
 
-def test_a_reduction_adds_into_a_shard_only_after_its_copy_read_it(tmp_path):
+def test_a_reduction_adds_into_a_shard_only_after_its_copy_read_it(on_cpu):
     """Under accumulation each backward's reduction adds into the shard the last one sent
     to the host (gradients that land during backward: NVMe's here). Without
     ``before_device_write`` the addition overtakes the copy still reading it: on a GPU,
     the race the CUDA sanitizer reported between the reduce stream and the copy stream."""
-    assert run_ranks(1, rewrite_runs, str(tmp_path))[0] > 0
+    assert on_cpu(1)["rewrite"][0] > 0
 
 
 def ring_runs(rank, world, path):
@@ -208,10 +237,10 @@ def ring_runs(rank, world, path):
             max(state_errors(synced, broken)))
 
 
-def test_a_ring_slot_takes_new_gradients_only_after_its_rows_went_up(tmp_path):
+def test_a_ring_slot_takes_new_gradients_only_after_its_rows_went_up(on_cpu):
     """[Note: the host ring]: each slot's next gradients come down only after the rows in it
     went up; without ``before_host_write`` they overwrite rows a copy had yet to read."""
-    for vs_synced, stale, vs_broken in run_ranks(2, ring_runs, str(tmp_path)):
+    for vs_synced, stale, vs_broken in on_cpu(2)["ring"]:
         assert vs_synced == 0 and stale == 0
         assert not vs_broken < 1e-4
 
@@ -252,8 +281,8 @@ def unpinned_runs(rank, world, path):
     return started
 
 
-def test_cpu_only_offload_never_pins(tmp_path):
-    assert run_ranks(2, unpinned_runs, str(tmp_path)) == [False, False]
+def test_cpu_only_offload_never_pins(on_cpu):
+    assert on_cpu(2)["unpinned"] == [False, False]
 
 
 class SynchronousCopies(CopyStreams):

@@ -15,20 +15,27 @@ from support.ranks import run_ranks
 STEPS = 5
 
 
-def run_config(rank, world, stage, kind, accum, clip=None, no_sync=False, checkpoint=False,
-               groups=False, opts=None, zero_grad="opt"):
+def run_config(rank, world, refs, stage, kind, accum, clip=None, no_sync=False,
+               checkpoint=False, groups=False, opts=None, zero_grad="opt"):
+    """One config's errors against plain PyTorch. ``refs`` holds the references trained so
+    far: configs that differ only in what the reference does not see (stage, no_sync,
+    zerofn's options, how gradients are cleared) share one."""
     ref, model = make_models(checkpoint=checkpoint)
-    ref_opt = make_optimizer(kind, ref.parameters(), groups)
     opt = make_optimizer(kind, model.parameters(), groups)
     model, opt = zero(stage, **(opts or {}))(model, opt)
     data = batches(STEPS, accum, world)
-    train_reference(ref, ref_opt, data, clip)
+    key = (kind, accum, clip, checkpoint, groups)
+    if key not in refs:
+        ref_opt = make_optimizer(kind, ref.parameters(), groups)
+        train_reference(ref, ref_opt, data, clip)
+        refs[key] = ref, ref_opt
     train_sharded(model, opt, data, rank, world, clip, no_sync=no_sync, zero_grad=zero_grad)
-    return max_errors(ref, ref_opt, model, opt)
+    return max_errors(*refs[key], model, opt)
 
 
 def matrix(rank, world, configs):
-    return [run_config(rank, world, *c[:3], **c[3]) for c in configs]
+    refs = {}
+    return [run_config(rank, world, refs, *c[:3], **c[3]) for c in configs]
 
 
 BASE = [(s, k, a, {}) for s, k, a in itertools.product((1, 2, 3), ("adamw", "sgd"), (1, 3))]

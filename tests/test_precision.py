@@ -236,16 +236,19 @@ def inputs_as_cast(rank, world, stage, cast):
     return model.seen
 
 
+def inputs_both_ways(rank, world, stage):
+    return [inputs_as_cast(rank, world, stage, cast) for cast in (True, False)]
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("stage", [1, 3])
 def test_mixed_precision_casts_the_forwards_floating_inputs_as_fsdp2_does(stage):
     """cast_forward_inputs (default True): floating tensors, nested and keyword ones too,
     arrive in the compute dtype; integer ones as they were. False leaves them, and fp32
     data then meets bf16 weights."""
-    [cast] = run_ranks(1, inputs_as_cast, stage, True)
+    [(cast, left)] = run_ranks(1, inputs_both_ways, stage)
     assert cast == {"x": torch.bfloat16, "pair": (torch.bfloat16, torch.bfloat16),
                     "scale": torch.bfloat16, "ids": torch.int64}
-    [left] = run_ranks(1, inputs_as_cast, stage, False)
     assert "dtype" in left, left
 
 
@@ -270,11 +273,16 @@ def bf16_model_state(rank, world, mixed):
     return masters, moments, [(r.levelname, r.getMessage()) for r in records]
 
 
+def bf16_model_states(rank, world):
+    """bf16_model_state with mixed precision, then without (a fresh log for each)."""
+    return [bf16_model_state(rank, world, mixed) for mixed in (True, False)]
+
+
 @pytest.mark.multirank
 def test_a_bf16_model_gets_fp32_masters_under_mixed_precision_and_is_told_otherwise():
-    for masters, moments, log in run_ranks(2, bf16_model_state, True):
+    [(mixed0, (m0, _, log0)), (mixed1, (_, _, log1))] = run_ranks(2, bf16_model_states)
+    for masters, moments, log in (mixed0, mixed1):
         assert masters == moments == {torch.float32}
-    [(m0, _, log0), (_, _, log1)] = run_ranks(2, bf16_model_state, False)
     assert m0 == {torch.bfloat16}
     assert [lvl for lvl, _ in log0] == ["WARNING"] and log1 == []     # rank 0 says it, once
     assert "masters and optimizer state bf16" in log0[0][1]

@@ -22,6 +22,20 @@ from zerofn.runtime.runtime import runtime_of
 pytestmark = pytest.mark.multirank
 
 
+def world_2_runs(rank, world):
+    """The two-rank runs of the tests below, in one launch: averaging_runs last, as it
+    replaces zerofn's reduce-scatter for the rest of it."""
+    return {"lent": lent_shard_runs(rank, world), "zero1": zero1_runs(rank, world),
+            "gated": gated_runs(rank, world), "averaging": averaging_runs(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def at_world_2() -> dict:
+    """world_2_runs' results, each a list over the two ranks."""
+    per_rank = run_ranks(2, world_2_runs, timeout=400)
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
 class Work:
     def __init__(self, name, log):
         self.name, self.log = name, log
@@ -105,8 +119,8 @@ class _Done:
         return True
 
 
-def test_a_backend_that_averages_is_trusted_to():
-    for errs, ops in run_ranks(2, averaging_runs):
+def test_a_backend_that_averages_is_trusted_to(at_world_2):
+    for errs, ops in at_world_2["averaging"]:
         assert ops == {str(dist.ReduceOp.AVG)}, ops
         for p_err, s_err in errs:
             assert p_err < TOL and s_err < TOL, errs
@@ -134,8 +148,8 @@ def lent_shard_runs(rank, world):
     return out
 
 
-def test_offload_lends_gradient_shards_from_the_pool():
-    for by_stage in run_ranks(2, lent_shard_runs):
+def test_offload_lends_gradient_shards_from_the_pool(at_world_2):
+    for by_stage in at_world_2["lent"]:
         for stage, (lent, held, device_grad_bytes, pool_bytes) in by_stage.items():
             assert all(lent) and held == [] and device_grad_bytes == 0, (stage, lent, held)
             assert pool_bytes[1:] == pool_bytes[:1] * 3, (stage, pool_bytes)
@@ -163,12 +177,12 @@ def zero1_runs(rank, world):
     return out
 
 
-def test_zero1_reduces_in_every_backward_outside_no_sync():
+def test_zero1_reduces_in_every_backward_outside_no_sync(at_world_2):
     """[Note: ZeRO-1 reduces in backward]: every backward outside no_sync reduces, each
     reduction overlapping backward, the shards adding up over accumulation (as DDP
     all-reduces each backward); under no_sync only the last micro-batch's backward
     reduces, once; none waits for the step."""
-    for rank_out in run_ranks(2, zero1_runs):
+    for rank_out in at_world_2["zero1"]:
         (u, early1, late1, e1), (_, early3, late3, e3), (_, early_ns, late_ns, e_ns) = rank_out
         assert (early1, late1) == (3 * u, 0)
         assert (early3, late3) == (9 * u, 0)
@@ -230,11 +244,11 @@ def gated_runs(rank, world):
     return out
 
 
-def test_ranks_reduce_units_in_one_order_when_their_gradients_complete_in_another():
+def test_ranks_reduce_units_in_one_order_when_their_gradients_complete_in_another(at_world_2):
     """[Note: one reduction order]: reducing each unit as it completes paired one rank's
     block with another's (0.04 off plain PyTorch after one step). ZeRO-3 hung here until
     each unit completed when its backward was done ([Note: a unit's backward is done])."""
-    for by_stage in run_ranks(2, gated_runs):
+    for by_stage in at_world_2["gated"]:
         for stage, (p_err, s_err) in by_stage.items():
             assert p_err < TOL and s_err < TOL, (stage, p_err, s_err)
 

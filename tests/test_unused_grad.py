@@ -5,6 +5,8 @@ first shows zeros, and the step leaves the parameter alone). A parameter only so
 used shows the ranks' gradient on every rank, as the global batch's has one in PyTorch."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -64,23 +66,41 @@ def run(rank, world, kind, stage, some_on):
 
 
 SPARE = ["spare.bias", "spare.weight"]
+# (kind, stage, the ranks that use ``some``: None for all): every run at a world size
+CASES = [("fsdp2", None, None)] + [("zerofn", stage, None) for stage in (1, 2, 3)]
+ONE_RANK = [("zerofn", stage, frozenset({0})) for stage in (1, 2, 3)]
+
+
+def cases_run(rank, world, cases):
+    return [run(rank, world, kind, stage, set(range(world)) if some_on is None else some_on)
+            for kind, stage, some_on in cases]
+
+
+@functools.cache
+def seen_at(world: int) -> dict:
+    """Each case's steps on each rank (a list over ranks), from one launch per world size:
+    at two ranks the one-rank cases too."""
+    cases = CASES + ONE_RANK * (world == 2)
+    per_rank = run_ranks(world, cases_run, cases)
+    return {case: [out[i] for out in per_rank] for i, case in enumerate(cases)}
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_parameter_no_rank_used_has_none_as_in_pytorch_and_fsdp2(world):
     torch_seen = run(0, 1, "torch", None, {0})
     assert torch_seen == [(SPARE, [])] * STEPS
-    for fsdp2_seen in run_ranks(world, run, "fsdp2", None, set(range(world))):
+    seen = seen_at(world)
+    for fsdp2_seen in seen["fsdp2", None, None]:
         assert fsdp2_seen == torch_seen
     for stage in (1, 2, 3):
-        for seen in run_ranks(world, run, "zerofn", stage, set(range(world))):
+        for zerofn_seen in seen["zerofn", stage, None]:
             if world == 1:
-                assert seen == torch_seen, stage
+                assert zerofn_seen == torch_seen, stage
             else:    # the first step's vote finds it; from the next backward on, None
-                assert seen == [([], SPARE)] + torch_seen[1:], stage
+                assert zerofn_seen == [([], SPARE)] + torch_seen[1:], stage
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_parameter_one_rank_used_shows_the_gradient_on_every_rank(stage):
-    for seen in run_ranks(2, run, "zerofn", stage, {0}):
+    for seen in seen_at(2)["zerofn", stage, frozenset({0})]:
         assert seen == [([], SPARE)] + [(SPARE, [])] * (STEPS - 1), stage
