@@ -27,7 +27,8 @@ def world_2_runs(rank, world, root):
             "full params": full_params_only_while_running(rank, world),
             "aligned": misaligned(rank, world, root),
             "sequential": sequential_vs_compose(rank, world, root),
-            "graphs": forward_graphs_are_freed(rank, world)}
+            "graphs": forward_graphs_are_freed(rank, world),
+            "raised": raised_forwards_free_their_models(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +298,39 @@ def test_a_forward_backward_never_reaches_frees_its_graph_under_zero3(at_world_2
     cycle through C++: never freed, and, counted as a forward whose backward was still to
     come, it kept the units from completing when their backward was done."""
     for alive in at_world_2["graphs"]:
+        assert alive == [False] * 3, alive
+
+
+def raised_forwards_free_their_models(rank, world):
+    """Weak references to each trained model whose next forward raised (a user's pre-hook,
+    as an OOM caught to retry would), after its last strong one is gone, at each stage."""
+    alive = []
+    for stage in (1, 2, 3):
+        model, opt = build_parity(stage)
+        data = batches(2, 1, world)
+        train_sharded(model, opt, data[:1], rank, world)
+        model.blocks[0].register_forward_pre_hook(_raise_value_error)
+        x, y = data[1][0]
+        with pytest.raises(ValueError, match="injected"):
+            model(x.chunk(world)[rank], y.chunk(world)[rank])
+        ref = weakref.ref(model)
+        del model, opt
+        gc.collect()
+        alive.append(ref() is not None)
+    return alive
+
+
+def _raise_value_error(module, args):
+    raise ValueError("injected")
+
+
+@pytest.mark.multirank
+def test_a_model_whose_forward_raised_is_freed(at_world_2):
+    """ZeRO-3: the gather a forward prefetched for a unit it never reached stays pending,
+    and its work keeps, in C++, the saved-tensor hooks it was started under. Hooks holding
+    the gatherer made that a cycle the collector cannot see: the model and all its memory
+    were kept after the error (an OOM caught to retry, say)."""
+    for alive in at_world_2["raised"]:
         assert alive == [False] * 3, alive
 
 

@@ -11,6 +11,9 @@ reduced.
 """
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -71,6 +74,14 @@ class ParamGatherer:
         self._recording: list[Unit] = []
         self._placeholders: dict[tuple, torch.Tensor] = {}
         self._hooks_ctx = None
+        # The saved-tensor hooks hold the gatherer weakly: a collective started under them
+        # (a prefetch) keeps them, in C++, in the thread-local state its work captured, and
+        # a gather left pending by a forward that raised would close a cycle the collector
+        # cannot see (gatherer, work, hooks), keeping the model and all its memory. The
+        # hooks on the units' outputs keep the gatherer for any backward that unpacks.
+        mine = weakref.ref(self)
+        self._saved_hooks = (eager(functools.partial(_pack_for, mine)),
+                             eager(functools.partial(_unpack_for, mine)))
         # Gathered buffers of every unit (and backward's send buffers, the same size) share
         # the pool: its buffers are made to fit the largest ([Note: expected sizes]).
         pool.expect(ctx.comm_of(u).world * u.shard_numel for u in units)
@@ -209,8 +220,7 @@ class ParamGatherer:
         if is_root and not in_backward():
             self._recording = []
             if torch.is_grad_enabled():
-                self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(eager(self._pack),
-                                                                           eager(self._unpack))
+                self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks)
                 self._hooks_ctx.__enter__()
         if not in_backward() and unit not in self._recording:
             self._recording.append(unit)
@@ -317,6 +327,14 @@ class ParamGatherer:
             full = local_of(saved.slot.param)
         local = full.as_strided(saved.size, saved.stride, saved.offset)
         return local if saved.spec is None else DTensor(local, saved.spec, requires_grad=False)
+
+
+def _pack_for(gatherer, t: torch.Tensor):
+    return gatherer()._pack(t)
+
+
+def _unpack_for(gatherer, saved):
+    return gatherer()._unpack(saved)
 
 
 def _register(slot, param: nn.Parameter) -> None:
