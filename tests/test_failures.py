@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import re
 import signal
 import time
 import traceback
@@ -327,13 +328,18 @@ def test_zerofn_train_with_a_stalled_rank_ends_and_leaves_nothing_running(tmp_pa
 @pytest.mark.multirank
 def test_zerofn_train_prints_a_value_error_raised_on_one_rank_only(tmp_path):
     """zerofn train prints a ValueError every rank raised once, from rank 0; one that only
-    rank 1 raised is printed by rank 1, not lost."""
+    rank 1 raised is printed by rank 1, not lost. Rank 0 stops as soon as rank 1 has
+    waited (3 s) for its word and closed its groups: a group kept past
+    destroy_process_group (by the model, or DTensor's cache) held rank 0 until rank 1
+    gave up waiting, 10 s more."""
     from support.jobs import run, survivors
     save_dir = str(tmp_path / "value")
     code, out, _ = run(["--save-dir", save_dir, "--timeout", "20"], "valueerror:forward:2:1")
     assert code != 0
     assert "error on rank 1: injected failure in forward" in out, out
     assert "error: rank 0 stopped" in out, out
+    ago = re.search(r"rank 1 raised ValueError: .*, ([\d.]+) s ago", out)
+    assert ago and float(ago.group(1)) < 8, out
     assert not survivors(save_dir)
 
 

@@ -7,6 +7,7 @@ import gc
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -69,7 +70,23 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
         # zerofn's runtime and the model refer to each other; left to interpreter
         # shutdown, that cycle's collectives state is torn down after torch's and the
         # process sometimes aborts ("terminate called without an active exception").
+        _let_go_of_the_groups()
         gc.collect()
         dist.destroy_process_group()
         if alone and store is not None:
             hear_from_rank_0(store)
+
+
+def _let_go_of_the_groups() -> None:
+    """Drop what would keep this rank's process groups, and so their connections, past
+    destroy_process_group: a peer waiting in a collective with this rank stops only once
+    they close, and until then ``hear_from_rank_0`` waits out its 10 s for rank 0's word.
+    The error a SystemExit above replaced (its context, never printed) holds the training
+    loop's frames, and through them the model and zerofn's runtime; DTensor's dispatch
+    cache, in C++, holds the device meshes its operations ran on, each holding its groups."""
+    stopping = sys.exc_info()[1]
+    if isinstance(stopping, SystemExit):
+        stopping.__context__ = None
+    clear_cache = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_cache is not None:     # (a private function, as yet)
+        clear_cache()
