@@ -74,6 +74,7 @@ class ParamGatherer:
         self._recording: list[Unit] = []
         self._placeholders: dict[tuple, torch.Tensor] = {}
         self._hooks_ctx = None
+        self._root_depth = 0     # the root's forwards running, nested ones included
         # The saved-tensor hooks hold the gatherer weakly: a collective started under them
         # (a prefetch) keeps them, in C++, in the thread-local state its work captured, and
         # a gather left pending by a forward that raised would close a cycle the collector
@@ -218,6 +219,10 @@ class ParamGatherer:
     # -- forward hooks ---------------------------------------------------------------
     def pre_forward(self, unit: Unit, is_root: bool) -> None:
         if is_root and not in_backward():
+            # A root called inside its own forward (Lightning's training_step calling the
+            # module it is a method of) is one forward: its hooks pushed once, popped once.
+            self._root_depth += 1
+        if is_root and self._root_depth == 1 and not in_backward():
             self._recording = []
             if torch.is_grad_enabled():
                 self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks)
@@ -238,6 +243,8 @@ class ParamGatherer:
         if self.reshard_after_forward:
             self.free(unit)
         if is_root:
+            self._root_depth -= 1
+        if is_root and self._root_depth == 0:
             backward_follows = self._hooks_ctx is not None
             if backward_follows:
                 self._hooks_ctx.__exit__(None, None, None)

@@ -184,7 +184,7 @@ class Runtime:
         visible = VisibleGrads(units, self.mesh, self.placements, ctx.pool, ctx.table)
         landing = Landing(ctx, self.homes, visible, early_steps(ctx, self.homes, optimizer))
         self.reducer = GradReducer(ctx, visible, landing, self.gatherer)
-        self.stepper = Stepper(ctx, self.homes, self.shards, self.reducer)
+        self.stepper = Stepper(ctx, self.homes, self.shards, self.reducer, self.gatherer)
         self.forward = ForwardHooks(ctx, model, self.gatherer, self.reducer, self.stepper)
         attach(model, self)
         if optimizer is not None:     # (its problems were agreed on with the plan's)

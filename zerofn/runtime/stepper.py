@@ -32,10 +32,11 @@ class Stepper:
         homes: the units' homes, which step their rows (homes/).
         shards: refreshes compute rows from the updated masters (shards.py).
         reducer: whose shards the gradients are, with the step's landing (grads.py).
+        gatherer: ZeRO-3's (params.py), whose unused gathers the step discards, or None.
     """
 
-    def __init__(self, ctx, homes, shards, reducer):
-        self.ctx, self.homes, self.shards = ctx, homes, shards
+    def __init__(self, ctx, homes, shards, reducer, gatherer=None):
+        self.ctx, self.homes, self.shards, self.gatherer = ctx, homes, shards, gatherer
         self.scaler = loss_scaler(ctx.plan)
         self.grads = StepGrads(ctx, reducer, reducer.landing, self.scaler, homes)
         self.early = reducer.landing.early
@@ -63,6 +64,10 @@ class Stepper:
     def before_step(self) -> None:
         skip = self.grads.settle()
         self.shards.settle_copies()   # the step rewrites host rows the last copies read
+        if self.gatherer is not None:
+            # A gather prefetched by a forward that raised (or evaluated without backward)
+            # holds the shards as they were: the next forward must gather the stepped ones.
+            self.gatherer.discard_pending()
         self._stepped = not skip
         # [Note: zero_grad without a patch] (optimizer.py): the optimizer, run by a home
         # below and by its own step next, must find no gradient but those zerofn gives it.
