@@ -16,6 +16,7 @@ if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 
 from support import SLOW  # noqa: E402 (found through the path above)
+from support.shared_runs import SharedRuns  # noqa: E402
 
 MARKERS = {
     "multirank": "runs ranks in processes of their own (run_ranks, spawned ranks, torchrun "
@@ -57,3 +58,16 @@ def pytest_runtest_setup(item):
         import torch
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def shared_runs():
+    """``run_ranks`` for the tests of one file that assert on one run of the ranks: each
+    (world, function, arguments) runs once (support/shared_runs.py)."""
+    return SharedRuns()
+
+
+@pytest.fixture(scope="module")
+def nvme_dir(tmp_path_factory) -> str:
+    """A swap-file directory the runs of one file share."""
+    return str(tmp_path_factory.mktemp("swap"))

@@ -18,7 +18,6 @@ from support.loops import zero
 from support.moe_models import (PATTERN, expert_parallel, expert_parallel_meta, moe_batches,
                                 moe_mesh, own_part, reference)
 from support.ranks import run_ranks
-from support.shared_runs import SharedRuns
 
 pytestmark = pytest.mark.multirank
 
@@ -128,18 +127,8 @@ CONFIGS = {"zero1-adamw": (1, "adamw", None), "zero2-adamw": (2, "adamw", None),
            "zero3-offload-nvme-adamw": (3, "adamw", "nvme")}
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return SharedRuns()
-
-
-@pytest.fixture(scope="module")
-def nvme_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("swap"))
-
-
 @pytest.mark.parametrize("config", CONFIGS)
-def test_experts_train_as_one_process(config, runs, nvme_dir):
+def test_experts_train_as_one_process(config, shared_runs, nvme_dir):
     """Weights within 1e-6 of one process holding every expert after 4 clipped steps of 2
     accumulated micro-batches (the
     global norm the same to 1e-6: every expert row counted once across ep x edp, the
@@ -148,7 +137,7 @@ def test_experts_train_as_one_process(config, runs, nvme_dir):
     DTensors on the expert-data-parallel mesh; without offload ``zf.model_state_bytes``
     counts a quarter of the whole model's, with this rank's step counters. (Every config
     from one run of the ranks: ``_every_parity``.)"""
-    out = [by_config[config] for by_config in runs(4, _every_parity, nvme_dir)]
+    out = [by_config[config] for by_config in shared_runs(4, _every_parity, nvme_dir)]
     for rank, (err, norm_err, extra_bytes, mine, total, meshes) in enumerate(out):
         assert err <= TOL and norm_err <= TOL, (rank, err, norm_err)
         assert extra_bytes in (0, None), (rank, extra_bytes)
@@ -210,10 +199,10 @@ REFUSALS = {"no module": "matches no module",
 
 
 @pytest.mark.parametrize("case", REFUSALS)
-def test_refusals(case, runs):
+def test_refusals(case, shared_runs):
     """Each refused on every rank, before any collective (a rank that went on would leave
     the others waiting). (Every case from one run of the ranks: ``_every_refusal``.)"""
-    said = [by_case[case] for by_case in runs(4, _every_refusal)]
+    said = [by_case[case] for by_case in shared_runs(4, _every_refusal)]
     assert all(s is not None and REFUSALS[case] in s for s in said), said
 
 

@@ -23,7 +23,6 @@ import zerofn as zf
 from support.compare import TOL, worst
 from support.errors import error_of
 from support.ranks import run_ranks
-from support.shared_runs import SharedRuns
 from support.subclass import computed_with
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
 
@@ -144,7 +143,7 @@ def plain_run(rank: int, world: int) -> dict:
     return out
 
 
-def runs(rank: int, world: int, variants: tuple) -> dict:
+def every_variant(rank: int, world: int, variants: tuple) -> dict:
     """Per variant, one after another on the same ranks (each rank imports torchao once):
     zerofn's run, FSDP2's, and on one rank plain PyTorch's."""
     return {variant: (zerofn_run(rank, world, variant), fsdp2_run(rank, world, variant),
@@ -161,18 +160,13 @@ def float8_bytes(world: int) -> int:
 GATHERS = [(1, "fp32"), (2, "fp32"), (2, "bf16"), (2, "offload")]
 
 
-@pytest.fixture(scope="module")
-def shared():
-    return SharedRuns()
-
-
 @pytest.mark.parametrize("world,variant", GATHERS)
-def test_float8_weights_gather_in_float8_and_train_as_under_fsdp2(world, variant, shared):
+def test_float8_weights_gather_in_float8_and_train_as_under_fsdp2(world, variant, shared_runs):
     """Against FSDP2 with the same conversion; on one rank against plain PyTorch too (the
     weight cast by the forward: the same float8 values as the gather's). (Every variant of
     a world from one run of its ranks.)"""
     variants = tuple(v for w, v in GATHERS if w == world)
-    for by_variant in shared(world, runs, variants, timeout=300):
+    for by_variant in shared_runs(world, every_variant, variants, timeout=300):
         ours, fsdp2, plain = by_variant[variant]
         # Sharded as FSDP2 shards it: the float8 wrapper over this rank's rows.
         assert ours["shard"] == ("WeightWithDynamicFloat8CastTensor",

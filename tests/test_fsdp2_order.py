@@ -18,7 +18,6 @@ from support.errors import error_of
 from support.loops import train_reference, zero
 from support.models import batches, make_models, make_optimizer
 from support.ranks import run_ranks
-from support.shared_runs import SharedRuns
 
 STEPS, ACCUM, CLIP = 4, 2, 0.05
 
@@ -78,19 +77,14 @@ def every_order(rank, world):
             for stage in (1, 2, 3) for extra in EXTRAS}
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return SharedRuns()
-
-
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("extra", list(EXTRAS))
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_an_optimizer_built_after_the_transform_trains_as_the_one_given_to_it(
-        stage, extra, world, runs):
+        stage, extra, world, shared_runs):
     """(Every case of a world from one run of its ranks: ``every_order``.)"""
-    for by_case in runs(world, every_order, timeout=300):
+    for by_case in shared_runs(world, every_order, timeout=300):
         after, before, errs = by_case[stage, extra]
         assert_same_state(after, before)
         if errs is not None:

@@ -26,7 +26,6 @@ from support.models import batches, make_models
 from support.owned import (OPTIMIZERS, counted_newton_schulz, step_all, train_reference,
                            train_sharded)
 from support.ranks import run_ranks
-from support.shared_runs import SharedRuns
 
 STEPS, TOL = 4, 1e-5
 
@@ -114,21 +113,16 @@ def check(results, world, tol=TOL):
 FOUR = "test_muon_and_adamw_step_as_pytorch_at_every_stage[3-4]"
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return SharedRuns()
-
-
 @pytest.mark.multirank
 @pytest.mark.parametrize("stage, world", [
     (stage, world) if world < 4 or stage == 3 else
     slow_variant(stage, world, covered_by=f"[{stage}-2] and [3-4]")
     for world in (1, 2, 4) for stage in (1, 2, 3)])
-def test_muon_and_adamw_step_as_pytorch_at_every_stage(stage, world, runs):
+def test_muon_and_adamw_step_as_pytorch_at_every_stage(stage, world, shared_runs):
     """(Every stage of a world from one run of its ranks, but at four, where the stages but
     ZeRO-3 are slow variants.)"""
     stages = (1, 2, 3) if world < 4 else (stage,)
-    results = runs(world, cases, trained, *(((s, "muon", 2), ()) for s in stages),
+    results = shared_runs(world, cases, trained, *(((s, "muon", 2), ()) for s in stages),
                    timeout=240)
     check([r[stages.index(stage)] for r in results], world, tol=1e-6 if world == 1 else TOL)
 

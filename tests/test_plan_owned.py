@@ -17,7 +17,6 @@ from support import slow_variant
 from support.allocations import Allocations
 from support.owned import adafactor, muon_and_adamw
 from support.ranks import run_ranks
-from support.shared_runs import SharedRuns
 from zerofn import cli
 from zerofn.nanogpt import GPT, GPTConfig
 from zerofn.planner import Candidate, plan
@@ -115,16 +114,6 @@ def kinds_at(world: int, kind: str) -> tuple:
     return tuple(OPTIMIZERS) if world < 4 else (kind,)
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return SharedRuns()
-
-
-@pytest.fixture(scope="module")
-def nvme_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("swap"))
-
-
 def _trained(c, kind, rank, world, nvme_path=None):
     """The model and optimizers as ``c`` sets them up, two steps trained, and the plan's
     layout of this rank."""
@@ -172,7 +161,7 @@ def worlds_and_kinds(test: str) -> list:
 @pytest.mark.multirank
 @pytest.mark.parametrize("world, kind",
                          worlds_and_kinds("test_owned_model_state_is_what_each_rank_holds"))
-def test_owned_model_state_is_what_each_rank_holds(world, kind, runs):
+def test_owned_model_state_is_what_each_rank_holds(world, kind, shared_runs):
     """Every role on every rank, byte for byte, at ZeRO-1/2/3 in fp32 and bf16: each
     owner's optimizer state (measured from the user's optimizer on fake tensors) and whole
     masters on top of its rows, Adam's moments and counters for the parameters Adam holds;
@@ -180,7 +169,7 @@ def test_owned_model_state_is_what_each_rank_holds(world, kind, runs):
     more per gloo worker thread that a collective lets go of late; and
     the planner's owners are the runtime's (the same loads). (Both kinds of a world from
     one run of its ranks.)"""
-    ran = runs(world, per_kind, held_and_planned, kinds_at(world, kind))
+    ran = shared_runs(world, per_kind, held_and_planned, kinds_at(world, kind))
     for rank, rows in enumerate(by_kind[kind] for by_kind in ran):
         for described, held, planned, peak, (planned_peak, late), load, planned_load in rows:
             for role in ("params", "grads", "optimizer"):
@@ -198,7 +187,7 @@ def test_owned_model_state_is_what_each_rank_holds(world, kind, runs):
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 @pytest.mark.parametrize("world", [1, 2])
-def test_owned_state_under_offload_is_what_each_rank_holds(world, kind, runs):
+def test_owned_state_under_offload_is_what_each_rank_holds(world, kind, shared_runs):
     """offload("cpu") at ZeRO-2 and ZeRO-3 (fp32 and bf16 compute, parameter shards on the
     host too, ZeRO-3 with ``reduce_to_owner`` too): the device's parameters and gradients byte for byte, and the host's
     optimizer state: the masters' rows, the owner's state and whole masters, which it
@@ -206,7 +195,7 @@ def test_owned_state_under_offload_is_what_each_rank_holds(world, kind, runs):
     optimizer the host's Adam is torch's). On this CPU the state torch makes is not in
     zerofn's host arenas, so ``zf.model_state_bytes`` names its place "cpu": it is host
     memory, where the plan puts it. (Both kinds of a world from one run of its ranks.)"""
-    ran = runs(world, per_kind, offloaded_held_and_planned, kinds_at(world, kind))
+    ran = shared_runs(world, per_kind, offloaded_held_and_planned, kinds_at(world, kind))
     for rank, rows in enumerate(by_kind[kind] for by_kind in ran):
         for described, held, planned in rows:
             where = (described, world, rank)
@@ -221,7 +210,7 @@ def test_owned_state_under_offload_is_what_each_rank_holds(world, kind, runs):
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 @pytest.mark.parametrize("world", [1, 2])
-def test_owned_state_beside_a_swap_file_is_what_each_rank_holds(world, kind, runs, nvme_dir):
+def test_owned_state_beside_a_swap_file_is_what_each_rank_holds(world, kind, shared_runs, nvme_dir):
     """offload("nvme") at ZeRO-2 and ZeRO-3 (parameter shards in the file too): the
     device's parameters and gradients byte for byte; the owner's state and whole masters
     in memory, byte for byte (the state torch makes is "cpu" on this CPU, and nothing else
@@ -229,7 +218,7 @@ def test_owned_state_beside_a_swap_file_is_what_each_rank_holds(world, kind, run
     on every row, owned ones too, within its alignment (each unit's block rounded up to
     ``BLOCK`` bytes, the shard's padding rows; the plan's step counters are not in it).
     (Both kinds of a world from one run of its ranks.)"""
-    ran = runs(world, per_kind, swapped_held_and_planned, kinds_at(world, kind), nvme_dir)
+    ran = shared_runs(world, per_kind, swapped_held_and_planned, kinds_at(world, kind), nvme_dir)
     for rank, rows in enumerate(by_kind[kind] for by_kind in ran):
         for described, held, planned, owned, (below, above) in rows:
             where = (described, world, rank)
@@ -389,7 +378,7 @@ def to_owner_held_and_planned(rank, world, kind):
 @pytest.mark.multirank
 @pytest.mark.parametrize("world, kind", worlds_and_kinds(
     "test_reduce_to_owner_state_and_step_are_what_each_rank_holds"))
-def test_reduce_to_owner_state_and_step_are_what_each_rank_holds(world, kind, runs):
+def test_reduce_to_owner_state_and_step_are_what_each_rank_holds(world, kind, shared_runs):
     """ZeRO-3 with ``reduce_to_owner``, fp32 and bf16 compute, on every rank: the model
     state byte for byte (the gradient shards keep the owned columns, zeroed, as the
     default's do); the whole gradients each owner holds from backward to the step, in
@@ -397,7 +386,7 @@ def test_reduce_to_owner_state_and_step_are_what_each_rank_holds(world, kind, ru
     the plan's figure (no gather: only the cast to fp32 where the gradients are bf16),
     or up to one whole tensor more per gloo worker thread that a collective lets go of
     late. (Both kinds of a world from one run of its ranks.)"""
-    ran = runs(world, per_kind, to_owner_held_and_planned, kinds_at(world, kind))
+    ran = shared_runs(world, per_kind, to_owner_held_and_planned, kinds_at(world, kind))
     for rank, rows in enumerate(by_kind[kind] for by_kind in ran):
         for described, held, planned, whole, planned_whole, peak, (planned_peak, late) in rows:
             where = (described, world, rank)
@@ -434,7 +423,7 @@ def _adamw(model):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
-def test_owned_traffic_is_what_the_runtime_counts(kind, runs):
+def test_owned_traffic_is_what_the_runtime_counts(kind, shared_runs):
     """The plan's owned traffic (``step_time.owned_traffic``) over AdamW's is what
     ``zf.comm_stats`` counts at worlds 2 and 4: +2x the owned bytes (their padded rows)
     by default, +1x with ``reduce_to_owner`` (less the alignment, and the vote's one more
@@ -445,7 +434,7 @@ def test_owned_traffic_is_what_the_runtime_counts(kind, runs):
     for world in (2, 4):
         owned = owned_of(meta, OPTIMIZERS[kind](meta), world)
         padded = 4 * sum(t.padded(world) for t in owned.tensors)
-        ran = runs(world, per_kind, owned_traffic_counted, tuple(OPTIMIZERS))
+        ran = shared_runs(world, per_kind, owned_traffic_counted, tuple(OPTIMIZERS))
         for rank, out in enumerate(by_kind[kind] for by_kind in ran):
             rows = owned_traffic(Candidate(stage=3), owned, 4)
             to_owner = owned_traffic(Candidate(stage=3, to_owner=True), owned, 4)

@@ -19,7 +19,6 @@ import zerofn as zf
 from support.compare import TOL
 from support.errors import error_of
 from support.ranks import run_ranks
-from support.shared_runs import SharedRuns
 from support.subclass import (HOOK_CALLS, Int8Built, Int8Contagious, Int8Flat, Int8Gathered,
                               Int8Unpadded, PreHookOnly, computed_with, quantize_rows)
 from zerofn.checkpoint import load_checkpoint, save_checkpoint
@@ -234,18 +233,8 @@ GATHERS = [(1, None, Int8Gathered), (2, None, Int8Gathered), (2, "state", Int8Ga
            (1, None, Int8Built), (2, None, Int8Built), (2, "params", Int8Built)]
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return SharedRuns()
-
-
-@pytest.fixture(scope="module")
-def nvme_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("swap"))
-
-
 @pytest.mark.parametrize("world,offload,kind", GATHERS)
-def test_zero3_gathers_through_the_hooks_as_fsdp2_does(world, offload, kind, runs, nvme_dir):
+def test_zero3_gathers_through_the_hooks_as_fsdp2_does(world, offload, kind, shared_runs, nvme_dir):
     """Two ranks against FSDP2 on the same subclass model, also offloaded (the pre-hook
     then runs on the host rows, and its outputs are what goes to the device); one rank
     against plain PyTorch rounding its weights as the gather does. ``Int8Built``'s
@@ -253,7 +242,7 @@ def test_zero3_gathers_through_the_hooks_as_fsdp2_does(world, offload, kind, run
     with it and its gradient is reduced like any other. (Every case of a world from one
     run of its ranks: ``every_against_reference``.)"""
     cases = tuple((o, k) for w, o, k in GATHERS if w == world)
-    for by_case in runs(world, every_against_reference, nvme_dir, cases, timeout=300):
+    for by_case in shared_runs(world, every_against_reference, nvme_dir, cases, timeout=300):
         out = by_case[offload, kind]
         # The registered shard is the subclass over this rank's rows, as FSDP2's is.
         assert out["shard"] == ("DTensor", kind.__name__, (2 * WIDTH // world, WIDTH))

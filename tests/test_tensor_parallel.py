@@ -20,7 +20,6 @@ from support.compare import full_state, max_error
 from support.errors import error_of
 from support.loops import STAGES
 from support.ranks import run_ranks
-from support.shared_runs import SharedRuns
 from support.subclass import Wrapped
 from support.tp_models import TPModel, make_tp_model, mesh_clip, parallelize, tp_batches
 from zerofn.optim.lowp import MIN_8BIT_NUMEL
@@ -319,18 +318,13 @@ def built_both_ways(rank, world):
             for stage in (2, 3) for meta in (False, True)}
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return SharedRuns()
-
-
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_model_built_on_meta_is_initialized_as_the_eager_one_piece_by_piece(stage, runs):
+def test_a_model_built_on_meta_is_initialized_as_the_eager_one_piece_by_piece(stage, shared_runs):
     """The same weights; and the same bytes held: a tensor-parallel parameter's whole,
     initialized first, is not kept once its piece is taken (at ZeRO-1/2 too, where the
     plain parameters beside it stay in the unit's materialized buffer). (Both stages from
     one run of the ranks.)"""
-    built = runs(4, built_both_ways, timeout=300)[0]
+    built = shared_runs(4, built_both_ways, timeout=300)[0]
     (eager, eager_held), (meta, meta_held) = built[stage, False], built[stage, True]
     assert eager.keys() == meta.keys()
     assert all(torch.equal(eager[k], meta[k]) for k in eager)
