@@ -37,8 +37,8 @@ def _inject(kind: str, phase: str, model, opt):
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(600)   # stall (the parent ends it)
 
-    steps = {"n": 0}      # by the model's forwards, one a step (ZeRO-1/2 call the
-                          # optimizer's step, and its hooks, once per unit)
+    steps = {"n": 0}      # by the model's forwards, one a step (ZeRO-1/2 step the
+                          # optimizer once per unit)
 
     def at_step(*_):
         if steps["n"] == FAULT_STEP:
@@ -53,8 +53,11 @@ def _inject(kind: str, phase: str, model, opt):
         model.blocks[0].register_forward_pre_hook(at_step)
     elif phase == "backward":
         model.blocks[0].register_full_backward_hook(at_step)
-    else:
-        opt.register_step_pre_hook(at_step)
+    else:   # inside zerofn's step: the user's optimizer stepping a unit's rows (its own
+        # step hooks run outside zerofn's, once, as a user's code after the step does)
+        from zerofn.runtime.homes import device
+        inner = device.step_without_hooks
+        device.step_without_hooks = lambda optimizer: (at_step(), inner(optimizer))[1]
 
 
 def _rank(rank, world, init, stage, kind, phase, timeout, results):
