@@ -222,11 +222,12 @@ class ParamGatherer:
             # A root called inside its own forward (Lightning's training_step calling the
             # module it is a method of) is one forward: its hooks pushed once, popped once.
             self._root_depth += 1
-        if is_root and self._root_depth == 1 and not in_backward():
-            self._recording = []
-            if torch.is_grad_enabled():
-                self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks)
-                self._hooks_ctx.__enter__()
+            if self._root_depth == 1:
+                self._recording = []
+                if torch.is_grad_enabled():
+                    self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(
+                        *self._saved_hooks)
+                    self._hooks_ctx.__enter__()
         if not in_backward() and unit not in self._recording:
             self._recording.append(unit)
         self.ensure(unit)
@@ -244,16 +245,21 @@ class ParamGatherer:
             self.free(unit)
         if is_root:
             self._root_depth -= 1
-        if is_root and self._root_depth == 0:
-            backward_follows = self._hooks_ctx is not None
-            if backward_follows:
-                self._hooks_ctx.__exit__(None, None, None)
-                self._hooks_ctx = None
-            self.order = self._recording
-            if backward_follows and self.reader is not None:
-                # Backward starts at the root, then goes through the units in reverse.
-                first = self.order[:1] + self.order[:0:-1]
-                self.reader.read_ahead(u for u in first if u not in self.full)
+            if self._root_depth == 0:
+                self._forward_done()
+
+    def _forward_done(self) -> None:
+        """The outermost root forward ended: its saved-tensor hooks go, its units' order
+        is the next forward's prefetch order."""
+        backward_follows = self._hooks_ctx is not None
+        if backward_follows:
+            self._hooks_ctx.__exit__(None, None, None)
+            self._hooks_ctx = None
+        self.order = self._recording
+        if backward_follows and self.reader is not None:
+            # Backward starts at the root, then goes through the units in reverse.
+            first = self.order[:1] + self.order[:0:-1]
+            self.reader.read_ahead(u for u in first if u not in self.full)
 
     def pre_backward(self, unit: Unit) -> None:
         """Gradients reached the unit's outputs: gather and register its parameters, so a
