@@ -1,71 +1,94 @@
-"""How often a DeepSpeed-style script on zerofn aborts at exit on gloo ("terminate called
-without an active exception"), with zerofn's end of the process group it made
-(zerofn/deepspeed/engine.py's ``_end_group``) and without it (the handler unregistered
-by the script: the interpreter's finalization tears the group down), runs alternating.
+"""How often a process that trained with zerofn on gloo aborts at exit ("terminate called
+without an active exception"), with zerofn's settle at exit and without it (unregistered
+by the run), runs alternating ([Note: the exit abort] in zerofn/runtime/process_exit.py).
 
-    python tools/teardown_aborts.py --runs 20 --ranks 2
+    python tools/teardown_aborts.py --runs 20
 
-Each run is a fresh job: ``zerofn.deepspeed.initialize`` with no process group (a gloo
-group of --ranks processes under torchrun, or one process without it), a few steps of
-ZeRO-3, then the script ends without ``destroy_process_group``, as DeepSpeed's examples
-do. Prints, per arm, the runs, their exit codes and how many printed the abort.
+A run is a pair of processes started from this script: a gloo group of two, three ZeRO-3
+steps, then 100 all_reduces of temporary tensors, as a loop syncing its metrics ends (or
+Lightning's ``reduce_boolean_decision``), and the end of the script without
+``destroy_process_group``, through the interpreter's own exit. A process killed by SIGABRT
+aborted. Prints, per arm, the runs and how many processes
+aborted or failed otherwise; exits 1 when an arm named by --fail-on had any.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
-import os
+import signal
+import socket
 import subprocess
 import sys
-import tempfile
 
-SCRIPT = """
-import atexit, os, sys, torch
-import zerofn.deepspeed as deepspeed
-engine_ranks = lambda: int(os.environ.get("WORLD_SIZE", 1))
-from zerofn.deepspeed import engine as zerofn_engine
-model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-engine, _, _, _ = deepspeed.initialize(model=model, config={
-    "train_batch_size": 4 * engine_ranks(), "zero_optimization": {"stage": 3},
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
-for _ in range(3):
-    engine.backward(engine(torch.randn(4, 16)).square().mean())
-    engine.step()
-if sys.argv[1] == "without":
-    atexit.unregister(zerofn_engine._end_group)
-"""
+import torch
+import torch.distributed as dist
+
+import zerofn as zf
+from zerofn.runtime import process_exit
+
+METRICS = 100     # all_reduces of a temporary that end a run, as a loop syncing its metrics
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=20, help="runs per arm")
-    p.add_argument("--ranks", type=int, default=2, help="processes a run starts")
+    p.add_argument("--runs", type=int, default=20, help="runs (pairs of processes) per arm")
+    p.add_argument("--arms", default="with,without", help="with: zerofn's settle at exit; "
+                   "without: the run unregisters it")
+    p.add_argument("--fail-on", default="", help="arms whose aborts or failures exit 1")
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)   # (a run's own process)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["DS_ACCELERATOR"] = "cpu"
-    codes = {arm: collections.Counter() for arm in ("with", "without")}
-    aborts = dict.fromkeys(codes, 0)
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "ds_script.py")
-        with open(script, "w") as f:
-            f.write(SCRIPT)
-        for _ in range(args.runs):
-            for arm in codes:
-                run_once(script, arm, args.ranks, env, codes, aborts)
-    for arm in codes:
-        print(f"{arm} zerofn's end of the group: {args.runs} runs of {args.ranks} rank(s), "
-              f"exit codes {dict(codes[arm])}, {aborts[arm]} aborted")
+    if args.rank is not None:
+        train_and_end(args.port, args.rank, args.arms)
+        return
+    arms = args.arms.split(",")
+    ends = {arm: collections.Counter() for arm in arms}
+    for _ in range(args.runs):
+        for arm in arms:
+            for status in run_pair(arm):
+                ends[arm][end_of(status)] += 1
+    for arm in arms:
+        print(f"{arm} zerofn's settle at exit: {args.runs} runs of 2 processes, "
+              f"{ends[arm]['aborted']} aborted, {ends[arm]['failed']} failed otherwise")
+    bad = [arm for arm in args.fail_on.split(",") if arm
+           and ends[arm]["aborted"] + ends[arm]["failed"]]
+    sys.exit(1 if bad else 0)
 
 
-def run_once(script: str, arm: str, ranks: int, env: dict, codes: dict, aborts: dict) -> None:
-    launcher = [sys.executable] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-        str(ranks)]
-    done = subprocess.run([*launcher, script, arm], env=env, capture_output=True, text=True,
-                          timeout=300)
-    codes[arm][done.returncode] += 1
-    aborts[arm] += "terminate called without an active exception" in done.stderr
+def end_of(code: int) -> str:
+    return {0: "ok", -signal.SIGABRT: "aborted"}.get(code, "failed")
+
+
+def run_pair(arm: str) -> list[int]:
+    """Start the two ranks of one run; their exit codes (-6: aborted)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), "--port",
+                               str(port), "--arms", arm], stderr=subprocess.DEVNULL)
+             for rank in (0, 1)]
+    return [rank.wait() for rank in ranks]
+
+
+def train_and_end(port: int, rank: int, arm: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    zero3 = zf.compose(zf.shard_optimizer(), zf.shard_grads(), zf.shard_params())
+    model, opt = zero3(model, opt)
+    for _ in range(3):
+        model(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if arm == "without":
+        atexit.unregister(process_exit.settle)
+    for _ in range(METRICS):
+        dist.all_reduce(torch.ones(1))
 
 
 if __name__ == "__main__":
