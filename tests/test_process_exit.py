@@ -1,7 +1,7 @@
-"""A process that trained with zerofn on gloo ends without the exit abort ("terminate called
-without an active exception"): the first runtime registers a wait at exit that lets the
-collectives' threads release what they hold before Python finalizes
-([Note: the exit abort] in zerofn/runtime/process_exit.py)."""
+"""A process that trained with zerofn on gloo and called ``zf.finish_collectives_at_exit()``
+(the front doors call it) ends without the exit abort ("terminate called without an active
+exception"): at exit the collectives' threads release what they hold before Python
+finalizes ([Note: the exit abort] in zerofn/runtime/process_exit.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +19,7 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "teardown_aborts.py"
 
 def test_runs_ending_on_collectives_of_temporaries_never_abort():
     """Four runs of two ranks (ZeRO-3 steps, then 100 all_reduces of temporary tensors and
-    the script's end): without the settle, about half such runs abort (tools/ figures)."""
+    the script's end): without the call, about half such runs abort (the tool's figures)."""
     env = {**os.environ, "PYTHONPATH": str(TOOL.parents[1])}
     done = subprocess.run([sys.executable, str(TOOL), "--runs", "4", "--arms", "with",
                            "--fail-on", "with"], env=env, capture_output=True, text=True,

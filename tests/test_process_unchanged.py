@@ -3,7 +3,8 @@ it, as FSDP2's ``fully_shard`` does: ``sys.excepthook``, the exit handlers, the 
 the user's process group (``timeout=`` included: zerofn's goes on a group of its own),
 glibc's mmap threshold and Lightning's strategy registries. Each process-wide change is
 zerofn's only where asked (``zf.name_uncaught_errors()``, ``zf.return_large_frees()``,
-``register_strategies()``), and the check sees each one of them once made.
+``zf.finish_collectives_at_exit()``, ``register_strategies()``), and the check sees each
+one of them once made.
 
 One fresh interpreter runs it all (tests/scripts/process_state.py), since pytest itself
 hooks some of these."""
@@ -35,7 +36,7 @@ def test_imports_and_transforms_change_nothing_process_wide():
     # check can fail (and each only by its own key).
     planted = {"name_uncaught_errors": ["excepthook"], "background": ["atexit"],
                "register_strategies": ["lightning"], "_set_pg_timeout": ["user group timeout"],
-               "return_large_frees": ["mallopt"]}
+               "return_large_frees": ["mallopt"], "finish_collectives_at_exit": ["atexit"]}
     if not report["lightning installed"]:
         del planted["register_strategies"]
     for change, keys in planted.items():

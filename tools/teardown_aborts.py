@@ -1,6 +1,6 @@
 """How often a process that trained with zerofn on gloo aborts at exit ("terminate called
-without an active exception"), with zerofn's settle at exit and without it (unregistered
-by the run), runs alternating ([Note: the exit abort] in zerofn/runtime/process_exit.py).
+without an active exception"), with ``zf.finish_collectives_at_exit()`` called and without,
+runs alternating ([Note: the exit abort] in zerofn/runtime/process_exit.py).
 
     python tools/teardown_aborts.py --runs 20
 
@@ -14,7 +14,6 @@ aborted or failed otherwise; exits 1 when an arm named by --fail-on had any.
 from __future__ import annotations
 
 import argparse
-import atexit
 import collections
 import signal
 import socket
@@ -25,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 import zerofn as zf
-from zerofn.runtime import process_exit
 
 METRICS = 100     # all_reduces of a temporary that end a run, as a loop syncing its metrics
 
@@ -33,8 +31,8 @@ METRICS = 100     # all_reduces of a temporary that end a run, as a loop syncing
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=20, help="runs (pairs of processes) per arm")
-    p.add_argument("--arms", default="with,without", help="with: zerofn's settle at exit; "
-                   "without: the run unregisters it")
+    p.add_argument("--arms", default="with,without", help="with: the run calls "
+                   "zf.finish_collectives_at_exit(); without: it does not")
     p.add_argument("--fail-on", default="", help="arms whose aborts or failures exit 1")
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)   # (a run's own process)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -49,7 +47,7 @@ def main() -> None:
             for status in run_pair(arm):
                 ends[arm][end_of(status)] += 1
     for arm in arms:
-        print(f"{arm} zerofn's settle at exit: {args.runs} runs of 2 processes, "
+        print(f"{arm} finish_collectives_at_exit: {args.runs} runs of 2 processes, "
               f"{ends[arm]['aborted']} aborted, {ends[arm]['failed']} failed otherwise")
     bad = [arm for arm in args.fail_on.split(",") if arm
            and ends[arm]["aborted"] + ends[arm]["failed"]]
@@ -74,6 +72,8 @@ def run_pair(arm: str) -> list[int]:
 def train_and_end(port: int, rank: int, arm: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
+    if arm == "with":
+        zf.finish_collectives_at_exit()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(),
@@ -85,8 +85,6 @@ def train_and_end(port: int, rank: int, arm: str) -> None:
         model(torch.randn(4, 16)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    if arm == "without":
-        atexit.unregister(process_exit.settle)
     for _ in range(METRICS):
         dist.all_reduce(torch.ones(1))
 

@@ -13,7 +13,8 @@ from .observe.failures import RankFailure, name_uncaught_errors
 from .observe.log import flush_logs, log, set_log_step
 from .io.weights import full_weights
 from .pretrained import load_pretrained, save_pretrained
-from .runtime import NonFiniteGradient, is_transformed, return_large_frees, whole_tensors
+from .runtime import (NonFiniteGradient, finish_collectives_at_exit, is_transformed,
+                      return_large_frees, whole_tensors)
 from .state.accounting import comm_stats, model_state_bytes
 from .state.clip import clip_grad_norm_
 from .state.loss_scale import scale_loss
@@ -28,7 +29,7 @@ __all__ = [
     "trust_class",
     "PerRank", "RNGState", "ResumableLoader", "load_pretrained", "save_pretrained", "from_deepspeed_config",
     "RankFailure", "NonFiniteGradient", "is_transformed", "plan", "auto",
-    "whole_tensors", "name_uncaught_errors", "return_large_frees",
+    "whole_tensors", "name_uncaught_errors", "return_large_frees", "finish_collectives_at_exit",
 ]
 
 # The DeepSpeed adapter (config reader, engine, checkpoint converter) loads on first use of

@@ -129,7 +129,8 @@ def main() -> None:
               "background": background,      # the async saver, its exit wait
               "_set_pg_timeout": lambda: c10d._set_pg_timeout(datetime.timedelta(seconds=77),
                                                               dist.group.WORLD),
-              "return_large_frees": zf.return_large_frees}
+              "return_large_frees": zf.return_large_frees,
+              "finish_collectives_at_exit": zf.finish_collectives_at_exit}
     if report["lightning installed"]:
         from zerofn.integrations.lightning import register_strategies
         plants["register_strategies"] = register_strategies

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ..state.clip import clip_grad_norm_
 from ..state.loss_scale import scale_loss
-from ..runtime import runtime_of
+from ..runtime import finish_collectives_at_exit, runtime_of
 from .config import load_config, read_config
 from .engine_checkpoint import EngineCheckpoints
 
@@ -139,6 +139,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         raise ValueError("initialize(mesh_param=...): zerofn shards over one data-parallel "
                          "group and has no sequence parallelism; pass mpu= to name the group.")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    finish_collectives_at_exit()     # a DeepSpeed script leaves its end to the interpreter
     engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer,
                              model_parameters=model_parameters, training_data=training_data,
                              lr_scheduler=lr_scheduler, mpu=mpu, collate_fn=collate_fn,

@@ -41,7 +41,7 @@ from .. import checkpoint as zf_checkpoint
 from ..state.clip import clip_grad_norm_
 from ..state.loss_scale import scale_loss
 from ..pretrained import load_pretrained, save_pretrained
-from ..runtime import is_transformed, runtime_of
+from ..runtime import finish_collectives_at_exit, is_transformed, runtime_of
 from ..api import Transform
 
 __all__ = ["ZeroTrainer"]
@@ -85,6 +85,7 @@ class ZeroTrainer(transformers.Trainer):
         if self.args.n_gpu > 1:
             raise ValueError(f"ZeroTrainer runs one process per device, not {self.args.n_gpu} "
                              "GPUs in one: launch with torchrun.")
+        finish_collectives_at_exit()    # a front door: the Trainer's collectives too
 
     # -- the model and the optimizer ----------------------------------------------------
     def create_optimizer(self, model=None):

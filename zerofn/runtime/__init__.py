@@ -8,9 +8,11 @@ from .attach import is_transformed, runtime_of
 from .events import ObserverKind, StepObserver
 from .host_malloc import return_large_frees
 from .owned import whole_tensors
+from .process_exit import finish_collectives_at_exit
 from .runtime import apply_plan, chained
 from .step_grads import NonFiniteGradient
 from .view import RuntimeView
 
 __all__ = ["NonFiniteGradient", "ObserverKind", "RuntimeView", "StepObserver", "apply_plan", "chained",
-           "is_transformed", "return_large_frees", "runtime_of", "whole_tensors"]
+           "finish_collectives_at_exit", "is_transformed", "return_large_frees", "runtime_of",
+           "whole_tensors"]

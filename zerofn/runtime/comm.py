@@ -26,8 +26,6 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .process_exit import settle_at_exit
-
 KEEP_IN_FLIGHT = 2   # collectives the in-flight bound always allows (see the Note)
 
 # torch 2.13 renamed the flat collectives; 2.11 has only the old names.
@@ -151,7 +149,6 @@ class Comm:
         self._in_place = self.backend == "gloo"
         self._global = [dist.get_global_rank(group, r) for r in range(self.world)] \
             if group is not None else list(range(self.world))
-        settle_at_exit()     # [Note: the exit abort] in runtime/process_exit.py
 
     def _count(self, kind: str, numel: int, dtype: torch.dtype) -> None:
         self.step_counts[kind] += numel

@@ -14,13 +14,16 @@ Measured on torch 2.13, 2 ranks on gloo, a script ending straight after its last
 ``all_reduce`` of a temporary: 13 aborts in 20 runs; the same script with 50 ms of waiting
 at its end, none in 20 (``tools/teardown_aborts.py`` counts both arms with zerofn).
 
-So the first runtime in a process registers ``settle`` at exit. It runs before
+``zf.finish_collectives_at_exit()`` registers ``settle`` at exit. It runs before
 finalization, with the GIL released while it waits, until no other thread of the process
 is running or waiting to run (Linux's ``/proc/self/task``) or 2 s have passed: a thread
 that finishes its release needs the GIL and a CPU, and has both. It issues no
 collective, so a rank that exits alone (its peers failed or are still training) is not
-held. Collectives run after it (in an exit handler registered before zerofn's) are not
-covered.
+held. Collectives run after it (in an exit handler registered before it) are not
+covered. Like FSDP2's ``fully_shard``, a transform changes nothing process-wide, so this
+is a call the user makes; the front doors that run the process's distributed life (the
+Lightning strategies, ``ZeroTrainer``, ``zerofn.deepspeed.initialize``, ``zerofn train``)
+make it.
 """
 from __future__ import annotations
 
@@ -36,8 +39,11 @@ LONGEST = 2.0         # an exit is never held longer than this
 _registered = False
 
 
-def settle_at_exit() -> None:
-    """Register ``settle`` once per process (the first runtime calls this)."""
+def finish_collectives_at_exit() -> None:
+    """At this process's exit, before Python finalizes, wait until the threads that ran
+    collectives have let go of them: on gloo, a script that ends straight after a
+    collective of a temporary tensor otherwise aborts now and then ("terminate called
+    without an active exception"). Registered once however often it is called."""
     global _registered
     if not _registered:
         _registered = True

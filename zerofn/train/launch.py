@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from zerofn import name_uncaught_errors, return_large_frees
+from zerofn import finish_collectives_at_exit, name_uncaught_errors, return_large_frees
 from zerofn.observe.failures import DEFAULT_TIMEOUT
 
 from .args import refuse
@@ -68,10 +68,12 @@ def without_nproc(argv: list[str]) -> list[str]:
 def setup(timeout: float = DEFAULT_TIMEOUT) -> torch.device:
     """Join the process group, whose collectives wait at most ``timeout`` seconds; pick
     this rank's device. The process is zerofn train's own, so it takes the process-wide
-    settings a job's own script opts into: uncaught errors named to the other ranks and,
-    on a CPU device, large freed blocks returned to the OS."""
+    settings a job's own script opts into: uncaught errors named to the other ranks, the
+    collectives' threads finished at exit and, on a CPU device, large freed blocks
+    returned to the OS."""
     wait = datetime.timedelta(seconds=timeout)
     name_uncaught_errors()
+    finish_collectives_at_exit()
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)

@@ -13,7 +13,7 @@ from torch import nn
 
 import zerofn as zf
 
-from ...runtime import is_transformed, runtime_of
+from ...runtime import finish_collectives_at_exit, is_transformed, runtime_of
 from . import checkpoints as ckpt
 from .options import ZeroOptions
 from .precision import ZeroFabricPrecision
@@ -73,6 +73,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._group = mesh_group(self)
+        finish_collectives_at_exit()    # the strategy runs the process's distributed life
 
     # -- building the model ---------------------------------------------------------------
     def module_init_context(self, empty_init: bool | None = None):

@@ -11,7 +11,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 import zerofn as zf
 
-from ...runtime import is_transformed, runtime_of
+from ...runtime import finish_collectives_at_exit, is_transformed, runtime_of
 from ...state_dict import get_model_state_dict
 from . import checkpoints as ckpt
 from .options import ZeroOptions, refuse
@@ -101,6 +101,7 @@ class ZeroStrategy(DDPStrategy):
         refuse(self.zero.trainer_problems(trainer.gradient_clip_val, self._layer_sync))
         super().setup_environment()
         self._group = mesh_group(self)
+        finish_collectives_at_exit()    # the strategy runs the process's distributed life
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
