@@ -44,8 +44,8 @@ def main() -> None:
     ends = {arm: collections.Counter() for arm in arms}
     for _ in range(args.runs):
         for arm in arms:
-            for status in run_pair(arm):
-                ends[arm][end_of(status)] += 1
+            for code in run_pair(arm):
+                ends[arm][end_of(code)] += 1
     for arm in arms:
         print(f"{arm} finish_collectives_at_exit: {args.runs} runs of 2 processes, "
               f"{ends[arm]['aborted']} aborted, {ends[arm]['failed']} failed otherwise")
