@@ -1,7 +1,6 @@
 """Model-state bytes equal docs/design.md's fp32 formulas; traffic is 2Ψ (ZeRO-1/2) or 3Ψ (ZeRO-3)."""
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from zerofn.runtime import runtime_of
 from support.loops import step_once, zero
 from support.models import make_models, make_optimizer
 from support.ranks import run_ranks
+from support.shared_runs import shared
 
 pytestmark = pytest.mark.multirank
 
@@ -32,7 +32,7 @@ def runs_at(rank, world, names):
 def accounted():
     """``accounted(world, name)``: that run's results, a list over the ranks, from one
     launch a world (RUNS_AT), made when a test first asks for it."""
-    @functools.cache
+    @shared
     def at(world):
         per_rank = run_ranks(world, runs_at, RUNS_AT[world], timeout=400)
         return {name: [r[name] for r in per_rank] for name in RUNS_AT[world]}

@@ -9,7 +9,6 @@ and zerofn train's progress line."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import os
 from types import SimpleNamespace
@@ -26,6 +25,7 @@ from support.loops import build_parity, train_sharded
 from support.models import batches
 from support.ranks import run_ranks
 from support.tensorboard_runs import read, scalars
+from support.shared_runs import shared
 from zerofn.io.checkpoint import streamed
 from zerofn.io.checkpoint.layout import step_name
 from zerofn.runtime.runtime import runtime_of
@@ -128,7 +128,7 @@ def saves_then_steps(rank, world, root, cases):
 def saved(tmp_path_factory):
     """``saved(world, *case)``: that case's results (a list over the ranks) and its
     directory, from one launch a world, made when a test first asks for it."""
-    @functools.cache
+    @shared
     def at(world):
         root = str(tmp_path_factory.mktemp(f"world{world}"))
         per_rank = run_ranks(world, saves_then_steps, root, CASES[world], timeout=400)

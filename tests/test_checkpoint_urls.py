@@ -6,7 +6,6 @@ a save that fails mid-write leaves nothing visible, the previous checkpoint whol
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import json
 import os
@@ -23,6 +22,7 @@ import zerofn as zf
 from support.compare import assert_same_state, full_state
 from support.errors import error_of, expect_error
 from support.ranks import run_ranks
+from support.shared_runs import shared
 from zerofn.consolidate import to_dcp, to_full
 from zerofn.io.checkpoint import audit, checksums, layout
 
@@ -179,7 +179,7 @@ def url_runs(rank, world, root):
 def at_url(tmp_path_factory):
     """``at_url(world)``: url_runs' results on each rank, from one launch a world, made when
     a test first asks for it."""
-    @functools.cache
+    @shared
     def launched(world):
         root = str(tmp_path_factory.mktemp(f"urls{world}"))
         return run_ranks(world, url_runs, root, timeout=400)

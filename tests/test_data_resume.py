@@ -5,7 +5,6 @@ DistributedSampler; what cannot be placed over the new world is refused on every
 from __future__ import annotations
 
 import collections
-import functools
 import multiprocessing
 
 import pytest
@@ -15,6 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import zerofn as zf
 from support.ranks import run_ranks
+from support.shared_runs import shared
 from zerofn.checkpoint import PerRank, ResumableLoader, load_checkpoint, save_checkpoint
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
@@ -164,7 +164,7 @@ MOVES = [(kind, world) for kind in KINDS for world in (1, 3, 4)
 def moved(saves):
     """moved(world): {kind: each rank's (rest of the epoch, next epoch)}, every kind of MOVES
     resumed at ``world`` in one launch, once a world however many tests ask for it."""
-    @functools.cache
+    @shared
     def launch(world):
         kinds = [kind for kind, w in MOVES if w == world]
         return per_kind(kinds, run_ranks(world, each, [(resume, saves[kind][0], kind)

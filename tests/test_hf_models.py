@@ -14,7 +14,6 @@ parameters and all-gather, fp32 reduction, fp32 masters), and loosely with fp32.
 """
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from support.ranks import run_ranks
 transformers = pytest.importorskip("transformers")
 from support.hf_models import (MODELS, PAD, adamw, build, global_batches,  # noqa: E402
                                max_err, reference, train)
+from support.shared_runs import shared
 
 pytestmark = pytest.mark.hf
 
@@ -72,7 +72,7 @@ def named_runs(rank, world, names):
     return {name: runs[name](rank, world) for name in names}
 
 
-@functools.cache
+@shared
 def runs_at(world: int) -> dict[str, list]:
     """The tests' runs at ``world`` from one launch (each rank imports transformers once):
     each one's results, a list over the ranks. At world 1 every config only under

@@ -2,7 +2,6 @@
 ahead of their gathers, and the run equals the same run without offload."""
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -17,6 +16,7 @@ from support.models import batches, make_models, make_optimizer
 from support.offload import build_offloaded
 from support import SLOW, slow_variant
 from support.ranks import run_ranks
+from support.shared_runs import shared
 
 pytestmark = pytest.mark.multirank
 
@@ -80,7 +80,7 @@ def trained(tmp_path_factory):
     """``trained(world)``: each run's results at ``world`` (a list over the ranks) from one
     launch a world, made when a test first asks for it, and the swap directory they shared,
     listed once its ranks have exited."""
-    @functools.cache
+    @shared
     def launched(world):
         names = ["parity"] * (world > 1 or SLOW) + ["bf16 model"] + ["state dicts"] * (world > 1)
         path = tmp_path_factory.mktemp(f"nvme{world}")

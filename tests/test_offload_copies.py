@@ -9,7 +9,6 @@ and training then differs from the same run with synchronous copies.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import defaultdict
 
 import pytest
@@ -22,6 +21,7 @@ from support.loops import build_parity, train_sharded, zero
 from support.models import batches, make_models, make_optimizer
 from support.offload import offload_transform
 from support.ranks import run_ranks
+from support.shared_runs import shared
 from zerofn.runtime.copies import CopyStreams
 from zerofn.runtime.homes.ring import DEPTH
 from zerofn.runtime.pinned import page_locked
@@ -157,7 +157,7 @@ def cpu_runs(rank, world, path):
 def on_cpu(tmp_path_factory):
     """``on_cpu(world)``: cpu_runs' results, each a list over the ranks, from one launch a
     world, made when a test first asks for it."""
-    @functools.cache
+    @shared
     def launched(world):
         path = str(tmp_path_factory.mktemp(f"copies{world}"))
         per_rank = run_ranks(world, cpu_runs, path, timeout=500)

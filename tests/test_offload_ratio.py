@@ -4,7 +4,6 @@ offload; which units stay; host memory falling with the ratio; checkpoints that 
 between ratios and world sizes."""
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from support.loops import train_reference, train_sharded
 from support.models import batches, make_models, make_optimizer
 from support.offload import build_offloaded
 from support.ranks import run_ranks
+from support.shared_runs import shared
 from zerofn.core.units import build_units
 from zerofn.runtime.homes.assignment import staying_units
 from zerofn.runtime.runtime import runtime_of
@@ -48,7 +48,7 @@ def ratio_runs(rank, world, path):
 @pytest.fixture(scope="module")
 def shares(tmp_path_factory):
     """shares(world): every rank's ratio_runs, one launch a world however many tests ask."""
-    return functools.cache(lambda world: run_ranks(
+    return shared(lambda world: run_ranks(
         world, ratio_runs, str(tmp_path_factory.mktemp(f"ratios{world}")), timeout=400))
 
 

@@ -5,7 +5,6 @@ first shows zeros, and the step leaves the parameter alone). A parameter only so
 used shows the ranks' gradient on every rank, as the global batch's has one in PyTorch."""
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from torch.distributed.fsdp import fully_shard
 import zerofn as zf
 from support.loops import zero
 from support.ranks import run_ranks
+from support.shared_runs import shared
 
 pytestmark = pytest.mark.multirank
 
@@ -76,7 +76,7 @@ def cases_run(rank, world, cases):
             for kind, stage, some_on in cases]
 
 
-@functools.cache
+@shared
 def seen_at(world: int) -> dict:
     """Each case's steps on each rank (a list over ranks), from one launch per world size:
     at two ranks the one-rank cases too."""
