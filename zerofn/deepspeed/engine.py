@@ -77,10 +77,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
 
 def _end_group(made) -> None:
     """At exit, the process group ``init_distributed`` made, if it is still the one: a
-    DeepSpeed script leaves it to the interpreter's exit, where a gloo thread releasing a
-    tensor during finalization aborted the process after the work was done ("terminate
-    called without an active exception"; docs/multinode.md). Only a group zerofn made is
-    ended here: one the script made is the script's."""
+    DeepSpeed script leaves it to the interpreter's exit, and a group zerofn made is
+    zerofn's to destroy (the exit abort on gloo is ``finish_collectives_at_exit``'s, which
+    ``initialize`` calls; docs/multinode.md). Only a group zerofn made is ended here: one
+    the script made is the script's."""
     if dist.is_initialized() and dist.group.WORLD is made:
         gc.collect()      # the runtime and the model refer to each other
         dist.destroy_process_group()

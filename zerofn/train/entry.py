@@ -67,9 +67,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
                 raise
             # The run failed already; a background save that failure cut off (its
             # peers gone) says nothing more, and the previous checkpoint stands.
-        # zerofn's runtime and the model refer to each other; left to interpreter
-        # shutdown, that cycle's collectives state is torn down after torch's and the
-        # process sometimes aborts ("terminate called without an active exception").
+        # zerofn's runtime and the model refer to each other: collected here, the groups
+        # they hold end with destroy_process_group and their connections close now, so a
+        # peer still in a collective with this rank stops at once (the exit abort is
+        # launch.py's finish_collectives_at_exit's).
         _let_go_of_the_groups()
         gc.collect()
         dist.destroy_process_group()
